@@ -1,0 +1,184 @@
+"""The narrow interface between the consumer loop and an inference engine.
+
+The consumer loop does not know whether it drives vLLM or the built-in :class:`EchoEngine`;
+it only calls :meth:`Engine.submit` / :meth:`Engine.abort` and receives each outcome through
+the ``done`` callback, on the event loop. That callback shape (rather than one awaited
+coroutine per job) lets a fast engine finish thousands of jobs per second without creating
+an asyncio task per job.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import InvalidJob
+from ..protocol import Job, Sample, pack_f32, pack_i32
+
+
+@dataclass
+class EngineOutput:
+    """What an engine returns for one job: ``n`` samples."""
+
+    samples: list[Sample]
+    prompt_tokens: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Load signals the consumer's capacity controller reads (all optional but ``running``)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float | None = None  # 0..1 fraction of KV-cache blocks in use
+    preemptions: int = 0  # cumulative
+    generated_tokens: int = 0  # cumulative
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+#: ``done(request_id, output_or_exception)``; called exactly once per submitted request
+#: unless the request was aborted, always on the event loop thread.
+DoneCallback = Callable[[str, "EngineOutput | BaseException"], None]
+
+
+class Engine(abc.ABC):
+    """An inference engine the consumer drives.
+
+    Contract:
+    - :meth:`submit` must not block; it starts the request and returns.
+    - ``done`` is called once per request, on the loop, with an :class:`EngineOutput` or an
+      exception (:class:`~rollq.errors.InvalidJob` for a job the engine refuses,
+      :class:`~rollq.errors.EngineDead` when the engine can no longer serve).
+    - After :meth:`abort`, ``done`` is not called for that request.
+    """
+
+    #: Short name shown in status views ("echo", "vllm").
+    name: str = "engine"
+    #: Model identifier shown in status views.
+    model: str = ""
+    #: Device description shown in status views.
+    device: str = "cpu"
+
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Bring the engine up (load the model)."""
+
+    async def stop(self) -> None:  # noqa: B027 - optional hook
+        """Release the engine's resources."""
+
+    @abc.abstractmethod
+    def submit(self, request_id: str, job: Job, done: DoneCallback) -> None:
+        """Start generating ``job``; report through ``done``."""
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stop a running request; ``done`` will not be called for it."""
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
+
+    # -- weight updates (used by rollq.weightsync) ---------------------------------------
+    async def pause(self, mode: str = "keep") -> None:  # noqa: B027
+        """Stop generating (``keep``: in-flight requests resume later; ``abort``: they end)."""
+
+    async def resume(self) -> None:  # noqa: B027
+        """Resume generating after :meth:`pause`."""
+
+    async def reset_prefix_cache(self) -> None:  # noqa: B027
+        """Drop cached prefixes computed with older weights."""
+
+
+class EchoEngine(Engine):
+    """A deterministic engine for queue tests, the queue demo and benchmarks.
+
+    Sample ``j`` of a job repeats the prompt's token ids (or the UTF-8 bytes of its text)
+    shifted by ``j``, ``max_tokens`` of them, with logprob ``-0.5`` each. With
+    ``delay_per_token`` > 0 a request takes ``max_tokens * delay_per_token`` seconds;
+    requests run concurrently, as in a batching engine.
+
+    >>> e = EchoEngine()
+    >>> out = e.generate_now(Job(id="a", reply="p", text="hi"))
+    >>> out.samples[0].token_ids[:2]
+    [104, 105]
+    """
+
+    name = "echo"
+    model = "echo"
+
+    def __init__(self, delay_per_token: float = 0.0, vocab_size: int = 32000, max_model_len: int = 1 << 16):
+        self.delay_per_token = delay_per_token
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._generated = 0
+        self._paused = False
+        self._held: list[tuple[str, Job, DoneCallback]] = []
+
+    @staticmethod
+    def _prompt_ids(job: Job) -> list[int]:
+        if job.tokens is not None:
+            return job.prompt_token_ids or [0]
+        text = job.text if job.text is not None else "\n".join(f"{m.role}: {m.content}" for m in job.messages or ())
+        return list(text.encode()) or [0]
+
+    def generate_now(self, job: Job) -> EngineOutput:
+        prompt = self._prompt_ids(job)
+        if len(prompt) + job.sampling.max_tokens > self.max_model_len:
+            raise InvalidJob(
+                f"prompt of {len(prompt)} tokens + max_tokens {job.sampling.max_tokens} exceeds "
+                f"the engine's context of {self.max_model_len} tokens"
+            )
+        k = job.sampling.max_tokens
+        samples = []
+        for j in range(job.sampling.n):
+            ids = [(prompt[i % len(prompt)] + j) % self.vocab_size for i in range(k)]
+            samples.append(
+                Sample(
+                    tokens=pack_i32(ids),
+                    logprobs=pack_f32([-0.5] * k) if job.sampling.logprobs is not None else None,
+                    text=None,
+                    finish_reason="length",
+                )
+            )
+        self._generated += k * job.sampling.n
+        return EngineOutput(samples=samples, prompt_tokens=len(prompt))
+
+    def submit(self, request_id: str, job: Job, done: DoneCallback) -> None:
+        if self._paused:
+            self._held.append((request_id, job, done))
+            return
+        try:
+            out: EngineOutput | BaseException = self.generate_now(job)
+        except InvalidJob as e:
+            out = e
+        if self.delay_per_token <= 0 or isinstance(out, BaseException):
+            done(request_id, out)
+            return
+        loop = asyncio.get_running_loop()
+        delay = self.delay_per_token * job.sampling.max_tokens
+
+        def fire() -> None:
+            self._timers.pop(request_id, None)
+            done(request_id, out)
+
+        self._timers[request_id] = loop.call_later(delay, fire)
+
+    def abort(self, request_id: str) -> None:
+        t = self._timers.pop(request_id, None)
+        if t is not None:
+            t.cancel()
+        self._held = [h for h in self._held if h[0] != request_id]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=len(self._timers), waiting=len(self._held), generated_tokens=self._generated)
+
+    async def pause(self, mode: str = "keep") -> None:
+        self._paused = True
+
+    async def resume(self) -> None:
+        self._paused = False
+        held, self._held = self._held, []
+        for rid, job, done in held:
+            self.submit(rid, job, done)
+

@@ -1,0 +1,755 @@
+"""The replica side: pull jobs sized to free capacity, run them, finish them exactly once.
+
+>>> async def main():                                               # doctest: +SKIP
+...     consumer = Consumer(EchoEngine(), url="redis://127.0.0.1:6379/0", queue="grpo")
+...     await consumer.run()                 # until SIGTERM / stop(); burst=True drains and returns
+
+The pipeline, one asyncio task each:
+
+- **pull**: ``XREADGROUP COUNT=free`` over this replica's targeted stream and the shared
+  stream; decode, validate, hand to the engine. Jobs wait in Redis, not here.
+- **finish**: engine outcomes are batched into one FINISH script call (result + XACK + XDEL
+  + forget the id, refused if the entry is no longer pending), shielded from cancellation and
+  retried across Redis outages.
+- **heartbeat**: renews this replica's lease key, publishes its registry entry, notices
+  cancellations of running jobs, feeds the capacity controller.
+- **reclaim**: finds consumers whose lease expired and takes over their pending jobs; after
+  ``max_deliveries`` a job is dead-lettered instead.
+- **control**: pub/sub hints (cancel, hand-back) that make the above react at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from ..connection import DROP_EMPTY, FINISH, RECLAIM, Client, connect, load_scripts
+from ..errors import (
+    DeadLettered,
+    EngineDead,
+    EngineFailed,
+    InvalidJob,
+    JobCancelled,
+    JobExpired,
+    JobRejected,
+    ProtocolError,
+)
+from ..keys import FIELD, GROUP, QueueKeys, check_name
+from ..protocol import (
+    DeadLetter,
+    ErrorInfo,
+    Job,
+    Result,
+    decode_job,
+    encode_dead_letter,
+    encode_job,
+    encode_result,
+    peek_id,
+)
+from ..settings import DEFAULT_QUEUE, ConsumerSettings, RedisSettings
+from .capacity import CapacityController
+from .engine import Engine, EngineOutput
+
+log = logging.getLogger(__name__)
+
+_RETRYABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+_FIELD = FIELD.encode()
+
+#: Latency histogram bucket upper bounds, milliseconds (last bucket: +inf).
+LATENCY_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000, 120000, 300000)
+
+
+class ReplicaInfo(msgspec.Struct, kw_only=True):
+    """What a replica publishes in the registry every heartbeat."""
+
+    id: str
+    host: str
+    pid: int
+    engine: str
+    model: str
+    device: str
+    version: int
+    inflight: int
+    cap: int
+    kv_usage: float | None
+    tokens_per_s: float
+    completed: int
+    failed: int
+    started_at: float
+    heartbeat_at: float
+    state: str  # serving | paused | draining | stopped
+    labels: dict[str, str] = {}
+    paused_s_total: float = 0.0
+
+
+@dataclass(slots=True)
+class _Running:
+    job: Job
+    stream: str
+    eid: bytes
+    deliveries: int
+    started: float
+    version_start: int
+
+
+@dataclass(slots=True)
+class _Finish:
+    """One pending FINISH: a result and/or a dead letter for one stream entry."""
+
+    stream: str
+    eid: bytes
+    job_id: str
+    reply: str | None
+    result: bytes
+    dead_letter: bytes
+    counter: str
+    latency_ms: float | None = None
+
+
+@dataclass
+class ConsumerCounters:
+    pulled: int = 0
+    completed: int = 0
+    failed: int = 0
+    dead_lettered: int = 0
+    refused_duplicates: int = 0
+    reclaimed: int = 0
+    reconnects: int = 0
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_MS) + 1))
+
+
+class Consumer:
+    """One replica: an engine, fed from a queue.
+
+    Args:
+        engine: what generates (``EchoEngine``, ``VllmEngine``, ...).
+        url: Redis URL (``$ROLLQ_REDIS_URL`` if None).
+        queue: queue name.
+        consumer_id: this replica's name (also its targeted stream); random if None.
+        settings: :class:`~rollq.settings.ConsumerSettings`.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        url: str | RedisSettings | None = None,
+        queue: str = DEFAULT_QUEUE,
+        *,
+        consumer_id: str | None = None,
+        settings: ConsumerSettings | None = None,
+    ):
+        self.engine = engine
+        self.redis_settings = url if isinstance(url, RedisSettings) else RedisSettings.from_url(url)
+        self.keys = QueueKeys(queue)
+        self.queue = queue
+        self.id = check_name("consumer", consumer_id or f"{socket.gethostname()[:40]}-{uuid.uuid4().hex[:8]}")
+        self.settings = s = settings or ConsumerSettings()
+        self.capacity = CapacityController(
+            initial=min(s.initial_inflight, s.max_inflight), maximum=s.max_inflight, adaptive=s.adaptive
+        )
+        self.counters = ConsumerCounters()
+        #: Loaded policy version (weight sync updates it).
+        self.version = 0
+        self.state = "starting"
+        self.exit_code = 0
+
+        self._own_stream = self.keys.replica_jobs(self.id)
+        self._streams = [self._own_stream, self.keys.jobs]
+        self._client: Client | None = None
+        self._block_client: Client | None = None
+        self._running: dict[str, _Running] = {}  # request id -> job
+        self._by_job: dict[str, str] = {}  # job id -> request id
+        self._held: list[tuple[str, bytes, Job, int]] = []  # waiting for a newer policy version
+        self._finishes: list[_Finish] = []
+        self._finish_wakeup = asyncio.Event()
+        self._room = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._pulling = True
+        self._recent_cancels: dict[str, float] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._started_at = time.time()
+        self._tok_window: tuple[float, int] = (time.monotonic(), 0)
+        self._tokens_per_s = 0.0
+        self._burst = False
+        self._reclaim_now = asyncio.Event()
+        self._engine_error: BaseException | None = None
+        #: Hooks run before every pull (weight sync uses it to gate intake).
+        self.intake_gate: asyncio.Event = asyncio.Event()
+        self.intake_gate.set()
+        self._paused_total = 0.0
+        self._control_handlers: list[Callable[[str, str], Any]] = []
+
+    # ==================================================================================
+    # lifecycle
+    # ==================================================================================
+    async def run(self, *, burst: bool = False, install_signal_handlers: bool = False) -> int:
+        """Serve until :meth:`stop` (or SIGTERM with ``install_signal_handlers``).
+
+        With ``burst`` return once the queue is drained and nothing is running. Returns the
+        exit code: 0, or 1 if the engine died.
+        """
+        self._burst = burst
+        if install_signal_handlers:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+        await self._connect()
+        await self._setup_redis()
+        self.state = "serving"
+        self._tasks = [
+            asyncio.create_task(self._finisher(), name="rollq-finish"),
+            asyncio.create_task(self._heartbeat_loop(), name="rollq-heartbeat"),
+            asyncio.create_task(self._reclaim_loop(), name="rollq-reclaim"),
+            asyncio.create_task(self._control_loop(), name="rollq-control"),
+        ]
+        log.info("consumer %s serving queue %r with engine %s (%s)", self.id, self.queue, self.engine.name, self.engine.model)
+        try:
+            await self._pull_loop()
+        finally:
+            await self._shutdown()
+        return self.exit_code
+
+    def stop(self) -> None:
+        """Stop pulling; finish running jobs within ``drain_timeout``; hand back the rest."""
+        if not self._stopping.is_set():
+            log.info("consumer %s stopping: no new jobs; draining %d running", self.id, len(self._running))
+            self.state = "draining"
+            self._stopping.set()
+            self._room.set()
+
+    async def _connect(self) -> None:
+        self._client = connect(self.redis_settings)
+        self._block_client = connect(
+            self.redis_settings, socket_timeout=self.settings.block + 10, max_connections=4
+        )
+
+    async def _setup_redis(self) -> None:
+        backoff = self.settings.backoff_initial
+        while True:
+            try:
+                await load_scripts(self._client)
+                for stream in self._streams:
+                    await self._ensure_group(stream)
+                await self._heartbeat_once()
+                return
+            except _RETRYABLE as e:
+                log.warning("redis unavailable at start (%s); retrying in %.1fs", e, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.settings.backoff_max)
+
+    async def _ensure_group(self, stream: str) -> None:
+        try:
+            await self._client.xgroup_create(stream, GROUP, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def _shutdown(self) -> None:
+        # Wait (bounded) for running jobs, then hand back what is left.
+        deadline = time.monotonic() + (0 if self._engine_error else self.settings.drain_timeout)
+        while (self._running or self._held) and time.monotonic() < deadline and not self._engine_error:
+            await asyncio.sleep(0.02)
+        if self._running or self._held:
+            log.warning("consumer %s handing back %d unfinished jobs", self.id, len(self._running) + len(self._held))
+        for rid in list(self._running):
+            self.engine.abort(rid)
+        self._running.clear()
+        self._by_job.clear()
+        self._held.clear()
+        # Flush recorded outcomes (bounded wait even if Redis is down).
+        self._finish_wakeup.set()
+        flush_deadline = time.monotonic() + max(5.0, self.settings.drain_timeout / 5)
+        while self._finishes and time.monotonic() < flush_deadline:
+            await asyncio.sleep(0.02)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.state = "stopped"
+        try:  # release the lease: peers reclaim our unfinished jobs at once
+            await self._flush_stats()
+            await self._client.delete(self.keys.heartbeat(self.id))
+            await DROP_EMPTY(self._client, [self._own_stream], [])
+            await self._client.hdel(self.keys.consumers, self.id)
+            await self._client.publish(self.keys.control, f"handback {self.id}")
+        except _RETRYABLE:
+            pass
+        for c in (self._client, self._block_client):
+            if c is not None:
+                await c.aclose()
+        log.info("consumer %s stopped (%d completed, %d failed)", self.id, self.counters.completed, self.counters.failed)
+
+    # ==================================================================================
+    # pull
+    # ==================================================================================
+    def free_slots(self) -> int:
+        return self.capacity.cap - len(self._running) - len(self._held)
+
+    async def _pull_loop(self) -> None:
+        s = self.settings
+        backoff = s.backoff_initial
+        block_ms = max(1, int(s.block * 1000))
+        while not self._stopping.is_set():
+            if not self.intake_gate.is_set():
+                await self._wait_any(self.intake_gate.wait())
+                continue
+            free = self.free_slots()
+            backlog = len(self._finishes)
+            if free <= 0 or backlog > 4 * s.batch:
+                self._room.clear()
+                await self._wait_any(self._room.wait(), timeout=1.0)
+                continue
+            try:
+                resp = await self._block_client.xreadgroup(
+                    GROUP, self.id, {k: ">" for k in self._streams}, count=min(free, s.batch),
+                    block=50 if self._burst else block_ms,
+                )
+                backoff = s.backoff_initial
+            except ResponseError as e:
+                if "NOGROUP" in str(e):  # Redis lost its data (no persistence) or keys were deleted
+                    log.warning("consumer group missing; recreating it")
+                    for stream in self._streams:
+                        await self._ensure_group(stream)
+                    continue
+                raise
+            except _RETRYABLE as e:
+                self.counters.reconnects += 1
+                log.warning("redis read failed (%s); reconnecting in %.2fs", e, backoff)
+                await self._wait_any(self._stopping.wait(), timeout=backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, s.backoff_max)
+                continue
+            if not resp:
+                if self._burst and not self._running and not self._held and not self._finishes:
+                    if await self._nothing_left():
+                        break
+                continue
+            for stream, entries in resp:
+                skey = stream.decode() if isinstance(stream, bytes) else stream
+                for eid, fields in entries:
+                    self._start_entry(skey, eid, fields, 1)
+            if self._engine_error is not None:
+                break
+
+    async def _nothing_left(self) -> bool:
+        """Burst mode: True when no stream holds undelivered or reclaimable entries for us."""
+        try:
+            for stream in self._streams:
+                info = await self._client.xinfo_groups(stream)
+                for g in info:
+                    name = g.get("name") or g.get(b"name")
+                    if name in (GROUP, GROUP.encode()):
+                        lag = g.get("lag", g.get(b"lag"))
+                        pending = g.get("pending", g.get(b"pending")) or 0
+                        if (lag is None and (await self._client.xlen(stream))) or (lag or 0) > 0 or pending > 0:
+                            return False
+        except _RETRYABLE:
+            return False
+        return True
+
+    async def _wait_any(self, aw: Any, timeout: float | None = None) -> None:
+        """Wait for ``aw`` or for stop, whichever first."""
+        t1 = asyncio.ensure_future(aw)
+        t2 = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({t1, t2}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (t1, t2):
+                if not t.done():
+                    t.cancel()
+
+    def _start_entry(self, stream: str, eid: bytes, fields: dict | None, deliveries: int) -> None:
+        """Decode, validate and start one stream entry (or finish it with an error)."""
+        self.counters.pulled += 1
+        payload = (fields or {}).get(_FIELD)
+        if payload is None:
+            self._fail(stream, eid, None, None, b"", DeadLettered, "stream entry has no 'd' field", deliveries, dlq=True)
+            return
+        try:
+            job = decode_job(payload)
+        except (ProtocolError, InvalidJob) as e:
+            jid, reply = peek_id(payload)
+            self._fail(stream, eid, jid, reply, payload, JobRejected, str(e), deliveries, dlq=True)
+            return
+        if deliveries > self.settings.max_deliveries:
+            self._fail(
+                stream, eid, job.id, job.reply, payload, DeadLettered,
+                f"delivered {deliveries} times (max_deliveries={self.settings.max_deliveries}); "
+                "the replicas running it died or timed out each time",
+                deliveries, dlq=True, job=job,
+            )
+            return
+        if job.id in self._recent_cancels:
+            self._fail(stream, eid, job.id, job.reply, b"", JobCancelled, "cancelled before it started", deliveries, job=job)
+            return
+        if job.deadline is not None and time.time() > job.deadline:
+            self._fail(stream, eid, job.id, job.reply, b"", JobExpired, "deadline passed while queued", deliveries, job=job)
+            return
+        if job.min_version is not None and job.min_version > self.version:
+            self._held.append((stream, eid, job, deliveries))
+            return
+        self._submit(stream, eid, job, deliveries)
+
+    def _submit(self, stream: str, eid: bytes, job: Job, deliveries: int) -> None:
+        rid = f"{job.id}@{eid.decode()}"
+        self._running[rid] = _Running(job, stream, eid, deliveries, time.time(), self.version)
+        self._by_job[job.id] = rid
+        try:
+            self.engine.submit(rid, job, self._on_done)
+        except Exception as e:  # an engine must report through done; be safe anyway
+            self._on_done(rid, e)
+
+    def release_held(self) -> None:
+        """Start jobs that were waiting for the policy version now loaded."""
+        held, self._held = self._held, []
+        for stream, eid, job, deliveries in held:
+            if job.min_version is not None and job.min_version > self.version:
+                self._held.append((stream, eid, job, deliveries))
+            else:
+                self._submit(stream, eid, job, deliveries)
+
+    # ==================================================================================
+    # outcomes
+    # ==================================================================================
+    def _on_done(self, rid: str, out: EngineOutput | BaseException) -> None:
+        run = self._running.pop(rid, None)
+        if run is None:
+            return  # aborted or already finished
+        self._by_job.pop(run.job.id, None)
+        job = run.job
+        now = time.time()
+        if isinstance(out, EngineOutput):
+            res = Result(
+                id=job.id, samples=out.samples, prompt_tokens=out.prompt_tokens,
+                version_start=run.version_start, version_end=self.version, replica=self.id,
+                submitted=job.submitted, started=run.started, finished=now,
+                deliveries=run.deliveries, meta=job.meta,
+            )
+            self._queue_finish(run.stream, run.eid, job.id, job.reply, encode_result(res), b"", "completed", now - job.submitted)
+        elif isinstance(out, EngineDead):
+            # Leave the job pending: a live replica will reclaim it.
+            self._engine_error = out
+            self.exit_code = 1
+            log.error("engine died: %s; consumer %s stops pulling and exits", out, self.id)
+            self.stop()
+            return
+        elif isinstance(out, InvalidJob):
+            self._fail(run.stream, run.eid, job.id, job.reply, encode_job_safe(job), JobRejected, str(out), run.deliveries, dlq=True, job=job, started=run.started)
+        else:
+            self._fail(run.stream, run.eid, job.id, job.reply, b"", EngineFailed, f"{type(out).__name__}: {out}", run.deliveries, job=job, started=run.started)
+        self._room.set()
+
+    def _fail(
+        self, stream: str, eid: bytes, job_id: str | None, reply: str | None, payload: bytes,
+        err: type, message: str, deliveries: int, *, dlq: bool = False, job: Job | None = None,
+        started: float = 0.0,
+    ) -> None:
+        """Finish an entry with an error result (if we know whom to tell) and/or a dead letter."""
+        now = time.time()
+        result = b""
+        if job_id is not None and reply is not None:
+            result = encode_result(
+                Result(
+                    id=job_id, error=ErrorInfo(type=err.__name__, message=message), replica=self.id,
+                    version_start=self.version, version_end=self.version,
+                    submitted=job.submitted if job else 0.0, started=started, finished=now,
+                    deliveries=deliveries, meta=job.meta if job else None,
+                )
+            )
+        dead = b""
+        if dlq:
+            dead = encode_dead_letter(
+                DeadLetter(
+                    job_id=job_id, reason=message, error_type=err.__name__, consumer=self.id,
+                    deliveries=deliveries, at=now, source=stream, payload=payload,
+                )
+            )
+            log.warning("dead-lettered entry %s of %s (job %s): %s", eid, stream, job_id, message)
+        self._queue_finish(stream, eid, job_id or "", reply, result, dead, "failed", None)
+
+    def _queue_finish(self, stream: str, eid: bytes, job_id: str, reply: str | None, result: bytes, dead: bytes, counter: str, latency_s: float | None) -> None:
+        self._finishes.append(_Finish(stream, eid, job_id, reply, result, dead, counter, None if latency_s is None else latency_s * 1000))
+        self._finish_wakeup.set()
+
+    async def _finisher(self) -> None:
+        """Write outcomes in batches: one FINISH call per flush, retried until Redis takes it."""
+        s = self.settings
+        backoff = s.backoff_initial
+        while True:
+            await self._finish_wakeup.wait()
+            self._finish_wakeup.clear()
+            while self._finishes:
+                batch = self._finishes[: max(s.batch, 256)]
+                try:
+                    flags = await asyncio.shield(self._finish_batch(batch))
+                    backoff = s.backoff_initial
+                except _RETRYABLE as e:
+                    self.counters.reconnects += 1
+                    log.warning("could not record %d results (%s); retrying in %.2fs", len(batch), e, backoff)
+                    await asyncio.sleep(backoff * (0.5 + random.random()))
+                    backoff = min(backoff * 2, s.backoff_max)
+                    continue
+                del self._finishes[: len(batch)]
+                self._account(batch, flags)
+                self._room.set()
+
+    async def _finish_batch(self, batch: list[_Finish]) -> list[int]:
+        keys = [self.keys.ids, self.keys.stats, self.keys.dlq]
+        index: dict[str, int] = {}
+
+        def kidx(k: str) -> int:
+            i = index.get(k)
+            if i is None:
+                keys.append(k)
+                i = index[k] = len(keys)
+            return i
+
+        args: list[Any] = [GROUP, int(self.settings.result_ttl * 1000), self.settings.dlq_maxlen]
+        for f in batch:
+            args += [
+                kidx(f.stream), f.eid, f.job_id,
+                kidx(self.keys.results(f.reply)) if (f.reply and f.result) else 0,
+                f.result, f.dead_letter, f.counter,
+            ]
+        return await FINISH(self._client, keys, args)
+
+    def _account(self, batch: list[_Finish], flags: list[int]) -> None:
+        c = self.counters
+        for f, ok in zip(batch, flags):
+            if not ok:
+                c.refused_duplicates += 1
+                log.info("result for job %s refused: already finished elsewhere", f.job_id)
+                continue
+            if f.counter == "completed":
+                c.completed += 1
+            else:
+                c.failed += 1
+            if f.dead_letter:
+                c.dead_lettered += 1
+            if f.latency_ms is not None:
+                c.latency_buckets[_bucket(f.latency_ms)] += 1
+
+    # ==================================================================================
+    # heartbeat, cancellation, capacity
+    # ==================================================================================
+    def info(self) -> ReplicaInfo:
+        st = self.engine.stats()
+        return ReplicaInfo(
+            id=self.id, host=socket.gethostname(), pid=os.getpid(), engine=self.engine.name,
+            model=self.engine.model, device=self.engine.device, version=self.version,
+            inflight=len(self._running), cap=self.capacity.cap, kv_usage=st.kv_usage,
+            tokens_per_s=round(self._tokens_per_s, 1), completed=self.counters.completed,
+            failed=self.counters.failed, started_at=self._started_at, heartbeat_at=time.time(),
+            state=self.state, labels=dict(self.settings.labels), paused_s_total=round(self._paused_total, 4),
+        )
+
+    async def _heartbeat_once(self) -> None:
+        st = self.engine.stats()
+        t, n = self._tok_window
+        now_m = time.monotonic()
+        if now_m - t >= 1.0:
+            self._tokens_per_s = (st.generated_tokens - n) / (now_m - t)
+            self._tok_window = (now_m, st.generated_tokens)
+        self.capacity.update(st, inflight=len(self._running))
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(self.keys.heartbeat(self.id), b"1", px=int(self.settings.lease_ttl * 1000))
+        pipe.hset(self.keys.consumers, self.id, msgspec.msgpack.encode(self.info()))
+        self._queue_stats(pipe)
+        job_ids = list(self._by_job)
+        if job_ids:
+            pipe.hmget(self.keys.ids, job_ids)
+        res = await pipe.execute()
+        if job_ids:
+            gone = []
+            for jid, state in zip(job_ids, res[-1]):
+                if state == b"c":
+                    self._cancel_running(jid, "cancelled while running")
+                elif state is None:
+                    gone.append(jid)
+            if gone:
+                await self._drop_finished_elsewhere(gone)
+        now = time.time()
+        self._recent_cancels = {k: v for k, v in self._recent_cancels.items() if now - v < 600}
+        self._room.set()
+
+    def _queue_stats(self, pipe: Any) -> None:
+        buckets = self.counters.latency_buckets
+        if any(buckets):
+            for i, v in enumerate(buckets):
+                if v:
+                    pipe.hincrby(self.keys.latency, str(i), v)
+            self.counters.latency_buckets = [0] * len(buckets)
+
+    async def _flush_stats(self) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        self._queue_stats(pipe)
+        if len(pipe):
+            await pipe.execute()
+
+    async def _drop_finished_elsewhere(self, job_ids: list[str]) -> None:
+        """Abort our copy of jobs another replica took over and finished (we were presumed dead)."""
+        runs = [(jid, rid, self._running.get(rid)) for jid in job_ids if (rid := self._by_job.get(jid))]
+        runs = [(jid, rid, r) for jid, rid, r in runs if r is not None]
+        if not runs:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for _, _, r in runs:
+            pipe.xpending_range(r.stream, GROUP, min=r.eid, max=r.eid, count=1)
+        pending = await pipe.execute()
+        for (jid, rid, r), p in zip(runs, pending):
+            owner = p[0].get("consumer") if p else None
+            if owner in (self.id, self.id.encode()):
+                continue  # still ours (e.g. a job written without an id record)
+            if self._running.pop(rid, None) is not None:
+                self._by_job.pop(jid, None)
+                self.engine.abort(rid)
+                log.info("job %s is owned elsewhere now; aborted our copy", jid)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval)
+            try:
+                await self._heartbeat_once()
+            except _RETRYABLE as e:
+                log.debug("heartbeat failed: %s", e)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("heartbeat error")
+
+    def _cancel_running(self, job_id: str, why: str) -> None:
+        rid = self._by_job.get(job_id)
+        if rid is None:
+            return
+        run = self._running.get(rid)
+        if run is None:
+            return
+        self.engine.abort(rid)
+        del self._running[rid]
+        del self._by_job[job_id]
+        self._fail(run.stream, run.eid, job_id, run.job.reply, b"", JobCancelled, why, run.deliveries, job=run.job, started=run.started)
+        self._room.set()
+
+    async def _control_loop(self) -> None:
+        """Pub/sub hints; the durable state is checked by heartbeat and reclaim anyway."""
+        backoff = self.settings.backoff_initial
+        while True:
+            pubsub = self._client.pubsub()
+            try:
+                await pubsub.subscribe(self.keys.control)
+                backoff = self.settings.backoff_initial
+                async for msg in pubsub.listen():
+                    if msg.get("type") != "message":
+                        continue
+                    self._on_control(msg["data"].decode(errors="replace"))
+            except asyncio.CancelledError:
+                await pubsub.aclose()
+                raise
+            except _RETRYABLE as e:
+                log.debug("control channel lost (%s)", e)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.settings.backoff_max)
+            finally:
+                try:
+                    await pubsub.aclose()
+                except Exception:
+                    pass
+
+    def _on_control(self, text: str) -> None:
+        verb, _, arg = text.partition(" ")
+        if verb == "cancel":
+            self._recent_cancels[arg] = time.time()
+            self._cancel_running(arg, "cancelled while running")
+        elif verb == "handback" and arg != self.id:
+            self._reclaim_now.set()
+        for cb in list(self._control_handlers):
+            cb(verb, arg)
+
+    def add_control_handler(self, cb: Callable[[str, str], Any]) -> None:
+        """Call ``cb(verb, arg)`` for every control message (weight sync uses it)."""
+        self._control_handlers.append(cb)
+
+    # ==================================================================================
+    # reclaim
+    # ==================================================================================
+    async def _reclaim_loop(self) -> None:
+        while True:
+            await self._wait_any(self._reclaim_now.wait(), timeout=self.settings.reclaim_interval * (0.75 + random.random() / 2))
+            self._reclaim_now.clear()
+            if self._stopping.is_set():
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                await self.reclaim_once()
+            except _RETRYABLE as e:
+                log.debug("reclaim failed: %s", e)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reclaim error")
+
+    async def reclaim_once(self) -> int:
+        """Take over jobs of consumers whose lease expired. Returns how many were taken."""
+        consumers = await self._client.xinfo_consumers(self.keys.jobs, GROUP)
+        names = []
+        for c in consumers:
+            name = c.get("name") or c.get(b"name")
+            name = name.decode() if isinstance(name, bytes) else name
+            if name != self.id:
+                names.append(name)
+        if not names:
+            return 0
+        pipe = self._client.pipeline(transaction=False)
+        for n in names:
+            pipe.exists(self.keys.heartbeat(n))
+        alive = await pipe.execute()
+        taken = 0
+        for name, is_alive in zip(names, alive):
+            if is_alive:
+                continue
+            for stream in (self.keys.jobs, self.keys.replica_jobs(name)):
+                free = max(self.free_slots(), 0)
+                if free == 0 and taken:
+                    return taken
+                claimed, ids, counts = await RECLAIM(
+                    self._client,
+                    [stream, self.keys.heartbeat(name), self.keys.consumers, self.keys.replica_jobs(name)],
+                    [GROUP, name, self.id, max(free, 1), "1" if stream == self.keys.jobs else "0"],
+                )
+                deliveries = {i: int(c) for i, c in zip(ids, counts)}
+                for entry in claimed:
+                    if not entry:
+                        continue
+                    eid, flat = entry[0], entry[1]
+                    fields = dict(zip(flat[::2], flat[1::2])) if flat else None
+                    taken += 1
+                    self.counters.reclaimed += 1
+                    self._start_entry(stream, eid, fields, deliveries.get(eid, 2))
+                if claimed:
+                    log.warning("reclaimed %d jobs of dead consumer %s from %s", len(claimed), name, stream)
+        return taken
+
+
+def encode_job_safe(job: Job) -> bytes:
+    try:
+        return encode_job(job)
+    except Exception:
+        return b""
+
+
+def _bucket(ms: float) -> int:
+    for i, b in enumerate(LATENCY_BUCKETS_MS):
+        if ms <= b:
+            return i
+    return len(LATENCY_BUCKETS_MS)

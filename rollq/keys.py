@@ -1,0 +1,135 @@
+"""Every Redis key and channel name rollq uses, in one place.
+
+All keys of one queue share the hash tag ``{rollq:<queue>}`` so that, on Redis Cluster, they
+land in one slot and every Lua script of that queue can touch them atomically. Nothing in
+rollq builds a key name anywhere else.
+
+>>> k = QueueKeys("grpo")
+>>> k.jobs
+'rollq:{grpo}:jobs'
+>>> k.results("trainer-1")
+'rollq:{grpo}:res:trainer-1'
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
+#: Prefix of every rollq key.
+PREFIX = "rollq"
+#: Consumer group every replica of a queue joins.
+GROUP = "rollq"
+#: Field of a stream entry that holds the msgpack payload.
+FIELD = "d"
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Queue, replica and producer names are short, printable and tag-safe."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(
+            f"invalid {kind} name {name!r}: use 1-128 characters from [A-Za-z0-9_.-]"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """Key names of one queue."""
+
+    queue: str
+
+    def __post_init__(self) -> None:
+        check_name("queue", self.queue)
+
+    @cached_property
+    def tag(self) -> str:
+        return f"{PREFIX}:{{{self.queue}}}"
+
+    # -- job streams ---------------------------------------------------------------------
+    @cached_property
+    def jobs(self) -> str:
+        """Shared stream of untargeted jobs; every replica of the queue pulls from it."""
+        return f"{self.tag}:jobs"
+
+    def replica_jobs(self, replica: str) -> str:
+        """Stream of jobs targeted at one replica (multi-turn follow-ups, ``replica=``)."""
+        return f"{self.tag}:r:{replica}"
+
+    def job_stream(self, replica: str | None) -> str:
+        return self.jobs if not replica else self.replica_jobs(replica)
+
+    @cached_property
+    def ids(self) -> str:
+        """Hash ``job id -> state`` of queued and running jobs (idempotency, cancellation)."""
+        return f"{self.tag}:ids"
+
+    @cached_property
+    def dlq(self) -> str:
+        """Dead-letter stream: entries that could not be served, with the reason."""
+        return f"{self.tag}:dlq"
+
+    def results(self, producer: str) -> str:
+        """Per-producer result stream; the producer deletes what it has consumed."""
+        return f"{self.tag}:res:{producer}"
+
+    # -- replicas --------------------------------------------------------------------------
+    @cached_property
+    def consumers(self) -> str:
+        """Hash ``consumer -> msgpack info`` (registry shown by ``rollq status``)."""
+        return f"{self.tag}:consumers"
+
+    def heartbeat(self, consumer: str) -> str:
+        """Lease of a live consumer: a key with a TTL, renewed every heartbeat."""
+        return f"{self.tag}:hb:{consumer}"
+
+    # -- accounting and control --------------------------------------------------------
+    @cached_property
+    def stats(self) -> str:
+        """Hash of monotonically increasing counters (submitted, completed, failed, ...)."""
+        return f"{self.tag}:stats"
+
+    @cached_property
+    def latency(self) -> str:
+        """Hash of latency histogram buckets (submit-to-result, milliseconds)."""
+        return f"{self.tag}:lat"
+
+    @cached_property
+    def control(self) -> str:
+        """Pub/sub channel of hints (cancellations, hand-backs, new versions)."""
+        return f"{self.tag}:ctl"
+
+    @cached_property
+    def config(self) -> str:
+        """Hash of per-queue settings (update policy, staleness bound)."""
+        return f"{self.tag}:config"
+
+    # -- policy versions (weight sync) -----------------------------------------------------
+    @cached_property
+    def version(self) -> str:
+        """Durable record of the latest committed policy version (msgpack)."""
+        return f"{self.tag}:version"
+
+    @cached_property
+    def versions_log(self) -> str:
+        """Stream of every committed version, for dashboards and audits."""
+        return f"{self.tag}:versions"
+
+    @cached_property
+    def admission(self) -> str:
+        """Hash of admission-control counters (staleness bound)."""
+        return f"{self.tag}:adm"
+
+    def all_static(self) -> list[str]:
+        """Every key of the queue whose name does not depend on a producer or replica."""
+        return [
+            self.jobs, self.ids, self.dlq, self.consumers, self.stats, self.latency,
+            self.config, self.version, self.versions_log, self.admission,
+        ]
+
+    def pattern(self) -> str:
+        """Glob of every key of this queue (tests and ``rollq`` admin tools only)."""
+        return f"{PREFIX}:{{{self.queue}}}:*"

@@ -1,0 +1,421 @@
+"""rollq's wire format: typed msgpack messages, a schema version in each, no pickle.
+
+Pure functions and structs only; the Redis code calls :func:`encode_job` /
+:func:`decode_job` / :func:`encode_result` / :func:`decode_result` and never looks inside.
+
+Messages are msgspec structs encoded as msgpack arrays (compact: no field names on the
+wire). The first element of every message is :data:`SCHEMA_VERSION`; a decoder rejects any
+other version with :class:`~rollq.errors.SchemaVersionError`. Token ids and logprobs travel
+as raw little-endian arrays (``int32`` / ``float32``) with their dtype implied by the field.
+
+>>> job = Job(id="j1", reply="p1", text="hello", sampling=SamplingParams(max_tokens=4))
+>>> decode_job(encode_job(job)).text
+'hello'
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from array import array
+from typing import Any, Iterable, Sequence
+
+import msgspec
+
+from .errors import InvalidJob, ProtocolError, SchemaVersionError
+
+#: Version of every message rollq writes. Bump on any incompatible change.
+SCHEMA_VERSION = 1
+
+#: Upper bounds that protect consumers from absurd requests.
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_N = 1024
+MAX_LOGPROBS = 20
+MAX_STOP = 64
+
+_LITTLE = sys.byteorder == "little"
+
+
+# ----------------------------------------------------------------------------------------
+# Raw arrays
+# ----------------------------------------------------------------------------------------
+def pack_i32(values: Iterable[int] | bytes | None) -> bytes:
+    """Token ids as little-endian int32 bytes (lists, arrays, numpy, tensors accepted)."""
+    if values is None:
+        return b""
+    if isinstance(values, (bytes, bytearray, memoryview)):
+        return bytes(values)
+    tobytes = getattr(values, "numpy", None)
+    if tobytes is not None:  # torch tensor
+        values = values.numpy()  # type: ignore[union-attr]
+    if hasattr(values, "astype") and hasattr(values, "tobytes"):  # numpy
+        return values.astype("<i4", copy=False).tobytes()  # type: ignore[union-attr]
+    a = array("i", values)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_i32(data: bytes) -> list[int]:
+    a = array("i")
+    a.frombytes(data)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tolist()
+
+
+def pack_f32(values: Iterable[float] | None) -> bytes:
+    if values is None:
+        return b""
+    if hasattr(values, "astype") and hasattr(values, "tobytes"):
+        return values.astype("<f4", copy=False).tobytes()  # type: ignore[union-attr]
+    a = array("f", values)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tobytes()
+
+
+def unpack_f32(data: bytes) -> list[float]:
+    a = array("f")
+    a.frombytes(data)
+    if not _LITTLE:
+        a.byteswap()
+    return a.tolist()
+
+
+# ----------------------------------------------------------------------------------------
+# Sampling parameters
+# ----------------------------------------------------------------------------------------
+class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, frozen=True):
+    """The whitelist of sampling parameters a job may carry (a subset of vLLM's).
+
+    ``n`` samples of one job form one GRPO group and run on one replica (shared prefix
+    cache). Unknown names are refused rather than silently ignored.
+
+    >>> SamplingParams.from_dict({"max_tokens": 16, "temperature": 0.7, "n": 4}).n
+    4
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    n: int = 1
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | SamplingParams | None) -> SamplingParams:
+        """Build from a plain dict, refusing unknown keys and bad values (InvalidJob)."""
+        if d is None:
+            return cls().validate()
+        if isinstance(d, SamplingParams):
+            return d.validate()
+        if not isinstance(d, dict):
+            raise InvalidJob(f"sampling params must be a mapping, got {type(d).__name__}")
+        unknown = set(d) - set(cls.__struct_fields__)
+        if unknown:
+            raise InvalidJob(
+                f"unknown sampling parameter(s) {sorted(unknown)}; allowed: {sorted(cls.__struct_fields__)}"
+            )
+        try:
+            sp = msgspec.convert(d, cls, strict=False)
+        except msgspec.ValidationError as e:
+            raise InvalidJob(f"invalid sampling params: {e}") from e
+        return sp.validate()
+
+    def validate(self) -> SamplingParams:
+        def bad(msg: str) -> InvalidJob:
+            return InvalidJob(f"invalid sampling params: {msg}")
+
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise bad(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise bad(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
+        if not (0 <= self.min_p <= 1):
+            raise bad(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 1 <= self.n <= MAX_N:
+            raise bad(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if len(self.stop) > MAX_STOP or any(not s for s in self.stop):
+            raise bad(f"stop must be at most {MAX_STOP} non-empty strings")
+        if len(self.stop_token_ids) > MAX_STOP or any(t < 0 for t in self.stop_token_ids):
+            raise bad(f"stop_token_ids must be at most {MAX_STOP} non-negative ids")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2 <= v <= 2):
+                raise bad(f"{name} must be in [-2, 2], got {v}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**63):
+            raise bad("seed must fit in 64 bits")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.structs.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------
+# Jobs
+# ----------------------------------------------------------------------------------------
+class Message(msgspec.Struct, array_like=True, frozen=True):
+    """One chat message (the tokenizer's chat template is applied by the consumer)."""
+
+    role: str
+    content: str
+
+
+class Job(msgspec.Struct, array_like=True, kw_only=True):
+    """A generation request: one prompt, ``sampling.n`` samples.
+
+    Exactly one of ``text``, ``tokens`` (little-endian int32 bytes) or ``messages`` is set.
+    """
+
+    v: int = SCHEMA_VERSION
+    id: str
+    reply: str  # producer id; results go to QueueKeys.results(reply)
+    text: str | None = None
+    tokens: bytes | None = None
+    messages: list[Message] | None = None
+    sampling: SamplingParams = SamplingParams()
+    replica: str | None = None
+    min_version: int | None = None
+    deadline: float | None = None  # unix seconds
+    submitted: float = 0.0  # unix seconds, set by the producer
+    meta: Any = None
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        return unpack_i32(self.tokens) if self.tokens is not None else None
+
+    def kind(self) -> str:
+        return "text" if self.text is not None else "tokens" if self.tokens is not None else "messages"
+
+
+def validate_job(job: Job, *, max_prompt_bytes: int | None = None) -> Job:
+    """Structural checks a consumer repeats on every job it pulls (the producer does too)."""
+    if job.v != SCHEMA_VERSION:
+        raise SchemaVersionError(f"job schema version {job.v} is not supported (this build: {SCHEMA_VERSION})")
+    if not job.id or len(job.id) > 256:
+        raise InvalidJob("job id must be 1-256 characters")
+    set_prompts = sum(x is not None for x in (job.text, job.tokens, job.messages))
+    if set_prompts != 1:
+        raise InvalidJob("a job needs exactly one of prompt text, prompt_token_ids or messages")
+    if job.tokens is not None:
+        if len(job.tokens) % 4 or not job.tokens:
+            raise InvalidJob("prompt_token_ids must be a non-empty int32 array")
+    if job.text is not None and not job.text:
+        raise InvalidJob("prompt text is empty")
+    if job.messages is not None and not job.messages:
+        raise InvalidJob("messages is empty")
+    if max_prompt_bytes is not None:
+        size = len(job.text.encode()) if job.text is not None else (
+            len(job.tokens) if job.tokens is not None else sum(len(m.content) for m in job.messages or ())
+        )
+        if size > max_prompt_bytes:
+            raise InvalidJob(f"prompt of {size} bytes exceeds the limit of {max_prompt_bytes} bytes")
+    job.sampling.validate()
+    return job
+
+
+def make_job(
+    *,
+    id: str,
+    reply: str,
+    prompt: str | None = None,
+    prompt_token_ids: Sequence[int] | bytes | None = None,
+    messages: Sequence[dict[str, str] | Message] | None = None,
+    sampling: SamplingParams | dict[str, Any] | None = None,
+    replica: str | None = None,
+    min_version: int | None = None,
+    deadline: float | None = None,
+    timeout: float | None = None,
+    meta: Any = None,
+    max_prompt_bytes: int | None = None,
+) -> Job:
+    """Build and validate a :class:`Job` from user-facing arguments."""
+    msgs = None
+    if messages is not None:
+        try:
+            msgs = [m if isinstance(m, Message) else Message(role=str(m["role"]), content=str(m["content"])) for m in messages]
+        except (KeyError, TypeError) as e:
+            raise InvalidJob(f"each message needs 'role' and 'content': {e}") from e
+    now = time.time()
+    if timeout is not None:
+        deadline = now + timeout
+    job = Job(
+        id=id,
+        reply=reply,
+        text=prompt,
+        tokens=pack_i32(prompt_token_ids) if prompt_token_ids is not None else None,
+        messages=msgs,
+        sampling=SamplingParams.from_dict(sampling),
+        replica=replica,
+        min_version=min_version,
+        deadline=deadline,
+        submitted=now,
+        meta=meta,
+    )
+    return validate_job(job, max_prompt_bytes=max_prompt_bytes)
+
+
+# ----------------------------------------------------------------------------------------
+# Results
+# ----------------------------------------------------------------------------------------
+class Sample(msgspec.Struct, array_like=True):
+    """One of the ``n`` completions of a job."""
+
+    tokens: bytes  # little-endian int32
+    logprobs: bytes | None = None  # little-endian float32, one per generated token
+    text: str | None = None
+    finish_reason: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return unpack_i32(self.tokens)
+
+    @property
+    def token_logprobs(self) -> list[float] | None:
+        return unpack_f32(self.logprobs) if self.logprobs is not None else None
+
+
+class ErrorInfo(msgspec.Struct, array_like=True):
+    type: str
+    message: str
+
+
+class Result(msgspec.Struct, array_like=True, kw_only=True):
+    """The outcome of a job: samples or an error, tagged with the policy version span."""
+
+    v: int = SCHEMA_VERSION
+    id: str
+    samples: list[Sample] = []
+    error: ErrorInfo | None = None
+    prompt_tokens: int = 0
+    version_start: int = 0
+    version_end: int = 0
+    replica: str = ""
+    submitted: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
+    deliveries: int = 1
+    meta: Any = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def policy_version(self) -> tuple[int, int]:
+        """``(version at start, version at end)`` of the generation."""
+        return (self.version_start, self.version_end)
+
+    @property
+    def queued_s(self) -> float:
+        return max(0.0, self.started - self.submitted) if self.started else 0.0
+
+
+class DeadLetter(msgspec.Struct, array_like=True, kw_only=True):
+    """An entry of the dead-letter stream."""
+
+    v: int = SCHEMA_VERSION
+    job_id: str | None
+    reason: str
+    error_type: str
+    consumer: str
+    deliveries: int
+    at: float
+    source: str  # stream the entry came from
+    payload: bytes  # the original entry, untouched (may not be a valid job)
+
+
+# ----------------------------------------------------------------------------------------
+# Codec
+# ----------------------------------------------------------------------------------------
+_enc = msgspec.msgpack.Encoder()
+_job_dec = msgspec.msgpack.Decoder(Job)
+_res_dec = msgspec.msgpack.Decoder(Result)
+_dl_dec = msgspec.msgpack.Decoder(DeadLetter)
+_any_dec = msgspec.msgpack.Decoder()
+
+encode = _enc.encode
+
+
+def _diagnose(data: bytes, what: str, err: Exception) -> ProtocolError:
+    """Turn a typed-decode failure into the clearest error we can give."""
+    try:
+        raw = _any_dec.decode(data)
+    except Exception:
+        return ProtocolError(f"{what} is not valid msgpack ({len(data)} bytes)")
+    if isinstance(raw, list) and raw and isinstance(raw[0], int) and raw[0] != SCHEMA_VERSION:
+        return SchemaVersionError(
+            f"{what} has schema version {raw[0]}; this build understands version {SCHEMA_VERSION}"
+        )
+    return ProtocolError(f"malformed {what}: {err}")
+
+
+def peek_id(data: bytes) -> tuple[str | None, str | None]:
+    """Best-effort ``(job id, reply)`` of an undecodable job, to tell its submitter."""
+    try:
+        raw = _any_dec.decode(data)
+        if isinstance(raw, list) and len(raw) >= 3 and isinstance(raw[1], str) and isinstance(raw[2], str):
+            return raw[1], raw[2]
+    except Exception:
+        pass
+    return None, None
+
+
+def encode_job(job: Job) -> bytes:
+    return _enc.encode(job)
+
+
+def decode_job(data: bytes) -> Job:
+    """Decode and validate a job; raise ProtocolError / SchemaVersionError / InvalidJob."""
+    try:
+        job = _job_dec.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise _diagnose(data, "job", e) from e
+    return validate_job(job)
+
+
+def encode_result(result: Result) -> bytes:
+    return _enc.encode(result)
+
+
+def decode_result(data: bytes) -> Result:
+    try:
+        r = _res_dec.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise _diagnose(data, "result", e) from e
+    if r.v != SCHEMA_VERSION:
+        raise SchemaVersionError(f"result schema version {r.v} is not supported")
+    return r
+
+
+def encode_dead_letter(d: DeadLetter) -> bytes:
+    return _enc.encode(d)
+
+
+def decode_dead_letter(data: bytes) -> DeadLetter:
+    try:
+        return _dl_dec.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise _diagnose(data, "dead letter", e) from e

@@ -1,0 +1,107 @@
+"""Settings: small dataclasses with named, documented defaults.
+
+The connection URL falls back to ``$ROLLQ_REDIS_URL`` (and only the URL does). A URL with
+the scheme ``redis+cluster://`` (or ``rediss+cluster://``), or the query ``?cluster=true``,
+connects through redis-py's cluster client.
+
+>>> RedisSettings.from_url("redis://127.0.0.1:6380/0").cluster
+False
+>>> RedisSettings.from_url("redis+cluster://10.0.0.1:7000").url
+'redis://10.0.0.1:7000'
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+#: Environment variable consulted when no URL is given.
+ENV_URL = "ROLLQ_REDIS_URL"
+#: URL used when neither an argument nor the environment gives one.
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+#: Queue used when none is named.
+DEFAULT_QUEUE = "default"
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """How to reach Redis."""
+
+    url: str = DEFAULT_URL
+    #: Use redis-py's cluster client (Redis Cluster / Valkey cluster mode).
+    cluster: bool = False
+    #: Seconds to wait for a TCP connection.
+    connect_timeout: float = 5.0
+    #: Seconds a non-blocking command may take before it is treated as a failure.
+    command_timeout: float = 30.0
+    #: Connections per client pool.
+    max_connections: int = 64
+
+    @classmethod
+    def from_url(cls, url: str | None = None, **kw: object) -> RedisSettings:
+        url = url or os.environ.get(ENV_URL) or DEFAULT_URL
+        parts = urlsplit(url)
+        cluster = False
+        scheme = parts.scheme
+        if scheme.endswith("+cluster"):
+            cluster, scheme = True, scheme[: -len("+cluster")]
+        query = dict(parse_qsl(parts.query))
+        if query.pop("cluster", "").lower() in ("1", "true", "yes"):
+            cluster = True
+        clean = urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), parts.fragment))
+        return cls(url=clean, cluster=cluster, **kw)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ProducerSettings:
+    """Trainer-side knobs."""
+
+    #: Jobs a producer may have outstanding (submitted, result not yet received).
+    max_outstanding: int = 100_000
+    #: When the cap is reached: wait for room (True) or raise QueueFull (False).
+    block_when_full: bool = True
+    #: Jobs per Redis round trip in submit_many.
+    chunk_size: int = 2000
+    #: Results fetched per read of the result stream.
+    result_batch: int = 2000
+    #: Largest prompt accepted, in bytes (text, token bytes or message contents).
+    max_prompt_bytes: int = 4 << 20
+
+
+@dataclass(frozen=True)
+class ConsumerSettings:
+    """Replica-side knobs. Times in seconds."""
+
+    #: Jobs a replica runs at once at most (the capacity controller stays below it).
+    max_inflight: int = 256
+    #: Starting in-flight cap before the controller adapts it.
+    initial_inflight: int = 64
+    #: Adapt the in-flight cap to the engine's KV usage / preemptions.
+    adaptive: bool = True
+    #: Most jobs taken in one read.
+    batch: int = 512
+    #: How long one blocking read waits for new jobs.
+    block: float = 1.0
+    #: Heartbeat period; the lease key is renewed this often.
+    heartbeat_interval: float = 1.0
+    #: A consumer whose lease is this old is dead; its jobs are reclaimed.
+    lease_ttl: float = 5.0
+    #: How often to look for dead consumers' jobs.
+    reclaim_interval: float = 1.0
+    #: Deliveries after which a job goes to the dead-letter stream instead of running again.
+    max_deliveries: int = 3
+    #: Results are kept this long for a producer that does not read them.
+    result_ttl: float = 24 * 3600.0
+    #: Dead-letter stream is trimmed (approximately) to this many entries.
+    dlq_maxlen: int = 100_000
+    #: On SIGTERM, wait this long for running jobs before handing the rest back
+    #: (keep below Kubernetes' terminationGracePeriodSeconds).
+    drain_timeout: float = 25.0
+    #: Largest prompt accepted, in bytes.
+    max_prompt_bytes: int = 4 << 20
+    #: Reconnect backoff: first delay and cap.
+    backoff_initial: float = 0.1
+    backoff_max: float = 5.0
+    #: Extra fields shown in the replica registry.
+    labels: dict[str, str] = field(default_factory=dict)

@@ -1,0 +1,65 @@
+"""Shared fixtures: a real redis-server per session (free loopback port), unique queues."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+from rollq.server import RedisServer
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except Exception:
+        has_gpu = False
+    if not has_gpu:
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One real redis-server for the session (AOF on, appendfsync always)."""
+    srv = RedisServer(appendfsync="always")
+    srv.start()
+    yield srv
+    srv.cleanup()
+
+
+@pytest.fixture
+def fresh_redis():
+    """A redis-server of the test's own, for tests that kill or restart it."""
+    srv = RedisServer(appendfsync="always")
+    srv.start()
+    yield srv
+    srv.cleanup()
+
+
+@pytest.fixture
+def redis_url(redis_server):
+    return redis_server.url
+
+
+@pytest.fixture
+def queue():
+    """A queue name no other test uses (tests can share the server, even in parallel)."""
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def redis_client(redis_server):
+    from rollq.connection import connect
+
+    c = connect(redis_server.url)
+    yield c
+    await c.aclose()
+
+
+os.environ.setdefault("ROLLQ_LOG_LEVEL", "INFO")
