@@ -1,12 +1,22 @@
-"""A tiny random-weight Qwen2 model that vLLM can load, built offline in a few seconds.
+"""A tiny random-weight Qwen2 model that vLLM can load, built offline in about a second.
 
 Tests, examples and CPU benchmarks need a real model folder but no network. This module
-writes one: a byte-level BPE tokenizer trained with the ``tokenizers`` library on generated
-text (special tokens ``<|endoftext|>`` (pad), ``<|bos|>``, ``<|im_start|>``,
-``<|im_end|>`` (eos) and a Qwen-like chat template), wrapped as a
-``transformers.PreTrainedTokenizerFast``, plus a ``Qwen2ForCausalLM`` with random float32
-weights saved as safetensors. Everything is a function of the arguments, so two builds with
-the same seed are byte-identical.
+writes one:
+
+- a byte-level BPE tokenizer trained with the ``tokenizers`` library on generated text, with
+  Qwen2's pre-tokenizer, special tokens ``<|endoftext|>`` (id 0, pad), ``<|bos|>`` (1),
+  ``<|im_start|>`` (2), ``<|im_end|>`` (3, eos) and a ChatML template
+  (``<|im_start|>role\ncontent<|im_end|>\n``, ``add_generation_prompt`` supported). Its
+  ``tokenizer_config.json`` names ``PreTrainedTokenizerFast`` so transformers 4.x and 5.x
+  both load it (5.x as ``Qwen2Tokenizer``, with identical ids);
+- a ``Qwen2ForCausalLM`` checkpoint: ``config.json``, ``generation_config.json`` and random
+  float32 weights in ``model.safetensors`` under Hugging Face names, the files
+  ``save_pretrained`` writes. They are written directly (numpy + safetensors) because
+  importing transformers' model classes alone takes ~6 s; tests load the folder with
+  ``AutoModelForCausalLM`` and check that no key is missing.
+
+Everything is a function of the arguments, so two builds with the same seed are
+byte-identical.
 
 The build is cache-aware and safe against concurrent builders: files are written into a
 private temporary folder, a marker file (:data:`MARKER`) is written last, and the folder is
@@ -68,6 +78,10 @@ _ONSETS = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", 
            "br", "ch", "st", "th", "tr", "sh", "pl", "gr"]
 _VOWELS = ["a", "e", "i", "o", "u", "ai", "ou", "ee", "y"]
 _CODAS = ["", "", "n", "r", "s", "t", "l", "m", "ng", "ck"]
+#: Qwen2's pre-tokenization regex (transformers' ``tokenization_qwen2.PRETOKENIZE_REGEX``).
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 _PUNCT = [".", ",", "!", "?", ":", ";", " -", "'s", "()", "[]", "{}", '"', "/", "="]
 
 
@@ -218,15 +232,20 @@ def _corpus(seed: int, n_lines: int = 6000) -> list[str]:
     return lines
 
 
-def _build_tokenizer(params: dict[str, int]):
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+def _train_tokenizer(params: dict[str, int]):
+    """Train the byte-level BPE on :func:`_corpus`; exactly ``vocab_size`` ids, specials 0..3."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+    # Qwen2's exact pipeline: transformers 5.x loads any ``model_type: qwen2`` tokenizer as
+    # ``Qwen2Tokenizer``, which rebuilds this pre-tokenizer; matching it keeps raw
+    # ``tokenizers``, transformers 4.x/5.x and vLLM on the same token ids.
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=params["vocab_size"],
         min_frequency=2,
@@ -238,53 +257,113 @@ def _build_tokenizer(params: dict[str, int]):
     short = params["vocab_size"] - tok.get_vocab_size()
     if short > 0:  # every id the model can sample must decode: pad the vocabulary
         tok.add_special_tokens([f"<|extra_{i}|>" for i in range(short)])
-    assert tok.get_vocab_size() == params["vocab_size"], tok.get_vocab_size()
+    if tok.get_vocab_size() != params["vocab_size"]:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} ids, wanted {params['vocab_size']}")
+    if [tok.token_to_id(t) for t in SPECIAL_TOKENS] != [0, 1, 2, 3]:
+        raise RuntimeError("special tokens did not get ids 0..3")
+    return tok
 
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=IM_END,
-        pad_token=PAD,
-        unk_token=None,
-        additional_special_tokens=[IM_START],
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=params["max_position"],
-        clean_up_tokenization_spaces=False,
-    )
+
+def _tokenizer_config(params: dict[str, int]) -> dict[str, Any]:
+    """What ``PreTrainedTokenizerFast.save_pretrained`` writes, in a form that transformers
+    4.x and 5.x both read (5.x alone writes ``TokenizersBackend`` and a list-valued
+    ``extra_special_tokens`` that 4.x rejects)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": IM_END,
+        "pad_token": PAD,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "model_max_length": params["max_position"],
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def _model_config(params: dict[str, int]) -> dict[str, Any]:
+    """``Qwen2Config(...).to_dict()`` for our sizes, with the keys every transformers reads."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": params["vocab_size"],
+        "hidden_size": params["hidden"],
+        "intermediate_size": params["hidden"] * 4,
+        "num_hidden_layers": params["layers"],
+        "num_attention_heads": params["heads"],
+        "num_key_value_heads": params["kv_heads"],
+        "max_position_embeddings": params["max_position"],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "initializer_range": _INIT_STD,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": params["layers"],
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 3,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",  # read by transformers 4.x and 5.x, warns in neither
+    }
+
+
+_INIT_STD = 0.02
+
+
+def _weights(params: dict[str, int]) -> dict[str, Any]:
+    """Random float32 weights with Hugging Face names and Qwen2's init (normal(0, 0.02)
+    matrices, zero biases, unit norms). numpy's PCG64 stream makes them a pure function of
+    the seed without importing torch (which costs ~2 s; transformers' model classes ~6 s)."""
+    import numpy as np
+
+    rng = np.random.Generator(np.random.PCG64(params["seed"]))
+    v, h, i = params["vocab_size"], params["hidden"], params["hidden"] * 4
+    kv = params["kv_heads"] * (h // params["heads"])
+
+    def normal(*shape: int) -> Any:
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(_INIT_STD)).astype("<f4")
+
+    def const(n: int, value: float) -> Any:
+        return np.full((n,), value, dtype="<f4")
+
+    w: dict[str, Any] = {"model.embed_tokens.weight": normal(v, h)}
+    for layer in range(params["layers"]):
+        p = f"model.layers.{layer}."
+        w[p + "input_layernorm.weight"] = const(h, 1.0)
+        w[p + "self_attn.q_proj.weight"] = normal(h, h)
+        w[p + "self_attn.q_proj.bias"] = const(h, 0.0)
+        w[p + "self_attn.k_proj.weight"] = normal(kv, h)
+        w[p + "self_attn.k_proj.bias"] = const(kv, 0.0)
+        w[p + "self_attn.v_proj.weight"] = normal(kv, h)
+        w[p + "self_attn.v_proj.bias"] = const(kv, 0.0)
+        w[p + "self_attn.o_proj.weight"] = normal(h, h)
+        w[p + "post_attention_layernorm.weight"] = const(h, 1.0)
+        w[p + "mlp.gate_proj.weight"] = normal(i, h)
+        w[p + "mlp.up_proj.weight"] = normal(i, h)
+        w[p + "mlp.down_proj.weight"] = normal(h, i)
+    w["model.norm.weight"] = const(h, 1.0)
+    w["lm_head.weight"] = normal(v, h)
+    return w
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def _build_into(folder: Path, params: dict[str, int]) -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from safetensors.numpy import save_file
 
-    tokenizer = _build_tokenizer(params)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    assert [ids[t] for t in SPECIAL_TOKENS] == [0, 1, 2, 3], ids
-    tokenizer.save_pretrained(folder)
-
-    config = Qwen2Config(
-        vocab_size=params["vocab_size"],
-        hidden_size=params["hidden"],
-        intermediate_size=params["hidden"] * 4,
-        num_hidden_layers=params["layers"],
-        num_attention_heads=params["heads"],
-        num_key_value_heads=params["kv_heads"],
-        max_position_embeddings=params["max_position"],
-        bos_token_id=ids[BOS],
-        eos_token_id=ids[IM_END],
-        pad_token_id=ids[PAD],
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        initializer_range=0.02,
-    )
-    config.torch_dtype = "float32"  # transformers 4.x name; 5.x reads/writes ``dtype``
-    config.dtype = "float32"
-
-    # Seed the initialisation only, without disturbing the caller's global RNG.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(params["seed"])
-        model = Qwen2ForCausalLM(config).to(torch.float32).eval()
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids[BOS], eos_token_id=[ids[IM_END], ids[PAD]], pad_token_id=ids[PAD]
-    )
-    model.save_pretrained(folder, safe_serialization=True)
+    tok = _train_tokenizer(params)
+    tok.save(str(folder / "tokenizer.json"))
+    _write_json(folder / "tokenizer_config.json", _tokenizer_config(params))
+    _write_json(folder / "special_tokens_map.json", {
+        "bos_token": BOS, "eos_token": IM_END, "pad_token": PAD, "additional_special_tokens": [IM_START],
+    })
+    _write_json(folder / "config.json", _model_config(params))
+    _write_json(folder / "generation_config.json", {"bos_token_id": 1, "eos_token_id": [3, 0], "pad_token_id": 0})
+    save_file(_weights(params), str(folder / "model.safetensors"), metadata={"format": "pt"})

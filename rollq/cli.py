@@ -1,0 +1,415 @@
+"""The ``rollq`` command line.
+
+    rollq redis                                  embedded redis-server; prints its URL
+    rollq consume --engine echo|vllm ...         run one replica
+    rollq submit FILE.jsonl [--wait]             submit jobs (one JSON object per line)
+    rollq status [--json] [--watch S]            queue depth, in flight, replicas
+    rollq dlq list|requeue|purge [--json]        dead letters
+    rollq check --id REPLICA                     liveness probe: exit 0 if its lease is live
+    rollq demo [--json]                          the end-to-end demo (embedded Redis, engine, producer)
+
+``--url`` defaults to ``$ROLLQ_REDIS_URL``; ``--queue`` to ``default``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from .settings import DEFAULT_QUEUE, ENV_URL, ConsumerSettings, RedisSettings
+
+log = logging.getLogger("rollq.cli")
+
+
+def _setup_logging(level: str) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(name)s: %(message)s",
+        handlers=[RichHandler(console=_err_console(), show_path=False, rich_tracebacks=True)],
+    )
+
+
+def _err_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help=f"Redis URL (default: ${ENV_URL} or redis://127.0.0.1:6379/0)")
+    p.add_argument("--queue", "-q", default=DEFAULT_QUEUE, help="queue name (default: %(default)s)")
+
+
+def _out(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, default=str) + "\n")
+    sys.stdout.flush()
+
+
+# --------------------------------------------------------------------------------------
+# rollq redis
+# --------------------------------------------------------------------------------------
+def cmd_redis(a: argparse.Namespace) -> int:
+    from .server import RedisServer
+
+    srv = RedisServer(port=a.port, data_dir=a.dir, appendfsync=a.appendfsync).start()
+    _out({"url": srv.url, "pid": srv.proc.pid, "data_dir": srv.data_dir}) if a.json else print(srv.url, flush=True)
+    try:
+        while srv.proc and srv.proc.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.stop()
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# rollq consume
+# --------------------------------------------------------------------------------------
+def make_engine(a: argparse.Namespace) -> Any:
+    from .consumer.engine import EchoEngine
+
+    if a.engine == "echo":
+        return EchoEngine(delay_per_token=a.echo_delay_ms / 1000.0)
+    from .consumer.vllm_engine import VllmEngine, VllmEngineConfig
+
+    model = a.model
+    if not model:
+        from .testing.tiny_model import ensure_tiny_model
+
+        model = str(ensure_tiny_model())
+    return VllmEngine(
+        VllmEngineConfig(
+            model=model, tensor_parallel_size=a.tensor_parallel_size, dtype=a.dtype,
+            max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
+            worker_extension_cls=a.worker_extension,
+        )
+    )
+
+
+def consumer_settings(a: argparse.Namespace) -> ConsumerSettings:
+    return ConsumerSettings(
+        max_inflight=a.max_inflight, initial_inflight=min(a.max_inflight, a.initial_inflight),
+        batch=a.batch, lease_ttl=a.lease_ttl, heartbeat_interval=min(1.0, a.lease_ttl / 4),
+        max_deliveries=a.max_deliveries, drain_timeout=a.drain_timeout,
+    )
+
+
+async def _consume(a: argparse.Namespace) -> int:
+    from .consumer.loop import Consumer
+
+    engine = make_engine(a)
+    await engine.start()
+    consumer = Consumer(engine, a.url, a.queue, consumer_id=a.id, settings=consumer_settings(a))
+    sync = None
+    if a.weights_root:
+        from .weightsync.follower import WeightFollower
+
+        sync = WeightFollower(consumer, root=a.weights_root)
+        await sync.start()
+    try:
+        return await consumer.run(burst=a.burst, install_signal_handlers=True)
+    finally:
+        if sync is not None:
+            await sync.stop()
+        await engine.stop()
+
+
+def cmd_consume(a: argparse.Namespace) -> int:
+    return asyncio.run(_consume(a))
+
+
+# --------------------------------------------------------------------------------------
+# rollq submit
+# --------------------------------------------------------------------------------------
+def _read_specs(path: str) -> list[dict[str, Any]]:
+    from .errors import InvalidJob
+
+    fh = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    specs = []
+    try:
+        for n, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InvalidJob(f"line {n}: not JSON: {e}") from e
+            if not isinstance(obj, dict):
+                raise InvalidJob(f"line {n}: expected a JSON object")
+            specs.append(obj)
+    finally:
+        if fh is not sys.stdin:
+            fh.close()
+    return specs
+
+
+def result_to_json(r: Any) -> dict[str, Any]:
+    d: dict[str, Any] = {"id": r.id, "policy_version": [r.version_start, r.version_end], "replica": r.replica}
+    if r.error is not None:
+        d["error"] = {"type": r.error.type, "message": r.error.message}
+    else:
+        d["outputs"] = [
+            {"token_ids": s.token_ids, "text": s.text, "finish_reason": s.finish_reason,
+             **({"logprobs": s.token_logprobs} if s.logprobs is not None else {})}
+            for s in r.samples
+        ]
+    d["timings"] = {"submitted": r.submitted, "started": r.started, "finished": r.finished}
+    if r.meta is not None:
+        d["meta"] = r.meta
+    return d
+
+
+async def _submit(a: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from .producer.client import Producer
+
+    specs = _read_specs(a.file)
+    async with Producer(a.url, a.queue) as p:
+        jobs = [p.build_job(s) for s in specs]  # validate everything before sending anything
+        handles = await p.submit_many(jobs)
+        if not a.wait:
+            for h in handles:
+                _out({"id": h.id, "duplicate": h.duplicate})
+            return 0
+        failed = 0
+        with Progress(console=_err_console(), transient=False) as prog:
+            task = prog.add_task(f"{a.queue}: results", total=len(handles))
+            pending = {h.id for h in handles}
+            async for r in p.results(timeout=a.timeout):
+                if r.id not in pending:
+                    continue
+                pending.discard(r.id)
+                failed += r.error is not None
+                _out(result_to_json(r))
+                prog.advance(task)
+                if not pending:
+                    break
+        if pending:
+            log.error("%d jobs got no result within %.0fs", len(pending), a.timeout)
+            return 2
+        return 1 if failed else 0
+
+
+def cmd_submit(a: argparse.Namespace) -> int:
+    from .errors import InvalidJob
+
+    try:
+        return asyncio.run(_submit(a))
+    except InvalidJob as e:
+        log.error("%s", e)
+        return 2
+
+
+# --------------------------------------------------------------------------------------
+# rollq status / check / dlq
+# --------------------------------------------------------------------------------------
+def render_status(st: Any) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:g} ms"
+
+    t = Table(title=f"queue {st.queue}", show_header=False)
+    for k, v in [
+        ("waiting", st.depth), ("in flight", st.in_flight),
+        ("oldest waiting", "-" if st.oldest_waiting_s is None else f"{st.oldest_waiting_s:.1f} s"),
+        ("submitted", st.submitted), ("completed", st.completed), ("failed", st.failed),
+        ("dead-lettered", f"{st.dead_lettered} ({st.dlq_length} in DLQ)"),
+        ("latency p50 / p99", f"{ms(st.latency_p50_ms)} / {ms(st.latency_p99_ms)}"),
+        ("policy version", "-" if st.version is None else st.version),
+    ]:
+        t.add_row(k, str(v))
+    r = Table(title="replicas")
+    for col in ("id", "state", "alive", "heartbeat", "version", "in flight / cap", "kv", "tok/s", "done", "model"):
+        r.add_column(col)
+    for rep in st.replicas:
+        i = rep.info
+        r.add_row(
+            rep.id, i["state"], "yes" if rep.alive else "NO", f"{rep.heartbeat_age_s:.1f}s ago", str(i["version"]),
+            f"{i['inflight']}/{i['cap']}", "-" if i["kv_usage"] is None else f"{i['kv_usage']:.0%}",
+            f"{i['tokens_per_s']:.0f}", str(i["completed"]), i["model"][-40:],
+        )
+    return Group(t, r)
+
+
+async def _status(a: argparse.Namespace) -> int:
+    from .connection import connect
+    from .keys import QueueKeys
+    from .status import queue_status
+
+    client = connect(RedisSettings.from_url(a.url))
+    try:
+        while True:
+            st = await queue_status(client, QueueKeys(a.queue))
+            if a.json:
+                _out(st.to_dict())
+            else:
+                from rich.console import Console
+
+                Console().print(render_status(st))
+            if not a.watch:
+                return 0
+            await asyncio.sleep(a.watch)
+    finally:
+        await client.aclose()
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    return asyncio.run(_status(a))
+
+
+async def _check(a: argparse.Namespace) -> int:
+    from .connection import connect
+    from .keys import QueueKeys
+
+    client = connect(RedisSettings.from_url(a.url), socket_timeout=3)
+    try:
+        return 0 if await client.exists(QueueKeys(a.queue).heartbeat(a.id)) else 1
+    except Exception as e:
+        log.error("check failed: %s", e)
+        return 1
+    finally:
+        await client.aclose()
+
+
+def cmd_check(a: argparse.Namespace) -> int:
+    return asyncio.run(_check(a))
+
+
+async def _dlq(a: argparse.Namespace) -> int:
+    from .connection import connect
+    from .keys import QueueKeys
+    from .status import dlq_list, dlq_purge, dlq_requeue
+
+    client = connect(RedisSettings.from_url(a.url))
+    keys = QueueKeys(a.queue)
+    try:
+        if a.action == "list":
+            items = await dlq_list(client, keys, a.count)
+            if a.json:
+                _out([i.to_dict() for i in items])
+            else:
+                from rich.console import Console
+                from rich.table import Table
+
+                t = Table(title=f"dead letters of {a.queue} (newest first)")
+                for col in ("entry", "job", "error", "reason", "deliveries", "requeueable"):
+                    t.add_column(col)
+                for i in items:
+                    t.add_row(i.entry_id, str(i.job_id), i.error_type, i.reason[:80], str(i.deliveries), "yes" if i.requeueable else "no")
+                Console().print(t)
+        elif a.action == "requeue":
+            n, skipped = await dlq_requeue(client, keys, a.ids or None)
+            _out({"requeued": n, "skipped": skipped}) if a.json else print(f"requeued {n}, skipped {skipped} (not valid jobs)")
+        else:
+            n = await dlq_purge(client, keys)
+            _out({"purged": n}) if a.json else print(f"purged {n}")
+        return 0
+    finally:
+        await client.aclose()
+
+
+def cmd_dlq(a: argparse.Namespace) -> int:
+    return asyncio.run(_dlq(a))
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(a)
+
+
+# --------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollq", description="Redis-Streams job queue feeding vLLM replicas")
+    p.add_argument("--log-level", default=os.environ.get("ROLLQ_LOG_LEVEL", "INFO"))
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("redis", help="run an embedded redis-server and print its URL")
+    s.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    s.add_argument("--dir", default=None, help="data directory (default: a temporary one)")
+    s.add_argument("--appendfsync", default="everysec", choices=["always", "everysec", "no"])
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_redis)
+
+    s = sub.add_parser("consume", help="run one replica")
+    _common(s)
+    s.add_argument("--engine", choices=["echo", "vllm"], default="echo")
+    s.add_argument("--id", default=None, help="replica id (default: host-random)")
+    s.add_argument("--echo-delay-ms", type=float, default=0.0, help="echo engine: delay per generated token")
+    s.add_argument("--model", default=None, help="vllm: model path (default: the locally built tiny model)")
+    s.add_argument("--tensor-parallel-size", type=int, default=1)
+    s.add_argument("--dtype", default="auto")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--worker-extension", default=None, help="vllm worker_extension_cls (weight sync)")
+    s.add_argument("--weights-root", default=None, help="follow policy versions published under this memmap root")
+    s.add_argument("--max-inflight", type=int, default=256)
+    s.add_argument("--initial-inflight", type=int, default=64)
+    s.add_argument("--batch", type=int, default=512)
+    s.add_argument("--lease-ttl", type=float, default=5.0, help="seconds before a silent replica's jobs are reclaimed")
+    s.add_argument("--max-deliveries", type=int, default=3)
+    s.add_argument("--drain-timeout", type=float, default=25.0, help="SIGTERM: seconds to finish running jobs")
+    s.add_argument("--burst", action="store_true", help="drain the queue, then exit")
+    s.set_defaults(fn=cmd_consume)
+
+    s = sub.add_parser("submit", help="submit jobs from a JSONL file ('-': stdin)")
+    _common(s)
+    s.add_argument("file")
+    s.add_argument("--wait", action="store_true", help="print one JSON line per result")
+    s.add_argument("--timeout", type=float, default=600.0, help="--wait: give up after this many idle seconds")
+    s.set_defaults(fn=cmd_submit)
+
+    s = sub.add_parser("status", help="queue depth, in flight, replicas")
+    _common(s)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds")
+    s.set_defaults(fn=cmd_status)
+
+    s = sub.add_parser("check", help="liveness probe: exit 0 if the replica's lease is live")
+    _common(s)
+    s.add_argument("--id", required=True)
+    s.set_defaults(fn=cmd_check)
+
+    s = sub.add_parser("dlq", help="dead-letter stream: list, requeue, purge")
+    s.add_argument("action", choices=["list", "requeue", "purge"])
+    _common(s)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--count", type=int, default=100)
+    s.add_argument("ids", nargs="*", help="requeue: entry ids (default: all)")
+    s.set_defaults(fn=cmd_dlq)
+
+    s = sub.add_parser("demo", help="end-to-end demo: embedded Redis, engine replicas, producer, summary")
+    s.add_argument("--engine", choices=["echo", "vllm"], default="vllm")
+    s.add_argument("--replicas", type=int, default=1)
+    s.add_argument("--prompts", type=int, default=64, help="prompts (jobs); each is a GRPO group")
+    s.add_argument("--group-size", type=int, default=4, help="samples per prompt (n)")
+    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    s.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    _setup_logging(a.log_level)
+    try:
+        return a.fn(a) or 0
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
