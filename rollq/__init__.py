@@ -23,6 +23,7 @@ from .errors import (
     QueueFull,
     RollqError,
     SchemaVersionError,
+    StalenessBound,
 )
 from .keys import QueueKeys
 from .producer import JobHandle, Producer, SyncJobHandle, SyncProducer
@@ -42,6 +43,6 @@ __all__ = [
     # infrastructure
     "RedisSettings", "RedisServer", "QueueKeys",
     # errors
-    "RollqError", "QueueFull", "InvalidJob", "ProtocolError", "SchemaVersionError", "JobError",
+    "RollqError", "QueueFull", "StalenessBound", "InvalidJob", "ProtocolError", "SchemaVersionError", "JobError",
     "JobRejected", "JobCancelled", "JobExpired", "DeadLettered", "EngineFailed", "EngineDead", "PromptTooLong",
 ]

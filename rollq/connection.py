@@ -71,8 +71,9 @@ FINISH = Script("finish")
 RECLAIM = Script("reclaim")
 CANCEL = Script("cancel")
 DROP_EMPTY = Script("drop_empty")
+PUBLISH_VERSION = Script("publish_version")
 
 
 async def load_scripts(client: Client) -> None:
-    for s in (SUBMIT, FINISH, RECLAIM, CANCEL, DROP_EMPTY):
+    for s in (SUBMIT, FINISH, RECLAIM, CANCEL, DROP_EMPTY, PUBLISH_VERSION):
         await s.ensure_loaded(client)

@@ -17,6 +17,10 @@ class QueueFull(RollqError):
     """The producer's cap on outstanding jobs (or the staleness bound) is reached."""
 
 
+class StalenessBound(QueueFull):
+    """Admitting more jobs would exceed the queue's off-policy staleness bound."""
+
+
 class InvalidJob(RollqError, ValueError):
     """A job failed validation (bad prompt, bad sampling params, unknown fields)."""
 

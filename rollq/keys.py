@@ -110,7 +110,7 @@ class QueueKeys:
     # -- policy versions (weight sync) -----------------------------------------------------
     @cached_property
     def version(self) -> str:
-        """Durable record of the latest committed policy version (msgpack)."""
+        """Hash ``v`` (latest committed policy version) and ``d`` (its msgpack record)."""
         return f"{self.tag}:version"
 
     @cached_property
@@ -122,6 +122,10 @@ class QueueKeys:
     def admission(self) -> str:
         """Hash of admission-control counters (staleness bound)."""
         return f"{self.tag}:adm"
+
+    def submit_keys(self, stream: str) -> list[str]:
+        """KEYS of the submit script for ``stream`` (see rollq/lua/submit.lua)."""
+        return [stream, self.ids, self.stats, self.config, self.version, self.admission]
 
     def all_static(self) -> list[str]:
         """Every key of the queue whose name does not depend on a producer or replica."""

@@ -67,6 +67,8 @@ class ProducerSettings:
     result_batch: int = 2000
     #: Largest prompt accepted, in bytes (text, token bytes or message contents).
     max_prompt_bytes: int = 4 << 20
+    #: Seconds between retries while the staleness bound refuses a submission.
+    admission_poll: float = 0.05
 
 
 @dataclass(frozen=True)

@@ -104,7 +104,7 @@ async def queue_status(client: Client, keys: QueueKeys) -> QueueStatus:
     pipe.hgetall(keys.latency)
     pipe.hgetall(keys.consumers)
     pipe.xlen(keys.dlq)
-    pipe.get(keys.version)
+    pipe.hget(keys.version, "v")
     stats, lat, registry, dlq_len, version = await pipe.execute()
     stats = {_s(k): int(v) for k, v in stats.items()}
     buckets = {int(k): int(v) for k, v in lat.items()}
@@ -132,12 +132,7 @@ async def queue_status(client: Client, keys: QueueKeys) -> QueueStatus:
             depth += d2
             in_flight += p2
             replicas.append(ReplicaView(id=n, alive=bool(a), heartbeat_age_s=round(now - info.heartbeat_at, 3), info=d))
-    ver = None
-    if version:
-        try:
-            ver = int(msgspec.msgpack.decode(version).get("version"))
-        except Exception:
-            ver = None
+    ver = int(version) if version is not None else None
     return QueueStatus(
         queue=keys.queue, depth=depth, in_flight=in_flight, oldest_waiting_s=oldest,
         submitted=stats.get("submitted", 0), completed=stats.get("completed", 0),
@@ -213,7 +208,7 @@ async def dlq_requeue(client: Client, keys: QueueKeys, entry_ids: list[str] | No
             continue
         job.deadline = None
         job.submitted = time.time()
-        await SUBMIT(client, [keys.job_stream(job.replica), keys.ids, keys.stats], [job.id, encode_job(job)])
+        await SUBMIT(client, keys.submit_keys(keys.job_stream(job.replica)), [job.id, encode_job(job)])
         await client.xdel(keys.dlq, eid)
         requeued += 1
     return requeued, skipped

@@ -88,6 +88,13 @@ class Engine(abc.ABC):
     async def reset_prefix_cache(self) -> None:  # noqa: B027
         """Drop cached prefixes computed with older weights."""
 
+    async def call_workers(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Run ``method`` of the weight-sync worker extension in every worker; one result each.
+
+        Engines without weights (the echo engine) have nothing to load and return ``[]``.
+        """
+        return []
+
 
 class EchoEngine(Engine):
     """A deterministic engine for queue tests, the queue demo and benchmarks.

@@ -410,6 +410,27 @@ class Consumer:
         except Exception as e:  # an engine must report through done; be safe anyway
             self._on_done(rid, e)
 
+    def running_count(self) -> int:
+        return len(self._running)
+
+    def abort_running(self) -> list[tuple[str, bytes, Job, int]]:
+        """Abort every running request in the engine; the jobs stay leased to this replica.
+
+        Returns them for :meth:`restart` (weight sync's ``abort`` policy).
+        """
+        out = []
+        for rid, run in list(self._running.items()):
+            self.engine.abort(rid)
+            out.append((run.stream, run.eid, run.job, run.deliveries))
+        self._running.clear()
+        self._by_job.clear()
+        return out
+
+    def restart(self, jobs: list[tuple[str, bytes, Job, int]]) -> None:
+        """Run jobs returned by :meth:`abort_running` again, from scratch."""
+        for stream, eid, job, deliveries in jobs:
+            self._submit(stream, eid, job, deliveries)
+
     def release_held(self) -> None:
         """Start jobs that were waiting for the policy version now loaded."""
         held, self._held = self._held, []

@@ -1,7 +1,23 @@
--- Enqueue jobs idempotently.
--- KEYS[1] job stream, KEYS[2] ids hash, KEYS[3] stats hash
+-- Enqueue jobs idempotently, under the queue's staleness bound.
+-- KEYS[1] job stream, KEYS[2] ids hash, KEYS[3] stats hash, KEYS[4] config hash,
+-- KEYS[5] version hash, KEYS[6] admission hash
 -- ARGV: jid1, payload1, jid2, payload2, ...
--- A job id already queued or running is skipped; returns the skipped ids.
+-- A job id already queued or running is skipped. If the queue has a staleness bound
+-- (config max_lag and batch), at most (max_lag + version + 1) * batch jobs are admitted in
+-- total (AReaL's rule): the rest are refused, all or nothing for this call.
+-- Returns {skipped ids, refused (0/1), admission limit or -1}.
+local cfg = redis.call('HMGET', KEYS[4], 'max_lag', 'batch')
+local limit = -1
+if cfg[1] and cfg[2] then
+  local version = tonumber(redis.call('HGET', KEYS[5], 'v') or '0')
+  limit = (tonumber(cfg[1]) + version + 1) * tonumber(cfg[2])
+  local admitted = tonumber(redis.call('HGET', KEYS[6], 'admitted') or '0')
+  local fresh = 0
+  for i = 1, #ARGV, 2 do
+    if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then fresh = fresh + 1 end
+  end
+  if admitted + fresh > limit then return {{}, 1, limit} end
+end
 local dup = {}
 local n = 0
 for i = 1, #ARGV, 2 do
@@ -12,5 +28,8 @@ for i = 1, #ARGV, 2 do
     dup[#dup + 1] = ARGV[i]
   end
 end
-if n > 0 then redis.call('HINCRBY', KEYS[3], 'submitted', n) end
-return dup
+if n > 0 then
+  redis.call('HINCRBY', KEYS[3], 'submitted', n)
+  if limit >= 0 then redis.call('HINCRBY', KEYS[6], 'admitted', n) end
+end
+return {dup, 0, limit}

@@ -27,7 +27,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect
-from ..errors import InvalidJob, JobCancelled, QueueFull, job_error
+from ..errors import InvalidJob, JobCancelled, QueueFull, StalenessBound, job_error
 from ..keys import FIELD, QueueKeys, check_name
 from ..protocol import (
     ErrorInfo,
@@ -238,11 +238,20 @@ class Producer:
             args.append(job.id)
             args.append(encode_job(job))
         dups: set[bytes] = set()
+        done_streams: set[str] = set()
         try:
             for stream, args in by_stream.items():
-                dups.update(await SUBMIT(self._client, [stream, self.keys.ids, self.keys.stats], args))
+                while True:
+                    skipped, refused, limit = await SUBMIT(self._client, self.keys.submit_keys(stream), args)
+                    if not refused:
+                        break
+                    await self._wait_for_admission(len(args) // 2, limit)
+                dups.update(skipped)
+                done_streams.add(stream)
         except BaseException:
-            await self._release(len(jobs))
+            # Nothing of the failed stream was enqueued; earlier streams were (their jobs run).
+            sent = sum(len(by_stream[s]) // 2 for s in done_streams)
+            await self._release(len(jobs) - sent)
             raise
         handles = []
         for job in jobs:
@@ -257,6 +266,34 @@ class Producer:
         self.counters["submitted"] += len(jobs) - len(dups)
         self.counters["duplicates"] += len(dups)
         return handles
+
+    async def _wait_for_admission(self, n: int, limit: int) -> None:
+        """The staleness bound refused ``n`` jobs: wait for a newer policy version, or raise."""
+        if not self.settings.block_when_full:
+            raise StalenessBound(
+                f"admitting {n} more jobs would exceed the staleness bound ({limit} jobs at the current "
+                "policy version; see Producer.set_staleness_bound); publish a newer version or wait"
+            )
+        await asyncio.sleep(self.settings.admission_poll)
+
+    async def set_staleness_bound(self, max_lag: int | None, batch: int | None = None) -> None:
+        """Bound off-policy lag for this queue: at most ``(max_lag + version + 1) * batch`` jobs
+        are ever admitted (AReaL's rule), checked atomically at submission. ``None`` removes it.
+        ``batch`` is the number of jobs the trainer consumes per policy version."""
+        await self.connect()
+        if max_lag is None:
+            await self._client.hdel(self.keys.config, "max_lag", "batch")
+            return
+        if batch is None or batch < 1 or max_lag < 0:
+            raise ValueError("set_staleness_bound needs max_lag >= 0 and batch >= 1")
+        await self._client.hset(self.keys.config, mapping={"max_lag": max_lag, "batch": batch})
+
+    async def set_update_policy(self, policy: str) -> None:
+        """How replicas of this queue apply a new policy version: ``keep``, ``abort`` or ``drain``."""
+        if policy not in ("keep", "abort", "drain"):
+            raise ValueError("update policy must be 'keep', 'abort' or 'drain'")
+        await self.connect()
+        await self._client.hset(self.keys.config, "update_policy", policy)
 
     async def cancel(self, job_id: str) -> bool:
         """Cancel a job by id. Returns False if it is no longer queued or running."""

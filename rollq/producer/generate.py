@@ -1,0 +1,157 @@
+"""For TorchRL users: ``generate()`` shaped like ``AsyncVLLM.generate``, through the queue.
+
+>>> llm = RollqLLM("redis://127.0.0.1:6379/0", queue="grpo")                    # doctest: +SKIP
+>>> out = llm.generate(["1+1=", "2+2="], {"max_tokens": 8, "temperature": 0})  # doctest: +SKIP
+>>> out[0].outputs[0].token_ids, out[0].policy_version                          # doctest: +SKIP
+
+Differences from TorchRL, on purpose: there is no ``actor_index`` load balancer (replicas pull;
+pass ``replica=`` to pin a follow-up turn); ``timeout_seconds`` cancels the job, which aborts
+its vLLM request on the replica; each output also carries ``policy_version``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..errors import InvalidJob
+from ..protocol import Result
+from .sync import SyncProducer
+
+_SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
+    "logprobs", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "skip_special_tokens", "detokenize",
+)
+
+
+@dataclass
+class CompletionOutput:
+    """Mirrors ``vllm.CompletionOutput`` (the fields RL code reads)."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    logprobs: list[float] | None  # logprob of each generated token
+    finish_reason: str | None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else float(sum(self.logprobs))
+
+
+@dataclass
+class RequestOutput:
+    """Mirrors ``vllm.RequestOutput``, plus the policy version span and the replica."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    policy_version: tuple[int, int] = (0, 0)
+    replica: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_result(cls, r: Result, prompt: str | None = None, prompt_token_ids: list[int] | None = None) -> RequestOutput:
+        return cls(
+            request_id=r.id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+            outputs=[
+                CompletionOutput(i, s.text, s.token_ids, s.token_logprobs, s.finish_reason)
+                for i, s in enumerate(r.samples)
+            ],
+            policy_version=r.policy_version, replica=r.replica,
+            metrics={"queued_s": r.queued_s, "run_s": max(0.0, r.finished - r.started)},
+        )
+
+
+def sampling_to_dict(sp: Any) -> dict[str, Any] | None:
+    """Accept a dict, a rollq SamplingParams, or a ``vllm.SamplingParams`` object."""
+    if sp is None or isinstance(sp, dict):
+        return sp
+    if hasattr(sp, "to_dict"):
+        return sp.to_dict()
+    out: dict[str, Any] = {}
+    for name in _SAMPLING_FIELDS:
+        v = getattr(sp, name, None)
+        if v is None:
+            continue
+        if name == "top_k" and v == -1:
+            v = 0
+        if name in ("stop", "stop_token_ids"):
+            v = list(v)
+        out[name] = v
+    return out
+
+
+def _is_batch(prompts: Any, prompt_token_ids: Any) -> bool:
+    if prompt_token_ids is not None:
+        return bool(prompt_token_ids) and isinstance(prompt_token_ids[0], (list, tuple))
+    return isinstance(prompts, (list, tuple))
+
+
+class RollqLLM:
+    """A blocking client with the shape of TorchRL's ``AsyncVLLM.generate``."""
+
+    def __init__(self, url: str | None = None, queue: str = "default", **producer_kwargs: Any):
+        self._p = SyncProducer(url, queue, **producer_kwargs)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: Any = None,
+        *,
+        prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        use_tqdm: bool = False,
+        timeout_seconds: float | None = None,
+        replica: str | None = None,
+        min_version: int | None = None,
+        **_ignored: Any,
+    ) -> RequestOutput | list[RequestOutput]:
+        """Generate for one prompt or a batch; blocks until every result is in.
+
+        A failed job raises its :class:`~rollq.errors.JobError`; a timeout cancels what is
+        still running (aborting the vLLM requests) and raises ``TimeoutError``.
+        """
+        if prompts is None and prompt_token_ids is None:
+            raise InvalidJob("generate() needs prompts or prompt_token_ids")
+        batch = _is_batch(prompts, prompt_token_ids)
+        sampling = sampling_to_dict(sampling_params)
+        if prompt_token_ids is not None:
+            ids_list = list(prompt_token_ids) if batch else [prompt_token_ids]
+            specs = [{"prompt_token_ids": list(ids)} for ids in ids_list]
+            texts: list[str | None] = [None] * len(specs)
+        else:
+            texts = list(prompts) if batch else [prompts]  # type: ignore[list-item, arg-type]
+            specs = [{"prompt": t} for t in texts]
+            ids_list = [None] * len(specs)
+        for s in specs:
+            s["sampling"] = sampling
+            if replica:
+                s["replica"] = replica
+            if min_version is not None:
+                s["min_version"] = min_version
+        handles = self._p.submit_many(specs)
+        outs = []
+        try:
+            for h, text, ids in zip(handles, texts, ids_list):
+                r = h.result(timeout=timeout_seconds)
+                outs.append(RequestOutput.from_result(r, text, list(ids) if ids is not None else None))
+        except TimeoutError:
+            for h in handles:
+                if not h.done():
+                    h.cancel()
+            raise TimeoutError(
+                f"generate() timed out after {timeout_seconds}s (timeout_seconds); unfinished jobs were cancelled"
+            ) from None
+        return outs if batch else outs[0]
+
+    def close(self) -> None:
+        self._p.close()
+
+    def __enter__(self) -> RollqLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,222 @@
+"""Replica side of weight sync: follow the durable version record and apply new versions.
+
+>>> follower = WeightFollower(consumer, root="/dev/shm/rollq-weights")      # doctest: +SKIP
+>>> await follower.start()      # loads the current version before the consumer pulls
+
+Pub/sub ``version N`` messages only make it look sooner: the follower reconciles with the
+durable record on start, after every hint, and every ``reconcile_interval`` seconds, so a
+missed message costs at most that long. Older or equal versions are ignored.
+
+Applying a version follows the queue's update policy (``config`` hash, ``update_policy``):
+
+- ``keep``: close rollq's intake, ``pause(keep)`` the engine (in-flight requests stay), load,
+  reset the prefix cache, resume; those requests finish on the new weights and their results
+  carry the span ``(version_start, version_end)``.
+- ``abort``: close intake, abort in-flight requests, load, then run them again from scratch
+  on the new weights (they stay leased to this replica: nothing is lost or duplicated).
+- ``drain``: close intake, let in-flight requests finish on the old weights, load, reopen.
+
+The pause (generation stopped) and the whole update time are recorded per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
+from .versions import VersionRecord, read_version
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("keep", "abort", "drain")
+
+
+@dataclass
+class UpdateStats:
+    version: int
+    policy: str
+    transport: str
+    update_s: float  # from noticing the version to serving it
+    pause_s: float  # generation stopped (keep/abort) or intake closed (drain)
+    load: dict[str, Any] = field(default_factory=dict)
+
+
+class WeightFollower:
+    """Keeps one replica's engine at the newest committed policy version."""
+
+    def __init__(
+        self,
+        consumer: Any,
+        *,
+        root: str | None = None,
+        reconcile_interval: float = 5.0,
+        load_timeout: float = 300.0,
+        drain_timeout: float = 120.0,
+        default_policy: str = "keep",
+    ):
+        self.consumer = consumer
+        self.engine = consumer.engine
+        self.root = root
+        self.reconcile_interval = reconcile_interval
+        self.load_timeout = load_timeout
+        self.drain_timeout = drain_timeout
+        self.default_policy = default_policy
+        self.history: list[UpdateStats] = []
+        self.failures = 0
+        self._lock = asyncio.Lock()
+        self._kick = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._client: Any = None
+        #: Optional NCCL/gloo receiver (rollq.weightsync.nccl) that stages versions early.
+        self.receiver: Any = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Catch up with the committed version (before the consumer pulls), then follow it."""
+        from ..connection import connect
+
+        self._client = connect(self.consumer.redis_settings)
+        self.consumer.add_control_handler(self._on_control)
+        self.consumer.intake_gate.clear()  # a restarted replica loads the current version first
+        try:
+            await self._reconcile_with_retry()
+        finally:
+            self.consumer.intake_gate.set()
+        self._task = asyncio.create_task(self._loop(), name="rollq-weight-follower")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._client is not None:
+            await self._client.aclose()
+
+    def _on_control(self, verb: str, arg: str) -> None:
+        if verb == "version":
+            self._kick.set()
+
+    async def _reconcile_with_retry(self) -> None:
+        delay = 0.2
+        while True:
+            try:
+                await self.reconcile()
+                return
+            except (OSError, ConnectionError) as e:
+                log.warning("cannot read the version record (%s); retrying", e)
+            except Exception as e:
+                if "Connection" not in type(e).__name__:
+                    raise
+                log.warning("cannot read the version record (%s); retrying", e)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._kick.wait(), self.reconcile_interval)
+            except asyncio.TimeoutError:
+                pass
+            self._kick.clear()
+            try:
+                await self.reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self.failures += 1
+                log.error("weight update failed: %s: %s", type(e).__name__, e)
+                await asyncio.sleep(min(5.0, 0.2 * self.failures))
+
+    # -- applying versions ---------------------------------------------------------------
+    async def reconcile(self) -> UpdateStats | None:
+        """Apply the committed version if it is newer than the loaded one."""
+        async with self._lock:
+            rec = await read_version(self._client, self.consumer.keys)
+            if rec is None or rec.version <= self.consumer.version:
+                return None
+            policy = await self._policy()
+            st = await self.apply(rec, policy)
+            self.history.append(st)
+            self.failures = 0
+            return st
+
+    async def _policy(self) -> str:
+        p = await self._client.hget(self.consumer.keys.config, "update_policy")
+        p = p.decode() if isinstance(p, bytes) else p
+        return p if p in POLICIES else self.default_policy
+
+    async def apply(self, rec: VersionRecord, policy: str) -> UpdateStats:
+        c = self.consumer
+        t0 = time.perf_counter()
+        staged = None
+        if self.receiver is not None and rec.transport == "nccl":
+            staged = self.receiver.staged_for(rec)  # received while serving; only the swap is left
+        c.intake_gate.clear()  # rollq's own intake closes first (vLLM would still accept)
+        aborted: list[Any] = []
+        try:
+            if policy == "drain":
+                t_pause = time.perf_counter()
+                await self._wait_drained()
+                load = await self._load(rec, staged)
+                self._set_version(rec.version)
+                await self.engine.reset_prefix_cache()
+            else:
+                if policy == "abort":
+                    aborted = c.abort_running()
+                t_pause = time.perf_counter()
+                await self.engine.pause("keep" if policy == "keep" else "abort")
+                try:
+                    load = await self._load(rec, staged)
+                    self._set_version(rec.version)
+                    await self.engine.reset_prefix_cache()
+                finally:
+                    await self.engine.resume()
+            pause_s = time.perf_counter() - t_pause
+        finally:
+            if aborted:
+                c.restart(aborted)
+            c.intake_gate.set()
+        c._paused_total += pause_s
+        st = UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load)
+        log.info(
+            "replica %s now at policy version %d (%s, %s): update %.3fs, paused %.3fs",
+            c.id, rec.version, policy, rec.transport, st.update_s, st.pause_s,
+        )
+        return st
+
+    def _set_version(self, v: int) -> None:
+        self.consumer.version = v
+        self.consumer.release_held()
+
+    async def _wait_drained(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while self.consumer.running_count() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def _load(self, rec: VersionRecord, staged: Any) -> dict[str, Any]:
+        if staged is not None:
+            return await self.receiver.apply_staged(rec, staged, timeout=self.load_timeout)
+        if rec.memmap_slot is None:
+            raise WeightSyncError(
+                f"version {rec.version} was sent over {rec.transport} and this replica did not receive it; "
+                "no memmap copy is recorded yet"
+            )
+        if self.root is None:
+            raise WeightSyncError("version is in memmap storage but this replica has no weights root (--weights-root)")
+        try:
+            res = await asyncio.wait_for(
+                self.engine.call_workers("rollq_load_memmap", self.root, rec.memmap_slot, rec.version, rec.checksum),
+                self.load_timeout,
+            )
+        except asyncio.TimeoutError as e:
+            raise WeightSyncTimeout(
+                f"loading version {rec.version} from memmap took longer than {self.load_timeout}s (load_timeout)"
+            ) from e
+        except Exception as e:
+            if "CorruptWeights" in f"{type(e).__name__}{e}":
+                raise CorruptWeights(str(e)) from e
+            raise
+        return res[0] if res else {}

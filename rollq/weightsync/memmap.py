@@ -1,0 +1,175 @@
+"""Versioned TensorDict memmap storage for policy weights (shared filesystem or /dev/shm).
+
+Layout under a root directory::
+
+    root/slot-0/  meta.json  <name>.memmap ...  COMMIT
+    root/slot-1/  ...
+
+Version ``v`` goes to ``slot-(v % keep)`` (``keep`` >= 2), so the slot a reader may still be
+loading is never the one being written. A write first removes the slot's ``COMMIT`` marker,
+then writes the tensors (reusing the existing memmap files in place when the layout is
+unchanged: no re-allocation, no page faults on warm pages), then writes ``COMMIT`` (JSON:
+version, checksum, tensor manifest) atomically. A reader checks ``COMMIT`` before loading,
+verifies the checksum of what it loaded, and checks ``COMMIT`` again afterwards, so a
+half-written or concurrently rewritten slot is refused with
+:class:`~rollq.errors.CorruptWeights`. Paths never leave the root.
+
+>>> store = MemmapStore("/dev/shm/rollq-weights")                 # doctest: +SKIP
+>>> info = store.write(3, model.state_dict())                       # doctest: +SKIP
+>>> tensors = store.read(info.slot, version=3, checksum=info.checksum)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+
+from ..errors import CorruptWeights, WeightSyncError
+from .checksum import state_checksum
+from .versions import TensorMeta
+
+log = logging.getLogger(__name__)
+
+COMMIT = "COMMIT"
+
+
+@dataclass
+class SlotInfo:
+    slot: str
+    version: int
+    checksum: str
+    manifest: list[TensorMeta]
+    nbytes: int
+    write_s: float
+    checksum_s: float
+
+
+def named_tensors(state: Mapping[str, torch.Tensor] | torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Normalise a state dict, a module or ``(name, tensor)`` pairs to a list of pairs."""
+    if isinstance(state, torch.nn.Module):
+        state = state.state_dict()
+    items = list(state.items()) if isinstance(state, Mapping) else list(state)
+    for name, t in items:
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise WeightSyncError(f"weights must be (str, Tensor) pairs, got ({type(name).__name__}, {type(t).__name__})")
+    return items
+
+
+def manifest_of(items: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+    return [TensorMeta(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in items]
+
+
+class MemmapStore:
+    """Versioned slots of memory-mapped tensors under ``root``."""
+
+    def __init__(self, root: str | os.PathLike, keep: int = 2, num_threads: int = 4):
+        if keep < 2:
+            raise ValueError("keep must be >= 2 (a reader's slot is never rewritten)")
+        self.root = Path(root).resolve()
+        self.keep = keep
+        self.num_threads = num_threads
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- paths -------------------------------------------------------------------------
+    def slot_for(self, version: int) -> str:
+        return f"slot-{version % self.keep}"
+
+    def path(self, slot: str) -> Path:
+        """The directory of ``slot``, refusing anything outside the root."""
+        p = (self.root / slot).resolve()
+        if p.parent != self.root or not p.name.startswith("slot-"):
+            raise WeightSyncError(f"slot {slot!r} is outside the weight store root {self.root}")
+        return p
+
+    def marker(self, slot: str) -> dict | None:
+        try:
+            return json.loads((self.path(slot) / COMMIT).read_text())
+        except FileNotFoundError:
+            return None
+        except (json.JSONDecodeError, OSError) as e:
+            raise CorruptWeights(f"commit marker of {slot} is unreadable: {e}") from e
+
+    # -- write -------------------------------------------------------------------------
+    def write(self, version: int, state: Mapping[str, torch.Tensor] | torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> SlotInfo:
+        """Write ``state`` as ``version`` and commit it; returns where and its checksum."""
+        from tensordict import TensorDict
+
+        items = named_tensors(state)
+        slot = self.slot_for(version)
+        d = self.path(slot)
+        t0 = time.perf_counter()
+        (d / COMMIT).unlink(missing_ok=True)  # readers now refuse this slot
+        manifest = manifest_of(items)
+        src = TensorDict(dict(items), batch_size=[])
+        reused = False
+        if (d / "meta.json").exists():
+            try:
+                dst = TensorDict.load_memmap(d)
+                if sorted(dst.keys()) == sorted(n for n, _ in items) and all(
+                    dst[n].shape == t.shape and dst[n].dtype == t.dtype for n, t in items
+                ):
+                    dst.update_(src)  # in place into the existing (warm) files
+                    for v in dst.values():
+                        if hasattr(v, "_memmap_flush"):
+                            v._memmap_flush()
+                    reused = True
+            except Exception as e:  # layout changed or files damaged: rewrite from scratch
+                log.info("rewriting slot %s from scratch (%s)", slot, e)
+        if not reused:
+            shutil.rmtree(d, ignore_errors=True)
+            src.memmap(prefix=d, num_threads=self.num_threads)
+        write_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        checksum = state_checksum(items)
+        checksum_s = time.perf_counter() - t1
+        nbytes = sum(m.nbytes for m in manifest)
+        marker = {
+            "version": version, "checksum": checksum, "nbytes": nbytes, "written_at": time.time(),
+            "manifest": [[m.name, m.dtype, m.shape] for m in manifest],
+        }
+        tmp = d / (COMMIT + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, d / COMMIT)
+        log.info("wrote version %d to %s (%.1f MB, %.3fs, reused=%s)", version, d, nbytes / 1e6, write_s, reused)
+        return SlotInfo(slot, version, checksum, manifest, nbytes, write_s, checksum_s)
+
+    # -- read --------------------------------------------------------------------------
+    def read(self, slot: str, *, version: int, checksum: str, verify: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """Load a committed slot (memory-mapped tensors), refusing anything but ``version``."""
+        from tensordict import TensorDict
+
+        d = self.path(slot)
+        m = self.marker(slot)
+        if m is None:
+            raise CorruptWeights(f"{d} has no commit marker: version {version} is not (or no longer) complete")
+        if m.get("version") != version or m.get("checksum") != checksum:
+            raise CorruptWeights(
+                f"{d} holds version {m.get('version')} (checksum {m.get('checksum')}), not version {version} ({checksum})"
+            )
+        try:
+            td = TensorDict.load_memmap(d)
+        except Exception as e:
+            raise CorruptWeights(f"cannot load {d}: {type(e).__name__}: {e}") from e
+        names = [row[0] for row in m["manifest"]]
+        try:
+            items = [(n, td[n]) for n in names]
+        except KeyError as e:
+            raise CorruptWeights(f"{d} lacks tensor {e} listed in its commit marker") from e
+        if verify:
+            got = state_checksum(items)
+            if got != checksum:
+                raise CorruptWeights(f"{d}: checksum {got} does not match the committed {checksum}")
+        if self.marker(slot) != m:
+            raise CorruptWeights(f"{d} was rewritten while it was being read")
+        return items

@@ -1,0 +1,67 @@
+"""vLLM worker extension: loads rollq weight versions inside every vLLM worker.
+
+Pass ``worker_extension_cls="rollq.weightsync.worker_ext.RollqWorkerExtension"`` to the engine;
+the replica then calls these methods by name through ``collective_rpc`` (one call per update
+for all workers, never one per tensor). Methods run inside each worker process, next to the
+model, so the weights never travel through the engine's RPC channel.
+
+Loading: on GPU workers ``model.load_weights`` (the checkpoint-format loader every vLLM model
+has); on the CPU backend, whose linear layers are repacked at start-up,
+``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class RollqWorkerExtension:
+    """Mixed into vLLM's worker class (``self`` is the worker)."""
+
+    # -- loading -----------------------------------------------------------------------
+    def _rollq_device(self) -> torch.device:
+        dev = getattr(self, "device", None)
+        if isinstance(dev, torch.device):
+            return dev
+        return torch.device("cpu")
+
+    def _rollq_load(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._rollq_device().type == "cpu" and hasattr(self, "reload_weights"):
+            self.reload_weights(weights_iterator=iter(list(items)), is_checkpoint_format=True)
+        else:
+            self.model_runner.model.load_weights(weights=iter(items))
+
+    def rollq_load_memmap(self, root: str, slot: str, version: int, checksum: str, verify: bool = True) -> dict[str, Any]:
+        """Load committed ``version`` from a memmap slot; returns timings (seconds)."""
+        from .memmap import MemmapStore
+
+        t0 = time.perf_counter()
+        items = MemmapStore(root).read(slot, version=version, checksum=checksum, verify=verify)
+        t1 = time.perf_counter()
+        dev = self._rollq_device()
+        if dev.type == "cuda":
+            items = [(n, t.to(dev, non_blocking=True)) for n, t in items]
+            torch.cuda.synchronize(dev)
+        t2 = time.perf_counter()
+        self._rollq_load(items)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t3 = time.perf_counter()
+        self._rollq_version = version
+        return {"read_s": t1 - t0, "copy_s": t2 - t1, "load_s": t3 - t2}
+
+    def rollq_version(self) -> int:
+        return getattr(self, "_rollq_version", 0)
+
+    def rollq_weight_sample(self, name_contains: str = "embed") -> list[float]:
+        """A few values of one parameter (tests use it to see an update land)."""
+        for name, p in self.model_runner.model.named_parameters():
+            if name_contains in name and p.numel() > 0:
+                return p.detach().reshape(-1)[:4].float().cpu().tolist()
+        return []
