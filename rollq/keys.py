@@ -98,6 +98,11 @@ class QueueKeys:
         return f"{self.tag}:lat"
 
     @cached_property
+    def lag(self) -> str:
+        """Hash ``lag -> count``: policy lag of finished jobs (loaded version - version at start)."""
+        return f"{self.tag}:lagh"
+
+    @cached_property
     def control(self) -> str:
         """Pub/sub channel of hints (cancellations, hand-backs, new versions)."""
         return f"{self.tag}:ctl"
@@ -130,7 +135,7 @@ class QueueKeys:
     def all_static(self) -> list[str]:
         """Every key of the queue whose name does not depend on a producer or replica."""
         return [
-            self.jobs, self.ids, self.dlq, self.consumers, self.stats, self.latency,
+            self.jobs, self.ids, self.dlq, self.consumers, self.stats, self.latency, self.lag,
             self.config, self.version, self.versions_log, self.admission,
         ]
 

@@ -93,6 +93,9 @@ class ReplicaInfo(msgspec.Struct, kw_only=True):
     state: str  # serving | paused | draining | stopped
     labels: dict[str, str] = {}
     paused_s_total: float = 0.0
+    last_update_s: float | None = None  # last weight update: noticed -> serving the new version
+    last_pause_s: float | None = None  # last weight update: generation stopped
+    updates: int = 0
 
 
 @dataclass(slots=True)
@@ -129,6 +132,7 @@ class ConsumerCounters:
     reclaimed: int = 0
     reconnects: int = 0
     latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS_MS) + 1))
+    lag: dict[int, int] = field(default_factory=dict)
 
 
 class Consumer:
@@ -191,6 +195,8 @@ class Consumer:
         self.intake_gate.set()
         self._paused_total = 0.0
         self._control_handlers: list[Callable[[str, str], Any]] = []
+        #: Weight-update figures shown in the registry (set by the weight follower).
+        self.update_info: dict[str, Any] = {}
 
     # ==================================================================================
     # lifecycle
@@ -458,6 +464,8 @@ class Consumer:
                 deliveries=run.deliveries, meta=job.meta,
             )
             self._queue_finish(run.stream, run.eid, job.id, job.reply, encode_result(res), b"", "completed", now - job.submitted)
+            lag = self.version - run.version_start
+            self.counters.lag[lag] = self.counters.lag.get(lag, 0) + 1
         elif isinstance(out, EngineDead):
             # Leave the job pending: a live replica will reclaim it.
             self._engine_error = out
@@ -573,6 +581,7 @@ class Consumer:
             tokens_per_s=round(self._tokens_per_s, 1), completed=self.counters.completed,
             failed=self.counters.failed, started_at=self._started_at, heartbeat_at=time.time(),
             state=self.state, labels=dict(self.settings.labels), paused_s_total=round(self._paused_total, 4),
+            **self.update_info,
         )
 
     async def _heartbeat_once(self) -> None:
@@ -611,6 +620,10 @@ class Consumer:
                 if v:
                     pipe.hincrby(self.keys.latency, str(i), v)
             self.counters.latency_buckets = [0] * len(buckets)
+        if self.counters.lag:
+            for lag, n in self.counters.lag.items():
+                pipe.hincrby(self.keys.lag, str(lag), n)
+            self.counters.lag = {}
 
     async def _flush_stats(self) -> None:
         pipe = self._client.pipeline(transaction=False)

@@ -180,6 +180,10 @@ class WeightFollower:
                 c.restart(aborted)
             c.intake_gate.set()
         c._paused_total += pause_s
+        c.update_info = {
+            "last_update_s": round(time.perf_counter() - t0, 4), "last_pause_s": round(pause_s, 4),
+            "updates": c.update_info.get("updates", 0) + 1,
+        }
         st = UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load)
         log.info(
             "replica %s now at policy version %d (%s, %s): update %.3fs, paused %.3fs",
