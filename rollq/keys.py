@@ -124,6 +124,20 @@ class QueueKeys:
         return f"{self.tag}:versions"
 
     @cached_property
+    def weights_group(self) -> str:
+        """Hash: the trainer's current broadcast group (address, world size, id) and rank counter."""
+        return f"{self.tag}:wgroup"
+
+    @cached_property
+    def weights_offer(self) -> str:
+        """Hash: the version being broadcast now (manifest, checksum), before it is committed."""
+        return f"{self.tag}:woffer"
+
+    def weights_acks(self, version: int) -> str:
+        """Hash ``replica -> ok|error`` of receivers that staged a broadcast version."""
+        return f"{self.tag}:wacks:{version}"
+
+    @cached_property
     def admission(self) -> str:
         """Hash of admission-control counters (staleness bound)."""
         return f"{self.tag}:adm"
@@ -136,7 +150,7 @@ class QueueKeys:
         """Every key of the queue whose name does not depend on a producer or replica."""
         return [
             self.jobs, self.ids, self.dlq, self.consumers, self.stats, self.latency, self.lag,
-            self.config, self.version, self.versions_log, self.admission,
+            self.config, self.version, self.versions_log, self.admission, self.weights_group, self.weights_offer,
         ]
 
     def pattern(self) -> str:

@@ -57,6 +57,7 @@ class WeightFollower:
         load_timeout: float = 300.0,
         drain_timeout: float = 120.0,
         default_policy: str = "keep",
+        broadcast: bool = False,
     ):
         self.consumer = consumer
         self.engine = consumer.engine
@@ -71,8 +72,12 @@ class WeightFollower:
         self._kick = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._client: Any = None
-        #: Optional NCCL/gloo receiver (rollq.weightsync.nccl) that stages versions early.
+        #: NCCL/gloo receiver (rollq.weightsync.nccl) that stages versions while serving.
         self.receiver: Any = None
+        if broadcast:
+            from .nccl import ReplicaReceiver
+
+            self.receiver = ReplicaReceiver(self)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -87,8 +92,12 @@ class WeightFollower:
         finally:
             self.consumer.intake_gate.set()
         self._task = asyncio.create_task(self._loop(), name="rollq-weight-follower")
+        if self.receiver is not None:
+            await self.receiver.start(self._client)
 
     async def stop(self) -> None:
+        if self.receiver is not None:
+            await self.receiver.stop()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -154,6 +163,10 @@ class WeightFollower:
         staged = None
         if self.receiver is not None and rec.transport == "nccl":
             staged = self.receiver.staged_for(rec)  # received while serving; only the swap is left
+            if staged is None and rec.memmap_slot is None:
+                # Committed before this replica acked (it joined late, or the trainer moved on):
+                # wait briefly for a memmap copy rather than failing.
+                log.info("version %d was broadcast without us; waiting for a memmap copy", rec.version)
         c.intake_gate.clear()  # rollq's own intake closes first (vLLM would still accept)
         aborted: list[Any] = []
         try:

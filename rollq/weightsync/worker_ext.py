@@ -56,6 +56,58 @@ class RollqWorkerExtension:
         self._rollq_version = version
         return {"read_s": t1 - t0, "copy_s": t2 - t1, "load_s": t3 - t2}
 
+    # -- broadcast (NCCL / gloo) -------------------------------------------------------
+    def rollq_join_group(self, info: bytes, rank_offset: int) -> None:
+        """Join the trainer's broadcast group as rank ``rank_offset + self.rank`` (in a thread)."""
+        import threading
+
+        import msgspec
+
+        from .nccl import GroupInfo, WorkerReceiver
+
+        gi = msgspec.msgpack.decode(info, type=GroupInfo)
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        self._rollq_status = {"state": "joining", "group": gi.id, "joined": False}
+
+        def join() -> None:
+            try:
+                self._rollq_receiver = WorkerReceiver(gi, rank, self._rollq_device())
+                self._rollq_status = {"state": "idle", "group": gi.id, "joined": True, "rank": rank}
+            except Exception as e:
+                self._rollq_status = {"state": "failed", "group": gi.id, "joined": False, "error": f"{type(e).__name__}: {e}"}
+
+        threading.Thread(target=join, name="rollq-join", daemon=True).start()
+
+    def rollq_receive(self, offer: bytes) -> None:
+        """Start receiving an offered version into the staging buffer (returns at once)."""
+        import msgspec
+
+        from .nccl import Offer
+
+        rcv = getattr(self, "_rollq_receiver", None)
+        if rcv is None:
+            raise RuntimeError("this worker has not joined a broadcast group")
+        rcv.start_receive(msgspec.msgpack.decode(offer, type=Offer))
+
+    def rollq_receive_status(self) -> dict[str, Any]:
+        rcv = getattr(self, "_rollq_receiver", None)
+        base = dict(getattr(self, "_rollq_status", {"state": "idle"}))
+        if rcv is not None:
+            base.update(rcv.status)
+            base["group"] = rcv.info.id
+            base["joined"] = True
+        return base
+
+    def rollq_apply_staged(self, version: int) -> dict[str, Any]:
+        """Swap a staged version in (the only step that runs while generation is paused)."""
+        t0 = time.perf_counter()
+        items = self._rollq_receiver.take(version)
+        self._rollq_load(items)
+        if self._rollq_device().type == "cuda":
+            torch.cuda.synchronize(self._rollq_device())
+        self._rollq_version = version
+        return {"load_s": time.perf_counter() - t0}
+
     def rollq_version(self) -> int:
         return getattr(self, "_rollq_version", 0)
 

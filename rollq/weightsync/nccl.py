@@ -1,0 +1,502 @@
+"""Broadcast weight transport: NCCL on GPUs, gloo on CPU-only machines, same protocol.
+
+The trainer is rank 0; every vLLM worker of every replica is a rank (tensor-parallel
+workers included). Nothing needs ``torch.distributed.init_process_group``: the group is a
+stateless ``ProcessGroupNCCL``/``ProcessGroupGloo`` over its own ``TCPStore``, so it never
+disturbs the trainer's own groups.
+
+Protocol of one update (one control message, never one RPC per tensor):
+
+1. The trainer writes the *offer* (version, tensor manifest, checksum, bucket size) to Redis
+   and announces it (``woffer <v>``).
+2. Each replica tells its workers once (``collective_rpc("rollq_receive", ...)``); each worker
+   starts a background thread that receives the buckets straight into a persistent flat
+   staging buffer (tensors are views into it: no unpacking copy), verifies the checksum and
+   reports. The engine keeps generating meanwhile.
+3. The trainer packs tensors into buckets (``bucket_bytes``, two buffers so packing overlaps
+   the previous broadcast) and broadcasts them, then waits for every replica's ack.
+4. All acked: the version is committed (durable record, pub/sub). Each replica then pauses
+   only to swap the staged tensors in (``rollq_apply_staged``) and resumes.
+
+Every phase has a timeout (group formation, each broadcast, the acks). On a failure the trainer
+drops the group (rebuilt on the next update) and the publisher falls back to memmap for the
+same version; receivers that staged nothing load that memmap copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import msgspec
+import torch
+
+from ..errors import WeightSyncError, WeightSyncTimeout
+from .checksum import state_checksum
+from .versions import TensorMeta, VersionRecord
+
+log = logging.getLogger(__name__)
+
+ALIGN = 256
+
+
+# ----------------------------------------------------------------------------------------
+# layout: the same on both sides, computed from the manifest alone
+# ----------------------------------------------------------------------------------------
+@dataclass
+class Layout:
+    """Where each tensor lives in the flat buffer, and the bucket boundaries."""
+
+    offsets: list[int]  # byte offset of each tensor in the flat buffer
+    total: int  # flat buffer size
+    buckets: list[tuple[int, int]]  # (start, end) byte ranges, each broadcast once
+
+    @classmethod
+    def of(cls, manifest: list[TensorMeta], bucket_bytes: int) -> Layout:
+        offsets, pos = [], 0
+        for m in manifest:
+            pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+            offsets.append(pos)
+            pos += m.nbytes
+        total = (pos + ALIGN - 1) // ALIGN * ALIGN
+        buckets, start = [], 0
+        while start < total:
+            end = min(total, start + bucket_bytes)
+            buckets.append((start, end))
+            start = end
+        return cls(offsets, total, buckets)
+
+    def views(self, flat: torch.Tensor, manifest: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for m, off in zip(manifest, self.offsets):
+            dt = getattr(torch, m.dtype)
+            out.append((m.name, flat[off : off + m.nbytes].view(dt).view(m.shape)))
+        return out
+
+
+class Offer(msgspec.Struct, kw_only=True):
+    """A version being broadcast (Redis ``woffer``)."""
+
+    version: int
+    group: str
+    checksum: str
+    bucket_bytes: int
+    manifest: list[TensorMeta]
+    timeout: float
+
+
+class GroupInfo(msgspec.Struct, kw_only=True):
+    """The trainer's broadcast group (Redis ``wgroup``)."""
+
+    id: str
+    host: str
+    port: int
+    world_size: int
+    backend: str
+    timeout: float
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Group:
+    """A process group and the store it lives on (the store must outlive the group)."""
+
+    pg: Any
+    store: Any
+
+    def broadcast(self, buf: torch.Tensor, timeout: float) -> None:
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        work = self.pg.broadcast([buf], opts)
+        if not work.wait(timedelta(seconds=timeout)):
+            raise WeightSyncTimeout(f"broadcast of {buf.numel()} bytes did not finish within {timeout}s (timeout)")
+
+    def abort(self) -> None:
+        for target in (self.pg,):
+            fn = getattr(target, "abort", None) or getattr(target, "shutdown", None)
+            if fn is not None:
+                try:
+                    fn()
+                except Exception:
+                    pass
+
+
+def make_group(info: GroupInfo, rank: int, device: torch.device | None = None) -> Group:
+    """A stateless process group of ``info`` (rank 0 hosts the TCPStore)."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    timeout = timedelta(seconds=info.timeout)
+    store = TCPStore(info.host, info.port, info.world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
+    pstore = PrefixStore(f"rollq/{info.id}", store)
+    if info.backend == "gloo":
+        pg = torch.distributed.ProcessGroupGloo(pstore, rank, info.world_size, timeout)
+    else:
+        opts = torch.distributed.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = torch.distributed.ProcessGroupNCCL(pstore, rank, info.world_size, opts)
+    return Group(pg, store)
+
+
+def _broadcast(group: Group, buf: torch.Tensor, timeout: float) -> None:
+    group.broadcast(buf, timeout)
+
+
+# ----------------------------------------------------------------------------------------
+# trainer side
+# ----------------------------------------------------------------------------------------
+class BroadcastSender:
+    """Rank 0 of the weight broadcast group (use with WeightPublisher(sender=...)).
+
+    Args:
+        num_workers: vLLM workers that will join (sum of tensor-parallel sizes of replicas).
+        backend: ``nccl`` (GPU tensors) or ``gloo`` (CPU).
+        host: address replicas connect to (this machine's, reachable from them).
+        bucket_bytes: bytes per broadcast (two buffers of it are allocated).
+        timeout: seconds for group formation, each broadcast and the acks.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        backend: str = "nccl",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        bucket_bytes: int = 1 << 30,
+        timeout: float = 60.0,
+        device: str | torch.device | None = None,
+    ):
+        if backend not in ("nccl", "gloo"):
+            raise ValueError("backend must be 'nccl' or 'gloo'")
+        self.num_workers = num_workers
+        self.backend = backend
+        self.host = host
+        self.port = port
+        self.bucket_bytes = bucket_bytes
+        self.timeout = timeout
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
+        self.info: GroupInfo | None = None
+        self.pg: Any = None
+        self._bufs: list[torch.Tensor] = []
+        self.last_timings: dict[str, float] = {}
+
+    async def open(self, client: Any, keys: Any) -> GroupInfo:
+        """Create the group and wait (``timeout``) until every worker has joined."""
+        info = GroupInfo(
+            id=uuid.uuid4().hex[:12], host=self.host, port=self.port or _free_port(self.host),
+            world_size=self.num_workers + 1, backend=self.backend, timeout=self.timeout,
+        )
+        await client.delete(keys.weights_group)
+        await client.hset(keys.weights_group, mapping={"d": msgspec.msgpack.encode(info), "next_rank": 1})
+        await client.publish(keys.control, f"wgroup {info.id}")
+        try:
+            self.pg = await asyncio.wait_for(asyncio.to_thread(self._form, info), self.timeout + 5)
+        except (asyncio.TimeoutError, RuntimeError) as e:
+            await client.delete(keys.weights_group)
+            raise WeightSyncTimeout(
+                f"{self.num_workers} workers did not all join broadcast group {info.id} within {self.timeout}s (timeout)"
+            ) from e
+        self.info = info
+        log.info("broadcast group %s ready: %d workers over %s", info.id, self.num_workers, self.backend)
+        return info
+
+    def _form(self, info: GroupInfo) -> Any:
+        pg = make_group(info, 0, self.device)
+        # One tiny collective proves every rank is there (NCCL connects lazily).
+        _broadcast(pg, torch.zeros(1, dtype=torch.uint8, device=self.device), info.timeout)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return pg
+
+    async def send(self, version: int, items: list[tuple[str, torch.Tensor]], client: Any, keys: Any) -> VersionRecord:
+        """Broadcast ``items`` as ``version``; returns the record to commit once all acked."""
+        if self.pg is None:
+            await self.open(client, keys)
+        assert self.info is not None
+        from .memmap import manifest_of
+
+        t0 = time.perf_counter()
+        manifest = manifest_of(items)
+        checksum = state_checksum(items)
+        t_ck = time.perf_counter() - t0
+        offer = Offer(
+            version=version, group=self.info.id, checksum=checksum, bucket_bytes=self.bucket_bytes,
+            manifest=manifest, timeout=self.timeout,
+        )
+        acks_key = keys.weights_acks(version)
+        await client.delete(acks_key)
+        await client.hset(keys.weights_offer, mapping={"v": version, "d": msgspec.msgpack.encode(offer)})
+        await client.publish(keys.control, f"woffer {version}")
+        t1 = time.perf_counter()
+        await asyncio.wait_for(asyncio.to_thread(self._broadcast_all, items, manifest), self.timeout * 4)
+        t2 = time.perf_counter()
+        acks = await self._wait_acks(client, acks_key, version)
+        t3 = time.perf_counter()
+        self.last_timings = {"checksum_s": t_ck, "broadcast_s": t2 - t1, "acks_s": t3 - t2, "send_s": t3 - t0}
+        await client.expire(acks_key, 3600)
+        nbytes = sum(m.nbytes for m in manifest)
+        return VersionRecord(
+            version=version, transport="nccl", checksum=checksum, num_tensors=len(items), nbytes=nbytes,
+            group=self.info.id, timings=dict(self.last_timings, replicas=float(len(acks))),
+        )
+
+    def _broadcast_all(self, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta]) -> None:
+        layout = Layout.of(manifest, self.bucket_bytes)
+        size = max(e - s for s, e in layout.buckets)
+        if not self._bufs or self._bufs[0].numel() < size:
+            self._bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in items]
+        cuda = self.device.type == "cuda"
+        streams = [torch.cuda.Stream(self.device) for _ in range(2)] if cuda else [None, None]
+        idx = 0  # next tensor to pack
+        for bi, (bstart, bend) in enumerate(layout.buckets):
+            buf = self._bufs[bi % 2][: bend - bstart]
+            stream = streams[bi % 2]
+            ctx = torch.cuda.stream(stream) if cuda else _null()
+            with ctx:
+                # Pack every tensor byte range overlapping [bstart, bend).
+                j = idx
+                while j < len(flats) and layout.offsets[j] < bend:
+                    off, src = layout.offsets[j], flats[j]
+                    lo, hi = max(off, bstart), min(off + src.numel(), bend)
+                    if hi > lo:
+                        buf[lo - bstart : hi - bstart].copy_(src[lo - off : hi - off], non_blocking=True)
+                    if off + src.numel() <= bend:
+                        j += 1
+                    else:
+                        break
+                idx = j
+                if cuda:
+                    stream.synchronize()
+                _broadcast(self.pg, buf, self.timeout)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+
+    async def _wait_acks(self, client: Any, key: str, version: int) -> dict[str, str]:
+        deadline = time.monotonic() + self.timeout
+        want = self.num_workers
+        while True:
+            acks = {k.decode(): v.decode() for k, v in (await client.hgetall(key)).items()}
+            bad = {k: v for k, v in acks.items() if v != "ok"}
+            if bad:
+                raise WeightSyncError(f"receivers failed to stage version {version}: {bad}")
+            if len(acks) >= want:
+                return acks
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(
+                    f"only {len(acks)}/{want} workers acknowledged version {version} within {self.timeout}s (timeout)"
+                )
+            await asyncio.sleep(0.005)
+
+    async def reset(self) -> None:
+        """Drop the group (after a failure); the next send forms a new one."""
+        pg, self.pg, self.info = self.pg, None, None
+        if pg is not None:
+            pg.abort()
+
+    def close(self) -> None:
+        self.pg = None
+        self._bufs = []
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+# ----------------------------------------------------------------------------------------
+# worker side (inside each vLLM worker, driven by RollqWorkerExtension)
+# ----------------------------------------------------------------------------------------
+class WorkerReceiver:
+    """Joins the trainer's group and receives versions into a persistent staging buffer."""
+
+    def __init__(self, info: GroupInfo, rank: int, device: torch.device):
+        self.info, self.rank, self.device = info, rank, device
+        self.pg = make_group(info, rank, device)
+        _broadcast(self.pg, torch.zeros(1, dtype=torch.uint8, device=device), info.timeout)
+        self.flat: torch.Tensor | None = None
+        self.staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
+        self.status: dict[str, Any] = {"state": "idle"}
+        self._thread: threading.Thread | None = None
+
+    def start_receive(self, offer: Offer) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            raise WeightSyncError("a receive is already running")
+        self.status = {"state": "receiving", "version": offer.version}
+        self._thread = threading.Thread(target=self._receive, args=(offer,), name="rollq-recv", daemon=True)
+        self._thread.start()
+
+    def _receive(self, offer: Offer) -> None:
+        t0 = time.perf_counter()
+        try:
+            layout = Layout.of(offer.manifest, offer.bucket_bytes)
+            if self.flat is None or self.flat.numel() < layout.total:
+                self.flat = torch.empty(layout.total, dtype=torch.uint8, device=self.device)
+            cuda = self.device.type == "cuda"
+            stream = torch.cuda.Stream(self.device) if cuda else None
+            with torch.cuda.stream(stream) if cuda else _null():
+                for s, e in layout.buckets:
+                    _broadcast(self.pg, self.flat[s:e], offer.timeout)
+                if cuda:
+                    stream.synchronize()
+            items = layout.views(self.flat, offer.manifest)
+            got = state_checksum(items)
+            if got != offer.checksum:
+                raise WeightSyncError(f"staged version {offer.version} has checksum {got}, expected {offer.checksum}")
+            self.staged = (offer.version, items)
+            self.status = {"state": "staged", "version": offer.version, "receive_s": time.perf_counter() - t0}
+        except Exception as e:
+            self.staged = None
+            self.status = {"state": "failed", "version": offer.version, "error": f"{type(e).__name__}: {e}"}
+            log.error("receiving version %d failed: %s", offer.version, e)
+
+    def take(self, version: int) -> list[tuple[str, torch.Tensor]]:
+        if self.staged is None or self.staged[0] != version:
+            raise WeightSyncError(f"version {version} is not staged here (staged: {self.staged[0] if self.staged else None})")
+        return self.staged[1]
+
+
+# ----------------------------------------------------------------------------------------
+# replica side (in the consumer process): drives its workers, acks to the trainer
+# ----------------------------------------------------------------------------------------
+class ReplicaReceiver:
+    """Joins the trainer's broadcast group and stages offered versions while serving.
+
+    Used as ``WeightFollower.receiver``; reacts to ``wgroup`` / ``woffer`` hints and also
+    checks the Redis records every ``poll_interval`` seconds.
+    """
+
+    def __init__(self, follower: Any, poll_interval: float = 1.0):
+        self.follower = follower
+        self.consumer = follower.consumer
+        self.engine = follower.engine
+        self.keys = self.consumer.keys
+        self.poll_interval = poll_interval
+        self.group: str | None = None
+        self.staged_version: int | None = None
+        self._kick = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._client: Any = None
+
+    @property
+    def num_workers(self) -> int:
+        return int(getattr(self.engine, "num_workers", 1))
+
+    async def start(self, client: Any) -> None:
+        self._client = client
+        self.consumer.add_control_handler(self._on_control)
+        self._task = asyncio.create_task(self._loop(), name="rollq-broadcast-receiver")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def _on_control(self, verb: str, arg: str) -> None:
+        if verb in ("wgroup", "woffer"):
+            self._kick.set()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.check()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("broadcast receiver: %s: %s", type(e).__name__, e)
+            try:
+                await asyncio.wait_for(self._kick.wait(), self.poll_interval)
+            except asyncio.TimeoutError:
+                pass
+            self._kick.clear()
+
+    async def check(self) -> None:
+        g = await self._client.hget(self.keys.weights_group, "d")
+        if g is None:
+            return
+        info = msgspec.msgpack.decode(g, type=GroupInfo)
+        if info.id != self.group:
+            await self._join(info)
+        o = await self._client.hget(self.keys.weights_offer, "d")
+        if o is None:
+            return
+        offer = msgspec.msgpack.decode(o, type=Offer)
+        if offer.group == self.group and offer.version > max(self.consumer.version, self.staged_version or 0):
+            await self._receive(offer, o)
+
+    async def _join(self, info: GroupInfo) -> None:
+        n = self.num_workers
+        end = await self._client.hincrby(self.keys.weights_group, "next_rank", n)
+        offset = end - n
+        if end > info.world_size:
+            log.warning("broadcast group %s is full (world size %d); loading versions from memmap", info.id, info.world_size)
+            self.group = info.id  # do not retry this group
+            self.staged_version = None
+            return
+        self.group, self.staged_version = None, None
+        await self.engine.call_workers("rollq_join_group", msgspec.msgpack.encode(info), offset)
+        await self._wait_workers(lambda s: s.get("group") == info.id and s.get("joined"), info.timeout + 5, "join")
+        self.group = info.id
+        log.info("replica %s joined broadcast group %s as ranks %d..%d", self.consumer.id, info.id, offset, end - 1)
+
+    async def _receive(self, offer: Offer, raw: bytes) -> None:
+        acks = self.keys.weights_acks(offer.version)
+        try:
+            await self.engine.call_workers("rollq_receive", raw)
+            states = await self._wait_workers(
+                lambda s: s.get("version") == offer.version and s.get("state") in ("staged", "failed"),
+                offer.timeout * 4, "receive",
+            )
+        except Exception as e:
+            await self._client.hset(acks, f"{self.consumer.id}/0", f"error: {e}")
+            raise
+        mapping = {
+            f"{self.consumer.id}/{i}": ("ok" if s.get("state") == "staged" else f"error: {s.get('error')}")
+            for i, s in enumerate(states)
+        }
+        await self._client.hset(acks, mapping=mapping)
+        if all(s.get("state") == "staged" for s in states):
+            self.staged_version = offer.version
+
+    async def _wait_workers(self, done: Any, timeout: float, what: str) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            states = await self.engine.call_workers("rollq_receive_status")
+            if states and all(done(s) for s in states):
+                return states
+            failed = [s for s in states if s.get("state") == "failed"]
+            if failed and what == "join":
+                raise WeightSyncError(f"workers failed to join the broadcast group: {failed}")
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(f"workers did not finish {what} within {timeout:.0f}s: {states}")
+            await asyncio.sleep(0.01)
+
+    def staged_for(self, rec: VersionRecord) -> int | None:
+        if rec.group is not None and rec.group == self.group and self.staged_version == rec.version:
+            return rec.version
+        return None
+
+    async def apply_staged(self, rec: VersionRecord, staged: int, timeout: float) -> dict[str, Any]:
+        try:
+            res = await asyncio.wait_for(self.engine.call_workers("rollq_apply_staged", staged), timeout)
+        except asyncio.TimeoutError as e:
+            raise WeightSyncTimeout(f"swapping in staged version {staged} took longer than {timeout}s") from e
+        self.staged_version = None
+        return res[0] if res else {}
