@@ -1,0 +1,278 @@
+"""Weight sync protocol with in-process fake workers (the vLLM path: test_weightsync_vllm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+import torch
+
+from rollq import Consumer, EchoEngine, Producer, ProducerSettings, StalenessBound
+from rollq.errors import CorruptWeights, StaleVersion, WeightSyncError
+from rollq.keys import QueueKeys
+from rollq.testing.fake_workers import FakeWorkerEngine
+from rollq.weightsync import MemmapStore, VersionRecord, WeightFollower, WeightPublisher, commit_version, read_version
+from rollq.weightsync.nccl import BroadcastSender, GroupInfo
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
+
+
+def state(fill: float) -> dict[str, torch.Tensor]:
+    return {k: torch.full_like(v, fill) for k, v in small_model().state_dict().items()}
+
+
+def weight0(engine: FakeWorkerEngine, i: int = 0) -> float:
+    return float(engine.workers[i].model_runner.model.module[0].weight[0, 0].detach())
+
+
+async def wait_for(cond, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def root(tmp_path):
+    return str(tmp_path / "weights")
+
+
+# -- memmap store -------------------------------------------------------------------------
+def test_memmap_roundtrip_reuses_slots_and_refuses_corruption(root):
+    store = MemmapStore(root)
+    info1 = store.write(1, state(1.0))
+    info2 = store.write(2, state(2.0))
+    assert {info1.slot, info2.slot} == {"slot-0", "slot-1"}
+    items = dict(store.read(info2.slot, version=2, checksum=info2.checksum))
+    assert float(items["0.weight"][0, 0]) == 2.0
+    # version 3 rewrites version 1's slot in place: version 1 is gone, 2 still readable
+    info3 = store.write(3, state(3.0))
+    assert info3.slot == info1.slot
+    with pytest.raises(CorruptWeights, match="holds version 3"):
+        store.read(info1.slot, version=1, checksum=info1.checksum)
+    store.read(info2.slot, version=2, checksum=info2.checksum)
+    # flip bytes inside a tensor file: the checksum refuses it
+    path = os.path.join(root, info3.slot, "0.weight.memmap")
+    with open(path, "r+b") as f:
+        f.seek(16)
+        f.write(b"\x00\x01\x02\x03")
+    with pytest.raises(CorruptWeights, match="checksum"):
+        store.read(info3.slot, version=3, checksum=info3.checksum)
+
+
+def test_half_written_slot_and_paths_outside_root_are_refused(root):
+    store = MemmapStore(root)
+    info = store.write(4, state(4.0))
+    os.remove(os.path.join(root, info.slot, "COMMIT"))  # as if the writer died before committing
+    with pytest.raises(CorruptWeights, match="no commit marker"):
+        store.read(info.slot, version=4, checksum=info.checksum)
+    for bad in ("../etc", "/etc/passwd", "slot-0/../../x", "other"):
+        with pytest.raises(WeightSyncError, match="outside"):
+            store.path(bad)
+
+
+# -- versions ----------------------------------------------------------------------------
+async def test_versions_are_monotonic(redis_client, queue):
+    keys = QueueKeys(queue)
+    rec = lambda v: VersionRecord(version=v, transport="memmap", checksum="0", num_tensors=0, nbytes=0)  # noqa: E731
+    assert await commit_version(redis_client, keys, rec(2))
+    assert not await commit_version(redis_client, keys, rec(2))  # duplicate ignored
+    assert not await commit_version(redis_client, keys, rec(1))  # older ignored
+    assert (await read_version(redis_client, keys)).version == 2
+    assert await redis_client.xlen(keys.versions_log) == 1
+
+
+async def test_publish_older_version_is_refused(redis_url, queue, root):
+    pub = WeightPublisher(redis_url, queue, root=root)
+    await pub.publish_weights(state(1.0), version=5)
+    with pytest.raises(StaleVersion):
+        await pub.publish_weights(state(2.0), version=5)
+    assert (await pub.publish_weights(state(2.0))).version == 6
+    await pub.close()
+
+
+# -- follower ----------------------------------------------------------------------------
+async def test_restarted_replica_catches_up_before_pulling_and_missed_hint_is_reconciled(redis_url, queue, root):
+    pub = WeightPublisher(redis_url, queue, root=root)
+    await pub.publish_weights(state(1.0))
+    await pub.publish_weights(state(2.0))
+    engine = FakeWorkerEngine(small_model)
+    consumer = Consumer(engine, redis_url, queue)
+    follower = WeightFollower(consumer, root=root, reconcile_interval=0.3)
+    await follower.start()
+    assert consumer.version == 2 and weight0(engine) == 2.0  # before the consumer pulled anything
+    # A version committed without its pub/sub hint (as if the message was dropped).
+    info = pub.store.write(3, state(3.0))
+    rec = VersionRecord(version=3, transport="memmap", checksum=info.checksum, num_tensors=4, nbytes=info.nbytes, memmap_slot=info.slot)
+    c = pub._client
+    await c.hset(QueueKeys(queue).version, mapping={"v": 3, "d": msgspec.msgpack.encode(rec)})
+    await wait_for(lambda: consumer.version == 3, 5, "reconcile of a version without announcement")
+    assert weight0(engine) == 3.0
+    await follower.stop()
+    await pub.close()
+
+
+@pytest.mark.parametrize("policy", ["keep", "abort", "drain"])
+async def test_update_policies_and_version_spans(redis_url, queue, root, policy):
+    pub = WeightPublisher(redis_url, queue, root=root)
+    await pub.publish_weights(state(1.0))
+    engine = FakeWorkerEngine(small_model, delay_per_token=0.02)  # 20 tokens: 0.4 s per job
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, root=root, reconcile_interval=0.2)
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    async with Producer(redis_url, queue) as p:
+        await p.set_update_policy(policy)
+        hs = await p.submit_many([{"prompt": f"q{i}", "sampling": {"max_tokens": 20}} for i in range(6)])
+        await wait_for(lambda: consumer.running_count() == 6, 10, "jobs running")
+        await pub.publish_weights(state(2.0))
+        rs = await p.gather(hs, timeout=30)
+        after = await (await p.submit("after", sampling={"max_tokens": 2}))
+    consumer.stop()
+    await task
+    await follower.stop()
+    await pub.close()
+    spans = {r.policy_version for r in rs}
+    assert all(r.ok for r in rs)
+    if policy == "keep":
+        assert spans == {(1, 2)}  # continued across the update on new weights
+    elif policy == "abort":
+        assert spans == {(2, 2)}  # restarted from scratch on the new weights
+        assert all(r.deliveries == 1 for r in rs)  # never went back to Redis: no duplicate
+    else:
+        assert spans == {(1, 1)}  # finished on the old weights before the load
+    assert after.policy_version == (2, 2)
+    st = follower.history[-1]
+    assert st.version == 2 and st.policy == policy and st.pause_s >= 0
+    assert weight0(engine) == 2.0
+
+
+async def test_job_requiring_newer_version_waits_for_it(redis_url, queue, root):
+    pub = WeightPublisher(redis_url, queue, root=root)
+    await pub.publish_weights(state(1.0))
+    engine = FakeWorkerEngine(small_model)
+    consumer = Consumer(engine, redis_url, queue)
+    follower = WeightFollower(consumer, root=root, reconcile_interval=0.2)
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    async with Producer(redis_url, queue) as p:
+        h = await p.submit("needs v2", min_version=2, sampling={"max_tokens": 2})
+        await asyncio.sleep(0.5)
+        assert not h.done()  # the replica holds it: it is at version 1
+        await pub.publish_weights(state(2.0))
+        r = await h.result(timeout=10)
+    consumer.stop()
+    await task
+    await follower.stop()
+    await pub.close()
+    assert r.policy_version == (2, 2)
+
+
+# -- staleness bound ---------------------------------------------------------------------
+async def test_staleness_admission_is_atomic_and_follows_versions(redis_url, queue, root):
+    pub = WeightPublisher(redis_url, queue, root=root)
+    async with Producer(redis_url, queue, settings=ProducerSettings(block_when_full=False)) as p:
+        await p.set_staleness_bound(max_lag=1, batch=4)  # (1 + version + 1) * 4 jobs in total
+        await p.submit_many([{"prompt": "x"}] * 8)  # version 0: 8 allowed
+        with pytest.raises(StalenessBound):
+            await p.submit("one too many")
+        assert p.outstanding == 8
+        await pub.publish_weights(state(1.0))  # version 1: 12 allowed
+        await p.submit_many([{"prompt": "x"}] * 4)
+        with pytest.raises(StalenessBound):
+            await p.submit("again too many")
+    # A blocking producer waits for the next version instead of failing.
+    async with Producer(redis_url, queue) as p2:
+        waiter = asyncio.create_task(p2.submit("waits"))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()
+        await pub.publish_weights(state(2.0))
+        h = await asyncio.wait_for(waiter, 5)
+        assert not h.duplicate
+    await pub.close()
+
+
+# -- broadcast (gloo here, NCCL on GPUs) -------------------------------------------------
+async def test_gloo_broadcast_updates_every_worker_of_every_replica(redis_url, queue, root):
+    sender = BroadcastSender(num_workers=3, backend="gloo", timeout=20, bucket_bytes=2048)
+    pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
+    engines = [FakeWorkerEngine(small_model, num_workers=2), FakeWorkerEngine(small_model, num_workers=1)]
+    consumers = [Consumer(e, redis_url, queue) for e in engines]
+    followers = [WeightFollower(c, root=root, reconcile_interval=0.3, broadcast=True) for c in consumers]
+    for f in followers:
+        await f.start()
+    rec = await pub.publish_weights(state(7.0), transport="nccl")
+    assert rec.transport == "nccl" and rec.memmap_slot is None and rec.timings["replicas"] == 3
+    await wait_for(lambda: all(c.version == rec.version for c in consumers), 10, "replicas at the new version")
+    assert [weight0(e, i) for e in engines for i in range(e.num_workers)] == [7.0, 7.0, 7.0]
+    assert all(f.history[-1].transport == "nccl" for f in followers)
+    rec2 = await pub.publish_weights(state(8.0), transport="nccl")  # same group, staging reused
+    await wait_for(lambda: all(c.version == rec2.version for c in consumers), 10, "second update")
+    assert weight0(engines[1]) == 8.0
+    for f in followers:
+        await f.stop()
+    await pub.close()
+
+
+PEER = r"""
+import sys, msgspec, torch, os
+from rollq.weightsync.nccl import GroupInfo, make_group
+info = msgspec.msgpack.decode(bytes.fromhex(sys.argv[1]), type=GroupInfo)
+g = make_group(info, int(sys.argv[2]))
+g.broadcast(torch.zeros(1, dtype=torch.uint8), info.timeout)
+buf = torch.empty(int(sys.argv[3]), dtype=torch.uint8)
+g.broadcast(buf, info.timeout)   # the first bucket arrives...
+os._exit(9)                      # ...then the peer dies mid-broadcast
+"""
+
+
+async def test_peer_dying_mid_broadcast_times_out_and_falls_back_to_memmap(redis_url, queue, root):
+    keys = QueueKeys(queue)
+    sender = BroadcastSender(num_workers=2, backend="gloo", timeout=15, bucket_bytes=1024)
+    pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
+    engine = FakeWorkerEngine(small_model)
+    consumer = Consumer(engine, redis_url, queue)
+    follower = WeightFollower(consumer, root=root, reconcile_interval=0.3, broadcast=True)
+    await follower.start()
+
+    async def peer() -> subprocess.Popen:
+        while True:
+            raw = await pub._c()
+            d = await raw.hget(keys.weights_group, "d")
+            if d:
+                break
+            await asyncio.sleep(0.02)
+        rank = await raw.hincrby(keys.weights_group, "next_rank", 1) - 1
+        return subprocess.Popen([sys.executable, "-c", PEER, d.hex(), str(rank), "1024"])
+
+    peer_task = asyncio.create_task(peer())
+    t0 = time.monotonic()
+    rec = await pub.publish_weights(state(9.0), transport="nccl")
+    elapsed = time.monotonic() - t0
+    proc = await peer_task
+    try:
+        assert proc.wait(20) == 9  # it joined, took the first bucket, and died
+    finally:
+        proc.kill()
+    assert rec.transport == "memmap" and rec.timings.get("nccl_failed") == 1.0
+    assert elapsed < 15 * 5 + 10  # bounded by the timeouts, not a hang
+    assert sender.pg is None  # the group is dropped and rebuilt next time
+    await wait_for(lambda: consumer.version == rec.version, 10, "replica loads the memmap fallback")
+    assert weight0(engine) == 9.0
+    await follower.stop()
+    await pub.close()
+
+
+def test_group_info_roundtrip():
+    gi = GroupInfo(id="x", host="127.0.0.1", port=1, world_size=3, backend="gloo", timeout=1.0)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(gi), type=GroupInfo) == gi
+    assert EchoEngine().num_workers if hasattr(EchoEngine(), "num_workers") else True
