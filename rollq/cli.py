@@ -97,7 +97,7 @@ def make_engine(a: argparse.Namespace) -> Any:
 
 def consumer_settings(a: argparse.Namespace) -> ConsumerSettings:
     return ConsumerSettings(
-        max_inflight=a.max_inflight, initial_inflight=min(a.max_inflight, a.initial_inflight),
+        max_inflight=a.max_inflight, initial_inflight=a.initial_inflight,
         batch=a.batch, lease_ttl=a.lease_ttl, heartbeat_interval=min(1.0, a.lease_ttl / 4),
         max_deliveries=a.max_deliveries, drain_timeout=a.drain_timeout,
     )
@@ -356,8 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--worker-extension", default=None, help="vllm worker_extension_cls (weight sync)")
     s.add_argument("--weights-root", default=None, help="follow policy versions published under this memmap root")
-    s.add_argument("--max-inflight", type=int, default=256)
-    s.add_argument("--initial-inflight", type=int, default=64)
+    s.add_argument("--max-inflight", type=int, default=None, help="cap on running jobs (default: from the engine)")
+    s.add_argument("--initial-inflight", type=int, default=None)
     s.add_argument("--batch", type=int, default=512)
     s.add_argument("--lease-ttl", type=float, default=5.0, help="seconds before a silent replica's jobs are reclaimed")
     s.add_argument("--max-deliveries", type=int, default=3)

@@ -70,7 +70,7 @@ async def demo(a: argparse.Namespace) -> dict[str, Any]:
             start_s = time.perf_counter() - t0
         console.print(f"[bold]{a.replicas} {a.engine} replica(s)[/] ready in {start_s:.1f}s ({engines[0].model})")
         consumers = [
-            Consumer(e, srv.url, "demo", consumer_id=f"replica-{i}", settings=ConsumerSettings(max_inflight=128, initial_inflight=32))
+            Consumer(e, srv.url, "demo", consumer_id=f"replica-{i}", settings=ConsumerSettings(lease_ttl=5.0))
             for i, e in enumerate(engines)
         ]
         tasks = [asyncio.create_task(c.run()) for c in consumers]

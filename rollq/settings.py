@@ -76,9 +76,11 @@ class ConsumerSettings:
     """Replica-side knobs. Times in seconds."""
 
     #: Jobs a replica runs at once at most (the capacity controller stays below it).
-    max_inflight: int = 256
+    #: None: 1.25x the engine's own concurrency limit (vLLM's max_num_seqs) + 8, else 256.
+    max_inflight: int | None = None
     #: Starting in-flight cap before the controller adapts it.
-    initial_inflight: int = 64
+    #: None: the engine's concurrency limit + 8 (keeps its scheduler fed), else 64.
+    initial_inflight: int | None = None
     #: Adapt the in-flight cap to the engine's KV usage / preemptions.
     adaptive: bool = True
     #: Most jobs taken in one read.

@@ -78,6 +78,10 @@ class Engine(abc.ABC):
     def stats(self) -> EngineStats:
         return EngineStats()
 
+    def capacity_hint(self) -> int | None:
+        """How many requests the engine itself runs at once (vLLM: ``max_num_seqs``), if known."""
+        return None
+
     # -- weight updates (used by rollq.weightsync) ---------------------------------------
     async def pause(self, mode: str = "keep") -> None:  # noqa: B027
         """Stop generating (``keep``: in-flight requests resume later; ``abort``: they end)."""

@@ -160,10 +160,8 @@ class Consumer:
         self.keys = QueueKeys(queue)
         self.queue = queue
         self.id = check_name("consumer", consumer_id or f"{socket.gethostname()[:40]}-{uuid.uuid4().hex[:8]}")
-        self.settings = s = settings or ConsumerSettings()
-        self.capacity = CapacityController(
-            initial=min(s.initial_inflight, s.max_inflight), maximum=s.max_inflight, adaptive=s.adaptive
-        )
+        self.settings = settings or ConsumerSettings()
+        self.capacity = self._make_capacity()
         self.counters = ConsumerCounters()
         #: Loaded policy version (weight sync updates it).
         self.version = 0
@@ -201,6 +199,14 @@ class Consumer:
     # ==================================================================================
     # lifecycle
     # ==================================================================================
+    def _make_capacity(self) -> CapacityController:
+        """Size the in-flight cap from the settings, else from the engine's own limit."""
+        s = self.settings
+        hint = self.engine.capacity_hint()
+        maximum = s.max_inflight or (int(hint * 1.25) + 8 if hint else 256)
+        initial = s.initial_inflight or (hint + 8 if hint else 64)
+        return CapacityController(initial=min(initial, maximum), maximum=maximum, adaptive=s.adaptive)
+
     async def run(self, *, burst: bool = False, install_signal_handlers: bool = False) -> int:
         """Serve until :meth:`stop` (or SIGTERM with ``install_signal_handlers``).
 
@@ -212,6 +218,7 @@ class Consumer:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
+        self.capacity = self._make_capacity()  # the engine is started now: its limits are known
         await self._connect()
         await self._setup_redis()
         self.state = "serving"
