@@ -116,12 +116,21 @@ class Group:
     pg: Any
     store: Any
 
-    def broadcast(self, buf: torch.Tensor, timeout: float) -> None:
+    def broadcast(self, buf: torch.Tensor, timeout: float, *, wait: bool = True) -> Any:
+        """Broadcast ``buf`` from rank 0.
+
+        CPU (gloo): blocks until done or ``timeout``. GPU (NCCL): enqueues and makes the current
+        stream wait for it (no host block; use :func:`wait_stream` for a bounded host wait).
+        """
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = 0
         work = self.pg.broadcast([buf], opts)
-        if not work.wait(timedelta(seconds=timeout)):
+        if buf.device.type == "cuda":
+            if wait:
+                work.wait()  # stream-level: later work on this stream sees the data
+        elif wait and not work.wait(timedelta(seconds=timeout)):
             raise WeightSyncTimeout(f"broadcast of {buf.numel()} bytes did not finish within {timeout}s (timeout)")
+        return work
 
     def abort(self) -> None:
         for target in (self.pg,):
@@ -151,6 +160,19 @@ def make_group(info: GroupInfo, rank: int, device: torch.device | None = None) -
 
 def _broadcast(group: Group, buf: torch.Tensor, timeout: float) -> None:
     group.broadcast(buf, timeout)
+    if buf.device.type == "cuda":
+        wait_stream(buf.device, timeout)
+
+
+def wait_stream(device: torch.device, timeout: float, what: str = "broadcast") -> None:
+    """Wait for the current CUDA stream, at most ``timeout`` seconds (never hang forever)."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + timeout
+    while not ev.query():
+        if time.monotonic() > deadline:
+            raise WeightSyncTimeout(f"{what} did not finish within {timeout}s (timeout)")
+        time.sleep(0.0002)
 
 
 # ----------------------------------------------------------------------------------------
@@ -255,36 +277,40 @@ class BroadcastSender:
         )
 
     def _broadcast_all(self, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta]) -> None:
+        """Pack into two alternating bucket buffers and broadcast each bucket.
+
+        On GPUs everything is stream-ordered: packing bucket i+1 overlaps the broadcast of
+        bucket i, and a buffer is repacked only after its previous broadcast completed.
+        """
         layout = Layout.of(manifest, self.bucket_bytes)
         size = max(e - s for s, e in layout.buckets)
-        if not self._bufs or self._bufs[0].numel() < size:
+        if not self._bufs or self._bufs[0].numel() < size or self._bufs[0].device != self.device:
             self._bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in items]
-        cuda = self.device.type == "cuda"
-        streams = [torch.cuda.Stream(self.device) for _ in range(2)] if cuda else [None, None]
-        idx = 0  # next tensor to pack
+        works: list[Any] = [None, None]
+        idx = 0  # first tensor not fully packed yet
         for bi, (bstart, bend) in enumerate(layout.buckets):
-            buf = self._bufs[bi % 2][: bend - bstart]
-            stream = streams[bi % 2]
-            ctx = torch.cuda.stream(stream) if cuda else _null()
-            with ctx:
-                # Pack every tensor byte range overlapping [bstart, bend).
-                j = idx
-                while j < len(flats) and layout.offsets[j] < bend:
-                    off, src = layout.offsets[j], flats[j]
-                    lo, hi = max(off, bstart), min(off + src.numel(), bend)
-                    if hi > lo:
-                        buf[lo - bstart : hi - bstart].copy_(src[lo - off : hi - off], non_blocking=True)
-                    if off + src.numel() <= bend:
-                        j += 1
-                    else:
-                        break
-                idx = j
-                if cuda:
-                    stream.synchronize()
-                _broadcast(self.pg, buf, self.timeout)
-        if cuda:
-            torch.cuda.synchronize(self.device)
+            slot = bi % 2
+            if works[slot] is not None and self.device.type == "cuda":
+                works[slot].wait()  # the buffer's previous broadcast has finished reading it
+            buf = self._bufs[slot][: bend - bstart]
+            j = idx
+            while j < len(flats) and layout.offsets[j] < bend:
+                off, src = layout.offsets[j], flats[j]
+                lo, hi = max(off, bstart), min(off + src.numel(), bend)
+                if hi > lo:
+                    buf[lo - bstart : hi - bstart].copy_(src[lo - off : hi - off], non_blocking=True)
+                if off + src.numel() <= bend:
+                    j += 1
+                else:
+                    break
+            idx = j
+            works[slot] = self.pg.broadcast(buf, self.timeout, wait=False)
+        if self.device.type == "cuda":
+            for w in works:
+                if w is not None:
+                    w.wait()
+            wait_stream(self.device, self.timeout * 2, "weight broadcast")
 
     async def _wait_acks(self, client: Any, key: str, version: int) -> dict[str, str]:
         deadline = time.monotonic() + self.timeout
@@ -350,12 +376,12 @@ class WorkerReceiver:
             if self.flat is None or self.flat.numel() < layout.total:
                 self.flat = torch.empty(layout.total, dtype=torch.uint8, device=self.device)
             cuda = self.device.type == "cuda"
-            stream = torch.cuda.Stream(self.device) if cuda else None
+            stream = torch.cuda.Stream(self.device) if cuda else None  # off the engine's stream
             with torch.cuda.stream(stream) if cuda else _null():
                 for s, e in layout.buckets:
-                    _broadcast(self.pg, self.flat[s:e], offer.timeout)
+                    self.pg.broadcast(self.flat[s:e], offer.timeout)
                 if cuda:
-                    stream.synchronize()
+                    wait_stream(self.device, offer.timeout * 2, f"receiving version {offer.version}")
             items = layout.views(self.flat, offer.manifest)
             got = state_checksum(items)
             if got != offer.checksum:
