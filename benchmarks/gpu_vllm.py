@@ -1,0 +1,414 @@
+"""rollq on GPUs with a real vLLM engine (7B-shaped, dummy weights), in one run:
+
+    python benchmarks/gpu_vllm.py --out benchmarks/results/gpu_vllm [--phases overhead,sync,native,memmap]
+
+1. **overhead**: the same workload (1024 prompts of 128 tokens, 256 generated tokens each,
+   ignore_eos) sent straight to ``AsyncLLM.generate`` and through rollq (producer -> Redis ->
+   consumer -> the same engine), alternating direct / rollq / rollq / direct; tokens/s.
+2. **sync** (needs 2 GPUs): rollq's NCCL path into the running engine under load (256
+   requests running): the trainer (GPU 0, another process) broadcasts into the replica's
+   staging buffer while it serves, then the replica pauses only to swap. End to end (publish
+   call to the replica serving the new version) and generation stopped.
+3. **native**: vLLM's own packed NCCL update in the same engine and the same load:
+   ``pause_generation(keep)`` + start/update/finish + ``resume_generation``.
+4. **memmap**: publish through ``/dev/shm`` from the trainer's GPU tensors and load into the
+   engine (write, read + copy + load), GB/s.
+
+Results go to ``<out>.json`` and ``<out>.md``; each phase is written as soon as it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+QWEN7B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+    "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+    "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "use_sliding_window": False,
+    "sliding_window": 131072, "max_window_layers": 28, "attention_dropout": 0.0, "initializer_range": 0.02,
+}
+
+
+def model_dir(path: Path) -> Path:
+    """A Qwen2.5-7B-shaped config (dummy weights) with the locally built tiny tokenizer."""
+    from rollq.testing.tiny_model import ensure_tiny_model
+
+    tiny = ensure_tiny_model()
+    path.mkdir(parents=True, exist_ok=True)
+    for f in tiny.iterdir():
+        if "token" in f.name or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(f, path / f.name)
+    (path / "config.json").write_text(json.dumps(QWEN7B))
+    return path
+
+
+def log(*a: object) -> None:
+    print(time.strftime("%H:%M:%S"), *a, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# trainer process (GPU 0)
+# ---------------------------------------------------------------------------------------
+def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("ROLLQ_TRAINER_GPU", "0")
+    import torch
+
+    from benchmarks.gpu_nccl_transport import qwen7b_shapes
+    from rollq.weightsync.nccl import BroadcastSender
+    from rollq.weightsync.publisher import WeightPublisher
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    tensors = {n: torch.empty(s, dtype=torch.bfloat16, device=dev).normal_() * 0.02 for n, s in qwen7b_shapes()}
+
+    async def serve() -> None:
+        sender = BroadcastSender(1, backend="nccl", bucket_bytes=1 << 30, timeout=300, device=dev)
+        pub = WeightPublisher(url, queue, root=root, sender=sender)
+        native_group = None
+        while True:
+            cmd = await asyncio.to_thread(conn.recv)
+            op = cmd["op"]
+            try:
+                if op == "publish":
+                    t0 = time.time()
+                    for t in list(tensors.values())[:4]:
+                        t.mul_(1.0001)
+                    rec = await pub.publish_weights(tensors, transport=cmd["transport"])
+                    conn.send({"ok": True, "t0": t0, "t1": time.time(), "version": rec.version, "transport": rec.transport,
+                               "timings": rec.timings})
+                elif op == "native_init":
+                    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+                    native_group = await asyncio.to_thread(
+                        NCCLWeightTransferEngine.trainer_init,
+                        {"master_address": "127.0.0.1", "master_port": cmd["port"], "world_size": 2},
+                    )
+                    conn.send({"ok": True})
+                elif op == "native_send":
+                    from vllm.distributed.weight_transfer.nccl_engine import (
+                        NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine,
+                    )
+
+                    t0 = time.time()
+                    await asyncio.to_thread(
+                        NCCLWeightTransferEngine.trainer_send_weights, iter(tensors.items()),
+                        NCCLTrainerSendWeightsArgs(group=native_group, packed=True),
+                    )
+                    torch.cuda.synchronize()
+                    conn.send({"ok": True, "t0": t0, "t1": time.time()})
+                elif op == "quit":
+                    conn.send({"ok": True})
+                    return
+            except Exception as e:
+                conn.send({"ok": False, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()})
+
+    asyncio.run(serve())
+
+
+# ---------------------------------------------------------------------------------------
+# engine process (GPU 1, or GPU 0 when only overhead runs)
+# ---------------------------------------------------------------------------------------
+async def overhead(engine, url: str, n: int, prompt_len: int, gen_len: int) -> dict:
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    from rollq import Consumer, ConsumerSettings, Producer
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(prompt_len)] for _ in range(n)]
+    llm = engine.llm
+
+    async def direct() -> float:
+        sp = VSP(max_tokens=gen_len, ignore_eos=True, temperature=1.0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+
+        async def one(i: int) -> int:
+            last = None
+            async for out in llm.generate(TokensPrompt(prompt_token_ids=prompts[i]), sp, request_id=f"d{time.time_ns()}-{i}"):
+                last = out
+            return len(last.outputs[0].token_ids)
+
+        t0 = time.perf_counter()
+        toks = sum(await asyncio.gather(*(one(i) for i in range(n))))
+        return toks / (time.perf_counter() - t0)
+
+    async def via_rollq() -> float:
+        q = f"ovh-{time.time_ns()}"
+        c = Consumer(engine, url, q, settings=ConsumerSettings(max_inflight=n, initial_inflight=n, adaptive=False, batch=n))
+        task = asyncio.create_task(c.run())
+        async with Producer(url, q) as p:
+            await asyncio.sleep(0.2)
+            t0 = time.perf_counter()
+            hs = await p.submit_many(
+                {"prompt_token_ids": prompts[i], "sampling": {"max_tokens": gen_len, "ignore_eos": True, "detokenize": False}}
+                for i in range(n)
+            )
+            rs = await p.gather(hs, timeout=900)
+            dt = time.perf_counter() - t0
+        c.stop()
+        await task
+        assert all(r.ok for r in rs), [r.error for r in rs if not r.ok][:3]
+        return sum(len(s.tokens) // 4 for r in rs for s in r.samples) / dt
+
+    await direct()  # warm-up (CUDA graphs, allocator)
+    runs = {"direct": [], "rollq": []}
+    for kind in ("direct", "rollq", "rollq", "direct"):
+        v = await (direct() if kind == "direct" else via_rollq())
+        runs[kind].append(v)
+        log(f"overhead {kind}: {v:.0f} tokens/s")
+    d, r = sum(runs["direct"]) / 2, sum(runs["rollq"]) / 2
+    return {"prompts": n, "prompt_tokens": prompt_len, "gen_tokens": gen_len, "runs": runs,
+            "direct_tokens_per_s": d, "rollq_tokens_per_s": r, "ratio": r / d}
+
+
+class Load:
+    """Keeps ~``target`` long requests running through a rollq consumer."""
+
+    def __init__(self, url: str, queue: str, target: int):
+        self.url, self.queue, self.target = url, queue, target
+        self.task: asyncio.Task | None = None
+
+    async def run(self) -> None:
+        from rollq import Producer
+
+        async with Producer(self.url, self.queue) as p:
+            specs = lambda k: [{"prompt_token_ids": [5] * 64, "sampling": {"max_tokens": 1800, "ignore_eos": True, "detokenize": False}}] * k  # noqa: E731
+            await p.submit_many(specs(self.target * 2))
+            async for r in p.results():
+                await p.submit_many(specs(1))
+
+
+async def engine_main(a: argparse.Namespace) -> None:
+    from rollq import Consumer, ConsumerSettings, RedisServer
+    from rollq.consumer.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollq.weightsync.follower import WeightFollower
+
+    out: dict = {"phases": {}, "env": {}}
+    res_path = Path(a.out + ".json")
+    res_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        res_path.write_text(json.dumps(out, indent=2, default=str))
+        Path(a.out + ".md").write_text(render(out))
+
+    phases = a.phases.split(",")
+    mdir = model_dir(Path("/tmp/rollq-7b"))
+    root = "/dev/shm/rollq-weights"
+    shutil.rmtree(root, ignore_errors=True)
+    import torch
+
+    out["env"] = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
+    srv = RedisServer(appendfsync="everysec").start()
+    queue = "bench"
+    trainer = conn = None
+    if any(p in phases for p in ("sync", "native", "memmap")):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        conn, child = ctx.Pipe()
+        trainer = ctx.Process(target=trainer_main, args=(srv.url, queue, root, child), daemon=True)
+        trainer.start()
+
+    def call(**cmd: object) -> dict:
+        conn.send(cmd)
+        r = conn.recv()
+        if not r.get("ok"):
+            raise RuntimeError(r.get("error", "") + "\n" + r.get("tb", ""))
+        return r
+
+    from vllm.config import WeightTransferConfig
+
+    cfg = VllmEngineConfig(
+        model=str(mdir), dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=a.gpu_mem,
+        worker_extension_cls="rollq.weightsync.worker_ext.RollqWorkerExtension",
+        engine_kwargs={"load_format": "dummy", "weight_transfer_config": WeightTransferConfig(backend="nccl")},
+    )
+    engine = VllmEngine(cfg)
+    t0 = time.perf_counter()
+    await engine.start()
+    out["env"].update(vllm=engine.vllm_version, engine_start_s=time.perf_counter() - t0, device=engine.device)
+    log("engine up", out["env"])
+    save()
+
+    if "overhead" in phases:
+        try:
+            out["phases"]["overhead"] = await overhead(engine, srv.url, a.prompts, 128, 256)
+        except Exception as e:
+            out["phases"]["overhead"] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+        save()
+
+    if trainer is not None:
+        consumer = Consumer(engine, srv.url, queue, consumer_id="replica-0",
+                            settings=ConsumerSettings(max_inflight=256, initial_inflight=256, adaptive=False))
+        follower = WeightFollower(consumer, root=root, broadcast="sync" in phases, reconcile_interval=1.0, load_timeout=600)
+        await follower.start()
+        ctask = asyncio.create_task(consumer.run())
+        load = Load(srv.url, queue, 256)
+        load.task = asyncio.create_task(load.run())
+
+        async def wait_running(k: int = 200) -> int:
+            for _ in range(600):
+                if consumer.running_count() >= k:
+                    break
+                await asyncio.sleep(0.1)
+            return consumer.running_count()
+
+        async def wait_version(v: int) -> float:
+            while consumer.version < v:
+                await asyncio.sleep(0.0005)
+            return time.time()
+
+        if "sync" in phases:
+            try:
+                rows = []
+                for i in range(a.sync_reps + 1):
+                    running = await wait_running()
+                    r = await asyncio.to_thread(call, op="publish", transport="nccl")
+                    t_served = await wait_version(r["version"])
+                    st = follower.history[-1]
+                    row = {"version": r["version"], "transport": r["transport"], "running_at_start": running,
+                           "end_to_end_s": t_served - r["t0"], "trainer_publish_s": r["t1"] - r["t0"],
+                           "paused_s": st.pause_s, "swap": st.load, "trainer": r["timings"]}
+                    log("sync", row)
+                    if i > 0:  # the first forms the group
+                        rows.append(row)
+                out["phases"]["sync"] = {"reps": rows}
+            except Exception as e:
+                out["phases"]["sync"] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+            save()
+
+        if "native" in phases:
+            try:
+                from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+                from benchmarks.gpu_nccl_transport import qwen7b_shapes
+                from rollq.server import free_port
+
+                port = free_port()
+                fut = asyncio.create_task(asyncio.to_thread(call, op="native_init", port=port))
+                await engine.llm.init_weight_transfer_engine(WeightTransferInitRequest(
+                    init_info={"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}))
+                await fut
+                shapes = qwen7b_shapes()
+                info = {"names": [n for n, _ in shapes], "dtype_names": ["bfloat16"] * len(shapes),
+                        "shapes": [list(s) for _, s in shapes], "packed": True}
+                rows = []
+                for i in range(a.sync_reps + 1):
+                    running = await wait_running()
+                    t0 = time.time()
+                    consumer.intake_gate.clear()
+                    await engine.llm.pause_generation(mode="keep", clear_cache=False)
+                    t1 = time.time()
+                    await engine.llm.start_weight_update()
+                    send = asyncio.create_task(asyncio.to_thread(call, op="native_send"))
+                    await engine.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+                    await send
+                    await engine.llm.finish_weight_update()
+                    t2 = time.time()
+                    await engine.llm.resume_generation()
+                    t3 = time.time()
+                    consumer.intake_gate.set()
+                    row = {"running_at_start": running, "pause_s": t1 - t0, "update_s": t2 - t1, "resume_s": t3 - t2,
+                           "generation_stopped_s": t3 - t0}
+                    log("native", row)
+                    if i > 0:
+                        rows.append(row)
+                out["phases"]["native"] = {"reps": rows}
+            except Exception as e:
+                out["phases"]["native"] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+            save()
+
+        if "memmap" in phases:
+            try:
+                rows = []
+                for i in range(a.sync_reps + 1):
+                    await wait_running()
+                    r = await asyncio.to_thread(call, op="publish", transport="memmap")
+                    t_served = await wait_version(r["version"])
+                    st = follower.history[-1]
+                    nb = 15.2e9
+                    row = {"version": r["version"], "write_s": r["timings"].get("write_s"), "checksum_s": r["timings"].get("checksum_s"),
+                           "publish_s": r["t1"] - r["t0"], "load": st.load, "paused_s": st.pause_s, "end_to_end_s": t_served - r["t0"]}
+                    row["gb_per_s_publish_plus_load"] = nb / row["end_to_end_s"]
+                    log("memmap", row)
+                    if i > 0 or a.sync_reps == 0:
+                        rows.append(row)
+                out["phases"]["memmap"] = {"reps": rows}
+            except Exception as e:
+                out["phases"]["memmap"] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+            save()
+
+        load.task.cancel()
+        consumer.stop()
+        await asyncio.wait_for(ctask, 60)
+        await follower.stop()
+        await asyncio.to_thread(call, op="quit")
+    await engine.stop()
+    srv.cleanup()
+    save()
+    log(render(out))
+
+
+def render(out: dict) -> str:
+    lines = [f"rollq on {out['env'].get('gpu')} x{out['env'].get('gpus')}, vLLM {out['env'].get('vllm')}, "
+             f"Qwen2.5-7B-shaped bf16 (dummy weights)", ""]
+    ph = out["phases"]
+    if "overhead" in ph and "ratio" in ph["overhead"]:
+        o = ph["overhead"]
+        lines += ["| overhead (1024 x 128 -> 256 tokens) | tokens/s |", "| --- | --- |",
+                  f"| direct AsyncLLM | {o['direct_tokens_per_s']:.0f} |", f"| through rollq | {o['rollq_tokens_per_s']:.0f} |",
+                  f"| ratio | {o['ratio']:.3f} |", ""]
+
+    def med(rows: list, key: str) -> float:
+        v = sorted(r[key] for r in rows)
+        return v[len(v) // 2]
+
+    if "sync" in ph and ph["sync"].get("reps"):
+        r = ph["sync"]["reps"]
+        lines += [f"rollq NCCL update under load: end to end {med(r, 'end_to_end_s') * 1000:.0f} ms, "
+                  f"generation stopped {med(r, 'paused_s') * 1000:.0f} ms (median of {len(r)})", ""]
+    if "native" in ph and ph["native"].get("reps"):
+        r = ph["native"]["reps"]
+        lines += [f"vLLM native packed update under load: pause {med(r, 'pause_s') * 1000:.0f} ms + update "
+                  f"{med(r, 'update_s') * 1000:.0f} ms + resume {med(r, 'resume_s') * 1000:.0f} ms = generation stopped "
+                  f"{med(r, 'generation_stopped_s') * 1000:.0f} ms", ""]
+    if "memmap" in ph and ph["memmap"].get("reps"):
+        r = ph["memmap"]["reps"]
+        lines += [f"memmap via /dev/shm: publish + load {med(r, 'end_to_end_s'):.2f} s = "
+                  f"{med(r, 'gb_per_s_publish_plus_load'):.1f} GB/s", ""]
+    for k, v in ph.items():
+        if "error" in v:
+            lines.append(f"{k}: ERROR {v['error']}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results/gpu_vllm")
+    ap.add_argument("--phases", default="overhead,sync,native,memmap")
+    ap.add_argument("--prompts", type=int, default=1024)
+    ap.add_argument("--sync-reps", type=int, default=3)
+    ap.add_argument("--gpu-mem", type=float, default=0.55)
+    a = ap.parse_args()
+    if any(p in a.phases for p in ("sync", "native", "memmap")):
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("ROLLQ_ENGINE_GPU", "1")
+    asyncio.run(engine_main(a))
+
+
+if __name__ == "__main__":
+    main()
