@@ -6,6 +6,8 @@
     rollq status [--json] [--watch S]            queue depth, in flight, replicas
     rollq dlq list|requeue|purge [--json]        dead letters
     rollq check --id REPLICA                     liveness probe: exit 0 if its lease is live
+    rollq dashboard [--port P]                   live web dashboard, JSON API, /metrics
+    rollq top                                    live terminal view
     rollq demo [--json]                          the end-to-end demo (embedded Redis, engine, producer)
 
 ``--url`` defaults to ``$ROLLQ_REDIS_URL``; ``--queue`` to ``default``.
@@ -399,6 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-tokens", type=int, default=32)
     s.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     s.set_defaults(fn=cmd_demo)
+
+    from .dashboard.cli import register
+
+    register(sub)  # rollq dashboard, rollq top
     return p
 
 

@@ -168,6 +168,7 @@ class WeightFollower:
                 # wait briefly for a memmap copy rather than failing.
                 log.info("version %d was broadcast without us; waiting for a memmap copy", rec.version)
         c.intake_gate.clear()  # rollq's own intake closes first (vLLM would still accept)
+        state_before, c.state = c.state, "paused"
         aborted: list[Any] = []
         try:
             if policy == "drain":
@@ -191,6 +192,7 @@ class WeightFollower:
         finally:
             if aborted:
                 c.restart(aborted)
+            c.state = state_before if state_before != "paused" else "serving"
             c.intake_gate.set()
         c._paused_total += pause_s
         c.update_info = {

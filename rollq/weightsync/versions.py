@@ -18,6 +18,12 @@ from ..keys import QueueKeys
 from ..protocol import SCHEMA_VERSION
 
 
+_ITEMSIZE = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+    "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8,
+}
+
+
 class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
     """Name, dtype (torch name without ``torch.``) and shape of one tensor."""
 
@@ -27,12 +33,10 @@ class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
 
     @property
     def nbytes(self) -> int:
-        import torch
-
         n = 1
         for d in self.shape:
             n *= d
-        return n * getattr(torch, self.dtype).itemsize
+        return n * _ITEMSIZE[self.dtype]
 
 
 class VersionRecord(msgspec.Struct, kw_only=True):
