@@ -1,4 +1,4 @@
-"""A tiny random-weight Qwen2 model that vLLM can load, built offline in about a second.
+r"""A tiny random-weight Qwen2 model that vLLM can load, built offline in about a second.
 
 Tests, examples and CPU benchmarks need a real model folder but no network. This module
 writes one:
@@ -24,7 +24,7 @@ renamed into place. A folder that has the marker with the same parameters is ret
 once; anything else at the path is replaced.
 
 >>> from rollq.testing.tiny_model import ensure_tiny_model
->>> path = ensure_tiny_model()          # ~/.cache/rollq/tiny-qwen2, built once
+>>> path = ensure_tiny_model()  # doctest: +SKIP
 >>> # AsyncEngineArgs(model=str(path), dtype="float32", enforce_eager=True, ...)
 
 Attention heads narrower than 32 fail on vLLM's CPU backend, so ``hidden // heads`` must be
@@ -125,7 +125,7 @@ def build_tiny_model(
 
     >>> p = build_tiny_model("/tmp/tiny", seed=1)  # doctest: +SKIP
     >>> sorted(x.name for x in p.iterdir())[:3]  # doctest: +SKIP
-    ['.rollq-tiny-model.json', 'chat_template.jinja', 'config.json']
+    ['.rollq-tiny-model.json', 'config.json', 'generation_config.json']
     """
     path = Path(path).expanduser().absolute()
     params = dict(

