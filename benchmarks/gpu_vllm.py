@@ -207,12 +207,20 @@ async def engine_main(a: argparse.Namespace) -> None:
         Path(a.out + ".md").write_text(render(out))
 
     phases = a.phases.split(",")
-    mdir = model_dir(Path("/tmp/rollq-7b"))
+    if a.tiny:
+        from rollq.testing.tiny_model import ensure_tiny_model
+
+        mdir = ensure_tiny_model()
+    else:
+        mdir = model_dir(Path("/tmp/rollq-7b"))
     root = "/dev/shm/rollq-weights"
     shutil.rmtree(root, ignore_errors=True)
     import torch
 
-    out["env"] = {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "torch": torch.__version__}
+    gpu = torch.cuda.is_available()
+    out["env"] = {"gpu": torch.cuda.get_device_name(0) if gpu else "cpu", "gpus": torch.cuda.device_count(),
+                  "torch": torch.__version__, "model": "tiny" if a.tiny else "qwen2.5-7b-shaped (dummy)",
+                  "workload": {"prompts": a.prompts, "prompt_tokens": a.prompt_len, "gen_tokens": a.gen_len}}
     srv = RedisServer(appendfsync="everysec").start()
     queue = "bench"
     trainer = conn = None
@@ -231,13 +239,17 @@ async def engine_main(a: argparse.Namespace) -> None:
             raise RuntimeError(r.get("error", "") + "\n" + r.get("tb", ""))
         return r
 
-    from vllm.config import WeightTransferConfig
+    if a.tiny:
+        cfg = VllmEngineConfig(model=str(mdir), max_model_len=512,
+                               worker_extension_cls="rollq.weightsync.worker_ext.RollqWorkerExtension")
+    else:
+        from vllm.config import WeightTransferConfig
 
-    cfg = VllmEngineConfig(
-        model=str(mdir), dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=a.gpu_mem,
-        worker_extension_cls="rollq.weightsync.worker_ext.RollqWorkerExtension",
-        engine_kwargs={"load_format": "dummy", "weight_transfer_config": WeightTransferConfig(backend="nccl")},
-    )
+        cfg = VllmEngineConfig(
+            model=str(mdir), dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=a.gpu_mem,
+            worker_extension_cls="rollq.weightsync.worker_ext.RollqWorkerExtension",
+            engine_kwargs={"load_format": "dummy", "weight_transfer_config": WeightTransferConfig(backend="nccl")},
+        )
     engine = VllmEngine(cfg)
     t0 = time.perf_counter()
     await engine.start()
@@ -247,7 +259,7 @@ async def engine_main(a: argparse.Namespace) -> None:
 
     if "overhead" in phases:
         try:
-            out["phases"]["overhead"] = await overhead(engine, srv.url, a.prompts, 128, 256)
+            out["phases"]["overhead"] = await overhead(engine, srv.url, a.prompts, a.prompt_len, a.gen_len)
         except Exception as e:
             out["phases"]["overhead"] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
         save()
@@ -366,11 +378,11 @@ async def engine_main(a: argparse.Namespace) -> None:
 
 def render(out: dict) -> str:
     lines = [f"rollq on {out['env'].get('gpu')} x{out['env'].get('gpus')}, vLLM {out['env'].get('vllm')}, "
-             f"Qwen2.5-7B-shaped bf16 (dummy weights)", ""]
+             f"model {out['env'].get('model')}", ""]
     ph = out["phases"]
     if "overhead" in ph and "ratio" in ph["overhead"]:
         o = ph["overhead"]
-        lines += ["| overhead (1024 x 128 -> 256 tokens) | tokens/s |", "| --- | --- |",
+        lines += [f"| overhead ({o['prompts']} x {o['prompt_tokens']} -> {o['gen_tokens']} tokens) | tokens/s |", "| --- | --- |",
                   f"| direct AsyncLLM | {o['direct_tokens_per_s']:.0f} |", f"| through rollq | {o['rollq_tokens_per_s']:.0f} |",
                   f"| ratio | {o['ratio']:.3f} |", ""]
 
@@ -404,7 +416,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--sync-reps", type=int, default=3)
     ap.add_argument("--gpu-mem", type=float, default=0.55)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--gen-len", type=int, default=256)
+    ap.add_argument("--tiny", action="store_true", help="the local tiny model (CPU runs): overhead phase only")
     a = ap.parse_args()
+    if a.tiny:
+        a.phases = "overhead"
     if any(p in a.phases for p in ("sync", "native", "memmap")):
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("ROLLQ_ENGINE_GPU", "1")
     asyncio.run(engine_main(a))
