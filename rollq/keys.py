@@ -64,8 +64,12 @@ class QueueKeys:
 
     @cached_property
     def ids(self) -> str:
-        """Hash ``job id -> state`` of queued and running jobs (idempotency, cancellation)."""
+        """Hash of caller-chosen job ids while queued or running (idempotent submission)."""
         return f"{self.tag}:ids"
+
+    def cancel(self, job_id: str) -> str:
+        """Cancellation mark of a job (expires; consumers check it for running jobs)."""
+        return f"{self.tag}:cx:{job_id}"
 
     @cached_property
     def dlq(self) -> str:

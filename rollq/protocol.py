@@ -16,14 +16,16 @@ as raw little-endian arrays (``int32`` / ``float32``) with their dtype implied b
 from __future__ import annotations
 
 import math
+import re
 import sys
 import time
 from array import array
-from typing import Any, Iterable, Sequence
+from typing import Annotated, Any, Iterable, Sequence
 
 import msgspec
 
 from .errors import InvalidJob, ProtocolError, SchemaVersionError
+from .keys import check_name
 
 #: Version of every message rollq writes. Bump on any incompatible change.
 SCHEMA_VERSION = 1
@@ -50,8 +52,13 @@ def pack_i32(values: Iterable[int] | bytes | None) -> bytes:
     if tobytes is not None:  # torch tensor
         values = values.numpy()  # type: ignore[union-attr]
     if hasattr(values, "astype") and hasattr(values, "tobytes"):  # numpy
+        if values.size and values.dtype.itemsize > 4 and (values.min() < -(2**31) or values.max() >= 2**31):  # type: ignore[union-attr]
+            raise InvalidJob("token ids must fit in int32")
         return values.astype("<i4", copy=False).tobytes()  # type: ignore[union-attr]
-    a = array("i", values)
+    try:
+        a = array("i", values if isinstance(values, (list, tuple)) else list(values))
+    except (OverflowError, TypeError) as e:
+        raise InvalidJob(f"token ids must be integers that fit in int32: {e}") from e
     if not _LITTLE:
         a.byteswap()
     return a.tobytes()
@@ -87,31 +94,34 @@ def unpack_f32(data: bytes) -> list[float]:
 # ----------------------------------------------------------------------------------------
 # Sampling parameters
 # ----------------------------------------------------------------------------------------
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, frozen=True):
     """The whitelist of sampling parameters a job may carry (a subset of vLLM's).
 
     ``n`` samples of one job form one GRPO group and run on one replica (shared prefix
-    cache). Unknown names are refused rather than silently ignored.
+    cache). Unknown names are refused rather than silently ignored. Range checks run in
+    msgspec's decoder (C) for jobs read off the wire; :meth:`validate` repeats them, plus
+    the cross-field checks, for objects built in Python.
 
     >>> SamplingParams.from_dict({"max_tokens": 16, "temperature": 0.7, "n": 4}).n
     4
     """
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    n: int = 1
-    logprobs: int | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_LIMIT)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] = 0
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    seed: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    stop: Annotated[list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=MAX_STOP)] = []
+    stop_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_STOP)] = []
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] = 1.0
     skip_special_tokens: bool = True
     detokenize: bool = True
 
@@ -132,7 +142,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
         try:
             sp = msgspec.convert(d, cls, strict=False)
         except msgspec.ValidationError as e:
-            raise InvalidJob(f"invalid sampling params: {e}") from e
+            raise InvalidJob(f"invalid sampling params: {_explain(e, d)}") from e
         return sp.validate()
 
     def validate(self) -> SamplingParams:
@@ -201,6 +211,8 @@ class Job(msgspec.Struct, array_like=True, kw_only=True):
     deadline: float | None = None  # unix seconds
     submitted: float = 0.0  # unix seconds, set by the producer
     meta: Any = None
+    #: The caller chose the id: it is recorded while queued or running (idempotency).
+    tracked: bool = False
 
     @property
     def prompt_token_ids(self) -> list[int] | None:
@@ -210,8 +222,12 @@ class Job(msgspec.Struct, array_like=True, kw_only=True):
         return "text" if self.text is not None else "tokens" if self.tokens is not None else "messages"
 
 
-def validate_job(job: Job, *, max_prompt_bytes: int | None = None) -> Job:
-    """Structural checks a consumer repeats on every job it pulls (the producer does too)."""
+def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: bool = True) -> Job:
+    """Structural checks a consumer repeats on every job it pulls (the producer does too).
+
+    ``sampling=False`` skips re-validating the sampling params (already checked by msgspec's
+    decoder, or validated once for a shared object).
+    """
     if job.v != SCHEMA_VERSION:
         raise SchemaVersionError(f"job schema version {job.v} is not supported (this build: {SCHEMA_VERSION})")
     if not job.id or len(job.id) > 256:
@@ -224,16 +240,51 @@ def validate_job(job: Job, *, max_prompt_bytes: int | None = None) -> Job:
             raise InvalidJob("prompt_token_ids must be a non-empty int32 array")
     if job.text is not None and not job.text:
         raise InvalidJob("prompt text is empty")
+    if job.replica is not None:
+        try:
+            check_name("replica", job.replica)
+        except ValueError as e:
+            raise InvalidJob(f"job {job.id!r} targets an impossible replica: {e}") from e
     if job.messages is not None and not job.messages:
         raise InvalidJob("messages is empty")
     if max_prompt_bytes is not None:
         size = len(job.text.encode()) if job.text is not None else (
-            len(job.tokens) if job.tokens is not None else sum(len(m.content) for m in job.messages or ())
+            len(job.tokens) if job.tokens is not None else sum(len(m.content.encode()) for m in job.messages or ())
         )
         if size > max_prompt_bytes:
             raise InvalidJob(f"prompt of {size} bytes exceeds the limit of {max_prompt_bytes} bytes")
-    job.sampling.validate()
+    if sampling:
+        job.sampling.validate()
+    elif job.sampling.min_tokens > job.sampling.max_tokens:
+        raise InvalidJob("invalid sampling params: min_tokens must be <= max_tokens")
     return job
+
+
+def _explain(e: msgspec.ValidationError, given: dict[str, Any]) -> str:
+    """``Expected `int` >= 1 - at `$.n``` -> ``n must be an int >= 1 (got 0)``."""
+    m = re.match(r"Expected `([^`]+)`(.*?) - at `\$\.(\w+)", str(e))
+    if not m:
+        return str(e)
+    typ, constraint, field = m.group(1), m.group(2).strip(), m.group(3)
+    sep = "" if not constraint or constraint.startswith(",") else " "
+    return f"{field} must be {typ}{sep}{constraint} (got {given.get(field)!r})"
+
+
+_validated: dict[int, SamplingParams] = {}
+
+
+def validated_sampling(sp: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    """Validate sampling params once per distinct object (batches share one object)."""
+    if isinstance(sp, SamplingParams):
+        key = id(sp)
+        if _validated.get(key) is sp:
+            return sp
+        sp.validate()
+        if len(_validated) > 4096:
+            _validated.clear()
+        _validated[key] = sp  # holding it keeps its id from being reused
+        return sp
+    return SamplingParams.from_dict(sp)
 
 
 def make_job(
@@ -250,6 +301,7 @@ def make_job(
     timeout: float | None = None,
     meta: Any = None,
     max_prompt_bytes: int | None = None,
+    tracked: bool = False,
 ) -> Job:
     """Build and validate a :class:`Job` from user-facing arguments."""
     msgs = None
@@ -267,14 +319,15 @@ def make_job(
         text=prompt,
         tokens=pack_i32(prompt_token_ids) if prompt_token_ids is not None else None,
         messages=msgs,
-        sampling=SamplingParams.from_dict(sampling),
+        sampling=validated_sampling(sampling),
         replica=replica,
         min_version=min_version,
         deadline=deadline,
         submitted=now,
         meta=meta,
+        tracked=tracked,
     )
-    return validate_job(job, max_prompt_bytes=max_prompt_bytes)
+    return validate_job(job, max_prompt_bytes=max_prompt_bytes, sampling=False)
 
 
 # ----------------------------------------------------------------------------------------
@@ -387,13 +440,29 @@ def encode_job(job: Job) -> bytes:
     return _enc.encode(job)
 
 
-def decode_job(data: bytes) -> Job:
-    """Decode and validate a job; raise ProtocolError / SchemaVersionError / InvalidJob."""
+def decode_job(data: bytes, max_prompt_bytes: int | None = None) -> Job:
+    """Decode and validate a job; raise ProtocolError / SchemaVersionError / InvalidJob.
+
+    msgspec's decoder enforces types and ranges; the rest of :func:`validate_job` follows.
+    """
     try:
         job = _job_dec.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+    except msgspec.ValidationError as e:
+        if job_like(data):
+            raise InvalidJob(f"invalid job: {e}") from e
         raise _diagnose(data, "job", e) from e
-    return validate_job(job)
+    except msgspec.DecodeError as e:
+        raise _diagnose(data, "job", e) from e
+    return validate_job(job, max_prompt_bytes=max_prompt_bytes, sampling=False)
+
+
+def job_like(data: bytes) -> bool:
+    """A well-formed job envelope of our schema version (its contents may still be invalid)."""
+    try:
+        raw = _any_dec.decode(data)
+    except Exception:
+        return False
+    return isinstance(raw, list) and len(raw) >= 3 and raw[0] == SCHEMA_VERSION and isinstance(raw[1], str)
 
 
 def encode_result(result: Result) -> bytes:

@@ -61,8 +61,10 @@ class ProducerSettings:
     max_outstanding: int = 100_000
     #: When the cap is reached: wait for room (True) or raise QueueFull (False).
     block_when_full: bool = True
-    #: Jobs per Redis round trip in submit_many.
-    chunk_size: int = 2000
+    #: Jobs per round trip in submit_many (sent as a pipeline of script calls).
+    chunk_size: int = 4000
+    #: Jobs per script call: bounds how long one call holds Redis (shared servers).
+    script_batch: int = 500
     #: Results fetched per read of the result stream.
     result_batch: int = 2000
     #: Largest prompt accepted, in bytes (text, token bytes or message contents).

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import InvalidJob
-from ..protocol import Job, Sample, pack_f32, pack_i32
+from ..protocol import Job, Sample, pack_f32, pack_i32, unpack_i32
+
+_LOGPROB_BYTES = pack_f32([-0.5] * 4096)
 
 
 @dataclass
@@ -104,7 +106,8 @@ class EchoEngine(Engine):
     """A deterministic engine for queue tests, the queue demo and benchmarks.
 
     Sample ``j`` of a job repeats the prompt's token ids (or the UTF-8 bytes of its text)
-    shifted by ``j``, ``max_tokens`` of them, with logprob ``-0.5`` each. With
+    shifted by ``j`` (modulo ``vocab_size``), ``max_tokens`` of them, with logprob ``-0.5``
+    each. With
     ``delay_per_token`` > 0 a request takes ``max_tokens * delay_per_token`` seconds;
     requests run concurrently, as in a batching engine.
 
@@ -134,26 +137,26 @@ class EchoEngine(Engine):
         return list(text.encode()) or [0]
 
     def generate_now(self, job: Job) -> EngineOutput:
-        prompt = self._prompt_ids(job)
-        if len(prompt) + job.sampling.max_tokens > self.max_model_len:
+        sp = job.sampling
+        k = sp.max_tokens
+        raw = job.tokens if job.tokens is not None else pack_i32(self._prompt_ids(job))
+        n_prompt = len(raw) // 4
+        if n_prompt + k > self.max_model_len:
             raise InvalidJob(
-                f"prompt of {len(prompt)} tokens + max_tokens {job.sampling.max_tokens} exceeds "
+                f"prompt of {n_prompt} tokens + max_tokens {k} exceeds "
                 f"the engine's context of {self.max_model_len} tokens"
             )
-        k = job.sampling.max_tokens
+        # Sample 0 repeats the prompt's bytes (cheap slicing); sample j shifts the ids by j.
+        base = (raw * (k // n_prompt + 1))[: 4 * k]
+        lp = None
+        if sp.logprobs is not None:
+            lp = _LOGPROB_BYTES[: 4 * k] if len(_LOGPROB_BYTES) >= 4 * k else pack_f32([-0.5] * k)
         samples = []
-        for j in range(job.sampling.n):
-            ids = [(prompt[i % len(prompt)] + j) % self.vocab_size for i in range(k)]
-            samples.append(
-                Sample(
-                    tokens=pack_i32(ids),
-                    logprobs=pack_f32([-0.5] * k) if job.sampling.logprobs is not None else None,
-                    text=None,
-                    finish_reason="length",
-                )
-            )
-        self._generated += k * job.sampling.n
-        return EngineOutput(samples=samples, prompt_tokens=len(prompt))
+        for j in range(sp.n):
+            toks = base if j == 0 else pack_i32([(t + j) % self.vocab_size for t in unpack_i32(base)])
+            samples.append(Sample(tokens=toks, logprobs=lp, text=None, finish_reason="length"))
+        self._generated += k * sp.n
+        return EngineOutput(samples=samples, prompt_tokens=n_prompt)
 
     def submit(self, request_id: str, job: Job, done: DoneCallback) -> None:
         if self._paused:

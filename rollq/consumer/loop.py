@@ -21,6 +21,7 @@ The pipeline, one asyncio task each:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import os
 import random
@@ -31,6 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgpack
 import msgspec
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -193,6 +195,7 @@ class Consumer:
         self.intake_gate.set()
         self._paused_total = 0.0
         self._control_handlers: list[Callable[[str, str], Any]] = []
+        self._leased = False
         #: Weight-update figures shown in the registry (set by the weight follower).
         self.update_info: dict[str, Any] = {}
 
@@ -390,7 +393,7 @@ class Consumer:
             self._fail(stream, eid, None, None, b"", DeadLettered, "stream entry has no 'd' field", deliveries, dlq=True)
             return
         try:
-            job = decode_job(payload)
+            job = decode_job(payload, self.settings.max_prompt_bytes)
         except (ProtocolError, InvalidJob) as e:
             jid, reply = peek_id(payload)
             self._fail(stream, eid, jid, reply, payload, JobRejected, str(e), deliveries, dlq=True)
@@ -470,7 +473,7 @@ class Consumer:
                 submitted=job.submitted, started=run.started, finished=now,
                 deliveries=run.deliveries, meta=job.meta,
             )
-            self._queue_finish(run.stream, run.eid, job.id, job.reply, encode_result(res), b"", "completed", now - job.submitted)
+            self._queue_finish(run.stream, run.eid, job.id if job.tracked else "", job.reply, encode_result(res), b"", "completed", now - job.submitted)
             lag = self.version - run.version_start
             self.counters.lag[lag] = self.counters.lag.get(lag, 0) + 1
         elif isinstance(out, EngineDead):
@@ -512,7 +515,8 @@ class Consumer:
                 )
             )
             log.warning("dead-lettered entry %s of %s (job %s): %s", eid, stream, job_id, message)
-        self._queue_finish(stream, eid, job_id or "", reply, result, dead, "failed", None)
+        tracked = job.tracked if job is not None else True  # unknown: forget the id if recorded
+        self._queue_finish(stream, eid, (job_id or "") if tracked else "", reply, result, dead, "failed", None)
 
     def _queue_finish(self, stream: str, eid: bytes, job_id: str, reply: str | None, result: bytes, dead: bytes, counter: str, latency_s: float | None) -> None:
         self._finishes.append(_Finish(stream, eid, job_id, reply, result, dead, counter, None if latency_s is None else latency_s * 1000))
@@ -551,14 +555,14 @@ class Consumer:
                 i = index[k] = len(keys)
             return i
 
-        args: list[Any] = [GROUP, int(self.settings.result_ttl * 1000), self.settings.dlq_maxlen]
-        for f in batch:
-            args += [
-                kidx(f.stream), f.eid, f.job_id,
-                kidx(self.keys.results(f.reply)) if (f.reply and f.result) else 0,
-                f.result, f.dead_letter, f.counter,
-            ]
-        return await FINISH(self._client, keys, args)
+        rows = [
+            (kidx(f.stream), f.eid, f.job_id, kidx(self.keys.results(f.reply)) if (f.reply and f.result) else 0,
+             f.result, f.dead_letter, f.counter)
+            for f in batch
+        ]
+        # One msgpack argument for the whole batch (Redis' Lua cmsgpack reads str, not bin).
+        blob = msgpack.packb(rows, use_bin_type=False)
+        return await FINISH(self._client, keys, [GROUP, int(self.settings.result_ttl * 1000), self.settings.dlq_maxlen, blob])
 
     def _account(self, batch: list[_Finish], flags: list[int]) -> None:
         c = self.counters
@@ -600,22 +604,23 @@ class Consumer:
             self._tok_window = (now_m, st.generated_tokens)
         self.capacity.update(st, inflight=len(self._running))
         pipe = self._client.pipeline(transaction=False)
-        pipe.set(self.keys.heartbeat(self.id), b"1", px=int(self.settings.lease_ttl * 1000))
+        pipe.set(self.keys.heartbeat(self.id), b"1", px=int(self.settings.lease_ttl * 1000), get=True)
         pipe.hset(self.keys.consumers, self.id, msgspec.msgpack.encode(self.info()))
         self._queue_stats(pipe)
         job_ids = list(self._by_job)
         if job_ids:
-            pipe.hmget(self.keys.ids, job_ids)
+            pipe.mget([self.keys.cancel(j) for j in job_ids])
         res = await pipe.execute()
+        if res[0] is None and self._leased:
+            # Our lease lapsed (a stall or partition longer than lease_ttl): peers may have
+            # taken over some of our jobs. Keep only those still ours.
+            log.warning("consumer %s: lease had expired; checking which jobs are still ours", self.id)
+            await self._drop_taken_over()
+        self._leased = True
         if job_ids:
-            gone = []
-            for jid, state in zip(job_ids, res[-1]):
-                if state == b"c":
+            for jid, mark in zip(job_ids, res[-1]):
+                if mark is not None:
                     self._cancel_running(jid, "cancelled while running")
-                elif state is None:
-                    gone.append(jid)
-            if gone:
-                await self._drop_finished_elsewhere(gone)
         now = time.time()
         self._recent_cancels = {k: v for k, v in self._recent_cancels.items() if now - v < 600}
         self._room.set()
@@ -638,24 +643,23 @@ class Consumer:
         if len(pipe):
             await pipe.execute()
 
-    async def _drop_finished_elsewhere(self, job_ids: list[str]) -> None:
-        """Abort our copy of jobs another replica took over and finished (we were presumed dead)."""
-        runs = [(jid, rid, self._running.get(rid)) for jid in job_ids if (rid := self._by_job.get(jid))]
-        runs = [(jid, rid, r) for jid, rid, r in runs if r is not None]
-        if not runs:
-            return
-        pipe = self._client.pipeline(transaction=False)
-        for _, _, r in runs:
-            pipe.xpending_range(r.stream, GROUP, min=r.eid, max=r.eid, count=1)
-        pending = await pipe.execute()
-        for (jid, rid, r), p in zip(runs, pending):
-            owner = p[0].get("consumer") if p else None
-            if owner in (self.id, self.id.encode()):
-                continue  # still ours (e.g. a job written without an id record)
-            if self._running.pop(rid, None) is not None:
-                self._by_job.pop(jid, None)
+    async def _drop_taken_over(self) -> None:
+        """Abort our copy of running jobs that are no longer pending under this consumer."""
+        owned: set[bytes] = set()
+        for stream in self._streams:
+            try:
+                rows = await self._client.xpending_range(
+                    stream, GROUP, min="-", max="+", count=len(self._running) + 1000, consumername=self.id
+                )
+            except ResponseError:
+                continue
+            owned.update(r["message_id"] for r in rows)
+        for rid, run in list(self._running.items()):
+            if run.eid not in owned:
+                del self._running[rid]
+                self._by_job.pop(run.job.id, None)
                 self.engine.abort(rid)
-                log.info("job %s is owned elsewhere now; aborted our copy", jid)
+                log.info("job %s is owned by another replica now; aborted our copy", run.job.id)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -790,7 +794,4 @@ def encode_job_safe(job: Job) -> bytes:
 
 
 def _bucket(ms: float) -> int:
-    for i, b in enumerate(LATENCY_BUCKETS_MS):
-        if ms <= b:
-            return i
-    return len(LATENCY_BUCKETS_MS)
+    return bisect.bisect_left(LATENCY_BUCKETS_MS, ms)

@@ -20,15 +20,17 @@ import logging
 import os
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 
+import msgpack
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect
 from ..errors import InvalidJob, JobCancelled, QueueFull, StalenessBound, job_error
-from ..keys import FIELD, QueueKeys, check_name
+from ..keys import GROUP, QueueKeys, check_name
 from ..protocol import (
     ErrorInfo,
     Job,
@@ -42,6 +44,8 @@ from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
 log = logging.getLogger(__name__)
 
 _RETRYABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+#: Seconds a cancellation mark lives (longer than any job should wait or run).
+CANCEL_MARK_TTL = 24 * 3600
 
 
 class JobHandle:
@@ -122,6 +126,7 @@ class Producer:
         self._futures: dict[str, asyncio.Future] = {}
         self._completed: OrderedDict[str, Result] = OrderedDict()
         self._cancelled: set[str] = set()
+        self._entries: dict[str, tuple[str, bytes, bool]] = {}  # job id -> (stream, entry id, tracked)
         self._outstanding = 0
         self._room: asyncio.Condition | None = None
         self._arrived: asyncio.Event | None = None
@@ -187,8 +192,11 @@ class Producer:
         unknown = set(f) - _SPEC_FIELDS
         if unknown:
             raise InvalidJob(f"unknown job field(s) {sorted(unknown)}; allowed: {sorted(_SPEC_FIELDS)}")
-        job_id = f.pop("id", None) or self._next_id()
-        return make_job(id=str(job_id), reply=self.id, max_prompt_bytes=self.settings.max_prompt_bytes, **f)
+        given = f.pop("id", None)
+        return make_job(
+            id=str(given) if given is not None else self._next_id(), reply=self.id,
+            max_prompt_bytes=self.settings.max_prompt_bytes, tracked=given is not None, **f,
+        )
 
     async def submit(self, prompt: str | None = None, /, **kw: Any) -> JobHandle:
         """Submit one job; returns immediately with its handle."""
@@ -232,30 +240,59 @@ class Producer:
     async def _submit_chunk(self, jobs: list[Job]) -> list[JobHandle]:
         await self._reserve(len(jobs))
         loop = asyncio.get_running_loop()
+        calls: list[tuple[list[str], list[Any], int]] = []  # (keys, args, jobs) per script call
         by_stream: dict[str, list[Any]] = {}
+        order: dict[str, list[Job]] = {}
         for job in jobs:
-            args = by_stream.setdefault(self.keys.job_stream(job.replica), [])
-            args.append(job.id)
+            stream = self.keys.job_stream(job.replica)
+            args = by_stream.setdefault(stream, [])
+            args.append(job.id if job.tracked else "")
             args.append(encode_job(job))
-        dups: set[bytes] = set()
-        done_streams: set[str] = set()
+            order.setdefault(stream, []).append(job)
+        step = 2 * self.settings.script_batch
+        call_jobs: list[list[Job]] = []
+        for stream, args in by_stream.items():
+            keys = self.keys.submit_keys(stream)
+            for i in range(0, len(args), step):
+                calls.append((keys, args[i : i + step], len(args[i : i + step]) // 2))
+                call_jobs.append(order[stream][i // 2 : (i + step) // 2])
+        dups: list[bytes] = []
+        sent = 0
         try:
-            for stream, args in by_stream.items():
-                while True:
-                    skipped, refused, limit = await SUBMIT(self._client, self.keys.submit_keys(stream), args)
-                    if not refused:
-                        break
-                    await self._wait_for_admission(len(args) // 2, limit)
-                dups.update(skipped)
-                done_streams.add(stream)
+            pending = list(zip(calls, call_jobs))
+            while pending:
+                results = await self._run_scripts([c for c, _ in pending])
+                refused = []
+                for (call, cjobs), (skipped, was_refused, limit, eids) in zip(pending, results):
+                    if was_refused:
+                        refused.append((call, cjobs))
+                    else:
+                        dups.extend(skipped)
+                        sent += call[2]
+                        stream = call[0][0]
+                        for job, eid in zip(cjobs, eids):
+                            if eid:
+                                self._entries[job.id] = (stream, eid, job.tracked)
+                if refused:
+                    await self._wait_for_admission(sum(c[2] for c, _ in refused), limit)
+                pending = refused
         except BaseException:
-            # Nothing of the failed stream was enqueued; earlier streams were (their jobs run).
-            sent = sum(len(by_stream[s]) // 2 for s in done_streams)
-            await self._release(len(jobs) - sent)
+            await self._release(len(jobs) - sent)  # what was enqueued runs; the rest was not sent
             raise
+        # Within a call the first occurrence of an id is enqueued, repeats are skipped (and
+        # all occurrences are skipped if the id was already queued): mark the last ones.
+        skipped_left = Counter(dups)
+        occurrences = Counter(job.id.encode() for job in jobs)
+        accepted_left = {k: occurrences[k] - skipped_left[k] for k in skipped_left}
         handles = []
         for job in jobs:
-            dup = job.id.encode() in dups
+            key = job.id.encode()
+            dup = False
+            if key in accepted_left:
+                if accepted_left[key] > 0:
+                    accepted_left[key] -= 1
+                else:
+                    dup = True
             fut = self._futures.get(job.id)
             if fut is None:
                 fut = loop.create_future()
@@ -266,6 +303,22 @@ class Producer:
         self.counters["submitted"] += len(jobs) - len(dups)
         self.counters["duplicates"] += len(dups)
         return handles
+
+    async def _run_scripts(self, calls: list[tuple[list[str], list[Any], int]]) -> list[Any]:
+        """Run SUBMIT calls in one pipeline (one round trip), loading the script if needed."""
+        for attempt in (0, 1):
+            pipe = self._client.pipeline(transaction=False)
+            for keys, args, _ in calls:
+                pipe.evalsha(SUBMIT.sha, len(keys), *keys, *args)
+            results = await pipe.execute(raise_on_error=False)
+            if not any(isinstance(r, NoScriptError) for r in results):
+                break
+            # A missing script fails every call before it runs: load it and send them again.
+            await SUBMIT.ensure_loaded(self._client)
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return results
 
     async def _wait_for_admission(self, n: int, limit: int) -> None:
         """The staleness bound refused ``n`` jobs: wait for a newer policy version, or raise."""
@@ -298,26 +351,43 @@ class Producer:
     async def cancel(self, job_id: str) -> bool:
         """Cancel a job by id. Returns False if it is no longer queued or running."""
         await self.connect()
-        known = await CANCEL(self._client, [self.keys.ids], [job_id, self.keys.control])
         fut = self._futures.get(job_id)
+        known = fut is not None and not fut.done()
+        stream, eid, tracked = self._entries.get(job_id, (self.keys.jobs, b"0-0", True))
+        how = await CANCEL(
+            self._client, [stream, self.keys.cancel(job_id), self.keys.ids, self.keys.stats],
+            [eid, job_id, self.keys.control, CANCEL_MARK_TTL, GROUP, "1" if tracked else "0"],
+        )
+        if how == 1:
+            self._entries.pop(job_id, None)
         if fut is not None and not fut.done():
-            self._cancelled.add(job_id)
+            if how != 1:  # it was delivered: a (cancelled) result is still to come; drop it then
+                self._cancelled.add(job_id)
             fut.set_result(
                 Result(id=job_id, error=ErrorInfo(type=JobCancelled.__name__, message="cancelled by the submitter"))
             )
-            self._completed.pop(job_id, None)
-        return bool(known)
+            self._consume(job_id)  # the caller knows: its room is free now
+        return known
 
     # -- results -------------------------------------------------------------------------
     async def _read_results(self) -> None:
-        """Read the result stream; resolve handles; delete what was taken."""
+        """Read the result stream; resolve handles; delete what was taken.
+
+        The deletion of one batch travels in the same round trip as the next blocking read.
+        """
         assert self._reader_client is not None and self._arrived is not None
         last = b"0-0"
         backoff = 0.05
         count = self.settings.result_batch
+        taken: list[bytes] = []
         while not self._closed:
             try:
-                resp = await self._reader_client.xread({self._result_key: last}, count=count, block=1000)
+                pipe = self._reader_client.pipeline(transaction=False)
+                if taken:
+                    pipe.xdel(self._result_key, *taken)
+                pipe.xread({self._result_key: last}, count=count, block=1000)
+                resp = (await pipe.execute())[-1]
+                taken = []
                 backoff = 0.05
             except _RETRYABLE as e:
                 log.warning("result stream read failed (%s); retrying in %.2fs", e, backoff)
@@ -327,26 +397,22 @@ class Producer:
             if not resp:
                 continue
             entries = resp[0][1]
-            ids = []
             for eid, fields in entries:
-                ids.append(eid)
+                taken.append(eid)
                 try:
-                    self._deliver(decode_result(fields[FIELD.encode()]))
+                    one = fields.get(b"d")
+                    for data in ([one] if one is not None else msgpack.unpackb(fields[b"b"], raw=True)):
+                        self._deliver(decode_result(data))
                 except Exception as e:  # a corrupt result must not stop the reader
                     log.error("dropping unreadable result entry %s: %s", eid, e)
-            last = ids[-1]
+            last = taken[-1]
             self._arrived.set()
-            try:
-                await self._client.xdel(self._result_key, *ids)
-            except _RETRYABLE as e:  # they are re-read only by a restarted producer
-                log.warning("could not delete %d delivered results (%s)", len(ids), e)
 
     def _deliver(self, res: Result) -> None:
         self.counters["results"] += 1
-        if res.id in self._cancelled:
+        self._entries.pop(res.id, None)
+        if res.id in self._cancelled:  # its handle already holds JobCancelled
             self._cancelled.discard(res.id)
-            self._futures.pop(res.id, None)
-            self._consume(res.id, already_removed=True)
             return
         fut = self._futures.get(res.id)
         if fut is not None and fut.done():

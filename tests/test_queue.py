@@ -1,0 +1,427 @@
+"""The queue end to end on a real Redis: producer -> stream -> consumer (EchoEngine) -> result."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+import rollq.producer.client as client_mod
+from rollq.consumer.engine import EchoEngine
+from rollq.errors import JobCancelled, JobExpired, QueueFull
+from rollq.keys import GROUP, QueueKeys
+from rollq.protocol import unpack_i32
+from tests.helpers import bounded, collect, make_consumer, make_producer, until  # noqa: F401 (fixtures)
+
+
+
+
+async def stats(client, queue: str) -> dict[str, int]:
+    raw = await client.hgetall(QueueKeys(queue).stats)
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+# ----------------------------------------------------------------------------------------
+# basics
+# ----------------------------------------------------------------------------------------
+async def test_submit_and_consume(queue, make_producer, make_consumer, redis_client):
+    p = await make_producer(queue)
+    t0 = time.time()
+    handles = [await p.submit("hello", sampling={"max_tokens": 3}) for _ in range(3)]
+    assert all(not h.done() and not h.duplicate for h in handles)
+    assert len({h.id for h in handles}) == 3
+    assert p.outstanding == 3
+
+    c = make_consumer(queue, consumer_id="replica-a")
+    c.version = 7
+    assert await make_consumer.burst(c) == 0
+
+    results = await p.gather(handles, timeout=5)
+    for h, r in zip(handles, results):
+        assert r.ok and r.id == h.id
+        assert r.replica == "replica-a"
+        assert r.policy_version == (7, 7)
+        assert t0 <= r.submitted <= r.started <= r.finished <= time.time()
+        assert r.deliveries == 1
+        assert r.prompt_tokens == 5
+        assert [s.token_ids for s in r.samples] == [[104, 101, 108]]
+    assert p.outstanding == 0
+    assert c.counters.completed == 3 and c.counters.failed == 0
+    assert await stats(redis_client, queue) == {"submitted": 3, "completed": 3}
+
+
+async def test_prompt_kinds_through_echo(queue, make_producer, make_consumer):
+    p = await make_producer(queue)
+    h_text = await p.submit("hi", sampling={"max_tokens": 5})
+    h_tok = await p.submit(prompt_token_ids=[7, 8, 9], sampling={"max_tokens": 4})
+    h_msg = await p.submit(messages=[{"role": "user", "content": "yo"}], sampling={"max_tokens": 8})
+    await make_consumer.burst(make_consumer(queue))
+    r_text, r_tok, r_msg = await p.gather([h_text, h_tok, h_msg], timeout=5)
+    assert r_text.samples[0].token_ids == [104, 105, 104, 105, 104]
+    assert r_text.prompt_tokens == 2
+    assert r_tok.samples[0].token_ids == [7, 8, 9, 7]
+    assert r_tok.prompt_tokens == 3
+    assert r_msg.samples[0].token_ids == list(b"user: yo")
+    assert all(r.samples[0].finish_reason == "length" for r in (r_text, r_tok, r_msg))
+
+
+async def test_n_samples_and_logprobs(queue, make_producer, make_consumer):
+    p = await make_producer(queue)
+    h = await p.submit(prompt_token_ids=[10, 20], sampling={"max_tokens": 3, "n": 4, "logprobs": 1})
+    h1 = await p.submit(prompt_token_ids=[10, 20], sampling={"max_tokens": 3})
+    await make_consumer.burst(make_consumer(queue))
+    r = await bounded(h.result(), 5, "result")
+    assert len(r.samples) == 4
+    for j, s in enumerate(r.samples):
+        assert s.token_ids == [10 + j, 20 + j, 10 + j]
+        assert s.token_logprobs == [-0.5, -0.5, -0.5]
+    r1 = await bounded(h1.result(), 5, "result")
+    assert len(r1.samples) == 1 and r1.samples[0].token_logprobs is None
+
+
+async def test_meta_is_returned_untouched(queue, make_producer, make_consumer):
+    meta = {"step": 3, "group": [1, 2, {"nested": None}], "name": "ü", "f": 0.25, "raw": b"\x00\xff", "ok": True}
+    p = await make_producer(queue)
+    h = await p.submit("x", meta=meta, sampling={"max_tokens": 1})
+    h2 = await p.submit("x", meta=[1, "two"], sampling={"max_tokens": 1})
+    h3 = await p.submit("x", sampling={"max_tokens": 1})
+    await make_consumer.burst(make_consumer(queue))
+    r, r2, r3 = await p.gather([h, h2, h3], timeout=5)
+    assert r.meta == meta
+    assert r2.meta == [1, "two"]
+    assert r3.meta is None
+
+
+async def test_submit_many_chunks(queue, make_producer, make_consumer, redis_client, monkeypatch):
+    calls: list[int] = []
+    real = client_mod.Producer._run_scripts
+
+    async def counting(self, script_calls):  # one pipeline = one round trip
+        calls.append(sum(n for _, _, n in script_calls))
+        return await real(self, script_calls)
+
+    monkeypatch.setattr(client_mod.Producer, "_run_scripts", counting)
+    p = await make_producer(queue, chunk_size=7)
+    specs = [{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}, "meta": i} for i in range(50)]
+    handles = await p.submit_many(specs)
+    assert len(handles) == 50 and len({h.id for h in handles}) == 50
+    assert calls == [7] * 7 + [1], "one round trip per chunk_size jobs"
+    # stream order is submission order
+    entries = await redis_client.xrange(QueueKeys(queue).jobs)
+    assert len(entries) == 50
+    from rollq.protocol import decode_job
+
+    assert [decode_job(f[b"d"]).id for _, f in entries] == [h.id for h in handles]
+    await make_consumer.burst(make_consumer(queue))
+    results = await p.gather(handles, timeout=5)
+    assert [r.meta for r in results] == list(range(50))
+    assert [r.samples[0].token_ids for r in results] == [[i + 1] for i in range(50)]
+
+
+async def test_results_iterator_yields_each_once(queue, make_producer, make_consumer):
+    p = await make_producer(queue, result_batch=16)
+    handles = await p.submit_many([{"prompt": f"job {i}", "sampling": {"max_tokens": 2}} for i in range(100)])
+    first = await p.submit("awaited by handle", sampling={"max_tokens": 1})
+    await make_consumer.burst(make_consumer(queue))
+    r_first = await bounded(first.result(), 5, "first result")
+    assert r_first.ok
+
+    seen: list[str] = []
+
+    async def drain():
+        async for r in p.results():
+            seen.append(r.id)
+            if len(seen) == 100:
+                return
+
+    await bounded(drain(), 10, "100 results from results()")
+    assert sorted(seen) == sorted(h.id for h in handles)
+    assert first.id not in seen, "a result taken by its handle is not yielded again"
+    # nothing more comes, and nothing is yielded twice
+    extra = [r async for r in p.results(timeout=0.3)]
+    assert extra == []
+    assert p.outstanding == 0
+    assert p.counters["results"] == 101
+
+
+async def test_handle_timeout_without_consumer(queue, make_producer, make_consumer):
+    p = await make_producer(queue)
+    h = await p.submit("nobody home", sampling={"max_tokens": 1})
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await h.result(timeout=0.2)
+    assert 0.15 <= time.monotonic() - t0 < 2
+    assert not h.done()
+    # the handle stays usable: a consumer arrives later and the result is delivered
+    await make_consumer.burst(make_consumer(queue))
+    r = await bounded(h.result(timeout=5), 6, "result after the timeout")
+    assert r.ok
+    assert p.outstanding == 0
+
+
+# ----------------------------------------------------------------------------------------
+# idempotency and cancellation
+# ----------------------------------------------------------------------------------------
+async def test_idempotent_resubmission_while_queued(queue, make_producer, make_consumer, redis_client):
+    p = await make_producer(queue)
+    h1 = await p.submit("same", id="job-42", sampling={"max_tokens": 2})
+    h2 = await p.submit("same", id="job-42", sampling={"max_tokens": 2})
+    (h3,) = await p.submit_many([{"prompt": "same", "id": "job-42", "sampling": {"max_tokens": 2}}])
+    assert (h1.duplicate, h2.duplicate, h3.duplicate) == (False, True, True)
+    assert h1.id == h2.id == h3.id == "job-42"
+    assert await redis_client.xlen(QueueKeys(queue).jobs) == 1
+    assert p.outstanding == 1
+    assert p.counters["submitted"] == 1 and p.counters["duplicates"] == 2
+
+    c = make_consumer(queue)
+    await make_consumer.burst(c)
+    assert c.counters.completed == 1
+    r1 = await bounded(h1.result(), 5, "result")
+    assert r1.ok and r1.id == "job-42"
+    r2 = await bounded(h2.result(), 5, "result of the duplicate handle")
+    assert r2 is r1
+    assert [r async for r in p.results(timeout=0.3)] == []
+    assert p.outstanding == 0
+    assert p.counters["results"] == 1
+    assert (await stats(redis_client, queue))["submitted"] == 1
+
+
+async def test_duplicate_ids_within_one_batch(queue, make_producer, make_consumer, redis_client):
+    """The first of two equal ids in one submit_many is the one enqueued, the second the duplicate."""
+    p = await make_producer(queue)
+    h1, h2 = await p.submit_many([{"prompt": "a", "id": "twin"}, {"prompt": "a", "id": "twin"}])
+    assert await redis_client.xlen(QueueKeys(queue).jobs) == 1
+    assert p.outstanding == 1
+    assert (h1.duplicate, h2.duplicate) == (False, True)
+
+
+async def test_cancel_queued_job(queue, make_producer, make_consumer, redis_client):
+    p = await make_producer(queue)
+    ha = await p.submit("cancel me", sampling={"max_tokens": 4})
+    hb = await p.submit("keep me", sampling={"max_tokens": 4})
+    assert await ha.cancel() is True
+    with pytest.raises(JobCancelled):
+        await bounded(ha.result(), 2, "the cancelled handle")
+    assert await p.cancel("no-such-job") is False
+
+    engine = EchoEngine()
+    c = make_consumer(queue, engine=engine)
+    await make_consumer.burst(c)
+    rb = await bounded(hb.result(), 5, "result of the job that was not cancelled")
+    assert rb.ok
+    # the cancelled job was removed from the queue: no replica ever saw it
+    assert engine.stats().generated_tokens == 4, "the cancelled job ran on the engine"
+    assert (c.counters.pulled, c.counters.completed, c.counters.failed) == (1, 1, 0)
+    st = await stats(redis_client, queue)
+    assert st.get("completed") == 1 and st.get("cancelled") == 1 and not st.get("failed")
+    assert not await redis_client.exists(QueueKeys(queue).ids)
+    assert await redis_client.xlen(QueueKeys(queue).jobs) == 0
+    # room accounted once: only the kept job's result arrives
+    await until(lambda: p.counters["results"] == 1, 5, "the kept job's result to reach the producer")
+    assert p.outstanding == 0
+    assert [r async for r in p.results(timeout=0.2)] == []
+
+
+async def test_cancel_running_job(queue, make_producer, make_consumer, redis_client):
+    engine = EchoEngine(delay_per_token=0.05)  # 100 tokens: 5 s
+    c = make_consumer(queue, engine=engine)
+    make_consumer.start(c)
+    p = await make_producer(queue)
+    h = await p.submit("long", sampling={"max_tokens": 100})
+    await until(lambda: engine.stats().running == 1, 5, "the job to start on the engine")
+    t0 = time.monotonic()
+    assert await h.cancel() is True
+    with pytest.raises(JobCancelled):
+        await bounded(h.result(), 2, "the cancelled handle")
+    await until(lambda: engine.stats().running == 0, 2, "the engine request to be aborted")
+    await until(lambda: c.counters.failed == 1, 3, "the consumer to finish the job as cancelled")
+    assert time.monotonic() - t0 < 3, "the job ran to completion instead of being aborted"
+    assert c.counters.completed == 0
+    st = await stats(redis_client, queue)
+    assert st.get("failed") == 1 and "completed" not in st
+    assert not await redis_client.exists(QueueKeys(queue).ids)
+    await until(lambda: p.counters["results"] == 1, 3, "the cancelled result to reach the producer")
+    assert p.outstanding == 0
+    # the consumer keeps serving
+    h2 = await p.submit("next", sampling={"max_tokens": 2})
+    assert (await bounded(h2.result(), 5, "a job after the cancel")).ok
+    await make_consumer.stop(c)
+
+
+async def test_deadline_expiry(queue, make_producer, make_consumer):
+    p = await make_producer(queue)
+    h = await p.submit("late", timeout=0.2, sampling={"max_tokens": 3})
+    h_ok = await p.submit("no deadline", sampling={"max_tokens": 3})
+    h_far = await p.submit("far deadline", timeout=60, sampling={"max_tokens": 3})
+    await asyncio.sleep(0.3)  # let the deadline pass while no consumer runs
+    engine = EchoEngine()
+    c = make_consumer(queue, engine=engine)
+    await make_consumer.burst(c)
+    with pytest.raises(JobExpired, match="deadline"):
+        await bounded(h.result(), 5, "the expired job")
+    assert (await bounded(h_ok.result(), 5, "result")).ok
+    assert (await bounded(h_far.result(), 5, "result")).ok
+    assert engine.stats().generated_tokens == 6, "the expired job ran"
+    r = await h.result(raise_error=False)
+    assert r.error.type == "JobExpired" and r.id == h.id
+
+
+# ----------------------------------------------------------------------------------------
+# backpressure
+# ----------------------------------------------------------------------------------------
+async def test_queue_full_raises(queue, make_producer, make_consumer):
+    p = await make_producer(queue, max_outstanding=3, block_when_full=False)
+    hs = [await p.submit("x", sampling={"max_tokens": 1}) for _ in range(3)]
+    with pytest.raises(QueueFull, match="max_outstanding"):
+        await p.submit("one too many")
+    with pytest.raises(QueueFull, match="max_outstanding"):
+        await p.submit_many([{"prompt": "x"}] * 4)
+    assert p.outstanding == 3
+    await make_consumer.burst(make_consumer(queue))
+    # results that arrived but were not consumed still count as outstanding
+    await until(lambda: p.counters["results"] == 3, 5, "the results to arrive")
+    with pytest.raises(QueueFull):
+        await p.submit("still full")
+    await p.gather(hs, timeout=5)
+    assert p.outstanding == 0
+    h = await p.submit("room again", sampling={"max_tokens": 1})
+    assert p.outstanding == 1 and not h.duplicate
+
+
+async def test_block_when_full_waits_for_consumption(queue, make_producer, make_consumer):
+    p = await make_producer(queue, max_outstanding=2, block_when_full=True)
+    h1 = await p.submit("a", sampling={"max_tokens": 1})
+    h2 = await p.submit("b", sampling={"max_tokens": 1})
+    blocked = asyncio.create_task(p.submit("c", sampling={"max_tokens": 1}))
+    await asyncio.sleep(0.2)
+    assert not blocked.done(), "submit did not block at max_outstanding"
+    await make_consumer.burst(make_consumer(queue))
+    await until(lambda: p.counters["results"] == 2, 5, "the first two results to arrive")
+    await asyncio.sleep(0.1)
+    assert not blocked.done(), "submit unblocked before any result was consumed"
+    assert (await h1.result()).ok  # consuming one result makes room for one job
+    h3 = await bounded(blocked, 3, "the blocked submit to proceed")
+    assert p.outstanding == 2
+    await make_consumer.burst(make_consumer(queue))
+    assert (await bounded(h3.result(), 5, "third result")).ok
+    assert (await h2.result()).ok
+    assert p.outstanding == 0
+
+
+# ----------------------------------------------------------------------------------------
+# routing and versions
+# ----------------------------------------------------------------------------------------
+async def test_targeted_jobs_run_only_on_their_replica(queue, make_producer, make_consumer, redis_client):
+    p = await make_producer(queue)
+    targeted = await p.submit_many([{"prompt": f"t{i}", "replica": "X", "sampling": {"max_tokens": 1}} for i in range(20)])
+    # Y alone: drains the shared stream, leaves X's jobs alone
+    y = make_consumer(queue, consumer_id="Y")
+    await make_consumer.burst(y)
+    assert y.counters.pulled == 0
+    assert not any(h.done() for h in targeted)
+    assert await redis_client.xlen(QueueKeys(queue).replica_jobs("X")) == 20
+    # both together, with untargeted jobs too
+    shared = await p.submit_many([{"prompt": f"s{i}", "sampling": {"max_tokens": 1}} for i in range(40)])
+    targeted += await p.submit_many([{"prompt": f"u{i}", "replica": "X", "sampling": {"max_tokens": 1}} for i in range(20)])
+    x, y2 = make_consumer(queue, consumer_id="X", batch=4), make_consumer(queue, consumer_id="Y", batch=4)
+    await bounded(asyncio.gather(make_consumer.burst(x), make_consumer.burst(y2)), 20, "both consumers")
+    rt = await p.gather(targeted, timeout=5)
+    rs = await p.gather(shared, timeout=5)
+    assert {r.replica for r in rt} == {"X"}
+    assert {r.replica for r in rs} <= {"X", "Y"}
+    assert x.counters.completed + y2.counters.completed == 80
+    assert y2.counters.completed <= 40
+
+
+async def test_min_version_hold(queue, make_producer, make_consumer):
+    c = make_consumer(queue)
+    assert c.version == 0
+    make_consumer.start(c)
+    p = await make_producer(queue)
+    h_new = await p.submit("needs v1", min_version=1, sampling={"max_tokens": 2})
+    h_any = await p.submit("any version", sampling={"max_tokens": 2})
+    r_any = await bounded(h_any.result(), 5, "the unconstrained job")
+    assert r_any.policy_version == (0, 0)
+    await until(lambda: c.counters.pulled == 2, 5, "the consumer to pull the held job")
+    await asyncio.sleep(0.3)
+    assert not h_new.done(), "a job needing version 1 was served at version 0"
+    c.version = 1
+    c.release_held()
+    r = await bounded(h_new.result(), 5, "the held job after the version update")
+    assert r.ok and r.policy_version == (1, 1)
+    assert r.deliveries == 1
+    await make_consumer.stop(c)
+
+
+# ----------------------------------------------------------------------------------------
+# nothing left behind
+# ----------------------------------------------------------------------------------------
+async def test_keyspace_after_drain(queue, make_producer, make_consumer, redis_client):
+    k = QueueKeys(queue)
+    p = await make_producer(queue)
+    c = make_consumer(queue, consumer_id="solo")
+    hs = await p.submit_many([{"prompt": f"j{i}", "sampling": {"max_tokens": 2}} for i in range(30)])
+    hs += await p.submit_many([{"prompt": f"t{i}", "replica": "solo", "sampling": {"max_tokens": 2}} for i in range(5)])
+    hc = await p.submit("cancelled", sampling={"max_tokens": 2})
+    await hc.cancel()
+    await make_consumer.burst(c)
+    assert all(r.ok for r in await p.gather(hs, timeout=5))
+    with pytest.raises(JobCancelled):
+        await hc.result()
+    await until(lambda: p.counters["results"] == 35, 5, "every result to reach the producer")  # the cancelled one never ran
+    await p.close()
+
+    keys = sorted(key.decode() for key in await redis_client.keys(k.pattern()))
+    # the (empty) job stream keeps the consumer group; the rest are counter hashes
+    assert keys == sorted([k.jobs, k.stats, k.latency, k.lag]), keys
+    for key in (k.stats, k.latency, k.lag):
+        assert await redis_client.type(key) == b"hash"
+    assert await redis_client.xlen(k.jobs) == 0
+    (group,) = await redis_client.xinfo_groups(k.jobs)
+    assert group.get("pending", group.get(b"pending")) == 0
+    assert not await redis_client.exists(k.ids, k.results(p.id), k.replica_jobs("solo"), k.heartbeat("solo"), k.consumers)
+    assert await redis_client.exists(k.stats)
+
+
+async def test_memory_does_not_grow_across_cycles(queue, fresh_redis):
+    from rollq.connection import connect
+    from rollq.consumer.loop import Consumer
+    from rollq.producer.client import Producer
+    from rollq.settings import ConsumerSettings
+    from tests.helpers import FAST, run_burst
+
+    # a server of its own: other tests' keys must not move the figure
+    srv = fresh_redis
+    client = connect(srv.url)
+    try:
+        mem: list[int] = []
+        own: list[dict[str, int]] = []  # MEMORY USAGE of each key of the queue
+        async with Producer(srv.url, queue) as p:
+            for cycle in range(3):
+                specs = [{"prompt_token_ids": list(range(50)), "sampling": {"max_tokens": 4}, "meta": cycle} for _ in range(2000)]
+                handles = await p.submit_many(specs)
+                c = Consumer(EchoEngine(), srv.url, queue, settings=ConsumerSettings(**FAST))
+                await run_burst(c, 30)
+                results = await p.gather(handles, timeout=10)
+                assert all(r.ok for r in results)
+                assert p.outstanding == 0
+
+                async def results_taken() -> bool:
+                    return await client.xlen(QueueKeys(queue).results(p.id)) == 0
+
+                await until(results_taken, 5, "the producer to delete the results it took")
+                info = await client.info("memory")
+                mem.append(info["used_memory"])
+                keys = await client.keys(QueueKeys(queue).pattern())
+                own.append({key.decode(): await client.memory_usage(key) for key in keys})
+                assert await client.xlen(QueueKeys(queue).jobs) == 0
+                assert not await client.exists(QueueKeys(queue).ids)
+        # the queue's own keys: the same after every cycle (a stopped consumer's entry in the
+        # group may remain until a peer's reclaim round removes it: a few hundred bytes)
+        assert set(own[2]) == set(own[0]), own
+        assert sum(own[2].values()) <= sum(own[0].values()) + 1024, own
+        # the whole server (client buffers and allocator noise allowed for)
+        assert mem[2] <= mem[0] + 64 * 1024, f"used_memory after each cycle: {mem}"
+    finally:
+        await client.aclose()
