@@ -44,6 +44,14 @@ _LITTLE = sys.byteorder == "little"
 # ----------------------------------------------------------------------------------------
 def pack_i32(values: Iterable[int] | bytes | None) -> bytes:
     """Token ids as little-endian int32 bytes (lists, arrays, numpy, tensors accepted)."""
+    if type(values) is list:  # the common case first
+        try:
+            a = array("i", values)
+        except (OverflowError, TypeError) as e:
+            raise InvalidJob(f"token ids must be integers that fit in int32: {e}") from e
+        if not _LITTLE:
+            a.byteswap()
+        return a.tobytes()
     if values is None:
         return b""
     if isinstance(values, (bytes, bytearray, memoryview)):
@@ -232,8 +240,7 @@ def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: boo
         raise SchemaVersionError(f"job schema version {job.v} is not supported (this build: {SCHEMA_VERSION})")
     if not job.id or len(job.id) > 256:
         raise InvalidJob("job id must be 1-256 characters")
-    set_prompts = sum(x is not None for x in (job.text, job.tokens, job.messages))
-    if set_prompts != 1:
+    if (job.text is not None) + (job.tokens is not None) + (job.messages is not None) != 1:
         raise InvalidJob("a job needs exactly one of prompt text, prompt_token_ids or messages")
     if job.tokens is not None:
         if len(job.tokens) % 4 or not job.tokens:

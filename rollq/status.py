@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgpack
 import msgspec
 
 from .connection import SUBMIT, Client
@@ -208,7 +209,7 @@ async def dlq_requeue(client: Client, keys: QueueKeys, entry_ids: list[str] | No
             continue
         job.deadline = None
         job.submitted = time.time()
-        await SUBMIT(client, keys.submit_keys(keys.job_stream(job.replica)), [job.id, encode_job(job)])
+        await SUBMIT(client, keys.submit_keys(keys.job_stream(job.replica)), [msgpack.packb([job.id if job.tracked else '', encode_job(job)], use_bin_type=False)])
         await client.xdel(keys.dlq, eid)
         requeued += 1
     return requeued, skipped

@@ -1,13 +1,14 @@
 -- Enqueue jobs, idempotently for caller-chosen ids, under the queue's staleness bound.
 -- KEYS[1] job stream, KEYS[2] ids hash, KEYS[3] stats hash, KEYS[4] config hash,
 -- KEYS[5] version hash, KEYS[6] admission hash
--- ARGV: id1, payload1, id2, payload2, ... where id is '' for producer-generated ids (unique by
--- construction: nothing to record) and the job id for caller-chosen ids (recorded while
--- queued or running; a second submission of a recorded id is skipped).
+-- ARGV[1]: msgpack array id1, payload1, id2, payload2, ... where id is '' for producer-generated
+-- ids (unique by construction: nothing to record) and the job id for caller-chosen ids
+-- (recorded while queued or running; a second submission of a recorded id is skipped).
 -- If the queue has a staleness bound (config max_lag and batch), at most
 -- (max_lag + version + 1) * batch jobs are admitted in total (AReaL's rule): the rest are
 -- refused, all or nothing for this call.
 -- Returns {skipped ids, refused (0/1), admission limit or -1, entry ids ('' where skipped)}.
+local A = cmsgpack.unpack(ARGV[1])
 local cfg = redis.call('HMGET', KEYS[4], 'max_lag', 'batch')
 local limit = -1
 if cfg[1] and cfg[2] then
@@ -15,19 +16,19 @@ if cfg[1] and cfg[2] then
   limit = (tonumber(cfg[1]) + version + 1) * tonumber(cfg[2])
   local admitted = tonumber(redis.call('HGET', KEYS[6], 'admitted') or '0')
   local fresh = 0
-  for i = 1, #ARGV, 2 do
-    if ARGV[i] == '' or redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then fresh = fresh + 1 end
+  for i = 1, #A, 2 do
+    if A[i] == '' or redis.call('HEXISTS', KEYS[2], A[i]) == 0 then fresh = fresh + 1 end
   end
   if admitted + fresh > limit then return {{}, 1, limit, {}} end
 end
 local dup, eids = {}, {}
 local n = 0
-for i = 1, #ARGV, 2 do
-  if ARGV[i] == '' or redis.call('HSETNX', KEYS[2], ARGV[i], 'q') == 1 then
-    eids[#eids + 1] = redis.call('XADD', KEYS[1], '*', 'd', ARGV[i + 1])
+for i = 1, #A, 2 do
+  if A[i] == '' or redis.call('HSETNX', KEYS[2], A[i], 'q') == 1 then
+    eids[#eids + 1] = redis.call('XADD', KEYS[1], '*', 'd', A[i + 1])
     n = n + 1
   else
-    dup[#dup + 1] = ARGV[i]
+    dup[#dup + 1] = A[i]
     eids[#eids + 1] = ''
   end
 end
