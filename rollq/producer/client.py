@@ -189,7 +189,7 @@ class Producer:
         Fields: ``prompt`` (text) | ``prompt_token_ids`` | ``messages``; ``sampling``;
         ``id``; ``replica``; ``min_version``; ``deadline`` or ``timeout``; ``meta``.
         """
-        f = dict(spec, **kw) if kw else dict(spec or {})
+        f = dict(spec or (), **kw)
         if not _SPEC_FIELDS.issuperset(f):
             raise InvalidJob(f"unknown job field(s) {sorted(set(f) - _SPEC_FIELDS)}; allowed: {sorted(_SPEC_FIELDS)}")
         given = f.pop("id", None)
