@@ -395,8 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="end-to-end demo: embedded Redis, engine replicas, producer, summary")
     s.add_argument("--engine", choices=["echo", "vllm"], default="vllm")
-    s.add_argument("--replicas", type=int, default=1)
-    s.add_argument("--prompts", type=int, default=64, help="prompts (jobs); each is a GRPO group")
+    s.add_argument("--replicas", type=int, default=2)
+    s.add_argument("--prompts", type=int, default=200, help="prompts (jobs); each is a GRPO group")
     s.add_argument("--group-size", type=int, default=4, help="samples per prompt (n)")
     s.add_argument("--max-tokens", type=int, default=32)
     s.add_argument("--json", action="store_true", help="print the summary as one JSON object")
