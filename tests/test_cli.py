@@ -1,0 +1,100 @@
+"""The command line and the examples, run as a user would (subprocesses, real redis-server)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rollq(*args: str, url: str | None = None, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    if url:
+        env["ROLLQ_REDIS_URL"] = url
+    return subprocess.run(
+        [sys.executable, "-m", "rollq.cli", "--log-level", "WARNING", *args],
+        input=stdin, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+    )
+
+
+def test_submit_wait_status_and_dlq_through_the_cli(redis_url, queue):
+    # A replica that drains the queue and exits.
+    r = rollq("submit", "--queue", queue, str(ROOT / "examples" / "jobs.jsonl"), url=redis_url)
+    assert r.returncode == 0, r.stderr
+    ids = [json.loads(line)["id"] for line in r.stdout.splitlines()]
+    assert len(ids) == 3 and "chat-1" in ids
+    st = json.loads(rollq("status", "--queue", queue, "--json", url=redis_url).stdout)
+    assert st["depth"] == 3 and st["in_flight"] == 0 and st["submitted"] == 3
+    c = rollq("consume", "--queue", queue, "--engine", "echo", "--burst", "--id", "cli-replica", url=redis_url)
+    assert c.returncode == 0, c.stderr
+    st = json.loads(rollq("status", "--queue", queue, "--json", url=redis_url).stdout)
+    assert st["depth"] == 0 and st["completed"] == 3
+
+    # --wait: one JSON line per result; '-' reads stdin; a malformed line fails before anything is sent.
+    bad = rollq("submit", "--queue", queue, "-", stdin='{"prompt": "x", "sampling": {"n": 0}}\n', url=redis_url)
+    assert bad.returncode == 2 and "n must be" in bad.stderr
+    consumer = subprocess.Popen(
+        [sys.executable, "-m", "rollq.cli", "consume", "--queue", queue, "--engine", "echo", "--id", "w1"],
+        env=dict(os.environ, ROLLQ_REDIS_URL=redis_url), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    try:
+        w = rollq("submit", "--queue", queue, "--wait", "-", url=redis_url,
+                  stdin='{"prompt_token_ids": [5, 6], "sampling": {"max_tokens": 3, "logprobs": 0}, "meta": 1}\n')
+        assert w.returncode == 0, w.stderr
+        (line,) = w.stdout.splitlines()
+        res = json.loads(line)
+        assert res["outputs"][0]["token_ids"] == [5, 6, 5] and res["policy_version"] == [0, 0] and res["meta"] == 1
+        assert len(res["outputs"][0]["logprobs"]) == 3
+        assert rollq("check", "--queue", queue, "--id", "w1", url=redis_url).returncode == 0
+        assert rollq("check", "--queue", queue, "--id", "nobody", url=redis_url).returncode == 1
+    finally:
+        consumer.terminate()
+        assert consumer.wait(30) == 0  # SIGTERM: drains and exits cleanly
+
+    # Dead letters: list, requeue, purge.
+    import redis as redis_sync
+
+    from rollq.keys import QueueKeys
+
+    redis_sync.Redis.from_url(redis_url).xadd(QueueKeys(queue).jobs, {"d": b"\x92\x01garbage"})
+    rollq("consume", "--queue", queue, "--engine", "echo", "--burst", url=redis_url)
+    items = json.loads(rollq("dlq", "list", "--queue", queue, "--json", url=redis_url).stdout)
+    assert len(items) == 1 and items[0]["error_type"] == "JobRejected" and not items[0]["requeueable"]
+    rq = json.loads(rollq("dlq", "requeue", "--queue", queue, "--json", url=redis_url).stdout)
+    assert rq == {"requeued": 0, "skipped": 1}
+    assert json.loads(rollq("dlq", "purge", "--queue", queue, "--json", url=redis_url).stdout) == {"purged": 1}
+
+
+def test_demo_with_the_echo_engine_prints_its_summary():
+    r = rollq("demo", "--engine", "echo", "--prompts", "40", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout.splitlines()[-1])
+    for key in ("jobs", "tokens_per_s", "p50_ms", "p99_ms", "replicas", "versions", "weight_update_s", "pause_s"):
+        assert key in s
+    assert s["jobs"] == 40 and s["ok"] == 40 and s["versions"] == [0, 1]
+    assert sum(s["replicas"].values()) == 40
+
+
+def test_quickstart_example_runs():
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(r.stdout.splitlines()) == 16
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_demo_with_vllm_publishes_a_new_version_mid_run():
+    pytest.importorskip("vllm")
+    r = rollq("demo", "--prompts", "40", "--group-size", "2", "--max-tokens", "16", "--json", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout.splitlines()[-1])
+    assert s["jobs"] == s["ok"] == 40
+    assert s["versions"] == [0, 1] and s["greedy_changed"]
+    assert s["weight_update_s"] > 0 and 0 <= s["pause_s"] <= s["weight_update_s"]
+    assert set(s["replicas"]) == {"replica-0", "replica-1"}
