@@ -1,0 +1,387 @@
+"""Wire format: pure encode/decode, validation, schema versions (no Redis)."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import msgspec
+import pytest
+
+from rollq.errors import InvalidJob, ProtocolError, SchemaVersionError
+from rollq.protocol import (
+    MAX_LOGPROBS,
+    SCHEMA_VERSION,
+    DeadLetter,
+    ErrorInfo,
+    Job,
+    Message,
+    Result,
+    Sample,
+    SamplingParams,
+    decode_dead_letter,
+    decode_job,
+    decode_result,
+    encode,
+    encode_dead_letter,
+    encode_job,
+    encode_result,
+    make_job,
+    pack_f32,
+    pack_i32,
+    peek_id,
+    unpack_f32,
+    unpack_i32,
+)
+
+
+def job(**kw) -> Job:
+    kw.setdefault("id", "j1")
+    kw.setdefault("reply", "p1")
+    if not any(k in kw for k in ("prompt", "prompt_token_ids", "messages")):
+        kw["prompt"] = "hello"
+    return make_job(**kw)
+
+
+# ----------------------------------------------------------------------------------------
+# round trips
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        {"prompt": "héllo wörld ✓"},
+        {"prompt_token_ids": [1, 2, 3, 2**31 - 1, 0]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]},
+    ],
+    ids=["text", "tokens", "messages"],
+)
+def test_job_round_trip(prompt):
+    j = job(
+        id="job-1",
+        reply="prod-1",
+        sampling={"max_tokens": 32, "temperature": 0.7, "top_p": 0.9, "n": 8, "logprobs": 2, "stop": ["\n"], "seed": 7},
+        replica="r0",
+        min_version=3,
+        timeout=60,
+        meta={"step": 12, "tags": ["a", "b"], "blob": b"\x00\xff"},
+        **prompt,
+    )
+    data = encode_job(j)
+    assert isinstance(data, bytes)
+    back = decode_job(data)
+    assert back == j
+    assert back.v == SCHEMA_VERSION
+    assert back.sampling.n == 8 and back.sampling.stop == ["\n"] and back.sampling.seed == 7
+    assert back.replica == "r0" and back.min_version == 3
+    assert back.deadline == pytest.approx(j.submitted + 60, abs=1)
+    assert back.meta == {"step": 12, "tags": ["a", "b"], "blob": b"\x00\xff"}
+    if "prompt_token_ids" in prompt:
+        assert back.kind() == "tokens"
+        assert back.prompt_token_ids == prompt["prompt_token_ids"]
+    elif "messages" in prompt:
+        assert back.kind() == "messages"
+        assert back.messages == [Message("system", "be brief"), Message("user", "2+2?")]
+    else:
+        assert back.kind() == "text" and back.text == prompt["prompt"]
+
+
+def test_default_sampling_is_omitted_and_compact():
+    """Defaults are not written (omit_defaults): a tiny job stays tiny on the wire."""
+    j = job(prompt_token_ids=list(range(50)))
+    data = encode_job(j)
+    assert len(data) < 50 * 4 + 80, len(data)
+    assert decode_job(data).sampling == SamplingParams()
+
+
+def test_result_round_trip():
+    r = Result(
+        id="j1",
+        samples=[
+            Sample(tokens=pack_i32([5, 6, 7]), logprobs=pack_f32([-0.25, -1.5, 0.0]), text="abc", finish_reason="stop"),
+            Sample(tokens=pack_i32([]), finish_reason="length"),
+        ],
+        prompt_tokens=3,
+        version_start=4,
+        version_end=5,
+        replica="r1",
+        submitted=1.0,
+        started=2.0,
+        finished=3.5,
+        deliveries=2,
+        meta=["x", 1],
+    )
+    back = decode_result(encode_result(r))
+    assert back == r
+    assert back.ok and back.policy_version == (4, 5)
+    assert back.samples[0].token_ids == [5, 6, 7]
+    assert back.samples[0].token_logprobs == [-0.25, -1.5, 0.0]
+    assert back.samples[1].token_ids == [] and back.samples[1].token_logprobs is None
+    assert back.queued_s == 1.0
+
+    err = Result(id="j2", error=ErrorInfo(type="JobRejected", message="nope"))
+    back = decode_result(encode_result(err))
+    assert not back.ok and back.error == ErrorInfo("JobRejected", "nope")
+
+
+def test_dead_letter_round_trip():
+    d = DeadLetter(
+        job_id=None, reason="garbage", error_type="JobRejected", consumer="c1", deliveries=1, at=12.5,
+        source="rollq:{q}:jobs", payload=b"\xc1\x00",
+    )
+    assert decode_dead_letter(encode_dead_letter(d)) == d
+
+
+# ----------------------------------------------------------------------------------------
+# schema versions and malformed bytes
+# ----------------------------------------------------------------------------------------
+def test_job_of_unknown_schema_version_is_refused():
+    j = job()
+    j.v = SCHEMA_VERSION + 1
+    with pytest.raises(SchemaVersionError, match=rf"schema version {SCHEMA_VERSION + 1}.*\b{SCHEMA_VERSION}\b"):
+        decode_job(encode_job(j))
+
+
+def test_unknown_schema_version_with_unknown_shape_is_named():
+    """A future version may change the shape too: the error still names the version."""
+    data = encode([SCHEMA_VERSION + 6, {"a new": "layout"}, 3.5])
+    with pytest.raises(SchemaVersionError, match=rf"schema version {SCHEMA_VERSION + 6}"):
+        decode_job(data)
+    with pytest.raises(SchemaVersionError, match=rf"schema version {SCHEMA_VERSION + 6}"):
+        decode_result(data)
+
+
+def test_result_of_unknown_schema_version_is_refused():
+    r = Result(id="x", v=SCHEMA_VERSION + 1)
+    with pytest.raises(SchemaVersionError, match="schema version"):
+        decode_result(encode_result(r))
+
+
+def test_schema_version_error_is_a_protocol_error():
+    assert issubclass(SchemaVersionError, ProtocolError)
+    assert issubclass(ProtocolError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b"", "not valid msgpack"),
+        (b"\xc1", "not valid msgpack"),  # a byte msgpack never uses
+        (b"\xff\x00garbage\x13", "not valid msgpack"),
+        (encode_job(Job(id="j", reply="p", text="hi"))[:-3], "not valid msgpack"),  # truncated
+        (encode({"id": "j", "reply": "p", "text": "hi"}), "malformed job"),  # a map, not an array
+        (encode([SCHEMA_VERSION, 42, "p"]), "malformed job"),  # wrong field type
+        (encode("just a string"), "malformed job"),
+        (encode([]), "malformed job"),
+    ],
+    ids=["empty", "c1", "garbage", "truncated", "map", "wrong-type", "string", "empty-array"],
+)
+def test_malformed_job_bytes(data, match):
+    with pytest.raises(ProtocolError, match=match) as ei:
+        decode_job(data)
+    assert not isinstance(ei.value, SchemaVersionError)
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", encode({"id": 1}), encode([SCHEMA_VERSION, 5])])
+def test_malformed_result_and_dead_letter_bytes(data):
+    with pytest.raises(ProtocolError):
+        decode_result(data)
+    with pytest.raises(ProtocolError):
+        decode_dead_letter(data)
+
+
+def test_peek_id_of_undecodable_jobs():
+    """The consumer tells the submitter when it can find the id and reply in a bad entry."""
+    bad_version = job(id="j9", reply="prod")
+    bad_version.v = 99
+    assert peek_id(encode_job(bad_version)) == ("j9", "prod")
+    assert peek_id(b"\xc1") == (None, None)
+    assert peek_id(encode({"id": "j9"})) == (None, None)
+
+
+# ----------------------------------------------------------------------------------------
+# sampling parameter whitelist
+# ----------------------------------------------------------------------------------------
+def test_sampling_params_accepts_the_whitelist():
+    sp = SamplingParams.from_dict(
+        {"max_tokens": 64, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.05, "seed": 1, "stop": ["</s>"],
+         "stop_token_ids": [2], "n": 16, "logprobs": MAX_LOGPROBS, "ignore_eos": True, "min_tokens": 4,
+         "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+         "skip_special_tokens": False, "detokenize": False}
+    )
+    assert sp.n == 16 and sp.top_k == -1 and sp.logprobs == MAX_LOGPROBS
+    assert SamplingParams.from_dict(None) == SamplingParams()
+    assert SamplingParams.from_dict(sp) is sp
+
+
+def test_unknown_sampling_key_is_refused_by_name():
+    with pytest.raises(InvalidJob, match=r"unknown sampling parameter.*'best_of'.*allowed"):
+        SamplingParams.from_dict({"max_tokens": 4, "best_of": 2})
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"n": 0}, "n must be"),
+        ({"n": -3}, "n must be"),
+        ({"logprobs": 50}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"min_p": math.nan}, "min_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+        ({"presence_penalty": math.nan}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"stop": [""]}, "stop"),
+        ({"n": 2.5}, "invalid sampling params"),
+        ({"max_tokens": "many"}, "invalid sampling params"),
+        ({"stop": "\n"}, "invalid sampling params"),  # a string, not a list of strings
+    ],
+)
+def test_bad_sampling_values_are_refused_clearly(params, match):
+    with pytest.raises(InvalidJob, match=match) as ei:
+        SamplingParams.from_dict(params)
+    assert "invalid sampling params" in str(ei.value)
+    # and the same through the job builder
+    with pytest.raises(InvalidJob, match=match):
+        job(sampling=params)
+
+
+def test_sampling_params_must_be_a_mapping():
+    with pytest.raises(InvalidJob, match="mapping"):
+        SamplingParams.from_dict([("n", 2)])  # type: ignore[arg-type]
+
+
+def test_decoder_revalidates_sampling_params():
+    """A job written by a buggy or foreign producer is re-checked by the consumer's decoder."""
+    j = Job(id="j", reply="p", text="hi", sampling=SamplingParams(temperature=-1.0))
+    with pytest.raises(InvalidJob, match="temperature"):
+        decode_job(encode_job(j))
+
+
+# ----------------------------------------------------------------------------------------
+# prompts
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "prompts",
+    [
+        {},
+        {"prompt": "a", "prompt_token_ids": [1]},
+        {"prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+        {"prompt_token_ids": [1], "messages": [{"role": "user", "content": "b"}]},
+        {"prompt": "a", "prompt_token_ids": [1], "messages": [{"role": "user", "content": "b"}]},
+    ],
+    ids=["none", "text+tokens", "text+messages", "tokens+messages", "all"],
+)
+def test_exactly_one_prompt(prompts):
+    with pytest.raises(InvalidJob, match="exactly one of"):
+        make_job(id="j", reply="p", **prompts)
+
+
+@pytest.mark.parametrize(
+    "prompts, match",
+    [
+        ({"prompt": ""}, "empty"),
+        ({"prompt_token_ids": []}, "non-empty"),
+        ({"messages": []}, "empty"),
+        ({"messages": [{"role": "user"}]}, "role.*content"),
+    ],
+)
+def test_empty_or_broken_prompts(prompts, match):
+    with pytest.raises(InvalidJob, match=match):
+        make_job(id="j", reply="p", **prompts)
+
+
+def test_decoder_enforces_exactly_one_prompt():
+    j = Job(id="j", reply="p", text="a", tokens=pack_i32([1]))
+    with pytest.raises(InvalidJob, match="exactly one of"):
+        decode_job(encode_job(j))
+    j = Job(id="j", reply="p", tokens=b"\x01\x00\x00")  # not a whole number of int32
+    with pytest.raises(InvalidJob, match="int32"):
+        decode_job(encode_job(j))
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        {"prompt": "x" * 101},
+        {"prompt": "é" * 51},  # 102 UTF-8 bytes, 51 characters
+        {"prompt_token_ids": list(range(26))},  # 104 bytes
+        {"messages": [{"role": "user", "content": "x" * 60}, {"role": "user", "content": "y" * 60}]},
+        {"messages": [{"role": "user", "content": "é" * 51}]},  # 102 bytes: the limit is in bytes
+    ],
+    ids=["text", "utf8", "tokens", "messages", "messages-utf8"],
+)
+def test_oversized_prompt_is_refused(prompt):
+    with pytest.raises(InvalidJob, match=r"exceeds the limit of 100 bytes"):
+        make_job(id="j", reply="p", max_prompt_bytes=100, **prompt)
+
+
+def test_prompt_at_the_limit_is_accepted():
+    assert make_job(id="j", reply="p", prompt="x" * 100, max_prompt_bytes=100).text == "x" * 100
+    assert make_job(id="j", reply="p", prompt_token_ids=list(range(25)), max_prompt_bytes=100).tokens
+
+
+def test_job_id_length():
+    with pytest.raises(InvalidJob, match="job id"):
+        make_job(id="", reply="p", prompt="a")
+    with pytest.raises(InvalidJob, match="job id"):
+        make_job(id="x" * 257, reply="p", prompt="a")
+
+
+def test_token_id_outside_int32_is_refused_not_wrapped():
+    """A token id that does not fit int32 must be an InvalidJob, never silently wrapped."""
+    with pytest.raises(InvalidJob):
+        make_job(id="j", reply="p", prompt_token_ids=[1, 2**31])
+
+
+# ----------------------------------------------------------------------------------------
+# raw arrays
+# ----------------------------------------------------------------------------------------
+def test_token_ids_are_little_endian_int32():
+    ids = [0, 1, -1, 255, 256, 2**31 - 1, -(2**31)]
+    data = pack_i32(ids)
+    assert data == struct.pack(f"<{len(ids)}i", *ids)
+    assert unpack_i32(data) == ids
+    assert pack_i32(None) == b""
+    assert pack_i32(data) == data  # bytes pass through
+    assert pack_i32(range(3)) == struct.pack("<3i", 0, 1, 2)
+    j = make_job(id="j", reply="p", prompt_token_ids=ids[:6])
+    assert j.tokens == struct.pack("<6i", *ids[:6])
+    assert decode_job(encode_job(j)).prompt_token_ids == ids[:6]
+
+
+def test_token_ids_from_numpy():
+    np = pytest.importorskip("numpy")
+    for dtype in ("<i8", ">i4", "<i2", "<u2"):
+        a = np.array([1, 2, 300, 7], dtype=dtype)
+        assert pack_i32(a) == struct.pack("<4i", 1, 2, 300, 7), dtype
+
+
+def test_logprobs_are_little_endian_float32():
+    vals = [-0.5, -1.25, 0.0, -3.0e-8, -100.0]
+    data = pack_f32(vals)
+    assert data == struct.pack("<5f", *vals)
+    assert len(data) == 4 * len(vals)
+    back = unpack_f32(data)
+    assert back == [struct.unpack("<f", struct.pack("<f", v))[0] for v in vals]
+    # float32 rounding, not float64
+    assert unpack_f32(pack_f32([0.1]))[0] != 0.1
+    assert unpack_f32(pack_f32([0.1]))[0] == pytest.approx(0.1, rel=1e-7)
+    np = pytest.importorskip("numpy")
+    assert pack_f32(np.array(vals, dtype="<f8")) == data
+
+
+def test_wire_has_no_pickle():
+    """Arbitrary objects are not serializable: no pickle fallback."""
+    class Thing:
+        pass
+
+    with pytest.raises((TypeError, msgspec.EncodeError)):
+        encode_job(Job(id="j", reply="p", text="a", meta=Thing()))
