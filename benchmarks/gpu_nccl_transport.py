@@ -181,8 +181,19 @@ def main() -> None:
     for p in procs:
         p.start()
     results, checks = {}, {}
+    import queue as _queue
+
+    deadline = time.monotonic() + 1800
     while len(results) < world:
-        msg = q.get(timeout=1800)
+        try:
+            msg = q.get(timeout=2)
+        except _queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                sys.exit(f"ranks failed (rank, exit code): {dead}" if dead else "timed out")
+            continue
         if msg[0] == "checksum":
             checks[msg[1]] = msg[2]
         else:

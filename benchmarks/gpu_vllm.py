@@ -90,7 +90,7 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
                         t.mul_(1.0001)
                     rec = await pub.publish_weights(tensors, transport=cmd["transport"])
                     conn.send({"ok": True, "t0": t0, "t1": time.time(), "version": rec.version, "transport": rec.transport,
-                               "timings": rec.timings})
+                               "timings": rec.timings, "nbytes": rec.nbytes})
                 elif op == "native_init":
                     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
@@ -232,8 +232,21 @@ async def engine_main(a: argparse.Namespace) -> None:
         trainer = ctx.Process(target=trainer_main, args=(srv.url, queue, root, child), daemon=True)
         trainer.start()
 
-    def call(**cmd: object) -> dict:
+    broken: list[str] = []
+
+    def call(_timeout: float = 600.0, **cmd: object) -> dict:
+        # Bounded: a dead or stuck trainer must not hang the whole run.
+        if broken:
+            raise RuntimeError(f"trainer unusable: {broken[0]}")
         conn.send(cmd)
+        deadline = time.monotonic() + _timeout
+        while not conn.poll(1.0):
+            if not trainer.is_alive():
+                broken.append(f"trainer process exited (code {trainer.exitcode}) during {cmd['op']}")
+                raise RuntimeError(broken[0])
+            if time.monotonic() > deadline:
+                broken.append(f"trainer did not answer {cmd['op']} within {_timeout:.0f}s")
+                raise TimeoutError(broken[0])
         r = conn.recv()
         if not r.get("ok"):
             raise RuntimeError(r.get("error", "") + "\n" + r.get("tb", ""))
@@ -266,7 +279,7 @@ async def engine_main(a: argparse.Namespace) -> None:
 
     if trainer is not None:
         consumer = Consumer(engine, srv.url, queue, consumer_id="replica-0",
-                            settings=ConsumerSettings(max_inflight=256, initial_inflight=256, adaptive=False))
+                            settings=ConsumerSettings(max_inflight=256, initial_inflight=256, adaptive=False, drain_timeout=2.0))
         follower = WeightFollower(consumer, root=root, broadcast="sync" in phases, reconcile_interval=1.0, load_timeout=600)
         await follower.start()
         ctask = asyncio.create_task(consumer.run())
@@ -280,10 +293,20 @@ async def engine_main(a: argparse.Namespace) -> None:
                 await asyncio.sleep(0.1)
             return consumer.running_count()
 
-        async def wait_version(v: int) -> float:
-            while consumer.version < v:
+        async def wait_version(v: int, timeout: float = 300.0) -> tuple[float, object]:
+            """When the replica serves version ``v`` again (the follower recorded the update:
+            loaded, resumed, intake reopened), and that update's stats. ``consumer.version``
+            alone is set before the follower appends to ``history`` (reading
+            ``history[-1]`` then gave the previous update, or IndexError on the first)."""
+            deadline = time.monotonic() + timeout
+            while True:
+                for st in reversed(follower.history):
+                    if st.version >= v:
+                        return time.time(), st
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica did not apply version {v} within {timeout:.0f}s "
+                                       f"(at {consumer.version}, failures {follower.failures})")
                 await asyncio.sleep(0.0005)
-            return time.time()
 
         if "sync" in phases:
             try:
@@ -291,8 +314,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                 for i in range(a.sync_reps + 1):
                     running = await wait_running()
                     r = await asyncio.to_thread(call, op="publish", transport="nccl")
-                    t_served = await wait_version(r["version"])
-                    st = follower.history[-1]
+                    t_served, st = await wait_version(r["version"])
                     row = {"version": r["version"], "transport": r["transport"], "running_at_start": running,
                            "end_to_end_s": t_served - r["t0"], "trainer_publish_s": r["t1"] - r["t0"],
                            "paused_s": st.pause_s, "swap": st.load, "trainer": r["timings"]}
@@ -351,12 +373,11 @@ async def engine_main(a: argparse.Namespace) -> None:
                 for i in range(a.sync_reps + 1):
                     await wait_running()
                     r = await asyncio.to_thread(call, op="publish", transport="memmap")
-                    t_served = await wait_version(r["version"])
-                    st = follower.history[-1]
-                    nb = 15.2e9
+                    t_served, st = await wait_version(r["version"])
+                    nb = r.get("nbytes") or 15.2e9
                     row = {"version": r["version"], "write_s": r["timings"].get("write_s"), "checksum_s": r["timings"].get("checksum_s"),
                            "publish_s": r["t1"] - r["t0"], "load": st.load, "paused_s": st.pause_s, "end_to_end_s": t_served - r["t0"]}
-                    row["gb_per_s_publish_plus_load"] = nb / row["end_to_end_s"]
+                    row["gb_per_s_publish_plus_load"] = nb / 1e9 / row["end_to_end_s"]  # was bytes/s
                     log("memmap", row)
                     if i > 0 or a.sync_reps == 0:
                         rows.append(row)
