@@ -202,8 +202,9 @@ async def test_staleness_admission_is_atomic_and_follows_versions(redis_url, que
 
 
 # -- broadcast (gloo here, NCCL on GPUs) -------------------------------------------------
-async def test_gloo_broadcast_updates_every_worker_of_every_replica(redis_url, queue, root):
-    sender = BroadcastSender(num_workers=3, backend="gloo", timeout=20, bucket_bytes=2048)
+@pytest.mark.parametrize("mode", ["packed", "direct"])
+async def test_gloo_broadcast_updates_every_worker_of_every_replica(redis_url, queue, root, mode):
+    sender = BroadcastSender(num_workers=3, backend="gloo", timeout=20, bucket_bytes=2048, mode=mode)
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
     engines = [FakeWorkerEngine(small_model, num_workers=2), FakeWorkerEngine(small_model, num_workers=1)]
     consumers = [Consumer(e, redis_url, queue) for e in engines]

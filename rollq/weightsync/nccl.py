@@ -82,7 +82,12 @@ class Layout:
 
 
 class Offer(msgspec.Struct, kw_only=True):
-    """A version being broadcast (Redis ``woffer``)."""
+    """A version being broadcast (Redis ``woffer``).
+
+    ``mode``: ``packed`` (tensors packed into ``bucket_bytes`` buckets: few large messages,
+    best for gloo) or ``direct`` (one broadcast per tensor straight from the trainer's tensors
+    into the receivers' staging views: no copy on either side, best for NCCL).
+    """
 
     version: int
     group: str
@@ -90,6 +95,9 @@ class Offer(msgspec.Struct, kw_only=True):
     bucket_bytes: int
     manifest: list[TensorMeta]
     timeout: float
+    mode: str = "packed"
+    #: Hash receivers write their ack into, as ``replica/worker -> ok | error: ...``.
+    acks: str = ""
 
 
 class GroupInfo(msgspec.Struct, kw_only=True):
@@ -199,9 +207,12 @@ class BroadcastSender:
         bucket_bytes: int = 1 << 30,
         timeout: float = 60.0,
         device: str | torch.device | None = None,
+        mode: str | None = None,
     ):
         if backend not in ("nccl", "gloo"):
             raise ValueError("backend must be 'nccl' or 'gloo'")
+        #: ``direct`` on NCCL (no packing copy), ``packed`` on gloo; see :class:`Offer`.
+        self.mode = mode or ("direct" if backend == "nccl" else "packed")
         self.num_workers = num_workers
         self.backend = backend
         self.host = host
@@ -255,16 +266,17 @@ class BroadcastSender:
         manifest = manifest_of(items)
         checksum = state_checksum(items)
         t_ck = time.perf_counter() - t0
+        acks_key = keys.weights_acks(version)
         offer = Offer(
             version=version, group=self.info.id, checksum=checksum, bucket_bytes=self.bucket_bytes,
-            manifest=manifest, timeout=self.timeout,
+            manifest=manifest, timeout=self.timeout, mode=self.mode, acks=acks_key,
         )
-        acks_key = keys.weights_acks(version)
         await client.delete(acks_key)
         await client.hset(keys.weights_offer, mapping={"v": version, "d": msgspec.msgpack.encode(offer)})
         await client.publish(keys.control, f"woffer {version}")
         t1 = time.perf_counter()
-        await asyncio.wait_for(asyncio.to_thread(self._broadcast_all, items, manifest), self.timeout * 4)
+        send = self._broadcast_direct if self.mode == "direct" else self._broadcast_all
+        await asyncio.wait_for(asyncio.to_thread(send, items, manifest), self.timeout * 4)
         t2 = time.perf_counter()
         acks = await self._wait_acks(client, acks_key, version)
         t3 = time.perf_counter()
@@ -312,6 +324,19 @@ class BroadcastSender:
         if self.device.type == "cuda":
             wait_stream(self.device, self.timeout * 2, "weight broadcast")
 
+    def _broadcast_direct(self, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta]) -> None:
+        """One broadcast per tensor, straight from the trainer's (contiguous) tensors."""
+        last = None
+        for _, t in items:
+            t = t.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            last = self.pg.broadcast(t.reshape(-1).view(torch.uint8), self.timeout, wait=False)
+        if last is not None:
+            self._finish(last)
+        if self.device.type == "cuda":
+            wait_stream(self.device, self.timeout * 2, "weight broadcast")
+
     def _finish(self, work: Any) -> None:
         """GPU: order the current stream after ``work``. CPU: block until it is done (bounded)."""
         if self.device.type == "cuda":
@@ -346,6 +371,9 @@ class BroadcastSender:
         self._bufs = []
 
 
+_ack_clients: dict[str, Any] = {}
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -369,14 +397,29 @@ class WorkerReceiver:
         self.status: dict[str, Any] = {"state": "idle"}
         self._thread: threading.Thread | None = None
 
-    def start_receive(self, offer: Offer) -> None:
+    def start_receive(self, offer: Offer, ack: tuple[str, str] | None = None) -> None:
+        """Receive ``offer`` in a background thread; then, if ``ack`` = (redis URL, field) is
+        given, write ``ok`` or the error into the offer's ack hash (no engine RPC needed)."""
         if self._thread is not None and self._thread.is_alive():
             raise WeightSyncError("a receive is already running")
         self.status = {"state": "receiving", "version": offer.version}
-        self._thread = threading.Thread(target=self._receive, args=(offer,), name="rollq-recv", daemon=True)
+        self._thread = threading.Thread(target=self._receive, args=(offer, ack), name="rollq-recv", daemon=True)
         self._thread.start()
 
-    def _receive(self, offer: Offer) -> None:
+    def _receive(self, offer: Offer, ack: tuple[str, str] | None = None) -> None:
+        self._receive_into_staging(offer)
+        if ack is not None and offer.acks:
+            st = self.status
+            value = "ok" if st.get("state") == "staged" else f"error: {st.get('error')}"
+            try:
+                import redis
+
+                client = _ack_clients.get(ack[0]) or _ack_clients.setdefault(ack[0], redis.Redis.from_url(ack[0]))
+                client.hset(offer.acks, ack[1], value)
+            except Exception as e:  # the replica then times out waiting and loads memmap
+                log.error("could not acknowledge version %d: %s", offer.version, e)
+
+    def _receive_into_staging(self, offer: Offer) -> None:
         t0 = time.perf_counter()
         try:
             layout = Layout.of(offer.manifest, offer.bucket_bytes)
@@ -385,8 +428,12 @@ class WorkerReceiver:
             cuda = self.device.type == "cuda"
             stream = torch.cuda.Stream(self.device) if cuda else None  # off the engine's stream
             with torch.cuda.stream(stream) if cuda else _null():
-                for s, e in layout.buckets:
-                    self.pg.broadcast(self.flat[s:e], offer.timeout)
+                if offer.mode == "direct":
+                    for m, off in zip(offer.manifest, layout.offsets):
+                        self.pg.broadcast(self.flat[off : off + m.nbytes], offer.timeout)
+                else:
+                    for s, e in layout.buckets:
+                        self.pg.broadcast(self.flat[s:e], offer.timeout)
                 if cuda:
                     wait_stream(self.device, offer.timeout * 2, f"receiving version {offer.version}")
             items = layout.views(self.flat, offer.manifest)
@@ -490,23 +537,30 @@ class ReplicaReceiver:
         log.info("replica %s joined broadcast group %s as ranks %d..%d", self.consumer.id, info.id, offset, end - 1)
 
     async def _receive(self, offer: Offer, raw: bytes) -> None:
-        acks = self.keys.weights_acks(offer.version)
+        """Start every worker's receive (one RPC), then wait for their acks in Redis.
+
+        The workers write their own acks, so waiting never goes through the engine (whose
+        RPCs queue behind generation steps under load).
+        """
+        acks = offer.acks or self.keys.weights_acks(offer.version)
+        fields = [f"{self.consumer.id}/{i}" for i in range(self.num_workers)]
         try:
-            await self.engine.call_workers("rollq_receive", raw)
-            states = await self._wait_workers(
-                lambda s: s.get("version") == offer.version and s.get("state") in ("staged", "failed"),
-                offer.timeout * 4, "receive",
-            )
+            await self.engine.call_workers("rollq_receive", raw, self.consumer.id, self.consumer.redis_settings.url)
         except Exception as e:
-            await self._client.hset(acks, f"{self.consumer.id}/0", f"error: {e}")
+            await self._client.hset(acks, fields[0], f"error: {e}")
             raise
-        mapping = {
-            f"{self.consumer.id}/{i}": ("ok" if s.get("state") == "staged" else f"error: {s.get('error')}")
-            for i, s in enumerate(states)
-        }
-        await self._client.hset(acks, mapping=mapping)
-        if all(s.get("state") == "staged" for s in states):
+        deadline = time.monotonic() + offer.timeout * 4
+        while True:
+            got = await self._client.hmget(acks, fields)
+            if all(v is not None for v in got):
+                break
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(f"workers did not stage version {offer.version} within {offer.timeout * 4:.0f}s")
+            await asyncio.sleep(0.002)
+        if all(v == b"ok" for v in got):
             self.staged_version = offer.version
+        else:
+            log.warning("staging version %d failed: %s", offer.version, got)
 
     async def _wait_workers(self, done: Any, timeout: float, what: str) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout

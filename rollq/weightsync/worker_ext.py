@@ -93,8 +93,12 @@ class RollqWorkerExtension:
 
         threading.Thread(target=join, name="rollq-join", daemon=True).start()
 
-    def rollq_receive(self, offer: bytes) -> None:
-        """Start receiving an offered version into the staging buffer (returns at once)."""
+    def rollq_receive(self, offer: bytes, replica: str = "", redis_url: str = "") -> None:
+        """Start receiving an offered version into the staging buffer (returns at once).
+
+        With ``replica`` and ``redis_url`` the worker acknowledges in the offer's ack hash
+        itself (field ``replica/rank-in-replica``) once the version is staged or has failed.
+        """
         import msgspec
 
         from .nccl import Offer
@@ -102,7 +106,8 @@ class RollqWorkerExtension:
         rcv = getattr(self, "_rollq_receiver", None)
         if rcv is None:
             raise RuntimeError("this worker has not joined a broadcast group")
-        rcv.start_receive(msgspec.msgpack.decode(offer, type=Offer))
+        ack = (redis_url, f"{replica}/{int(getattr(self, 'rank', 0))}") if replica and redis_url else None
+        rcv.start_receive(msgspec.msgpack.decode(offer, type=Offer), ack)
 
     def rollq_receive_status(self) -> dict[str, Any]:
         rcv = getattr(self, "_rollq_receiver", None)
