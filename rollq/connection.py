@@ -22,7 +22,16 @@ def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Cl
     """
     if not isinstance(settings, RedisSettings):
         settings = RedisSettings.from_url(settings)
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
     kw: dict[str, Any] = dict(
+        # A pooled connection that a Redis restart closed fails on first use: retry on a fresh
+        # one (the command never reached the server). See Producer.submit_many on idempotency.
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 3),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
         socket_connect_timeout=settings.connect_timeout,
         socket_timeout=settings.command_timeout,
         health_check_interval=15,

@@ -196,6 +196,8 @@ class Consumer:
         self._paused_total = 0.0
         self._control_handlers: list[Callable[[str, str], Any]] = []
         self._leased = False
+        self._lost_read = False
+        self._closed = False
         #: Weight-update figures shown in the registry (set by the weight follower).
         self.update_info: dict[str, Any] = {}
 
@@ -233,6 +235,7 @@ class Consumer:
         ]
         log.info("consumer %s serving queue %r with engine %s (%s)", self.id, self.queue, self.engine.name, self.engine.model)
         try:
+            await self.recover_own()  # a restart under the same id resumes its own leased jobs
             await self._pull_loop()
         finally:
             await self._shutdown()
@@ -290,9 +293,13 @@ class Consumer:
         flush_deadline = time.monotonic() + max(5.0, self.settings.drain_timeout / 5)
         while self._finishes and time.monotonic() < flush_deadline:
             await asyncio.sleep(0.02)
+        self._closed = True  # every background loop ends at its next turn, even if a cancel is lost
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:  # bounded: a task that swallows its cancellation must not hang shutdown
+            _, stuck = await asyncio.wait(self._tasks, timeout=5.0)
+            if stuck:
+                log.warning("consumer %s: %d background task(s) ignored cancellation", self.id, len(stuck))
         self.state = "stopped"
         try:  # release the lease: peers reclaim our unfinished jobs at once
             await self._flush_stats()
@@ -345,7 +352,14 @@ class Consumer:
                 log.warning("redis read failed (%s); reconnecting in %.2fs", e, backoff)
                 await self._wait_any(self._stopping.wait(), timeout=backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, s.backoff_max)
+                self._lost_read = True  # its reply may have been lost after Redis delivered
                 continue
+            if self._lost_read:
+                self._lost_read = False
+                try:
+                    await self.recover_own()
+                except _RETRYABLE:
+                    self._lost_read = True
             if not resp:
                 if self._burst and not self._running and not self._held and not self._finishes:
                     if await self._nothing_left():
@@ -357,6 +371,32 @@ class Consumer:
                     self._start_entry(skey, eid, fields, 1)
             if self._engine_error is not None:
                 break
+
+    def _known_eids(self) -> set[bytes]:
+        known = {r.eid for r in self._running.values()}
+        known.update(h[1] for h in self._held)
+        known.update(f.eid for f in self._finishes)
+        return known
+
+    async def recover_own(self) -> int:
+        """Take back entries pending under this consumer that it is not running.
+
+        They exist after a restart under the same id, or when a read reply was lost (a
+        dropped connection, a Redis restart): Redis delivered them, we never saw them.
+        """
+        known = self._known_eids()
+        taken = 0
+        resp = await self._client.xreadgroup(GROUP, self.id, {k: "0" for k in self._streams}, count=10_000)
+        for stream, entries in resp or []:
+            skey = stream.decode() if isinstance(stream, bytes) else stream
+            for eid, fields in entries:
+                if eid in known:
+                    continue
+                taken += 1
+                self._start_entry(skey, eid, fields, 2)
+        if taken:
+            log.warning("consumer %s recovered %d of its own pending jobs it was not running", self.id, taken)
+        return taken
 
     async def _nothing_left(self) -> bool:
         """Burst mode: True when no stream holds undelivered or reclaimable entries for us."""
@@ -418,6 +458,11 @@ class Consumer:
         self._submit(stream, eid, job, deliveries)
 
     def _submit(self, stream: str, eid: bytes, job: Job, deliveries: int) -> None:
+        if not self.intake_gate.is_set():
+            # A read that was in flight when intake closed (weight update): hold it until the
+            # gate reopens, so it runs on the new version.
+            self._held.append((stream, eid, job, deliveries))
+            return
         rid = f"{job.id}@{eid.decode()}"
         self._running[rid] = _Running(job, stream, eid, deliveries, time.time(), self.version)
         self._by_job[job.id] = rid
@@ -454,7 +499,7 @@ class Consumer:
             if job.min_version is not None and job.min_version > self.version:
                 self._held.append((stream, eid, job, deliveries))
             else:
-                self._submit(stream, eid, job, deliveries)
+                self._submit(stream, eid, job, deliveries)  # re-held while intake is closed
 
     # ==================================================================================
     # outcomes
@@ -526,7 +571,7 @@ class Consumer:
         """Write outcomes in batches: one FINISH call per flush, retried until Redis takes it."""
         s = self.settings
         backoff = s.backoff_initial
-        while True:
+        while not self._closed:
             await self._finish_wakeup.wait()
             self._finish_wakeup.clear()
             while self._finishes:
@@ -662,7 +707,7 @@ class Consumer:
                 log.info("job %s is owned by another replica now; aborted our copy", run.job.id)
 
     async def _heartbeat_loop(self) -> None:
-        while True:
+        while not self._closed:
             await asyncio.sleep(self.settings.heartbeat_interval)
             try:
                 await self._heartbeat_once()
@@ -689,7 +734,7 @@ class Consumer:
     async def _control_loop(self) -> None:
         """Pub/sub hints; the durable state is checked by heartbeat and reclaim anyway."""
         backoff = self.settings.backoff_initial
-        while True:
+        while not self._closed:
             pubsub = self._client.pubsub()
             try:
                 await pubsub.subscribe(self.keys.control)
@@ -729,7 +774,7 @@ class Consumer:
     # reclaim
     # ==================================================================================
     async def _reclaim_loop(self) -> None:
-        while True:
+        while not self._closed:
             await self._wait_any(self._reclaim_now.wait(), timeout=self.settings.reclaim_interval * (0.75 + random.random() / 2))
             self._reclaim_now.clear()
             if self._stopping.is_set():
@@ -753,6 +798,9 @@ class Consumer:
             name = name.decode() if isinstance(name, bytes) else name
             if name != self.id:
                 names.append(name)
+            elif int(c.get("pending") or 0) > len(self._known_eids()) and not self._stopping.is_set():
+                # Redis holds more of our entries than we run: a read reply was lost.
+                await self.recover_own()
         if not names:
             return 0
         pipe = self._client.pipeline(transaction=False)
@@ -764,13 +812,13 @@ class Consumer:
             if is_alive:
                 continue
             for stream in (self.keys.jobs, self.keys.replica_jobs(name)):
-                free = max(self.free_slots(), 0)
-                if free == 0 and taken:
-                    return taken
+                # A dead replica's jobs are the oldest work in the queue: take them even past
+                # our cap (they wait in the engine's own queue), at most one batch per turn.
+                free = max(self.free_slots(), self.settings.batch)
                 claimed, ids, counts = await RECLAIM(
                     self._client,
                     [stream, self.keys.heartbeat(name), self.keys.consumers, self.keys.replica_jobs(name)],
-                    [GROUP, name, self.id, max(free, 1), "1" if stream == self.keys.jobs else "0"],
+                    [GROUP, name, self.id, free, "1" if stream == self.keys.jobs else "0"],
                 )
                 deliveries = {i: int(c) for i, c in zip(ids, counts)}
                 for entry in claimed:

@@ -194,6 +194,7 @@ class WeightFollower:
                 c.restart(aborted)
             c.state = state_before if state_before != "paused" else "serving"
             c.intake_gate.set()
+            c.release_held()  # reads that arrived while intake was closed
         c._paused_total += pause_s
         c.update_info = {
             "last_update_s": round(time.perf_counter() - t0, 4), "last_pause_s": round(pause_s, 4),
