@@ -281,6 +281,10 @@ class BroadcastSender:
         acks = await self._wait_acks(client, acks_key, version)
         t3 = time.perf_counter()
         self.last_timings = {"checksum_s": t_ck, "broadcast_s": t2 - t1, "acks_s": t3 - t2, "send_s": t3 - t0}
+        parts = [v.split() for v in acks.values() if len(v.split()) == 3]
+        if parts:  # the slowest receiver's own view: receive and verify times
+            self.last_timings["receiver_receive_s"] = max(float(p[1]) for p in parts)
+            self.last_timings["receiver_verify_s"] = max(float(p[2]) for p in parts)
         await client.expire(acks_key, 3600)
         nbytes = sum(m.nbytes for m in manifest)
         return VersionRecord(
@@ -349,7 +353,7 @@ class BroadcastSender:
         want = self.num_workers
         while True:
             acks = {k.decode(): v.decode() for k, v in (await client.hgetall(key)).items()}
-            bad = {k: v for k, v in acks.items() if v != "ok"}
+            bad = {k: v for k, v in acks.items() if not v.startswith("ok")}
             if bad:
                 raise WeightSyncError(f"receivers failed to stage version {version}: {bad}")
             if len(acks) >= want:
@@ -410,7 +414,10 @@ class WorkerReceiver:
         self._receive_into_staging(offer)
         if ack is not None and offer.acks:
             st = self.status
-            value = "ok" if st.get("state") == "staged" else f"error: {st.get('error')}"
+            if st.get("state") == "staged":  # "ok <receive s> <verify s>"
+                value = f"ok {st.get('receive_s', 0):.4f} {st.get('verify_s', 0):.4f}"
+            else:
+                value = f"error: {st.get('error')}"
             try:
                 import redis
 
@@ -436,12 +443,14 @@ class WorkerReceiver:
                         self.pg.broadcast(self.flat[s:e], offer.timeout)
                 if cuda:
                     wait_stream(self.device, offer.timeout * 2, f"receiving version {offer.version}")
-            items = layout.views(self.flat, offer.manifest)
-            got = state_checksum(items)
+                items = layout.views(self.flat, offer.manifest)
+                t_recv = time.perf_counter() - t0
+                got = state_checksum(items)  # on the receive stream, one host sync
             if got != offer.checksum:
                 raise WeightSyncError(f"staged version {offer.version} has checksum {got}, expected {offer.checksum}")
             self.staged = (offer.version, items)
-            self.status = {"state": "staged", "version": offer.version, "receive_s": time.perf_counter() - t0}
+            self.status = {"state": "staged", "version": offer.version, "receive_s": t_recv,
+                           "verify_s": time.perf_counter() - t0 - t_recv}
         except Exception as e:
             self.staged = None
             self.status = {"state": "failed", "version": offer.version, "error": f"{type(e).__name__}: {e}"}
@@ -557,7 +566,7 @@ class ReplicaReceiver:
             if time.monotonic() > deadline:
                 raise WeightSyncTimeout(f"workers did not stage version {offer.version} within {offer.timeout * 4:.0f}s")
             await asyncio.sleep(0.002)
-        if all(v == b"ok" for v in got):
+        if all(v.startswith(b"ok") for v in got):
             self.staged_version = offer.version
         else:
             log.warning("staging version %d failed: %s", offer.version, got)
