@@ -405,6 +405,7 @@ async def test_slow_read_reply_is_not_started_twice(queue, make_producer, make_c
     """Recovering "delivered but never received" entries must not race a read whose reply is
     merely late (a busy event loop, a slow link): each entry starts once per consumer."""
     real_connect = Consumer._connect
+    late_reply_handled = asyncio.Event()
 
     async def connect(self):
         await real_connect(self)
@@ -413,7 +414,8 @@ async def test_slow_read_reply_is_not_started_twice(queue, make_producer, make_c
         async def late_read(*a, **kw):
             resp = await read(*a, **kw)
             if resp:
-                await asyncio.sleep(2.5)  # the reply is in, the loop gets to it late
+                await asyncio.sleep(2.5)  # the reply is in; the loop gets to it late
+                asyncio.get_running_loop().call_soon(late_reply_handled.set)  # after the caller used it
             return resp
 
         self._block_client.xreadgroup = late_read
@@ -427,7 +429,8 @@ async def test_slow_read_reply_is_not_started_twice(queue, make_producer, make_c
     handles = await p.submit_many([{"prompt": f"j{i}", "sampling": {"max_tokens": 1}} for i in range(3)])
     results = await p.gather(handles, timeout=10)
     assert all(r.ok for r in results)
-    await asyncio.sleep(0.3)
+    await bounded(late_reply_handled.wait(), 10, "the late read reply to be handled")
+    await asyncio.sleep(0.2)  # let a second start, if any, finish
     assert engine.submits == {h.id: 1 for h in handles}, "a job was started twice by one consumer"
     assert c.counters.refused_duplicates == 0
 

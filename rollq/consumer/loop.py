@@ -29,6 +29,7 @@ import signal
 import socket
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -198,6 +199,7 @@ class Consumer:
         self._leased = False
         self._lost_read = False
         self._closed = False
+        self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # entries started here
         #: Weight-update figures shown in the registry (set by the weight follower).
         self.update_info: dict[str, Any] = {}
 
@@ -235,7 +237,7 @@ class Consumer:
         ]
         log.info("consumer %s serving queue %r with engine %s (%s)", self.id, self.queue, self.engine.name, self.engine.model)
         try:
-            await self.recover_own()  # a restart under the same id resumes its own leased jobs
+            await self.recover_own(min_idle=0)  # a restart under the same id resumes its own leased jobs
             await self._pull_loop()
         finally:
             await self._shutdown()
@@ -378,22 +380,36 @@ class Consumer:
         known.update(f.eid for f in self._finishes)
         return known
 
-    async def recover_own(self) -> int:
+    async def recover_own(self, min_idle: float | None = None) -> int:
         """Take back entries pending under this consumer that it is not running.
 
         They exist after a restart under the same id, or when a read reply was lost (a
-        dropped connection, a Redis restart): Redis delivered them, we never saw them.
+        dropped connection, a Redis restart): Redis delivered them, we never saw them. Only
+        entries idle for ``min_idle`` seconds are taken (default: long enough that a read
+        whose reply is merely late has been handled), so nothing starts twice.
         """
+        if min_idle is None:
+            min_idle = 2 * self.settings.block + 2.0
         known = self._known_eids()
         taken = 0
-        resp = await self._client.xreadgroup(GROUP, self.id, {k: "0" for k in self._streams}, count=10_000)
-        for stream, entries in resp or []:
-            skey = stream.decode() if isinstance(stream, bytes) else stream
-            for eid, fields in entries:
-                if eid in known:
+        for stream in self._streams:
+            try:
+                rows = await self._client.xpending_range(
+                    stream, GROUP, min="-", max="+", count=10_000, consumername=self.id, idle=int(min_idle * 1000)
+                )
+            except ResponseError:
+                continue
+            lost = [r["message_id"] for r in rows if r["message_id"] not in known]
+            if not lost:
+                continue
+            # XCLAIM to ourselves re-checks the idle time atomically and returns the entries.
+            claimed = await self._client.xclaim(stream, GROUP, self.id, int(min_idle * 1000), lost)
+            counts = {r["message_id"]: int(r.get("times_delivered", 1)) for r in rows}
+            for eid, fields in claimed:
+                if eid in self._known_eids():
                     continue
                 taken += 1
-                self._start_entry(skey, eid, fields, 2)
+                self._start_entry(stream, eid, fields, counts.get(eid, 1) + 1)
         if taken:
             log.warning("consumer %s recovered %d of its own pending jobs it was not running", self.id, taken)
         return taken
@@ -427,6 +443,12 @@ class Consumer:
 
     def _start_entry(self, stream: str, eid: bytes, fields: dict | None, deliveries: int) -> None:
         """Decode, validate and start one stream entry (or finish it with an error)."""
+        key = (stream, eid)
+        if key in self._seen:  # a late read reply of an entry we already took back
+            return
+        self._seen[key] = None
+        if len(self._seen) > 100_000:
+            self._seen.popitem(last=False)
         self.counters.pulled += 1
         payload = (fields or {}).get(_FIELD)
         if payload is None:
