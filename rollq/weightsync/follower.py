@@ -167,6 +167,9 @@ class WeightFollower:
                 # Committed before this replica acked (it joined late, or the trainer moved on):
                 # wait briefly for a memmap copy rather than failing.
                 log.info("version %d was broadcast without us; waiting for a memmap copy", rec.version)
+        if staged is None and rec.memmap_slot is not None and self.root is not None:
+            # Read, copy and verify while still serving; the pause below only swaps it in.
+            staged = await self._stage_memmap(rec)
         c.intake_gate.clear()  # rollq's own intake closes first (vLLM would still accept)
         state_before, c.state = c.state, "paused"
         aborted: list[Any] = []
@@ -216,7 +219,31 @@ class WeightFollower:
         while self.consumer.running_count() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
+    async def _stage_memmap(self, rec: VersionRecord) -> Any:
+        try:
+            res = await asyncio.wait_for(
+                self.engine.call_workers("rollq_stage_memmap", self.root, rec.memmap_slot, rec.version, rec.checksum),
+                self.load_timeout,
+            )
+        except asyncio.TimeoutError as e:
+            raise WeightSyncTimeout(f"staging version {rec.version} took longer than {self.load_timeout}s (load_timeout)") from e
+        except Exception as e:
+            from .worker_ext import CORRUPT_TAG
+
+            if isinstance(e, CorruptWeights) or CORRUPT_TAG in str(e):
+                raise CorruptWeights(f"version {rec.version} refused: {e}") from e
+            raise
+        if not res:  # an engine without weights (echo): nothing to stage
+            return None
+        return ("memmap", rec.version, res[0])
+
     async def _load(self, rec: VersionRecord, staged: Any) -> dict[str, Any]:
+        if isinstance(staged, tuple) and staged[0] == "memmap":
+            try:
+                res = await asyncio.wait_for(self.engine.call_workers("rollq_apply_staged", staged[1]), self.load_timeout)
+            except asyncio.TimeoutError as e:
+                raise WeightSyncTimeout(f"swapping in version {rec.version} took longer than {self.load_timeout}s") from e
+            return dict(staged[2], **(res[0] if res else {}))
         if staged is not None:
             return await self.receiver.apply_staged(rec, staged, timeout=self.load_timeout)
         if rec.memmap_slot is None:

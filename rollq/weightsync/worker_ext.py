@@ -71,6 +71,28 @@ class RollqWorkerExtension:
         self._rollq_version = version
         return {"read_s": t1 - t0, "copy_verify_s": t2 - t1, "load_s": t3 - t2}
 
+    def rollq_stage_memmap(self, root: str, slot: str, version: int, checksum: str) -> dict[str, Any]:
+        """Read, copy to the device and verify ``version`` while the engine keeps serving;
+        :meth:`rollq_apply_staged` then swaps it in (the only step inside the pause)."""
+        from ..errors import CorruptWeights
+        from .checksum import state_checksum
+        from .memmap import MemmapStore
+
+        dev = self._rollq_device()
+        t0 = time.perf_counter()
+        try:
+            items = MemmapStore(root).read(slot, version=version, checksum=checksum, verify=dev.type != "cuda")
+            if dev.type == "cuda":
+                stream = torch.cuda.Stream(dev)  # off the engine's stream
+                with torch.cuda.stream(stream):
+                    items = [(n, t.to(dev, non_blocking=True)) for n, t in items]
+                    if state_checksum(items) != checksum:
+                        raise CorruptWeights(f"version {version} in {slot}: checksum mismatch after copying to {dev}")
+        except CorruptWeights as e:
+            raise RuntimeError(f"{CORRUPT_TAG} {e}") from e
+        self._rollq_staged_mm = (version, items)
+        return {"stage_s": time.perf_counter() - t0}
+
     # -- broadcast (NCCL / gloo) -------------------------------------------------------
     def rollq_join_group(self, info: bytes, rank_offset: int) -> None:
         """Join the trainer's broadcast group as rank ``rank_offset + self.rank`` (in a thread)."""
@@ -121,7 +143,12 @@ class RollqWorkerExtension:
     def rollq_apply_staged(self, version: int) -> dict[str, Any]:
         """Swap a staged version in (the only step that runs while generation is paused)."""
         t0 = time.perf_counter()
-        items = self._rollq_receiver.take(version)
+        mm = getattr(self, "_rollq_staged_mm", None)
+        if mm is not None and mm[0] == version:
+            items = mm[1]
+            self._rollq_staged_mm = None
+        else:
+            items = self._rollq_receiver.take(version)
         self._rollq_load(items)
         if self._rollq_device().type == "cuda":
             torch.cuda.synchronize(self._rollq_device())
