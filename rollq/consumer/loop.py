@@ -688,6 +688,10 @@ class Consumer:
             for jid, mark in zip(job_ids, res[-1]):
                 if mark is not None:
                     self._cancel_running(jid, "cancelled while running")
+        now_s = time.time()
+        for run in list(self._running.values()):  # a deadline passing mid-generation aborts it
+            if run.job.deadline is not None and now_s > run.job.deadline:
+                self._cancel_running(run.job.id, "deadline passed while running", JobExpired)
         now = time.time()
         self._recent_cancels = {k: v for k, v in self._recent_cancels.items() if now - v < 600}
         self._room.set()
@@ -740,7 +744,7 @@ class Consumer:
             except Exception:
                 log.exception("heartbeat error")
 
-    def _cancel_running(self, job_id: str, why: str) -> None:
+    def _cancel_running(self, job_id: str, why: str, error: type = JobCancelled) -> None:
         rid = self._by_job.get(job_id)
         if rid is None:
             return
@@ -750,7 +754,7 @@ class Consumer:
         self.engine.abort(rid)
         del self._running[rid]
         del self._by_job[job_id]
-        self._fail(run.stream, run.eid, job_id, run.job.reply, b"", JobCancelled, why, run.deliveries, job=run.job, started=run.started)
+        self._fail(run.stream, run.eid, job_id, run.job.reply, b"", error, why, run.deliveries, job=run.job, started=run.started)
         self._room.set()
 
     async def _control_loop(self) -> None:

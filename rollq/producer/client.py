@@ -127,7 +127,8 @@ class Producer:
         self._futures: dict[str, asyncio.Future] = {}
         self._completed: OrderedDict[str, Result] = OrderedDict()
         self._cancelled: set[str] = set()
-        self._entries: dict[str, tuple[str, bytes, bool]] = {}  # job id -> (stream, entry id, tracked)
+        self._entries: dict[str, tuple[str, bytes, bool]] = {}
+        self._publisher: Any = None  # job id -> (stream, entry id, tracked)
         self._outstanding = 0
         self._room: asyncio.Condition | None = None
         self._arrived: asyncio.Event | None = None
@@ -150,6 +151,8 @@ class Producer:
     async def close(self) -> None:
         """Stop reading results and close connections (outstanding jobs keep running)."""
         self._closed = True
+        if self._publisher is not None:
+            await self._publisher.close()
         if self._client is not None and not self._futures:
             try:  # nothing more can arrive for us: leave no empty stream behind
                 await DROP_EMPTY(self._client, [self._result_key], [])
@@ -359,6 +362,16 @@ class Producer:
         if batch is None or batch < 1 or max_lag < 0:
             raise ValueError("set_staleness_bound needs max_lag >= 0 and batch >= 1")
         await self._client.hset(self.keys.config, mapping={"max_lag": max_lag, "batch": batch})
+
+    async def publish_weights(self, state: Any, version: int | None = None, transport: str = "memmap", **publisher_kwargs: Any) -> Any:
+        """Publish a new policy version of this queue (see
+        :class:`~rollq.weightsync.publisher.WeightPublisher`; ``root=`` names the memmap store,
+        ``sender=`` a broadcast sender, on the first call). Returns the committed record."""
+        if self._publisher is None:
+            from ..weightsync.publisher import WeightPublisher
+
+            self._publisher = WeightPublisher(self.redis_settings, self.queue, trainer_id=self.id, **publisher_kwargs)
+        return await self._publisher.publish_weights(state, version=version, transport=transport)
 
     async def set_update_policy(self, policy: str) -> None:
         """How replicas of this queue apply a new policy version: ``keep``, ``abort`` or ``drain``."""
