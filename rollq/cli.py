@@ -92,7 +92,9 @@ def make_engine(a: argparse.Namespace) -> Any:
         VllmEngineConfig(
             model=model, tensor_parallel_size=a.tensor_parallel_size, dtype=a.dtype,
             max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
-            worker_extension_cls=a.worker_extension,
+            # Following weight versions needs rollq's worker extension inside vLLM's workers.
+            worker_extension_cls=a.worker_extension
+            or ("rollq.weightsync.worker_ext.RollqWorkerExtension" if (a.weights_root or a.broadcast) else None),
         )
     )
 
@@ -112,10 +114,10 @@ async def _consume(a: argparse.Namespace) -> int:
     await engine.start()
     consumer = Consumer(engine, a.url, a.queue, consumer_id=a.id, settings=consumer_settings(a))
     sync = None
-    if a.weights_root:
+    if a.weights_root or a.broadcast:
         from .weightsync.follower import WeightFollower
 
-        sync = WeightFollower(consumer, root=a.weights_root)
+        sync = WeightFollower(consumer, root=a.weights_root, broadcast=a.broadcast)
         await sync.start()
     try:
         return await consumer.run(burst=a.burst, install_signal_handlers=True)
@@ -358,6 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--worker-extension", default=None, help="vllm worker_extension_cls (weight sync)")
     s.add_argument("--weights-root", default=None, help="follow policy versions published under this memmap root")
+    s.add_argument("--broadcast", action="store_true", help="also join the trainer's NCCL/gloo weight broadcasts")
     s.add_argument("--max-inflight", type=int, default=None, help="cap on running jobs (default: from the engine)")
     s.add_argument("--initial-inflight", type=int, default=None)
     s.add_argument("--batch", type=int, default=512)
