@@ -389,6 +389,35 @@ async def test_entries_delivered_but_never_received_are_recovered(queue, make_pr
     assert all(r.ok and r.replica == "c0" for r in results)
 
 
+async def test_job_taken_back_from_a_dead_peer_runs_again(queue, make_producer, make_consumer, redis_client):
+    """A replica presumed dead (its lease lapsed in a stall) loses a job to a peer, which then
+    dies itself: when the job comes back to the first replica, it must run again there."""
+    k = QueueKeys(queue)
+    engine = EchoEngine(delay_per_token=0.05)
+    a = make_consumer(queue, engine=engine, consumer_id="a", lease_ttl=1.0, heartbeat_interval=0.2, reclaim_interval=0.2)
+    make_consumer.start(a)
+    p = await make_producer(queue)
+    h = await p.submit("long", sampling={"max_tokens": 30})  # 1.5 s
+    await until(lambda: engine.stats().running == 1, 5, "the job to start on a")
+    (entry,) = await pending_of(redis_client, k.jobs, "a")
+    # a's lease lapses (a stall) and a live peer that took a for dead claims the job
+    pipe = redis_client.pipeline(transaction=True)
+    pipe.delete(k.heartbeat("a"))
+    pipe.set(k.heartbeat("peer"), b"1", px=60_000)
+    pipe.xclaim(k.jobs, GROUP, "peer", 0, [entry["message_id"]])
+    await pipe.execute()
+    # a notices its lease had lapsed and drops its copy of what is owned elsewhere now
+    await until(lambda: engine.stats().running == 0, 5, "a to drop the copy a peer owns now")
+    # ... then the peer dies: the job comes back to a, which must run it again
+    await redis_client.delete(k.heartbeat("peer"))
+    r = await bounded(h.result(), 8, "the job after it came back from the dead peer")
+    assert r.ok and r.replica == "a"
+    await until(lambda: a.counters.completed == 1, 5, "a to count the job")
+    assert [x async for x in p.results(timeout=0.5)] == []
+    assert p.counters["results"] == 1
+    assert await redis_client.xlen(k.jobs) == 0
+
+
 class CountingEcho(EchoEngine):
     """EchoEngine that counts how often each job is handed to it."""
 

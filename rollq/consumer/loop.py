@@ -199,7 +199,8 @@ class Consumer:
         self._leased = False
         self._lost_read = False
         self._closed = False
-        self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # entries started here
+        self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # entries recover_own took back
+        self._parked: list[tuple[str, bytes, Job, int]] = []  # aborted for a weight update, to restart
         #: Weight-update figures shown in the registry (set by the weight follower).
         self.update_info: dict[str, Any] = {}
 
@@ -307,6 +308,12 @@ class Consumer:
             await self._flush_stats()
             await self._client.delete(self.keys.heartbeat(self.id))
             await DROP_EMPTY(self._client, [self._own_stream], [])
+            if not self._running and not self._held and not self._finishes:
+                try:  # leave the group too, if we hold nothing there (our own stream is gone)
+                    if not await self._client.xpending_range(self.keys.jobs, GROUP, min="-", max="+", count=1, consumername=self.id):
+                        await self._client.xgroup_delconsumer(self.keys.jobs, GROUP, self.id)
+                except ResponseError:
+                    pass
             await self._client.hdel(self.keys.consumers, self.id)
             await self._client.publish(self.keys.control, f"handback {self.id}")
         except _RETRYABLE:
@@ -370,6 +377,8 @@ class Consumer:
             for stream, entries in resp:
                 skey = stream.decode() if isinstance(stream, bytes) else stream
                 for eid, fields in entries:
+                    if self._seen.pop((skey, eid), False) is None:
+                        continue  # the late reply of a read whose entries recover_own took back
                     self._start_entry(skey, eid, fields, 1)
             if self._engine_error is not None:
                 break
@@ -378,6 +387,7 @@ class Consumer:
         known = {r.eid for r in self._running.values()}
         known.update(h[1] for h in self._held)
         known.update(f.eid for f in self._finishes)
+        known.update(p[1] for p in self._parked)
         return known
 
     async def recover_own(self, min_idle: float | None = None) -> int:
@@ -409,6 +419,9 @@ class Consumer:
                 if eid in self._known_eids():
                     continue
                 taken += 1
+                self._seen[(stream, eid)] = None  # its read reply may still arrive: skip it then
+                if len(self._seen) > 100_000:
+                    self._seen.popitem(last=False)
                 self._start_entry(stream, eid, fields, counts.get(eid, 1) + 1)
         if taken:
             log.warning("consumer %s recovered %d of its own pending jobs it was not running", self.id, taken)
@@ -443,12 +456,6 @@ class Consumer:
 
     def _start_entry(self, stream: str, eid: bytes, fields: dict | None, deliveries: int) -> None:
         """Decode, validate and start one stream entry (or finish it with an error)."""
-        key = (stream, eid)
-        if key in self._seen:  # a late read reply of an entry we already took back
-            return
-        self._seen[key] = None
-        if len(self._seen) > 100_000:
-            self._seen.popitem(last=False)
         self.counters.pulled += 1
         payload = (fields or {}).get(_FIELD)
         if payload is None:
@@ -507,10 +514,12 @@ class Consumer:
             out.append((run.stream, run.eid, run.job, run.deliveries))
         self._running.clear()
         self._by_job.clear()
+        self._parked = list(out)
         return out
 
     def restart(self, jobs: list[tuple[str, bytes, Job, int]]) -> None:
         """Run jobs returned by :meth:`abort_running` again, from scratch."""
+        self._parked = []
         for stream, eid, job, deliveries in jobs:
             self._submit(stream, eid, job, deliveries)
 
