@@ -15,7 +15,8 @@ from rollq.errors import EngineDead, JobCancelled, JobExpired
 from rollq.producer.batch import results_to_tensordict
 from tests.vllm_fixtures import tiny_model_path, vllm_engine  # noqa: F401
 
-pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+pytestmark = [pytest.mark.vllm]
+session_loop = pytest.mark.asyncio(loop_scope="session")
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -27,6 +28,7 @@ async def replica(vllm_engine, redis_url, queue):  # noqa: F811
     await asyncio.wait_for(task, 30)
 
 
+@session_loop
 async def test_generate_facade_and_tensordict(replica, redis_url, queue):
     from rollq.producer.generate import RollqLLM
 
@@ -55,6 +57,7 @@ async def test_generate_facade_and_tensordict(replica, redis_url, queue):
     assert (lp <= 0).all()
 
 
+@session_loop
 async def test_targeted_jobs_run_on_their_replica(replica, redis_url, queue):
     async with Producer(redis_url, queue) as p:
         hs = await p.submit_many([{"prompt": f"turn {i}", "replica": "vllm-r0", "sampling": {"max_tokens": 3}} for i in range(4)])
@@ -62,6 +65,7 @@ async def test_targeted_jobs_run_on_their_replica(replica, redis_url, queue):
     assert {r.replica for r in rs} == {"vllm-r0"} and all(r.ok for r in rs)
 
 
+@session_loop
 async def test_cancel_and_deadline_abort_the_vllm_request(replica, vllm_engine, redis_url, queue):  # noqa: F811
     long = {"prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 400, "ignore_eos": True}}
     async with Producer(redis_url, queue) as p:
@@ -95,6 +99,7 @@ class DyingEngine(Engine):
         pass
 
 
+@session_loop
 async def test_engine_death_stops_the_replica_and_leaves_jobs_for_others(redis_url, queue):
     c = Consumer(DyingEngine(), redis_url, queue, consumer_id="doomed", settings=ConsumerSettings(lease_ttl=1, reclaim_interval=0.2))
     async with Producer(redis_url, queue) as p:

@@ -114,7 +114,10 @@ async def run_top(sampler: Sampler, *, once: bool = False, console: Any = None) 
     from rich.console import Console
     from rich.live import Live
 
-    console = console or Console()
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped (or a test): a frame wide enough for every column
+            console = Console(width=max(console.width, 160))
     await sampler.sample_all()
     docs = [sampler.document(q, history=False) for q in sampler.queues]
     if once:
