@@ -209,7 +209,7 @@ async def dlq_requeue(client: Client, keys: QueueKeys, entry_ids: list[str] | No
             continue
         job.deadline = None
         job.submitted = time.time()
-        await SUBMIT(client, keys.submit_keys(keys.job_stream(job.replica)), [msgpack.packb([job.id if job.tracked else '', encode_job(job)], use_bin_type=False)])
+        await SUBMIT(client, keys.submit_keys(keys.job_stream(job.replica)), [msgpack.packb([job.id if job.tracked else '', encode_job(job)], use_bin_type=False), job.reply])
         await client.xdel(keys.dlq, eid)
         requeued += 1
     return requeued, skipped

@@ -76,7 +76,7 @@ async def test_malformed_entries_are_dead_lettered(queue, make_producer, make_co
     for name, fields in raw.items():
         pipe = redis_client.pipeline(transaction=True)
         if name.startswith("bad-"):  # as submit.lua would: the id is known as queued
-            pipe.hset(k.ids, name, "q")
+            pipe.hset(k.ids, name, p.id)  # the owner: this producer
         pipe.xadd(k.jobs, fields)
         await pipe.execute()
     # the submitter holds handles for the two jobs it can be told about

@@ -9,7 +9,7 @@ import pytest
 
 import rollq.producer.client as client_mod
 from rollq.consumer.engine import EchoEngine
-from rollq.errors import JobCancelled, JobExpired, QueueFull
+from rollq.errors import JobCancelled, JobExpired, JobRejected, QueueFull
 from rollq.keys import GROUP, QueueKeys
 from rollq.protocol import unpack_i32
 from tests.helpers import bounded, collect, make_consumer, make_producer, until  # noqa: F401 (fixtures)
@@ -425,3 +425,16 @@ async def test_memory_does_not_grow_across_cycles(queue, fresh_redis):
         assert mem[2] <= mem[0] + 64 * 1024, f"used_memory after each cycle: {mem}"
     finally:
         await client.aclose()
+
+
+async def test_resubmitting_another_producers_id_does_not_hang(queue, make_producer, make_consumer):
+    a = await make_producer(queue)
+    b = await make_producer(queue)
+    ha = await a.submit("mine", id="shared-id", sampling={"max_tokens": 2})
+    hb = await b.submit("mine", id="shared-id", sampling={"max_tokens": 2})
+    assert hb.duplicate and not ha.duplicate
+    with pytest.raises(JobRejected, match=a.id):
+        await bounded(hb.result(), 2, "the foreign duplicate's handle")
+    await make_consumer.burst(make_consumer(queue))
+    r = await bounded(ha.result(), 5, "the owner's result")
+    assert r.ok and b.outstanding == 0

@@ -7,7 +7,9 @@
 -- If the queue has a staleness bound (config max_lag and batch), at most
 -- (max_lag + version + 1) * batch jobs are admitted in total (AReaL's rule): the rest are
 -- refused, all or nothing for this call.
--- Returns {skipped ids, refused (0/1), admission limit or -1, entry ids ('' where skipped)}.
+-- ARGV[2]: the submitting producer's id, recorded as the owner of caller-chosen ids.
+-- Returns {skipped ids, refused (0/1), admission limit or -1, entry ids ('' where skipped),
+-- owners of the skipped ids}.
 local A = cmsgpack.unpack(ARGV[1])
 local cfg = redis.call('HMGET', KEYS[4], 'max_lag', 'batch')
 local limit = -1
@@ -19,16 +21,17 @@ if cfg[1] and cfg[2] then
   for i = 1, #A, 2 do
     if A[i] == '' or redis.call('HEXISTS', KEYS[2], A[i]) == 0 then fresh = fresh + 1 end
   end
-  if admitted + fresh > limit then return {{}, 1, limit, {}} end
+  if admitted + fresh > limit then return {{}, 1, limit, {}, {}} end
 end
-local dup, eids = {}, {}
+local dup, eids, owners = {}, {}, {}
 local n = 0
 for i = 1, #A, 2 do
-  if A[i] == '' or redis.call('HSETNX', KEYS[2], A[i], 'q') == 1 then
+  if A[i] == '' or redis.call('HSETNX', KEYS[2], A[i], ARGV[2]) == 1 then
     eids[#eids + 1] = redis.call('XADD', KEYS[1], '*', 'd', A[i + 1])
     n = n + 1
   else
     dup[#dup + 1] = A[i]
+    owners[#owners + 1] = redis.call('HGET', KEYS[2], A[i])
     eids[#eids + 1] = ''
   end
 end
@@ -36,4 +39,4 @@ if n > 0 then
   redis.call('HINCRBY', KEYS[3], 'submitted', n)
   if limit >= 0 then redis.call('HINCRBY', KEYS[6], 'admitted', n) end
 end
-return {dup, 0, limit, eids}
+return {dup, 0, limit, eids, owners}

@@ -30,7 +30,7 @@ from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect
-from ..errors import InvalidJob, JobCancelled, QueueFull, StalenessBound, job_error
+from ..errors import InvalidJob, JobCancelled, JobRejected, QueueFull, StalenessBound, job_error
 from ..keys import GROUP, QueueKeys, check_name
 from ..protocol import (
     ErrorInfo,
@@ -275,20 +275,24 @@ class Producer:
             for i in range(0, len(args), step):
                 part = args[i : i + step]
                 # One msgpack argument per call: far cheaper to send than 2 arguments per job.
-                calls.append((keys, [msgpack.packb(part, use_bin_type=False)], len(part) // 2))
+                calls.append((keys, [msgpack.packb(part, use_bin_type=False), self.id], len(part) // 2))
                 call_jobs.append(order[stream][i // 2 : (i + step) // 2])
         dups: list[bytes] = []
+        foreign: dict[str, str] = {}  # duplicate ids queued by another producer -> its id
         sent = 0
         try:
             pending = list(zip(calls, call_jobs))
             while pending:
                 results = await self._run_scripts([c for c, _ in pending])
                 refused = []
-                for (call, cjobs), (skipped, was_refused, limit, eids) in zip(pending, results):
+                for (call, cjobs), (skipped, was_refused, limit, eids, owners) in zip(pending, results):
                     if was_refused:
                         refused.append((call, cjobs))
                     else:
                         dups.extend(skipped)
+                        for jid, owner in zip(skipped, owners):
+                            if owner is not None and owner.decode() != self.id:
+                                foreign[jid.decode()] = owner.decode()
                         sent += call[2]
                         stream = call[0][0]
                         for job, eid in zip(cjobs, eids):
@@ -321,6 +325,14 @@ class Producer:
                 self._futures[job.id] = fut
             elif dup:  # resubmitted while ours is still outstanding: do not double count
                 await self._release(1)
+            if dup and job.id in foreign and not fut.done():
+                # Queued by another producer: its result goes there, never here.
+                fut.set_result(Result(id=job.id, error=ErrorInfo(
+                    type=JobRejected.__name__,
+                    message=f"job id {job.id!r} is already queued or running for producer {foreign[job.id]!r}, "
+                            "which receives its result; this submission was a no-op",
+                )))
+                self._completed[job.id] = fut.result()
             handles.append(JobHandle(job.id, self, fut, duplicate=dup))
         self.counters["submitted"] += len(jobs) - len(dups)
         self.counters["duplicates"] += len(dups)
