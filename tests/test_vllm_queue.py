@@ -136,8 +136,10 @@ def test_ray_launcher_runs_a_vllm_replica(redis_url, queue, tiny_model_path):  #
 
         rs = asyncio.run(go())
         assert all(r.ok for r in rs) and {r.replica for r in rs} == {"replica-0"}
-        (info,) = launcher.info()
-        assert info["engine"] == "vllm" and info["completed"] >= 6
+        deadline = time.monotonic() + 30  # results reach the producer just before the count moves
+        while (info := launcher.info()[0])["completed"] < 6 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert info["engine"] == "vllm" and info["completed"] == 6
     finally:
         if launcher is not None:
             launcher.stop(timeout=60)

@@ -227,10 +227,12 @@ async def test_gloo_broadcast_updates_every_worker_of_every_replica(redis_url, q
 PEER = r"""
 import sys, msgspec, torch, os
 from rollq.weightsync.nccl import GroupInfo, make_group
-info = msgspec.msgpack.decode(bytes.fromhex(sys.argv[1]), type=GroupInfo)
-g = make_group(info, int(sys.argv[2]))
+print("ready", flush=True)
+line = sys.stdin.readline().split()  # imports done first: the group is offered only now
+info = msgspec.msgpack.decode(bytes.fromhex(line[0]), type=GroupInfo)
+g = make_group(info, int(line[1]))
 g.broadcast(torch.zeros(1, dtype=torch.uint8), info.timeout)
-buf = torch.empty(int(sys.argv[3]), dtype=torch.uint8)
+buf = torch.empty(int(sys.argv[1]), dtype=torch.uint8)
 g.broadcast(buf, info.timeout)   # the first bucket arrives...
 os._exit(9)                      # ...then the peer dies mid-broadcast
 """
@@ -245,23 +247,31 @@ async def test_peer_dying_mid_broadcast_times_out_and_falls_back_to_memmap(redis
     follower = WeightFollower(consumer, root=root, reconcile_interval=0.3, broadcast=True)
     await follower.start()
 
-    async def peer() -> subprocess.Popen:
-        while True:
-            raw = await pub._c()
-            d = await raw.hget(keys.weights_group, "d")
-            if d:
-                break
+    # The peer process starts (and imports torch) before the trainer opens its group.
+    proc = subprocess.Popen([sys.executable, "-c", PEER, "1024"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert (await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 120)).strip() == "ready"
+    except BaseException:
+        proc.kill()
+        raise
+
+    async def peer() -> None:
+        raw = await pub._c()
+        deadline = time.monotonic() + 60
+        while not (d := await raw.hget(keys.weights_group, "d")):
+            assert time.monotonic() < deadline, "the trainer never offered a group"
             await asyncio.sleep(0.02)
         rank = await raw.hincrby(keys.weights_group, "next_rank", 1) - 1
-        return subprocess.Popen([sys.executable, "-c", PEER, d.hex(), str(rank), "1024"])
+        proc.stdin.write(f"{d.hex()} {rank}\n")
+        proc.stdin.flush()
 
-    peer_task = asyncio.create_task(peer())
-    t0 = time.monotonic()
-    rec = await pub.publish_weights(state(9.0), transport="nccl")
-    elapsed = time.monotonic() - t0
-    proc = await peer_task
     try:
-        assert proc.wait(20) == 9  # it joined, took the first bucket, and died
+        peer_task = asyncio.create_task(peer())
+        t0 = time.monotonic()
+        rec = await asyncio.wait_for(pub.publish_weights(state(9.0), transport="nccl"), 180)
+        elapsed = time.monotonic() - t0
+        await asyncio.wait_for(peer_task, 10)
+        assert await asyncio.to_thread(proc.wait, 30) == 9  # it joined, took the first bucket, and died
     finally:
         proc.kill()
     assert rec.transport == "memmap" and rec.timings.get("nccl_failed") == 1.0
