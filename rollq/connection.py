@@ -8,11 +8,16 @@ from importlib import resources
 from typing import Any, Sequence
 
 import redis.asyncio as aredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .settings import RedisSettings
 
 Client = Any  # redis.asyncio.Redis | redis.asyncio.RedisCluster
+
+#: Errors that mean "Redis is unreachable for now": callers back off and retry.
+RETRYABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Client:
@@ -24,8 +29,6 @@ def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Cl
         settings = RedisSettings.from_url(settings)
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
 
     kw: dict[str, Any] = dict(
         # A pooled connection that a Redis restart closed fails on first use: retry on a fresh

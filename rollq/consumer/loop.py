@@ -35,11 +35,10 @@ from typing import Any, Callable
 
 import msgpack
 import msgspec
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..connection import DROP_EMPTY, FINISH, RECLAIM, Client, connect, load_scripts
+from ..connection import RETRYABLE as _RETRYABLE
 from ..errors import (
     DeadLettered,
     EngineDead,
@@ -68,7 +67,6 @@ from .engine import Engine, EngineOutput
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 _FIELD = FIELD.encode()
 
 #: Latency histogram bucket upper bounds, milliseconds (last bucket: +inf).

@@ -25,11 +25,10 @@ from collections import Counter, OrderedDict
 from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 
 import msgpack
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect
+from ..connection import RETRYABLE as _RETRYABLE
 from ..errors import InvalidJob, JobCancelled, JobRejected, QueueFull, StalenessBound, job_error
 from ..keys import GROUP, QueueKeys, check_name
 from ..protocol import (
@@ -44,7 +43,6 @@ from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
 
 log = logging.getLogger(__name__)
 
-_RETRYABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 #: Seconds a cancellation mark lives (longer than any job should wait or run).
 CANCEL_MARK_TTL = 24 * 3600
 

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..connection import RETRYABLE
 from ..errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
 from .versions import VersionRecord, read_version
 
@@ -114,11 +115,7 @@ class WeightFollower:
             try:
                 await self.reconcile()
                 return
-            except (OSError, ConnectionError) as e:
-                log.warning("cannot read the version record (%s); retrying", e)
-            except Exception as e:
-                if "Connection" not in type(e).__name__:
-                    raise
+            except RETRYABLE as e:
                 log.warning("cannot read the version record (%s); retrying", e)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)

@@ -26,6 +26,7 @@ same version; receivers that staged nothing load that memmap copy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import threading
@@ -141,13 +142,12 @@ class Group:
         return work
 
     def abort(self) -> None:
-        for target in (self.pg,):
-            fn = getattr(target, "abort", None) or getattr(target, "shutdown", None)
-            if fn is not None:
-                try:
-                    fn()
-                except Exception:
-                    pass
+        fn = getattr(self.pg, "abort", None) or getattr(self.pg, "shutdown", None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:
+                pass
 
 
 def make_group(info: GroupInfo, rank: int, device: torch.device | None = None) -> Group:
@@ -378,14 +378,6 @@ class BroadcastSender:
 _ack_clients: dict[str, Any] = {}
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
-
-
 # ----------------------------------------------------------------------------------------
 # worker side (inside each vLLM worker, driven by RollqWorkerExtension)
 # ----------------------------------------------------------------------------------------
@@ -434,7 +426,7 @@ class WorkerReceiver:
                 self.flat = torch.empty(layout.total, dtype=torch.uint8, device=self.device)
             cuda = self.device.type == "cuda"
             stream = torch.cuda.Stream(self.device) if cuda else None  # off the engine's stream
-            with torch.cuda.stream(stream) if cuda else _null():
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                 if offer.mode == "direct":
                     for m, off in zip(offer.manifest, layout.offsets):
                         self.pg.broadcast(self.flat[off : off + m.nbytes], offer.timeout)
