@@ -308,16 +308,26 @@ async def engine_main(a: argparse.Namespace) -> None:
                                        f"(at {consumer.version}, failures {follower.failures})")
                 await asyncio.sleep(0.0005)
 
+        async def step_gaps(m0: float) -> dict:
+            """Engine steps seen from just before the update until just after it: the largest
+            gap is how long generation actually stood still (measured, not inferred)."""
+            await asyncio.sleep(0.3)
+            gaps = sorted(engine.step_gaps(m0))
+            if not gaps:
+                return {"max_step_gap_s": None, "median_step_s": None, "steps": 0}
+            return {"max_step_gap_s": gaps[-1], "median_step_s": gaps[len(gaps) // 2], "steps": len(gaps)}
+
         if "sync" in phases:
             try:
                 rows = []
                 for i in range(a.sync_reps + 1):
                     running = await wait_running()
+                    m0 = time.monotonic()
                     r = await asyncio.to_thread(call, op="publish", transport="nccl")
                     t_served, st = await wait_version(r["version"])
                     row = {"version": r["version"], "transport": r["transport"], "running_at_start": running,
                            "end_to_end_s": t_served - r["t0"], "trainer_publish_s": r["t1"] - r["t0"],
-                           "paused_s": st.pause_s, "swap": st.load, "trainer": r["timings"]}
+                           "paused_s": st.pause_s, "swap": st.load, "trainer": r["timings"], **(await step_gaps(m0))}
                     log("sync", row)
                     if i > 0:  # the first forms the group
                         rows.append(row)
@@ -344,6 +354,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                 rows = []
                 for i in range(a.sync_reps + 1):
                     running = await wait_running()
+                    m0 = time.monotonic()
                     t0 = time.time()
                     consumer.intake_gate.clear()
                     await engine.llm.pause_generation(mode="keep", clear_cache=False)
@@ -358,7 +369,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                     t3 = time.time()
                     consumer.intake_gate.set()
                     row = {"running_at_start": running, "pause_s": t1 - t0, "update_s": t2 - t1, "resume_s": t3 - t2,
-                           "generation_stopped_s": t3 - t0}
+                           "generation_stopped_s": t3 - t0, **(await step_gaps(m0))}
                     log("native", row)
                     if i > 0:
                         rows.append(row)
@@ -370,17 +381,21 @@ async def engine_main(a: argparse.Namespace) -> None:
         if "memmap" in phases:
             try:
                 rows = []
-                for i in range(a.sync_reps + 1):
+                for i in range(a.memmap_reps):
                     await wait_running()
+                    m0 = time.monotonic()
                     r = await asyncio.to_thread(call, op="publish", transport="memmap")
                     t_served, st = await wait_version(r["version"])
                     nb = r.get("nbytes") or 15.2e9
                     row = {"version": r["version"], "write_s": r["timings"].get("write_s"), "checksum_s": r["timings"].get("checksum_s"),
-                           "publish_s": r["t1"] - r["t0"], "load": st.load, "paused_s": st.pause_s, "end_to_end_s": t_served - r["t0"]}
-                    row["gb_per_s_publish_plus_load"] = nb / 1e9 / row["end_to_end_s"]  # was bytes/s
+                           "pinned_write": r["timings"].get("pinned"), "publish_s": r["t1"] - r["t0"], "load": st.load,
+                           "paused_s": st.pause_s, "end_to_end_s": t_served - r["t0"], **(await step_gaps(m0))}
+                    row["gb_per_s_publish_plus_load"] = nb / 1e9 / row["end_to_end_s"]
+                    # The first use of each slot (keep=2) creates its files, the second maps and
+                    # page-locks them once per process; steady state starts at the fifth update.
+                    row["steady"] = i >= 4
                     log("memmap", row)
-                    if i > 0 or a.sync_reps == 0:
-                        rows.append(row)
+                    rows.append(row)
                 out["phases"]["memmap"] = {"reps": rows}
             except Exception as e:
                 out["phases"]["memmap"] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
@@ -408,22 +423,26 @@ def render(out: dict) -> str:
                   f"| ratio | {o['ratio']:.3f} |", ""]
 
     def med(rows: list, key: str) -> float:
-        v = sorted(r[key] for r in rows)
-        return v[len(v) // 2]
+        v = sorted(r[key] for r in rows if r.get(key) is not None)
+        return v[len(v) // 2] if v else float("nan")
 
     if "sync" in ph and ph["sync"].get("reps"):
         r = ph["sync"]["reps"]
         lines += [f"rollq NCCL update under load: end to end {med(r, 'end_to_end_s') * 1000:.0f} ms, "
-                  f"generation stopped {med(r, 'paused_s') * 1000:.0f} ms (median of {len(r)})", ""]
+                  f"swap call {med(r, 'paused_s') * 1000:.0f} ms, longest gap between engine steps "
+                  f"{med(r, 'max_step_gap_s') * 1000:.0f} ms (median step {med(r, 'median_step_s') * 1000:.0f} ms; "
+                  f"median of {len(r)})", ""]
     if "native" in ph and ph["native"].get("reps"):
         r = ph["native"]["reps"]
         lines += [f"vLLM native packed update under load: pause {med(r, 'pause_s') * 1000:.0f} ms + update "
                   f"{med(r, 'update_s') * 1000:.0f} ms + resume {med(r, 'resume_s') * 1000:.0f} ms = generation stopped "
-                  f"{med(r, 'generation_stopped_s') * 1000:.0f} ms", ""]
+                  f"{med(r, 'generation_stopped_s') * 1000:.0f} ms, longest gap between engine steps "
+                  f"{med(r, 'max_step_gap_s') * 1000:.0f} ms", ""]
     if "memmap" in ph and ph["memmap"].get("reps"):
-        r = ph["memmap"]["reps"]
-        lines += [f"memmap via /dev/shm: publish + load {med(r, 'end_to_end_s'):.2f} s = "
-                  f"{med(r, 'gb_per_s_publish_plus_load'):.1f} GB/s", ""]
+        r = [x for x in ph["memmap"]["reps"] if x.get("steady")] or ph["memmap"]["reps"]
+        lines += [f"memmap via /dev/shm (steady state, {len(r)} updates): publish + load {med(r, 'end_to_end_s'):.2f} s = "
+                  f"{med(r, 'gb_per_s_publish_plus_load'):.1f} GB/s, write {med(r, 'write_s'):.2f} s, "
+                  f"longest gap between engine steps {med(r, 'max_step_gap_s') * 1000:.0f} ms", ""]
     for k, v in ph.items():
         if "error" in v:
             lines.append(f"{k}: ERROR {v['error']}")
@@ -436,6 +455,7 @@ def main() -> None:
     ap.add_argument("--phases", default="overhead,sync,native,memmap")
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--sync-reps", type=int, default=3)
+    ap.add_argument("--memmap-reps", type=int, default=6)
     ap.add_argument("--gpu-mem", type=float, default=0.55)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=256)

@@ -202,9 +202,9 @@ async def test_staleness_admission_is_atomic_and_follows_versions(redis_url, que
 
 
 # -- broadcast (gloo here, NCCL on GPUs) -------------------------------------------------
-@pytest.mark.parametrize("mode", ["packed", "direct"])
-async def test_gloo_broadcast_updates_every_worker_of_every_replica(redis_url, queue, root, mode):
-    sender = BroadcastSender(num_workers=3, backend="gloo", timeout=20, bucket_bytes=2048, mode=mode)
+@pytest.mark.parametrize("mode,verify", [("packed", True), ("direct", False)])
+async def test_gloo_broadcast_updates_every_worker_of_every_replica(redis_url, queue, root, mode, verify):
+    sender = BroadcastSender(num_workers=3, backend="gloo", timeout=20, bucket_bytes=2048, mode=mode, verify=verify)
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
     engines = [FakeWorkerEngine(small_model, num_workers=2), FakeWorkerEngine(small_model, num_workers=1)]
     consumers = [Consumer(e, redis_url, queue) for e in engines]
@@ -239,6 +239,11 @@ os._exit(9)                      # ...then the peer dies mid-broadcast
 
 
 async def test_peer_dying_mid_broadcast_times_out_and_falls_back_to_memmap(redis_url, queue, root):
+    async with asyncio.timeout(200):  # every step below is bounded; this bounds them all
+        await _peer_dies_mid_broadcast(redis_url, queue, root)
+
+
+async def _peer_dies_mid_broadcast(redis_url: str, queue: str, root: str) -> None:
     keys = QueueKeys(queue)
     sender = BroadcastSender(num_workers=2, backend="gloo", timeout=15, bucket_bytes=1024)
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)

@@ -40,6 +40,7 @@ Load signals come from vLLM's own per-step statistics through a small stat logge
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import gc
@@ -206,6 +207,9 @@ class _StatsSink:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.updated = 0.0  # time.monotonic() of the last scheduler update
+        #: time.monotonic() of recent engine steps (outputs reaching this process): the gaps
+        #: show how long generation stood still, e.g. during a weight swap.
+        self.step_times: collections.deque[float] = collections.deque(maxlen=8192)
 
     def record(self, engine_idx: int, sched: Any, it: Any) -> None:
         if sched is not None:
@@ -220,6 +224,7 @@ class _StatsSink:
                 self.prefix_hits += getattr(pcs, "hits", 0)
             self.updated = time.monotonic()
         if it is not None:
+            self.step_times.append(time.monotonic())
             self.generated_tokens += getattr(it, "num_generation_tokens", 0)
             self.prompt_tokens += getattr(it, "num_prompt_tokens", 0)
             self.preemptions += getattr(it, "num_preempted_reqs", 0)
@@ -604,6 +609,12 @@ class VllmEngine(Engine):
             },
         )
 
+    def step_gaps(self, since: float, until: float | None = None) -> list[float]:
+        """Seconds between consecutive engine steps seen in ``[since, until]`` (``time.monotonic``
+        clock); the largest is how long generation stood still in that window."""
+        ts = [t for t in self._sink.step_times if t >= since and (until is None or t <= until)]
+        return [b - a for a, b in zip(ts, ts[1:])]
+
     def capacity_hint(self) -> int | None:
         """vLLM's ``max_num_seqs``: how many sequences it schedules at once (None before start)."""
         llm = self._llm
@@ -654,13 +665,16 @@ class VllmEngine(Engine):
             ok = await llm.reset_prefix_cache()
         ok = True if ok is None else bool(ok)
         if not ok:
-            self._salt_generation += 1
-            self.cache_salt = f"rollq-prefix-{self._salt_generation}"
-            logger.info(
-                "vLLM kept its prefix cache (requests hold KV blocks); new requests use cache_salt %r",
-                self.cache_salt,
-            )
+            self.new_cache_salt()
+            logger.info("vLLM kept its prefix cache (requests hold KV blocks); new requests use cache_salt %r", self.cache_salt)
         return ok
+
+    def new_cache_salt(self) -> str:
+        """Give every later request a fresh :attr:`cache_salt`: no prefix cached before this
+        call is reused (the old blocks age out of vLLM's cache). No engine call involved."""
+        self._salt_generation += 1
+        self.cache_salt = f"rollq-prefix-{self._salt_generation}"
+        return self.cache_salt
 
     async def call_workers(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """:meth:`Engine.call_workers`: ``method(*args)`` in every vLLM worker (a method of

@@ -9,9 +9,13 @@ missed message costs at most that long. Older or equal versions are ignored.
 
 Applying a version follows the queue's update policy (``config`` hash, ``update_policy``):
 
-- ``keep``: close rollq's intake, ``pause(keep)`` the engine (in-flight requests stay), load,
-  reset the prefix cache, resume; those requests finish on the new weights and their results
-  carry the span ``(version_start, version_end)``.
+- ``keep``: close rollq's intake, swap the new weights in while in-flight requests stay,
+  salt the prefix cache, reopen; those requests finish on the new weights and their results
+  carry the span ``(version_start, version_end)``. The version is read, copied to the device
+  (and verified) while the engine keeps serving; the swap is one ``collective_rpc``, which
+  vLLM's engine core runs between two scheduler steps, so no step mixes versions and
+  generation stops only for the swap itself. vLLM's ``pause_generation(keep)`` is not
+  needed for that and costs tens of milliseconds under load, so it is not used.
 - ``abort``: close intake, abort in-flight requests, load, then run them again from scratch
   on the new weights (they stay leased to this replica: nothing is lost or duplicated).
 - ``drain``: close intake, let in-flight requests finish on the old weights, load, reopen.
@@ -159,7 +163,7 @@ class WeightFollower:
         t0 = time.perf_counter()
         staged = None
         if self.receiver is not None and rec.transport == "nccl":
-            staged = self.receiver.staged_for(rec)  # received while serving; only the swap is left
+            staged = await self.receiver.staged_for(rec)  # received while serving; only the swap is left
             if staged is None and rec.memmap_slot is None:
                 # Committed before this replica acked (it joined late, or the trainer moved on):
                 # wait briefly for a memmap copy rather than failing.
@@ -177,11 +181,15 @@ class WeightFollower:
                 load = await self._load(rec, staged)
                 self._set_version(rec.version)
                 await self.engine.reset_prefix_cache()
+            elif policy == "keep":
+                t_pause = time.perf_counter()  # generation stops for at most this long
+                load = await self._load(rec, staged)
+                self._set_version(rec.version)
+                self._salt_prefix_cache()
             else:
-                if policy == "abort":
-                    aborted = c.abort_running()
+                aborted = c.abort_running()
                 t_pause = time.perf_counter()
-                await self.engine.pause("keep" if policy == "keep" else "abort")
+                await self.engine.pause("abort")
                 try:
                     load = await self._load(rec, staged)
                     self._set_version(rec.version)
@@ -207,6 +215,13 @@ class WeightFollower:
         )
         return st
 
+    def _salt_prefix_cache(self) -> None:
+        """New requests must not reuse prefixes cached under the old weights. Requests are
+        running (``keep``), so vLLM would refuse to drop its cache: use a fresh cache salt."""
+        salt = getattr(self.engine, "new_cache_salt", None)
+        if salt is not None:
+            salt()
+
     def _set_version(self, v: int) -> None:
         self.consumer.version = v
         self.consumer.release_held()
@@ -217,22 +232,29 @@ class WeightFollower:
             await asyncio.sleep(0.01)
 
     async def _stage_memmap(self, rec: VersionRecord) -> Any:
-        try:
-            res = await asyncio.wait_for(
-                self.engine.call_workers("rollq_stage_memmap", self.root, rec.memmap_slot, rec.version, rec.checksum),
-                self.load_timeout,
-            )
-        except asyncio.TimeoutError as e:
-            raise WeightSyncTimeout(f"staging version {rec.version} took longer than {self.load_timeout}s (load_timeout)") from e
-        except Exception as e:
-            from .worker_ext import CORRUPT_TAG
-
-            if isinstance(e, CorruptWeights) or CORRUPT_TAG in str(e):
-                raise CorruptWeights(f"version {rec.version} refused: {e}") from e
-            raise
-        if not res:  # an engine without weights (echo): nothing to stage
+        """Have every worker stage ``rec`` in a thread of its own, polling until all did."""
+        started = await asyncio.wait_for(
+            self.engine.call_workers("rollq_stage_memmap", self.root, rec.memmap_slot, rec.version, rec.checksum),
+            self.load_timeout,
+        )
+        if not started:  # an engine without weights (echo): nothing to stage
             return None
-        return ("memmap", rec.version, res[0])
+        deadline = time.monotonic() + self.load_timeout
+        delay = 0.005
+        while True:
+            states = await self.engine.call_workers("rollq_staged_status")
+            if all(s.get("state") == "staged" and s.get("version") == rec.version for s in states):
+                return ("memmap", rec.version, {k: v for k, v in states[0].items() if k not in ("state", "version")})
+            bad = [s for s in states if s.get("state") == "failed" or (s.get("version") not in (None, rec.version))]
+            if bad:
+                msg = "; ".join(str(s.get("error", s)) for s in bad)
+                if any(s.get("corrupt") for s in bad):
+                    raise CorruptWeights(f"version {rec.version} refused: {msg}")
+                raise WeightSyncError(f"staging version {rec.version} failed: {msg}")
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(f"staging version {rec.version} took longer than {self.load_timeout}s (load_timeout)")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     async def _load(self, rec: VersionRecord, staged: Any) -> dict[str, Any]:
         if isinstance(staged, tuple) and staged[0] == "memmap":

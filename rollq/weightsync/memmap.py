@@ -21,6 +21,7 @@ half-written or concurrently rewritten slot is refused with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -50,6 +51,7 @@ class SlotInfo:
     nbytes: int
     write_s: float
     checksum_s: float
+    pinned: bool = False  # written through page-locked mappings (GPU -> file pages directly)
 
 
 def named_tensors(state: Mapping[str, torch.Tensor] | torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -77,6 +79,8 @@ class MemmapStore:
         self.keep = keep
         self.num_threads = num_threads
         self.root.mkdir(parents=True, exist_ok=True)
+        #: Layout this store last wrote into each slot (enables in-place pinned writes).
+        self._layouts: dict[str, list[TensorMeta]] = {}
 
     # -- paths -------------------------------------------------------------------------
     def slot_for(self, version: int) -> str:
@@ -108,9 +112,9 @@ class MemmapStore:
         t0 = time.perf_counter()
         (d / COMMIT).unlink(missing_ok=True)  # readers now refuse this slot
         manifest = manifest_of(items)
-        src = TensorDict(dict(items), batch_size=[])
-        reused = False
-        if (d / "meta.json").exists():
+        reused = pinned = self._write_pinned(d, slot, items, manifest)
+        src = TensorDict(dict(items), batch_size=[]) if not pinned else None
+        if not pinned and (d / "meta.json").exists():
             try:
                 dst = TensorDict.load_memmap(d)
                 if sorted(dst.keys()) == sorted(n for n, _ in items) and all(
@@ -126,6 +130,7 @@ class MemmapStore:
         if not reused:
             shutil.rmtree(d, ignore_errors=True)
             src.memmap(prefix=d, num_threads=self.num_threads)
+        self._layouts[slot] = manifest
         write_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         checksum = state_checksum(items)
@@ -141,14 +146,39 @@ class MemmapStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, d / COMMIT)
-        log.info("wrote version %d to %s (%.1f MB, %.3fs, reused=%s)", version, d, nbytes / 1e6, write_s, reused)
-        return SlotInfo(slot, version, checksum, manifest, nbytes, write_s, checksum_s)
+        log.info("wrote version %d to %s (%.1f MB, %.3fs, reused=%s, pinned=%s)", version, d, nbytes / 1e6, write_s, reused, pinned)
+        return SlotInfo(slot, version, checksum, manifest, nbytes, write_s, checksum_s, pinned)
+
+    def _write_pinned(self, d: Path, slot: str, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta]) -> bool:
+        """GPU tensors into the slot's existing files through their page-locked mappings
+        (the copy engines write the file pages directly). Only when this store wrote the same
+        layout into the slot before; False means "use the TensorDict path"."""
+        from . import pinned
+
+        if not items or self._layouts.get(slot) != manifest or not pinned.available():
+            return False
+        if not all(t.device.type == "cuda" for _, t in items):
+            return False
+        views = []
+        for (name, _), m in zip(items, manifest):
+            p = d / f"{name}.memmap"
+            if not p.is_file() or p.stat().st_size != m.nbytes:
+                return False
+            v = pinned.pinned_file(p) if m.nbytes else torch.empty(0, dtype=torch.uint8)
+            if v is None:
+                return False
+            views.append((str(p), v))
+        for (_, t), (_, v) in zip(items, views):
+            t = t.detach()
+            if v.numel():
+                v.copy_((t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8), non_blocking=True)
+        for dev in {t.device for _, t in items}:
+            torch.cuda.synchronize(dev)
+        pinned.flush([p for p, _ in views])
+        return True
 
     # -- read --------------------------------------------------------------------------
-    def read(self, slot: str, *, version: int, checksum: str, verify: bool = True) -> list[tuple[str, torch.Tensor]]:
-        """Load a committed slot (memory-mapped tensors), refusing anything but ``version``."""
-        from tensordict import TensorDict
-
+    def _committed(self, slot: str, version: int, checksum: str) -> tuple[Path, dict]:
         d = self.path(slot)
         m = self.marker(slot)
         if m is None:
@@ -157,6 +187,49 @@ class MemmapStore:
             raise CorruptWeights(
                 f"{d} holds version {m.get('version')} (checksum {m.get('checksum')}), not version {version} ({checksum})"
             )
+        return d, m
+
+    def read_to_device(
+        self, slot: str, *, version: int, checksum: str, device: torch.device, stream: torch.cuda.Stream | None = None
+    ) -> list[tuple[str, torch.Tensor]] | None:
+        """Copy a committed slot straight into new tensors on ``device`` through page-locked
+        mappings of its files, then verify on the device. Copies are enqueued on ``stream``
+        (default: the current one); this returns after they finished and were verified.
+        None when the files cannot be registered (use :meth:`read` and copy instead)."""
+        from . import pinned
+
+        d, m = self._committed(slot, version, checksum)
+        if not pinned.available() or device.type != "cuda":
+            return None
+        srcs = []
+        for name, dtype, shape in m["manifest"]:
+            p = d / f"{name}.memmap"
+            nbytes = TensorMeta(name, dtype, shape).nbytes
+            if not p.is_file() or p.stat().st_size < nbytes:
+                raise CorruptWeights(f"{d}: file of {name} is missing or shorter than its {nbytes} bytes")
+            v = pinned.pinned_file(p) if nbytes else torch.empty(0, dtype=torch.uint8)
+            if v is None:
+                return None
+            srcs.append((name, getattr(torch, dtype), shape, v[:nbytes]))
+        items = []
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for name, dt, shape, v in srcs:
+                dst = torch.empty(shape, dtype=dt, device=device)
+                if v.numel():
+                    dst.view(-1).view(torch.uint8).copy_(v, non_blocking=True)
+                items.append((name, dst))
+            got = state_checksum(items)  # on the same stream, after the copies: one host sync
+        if got != checksum:
+            raise CorruptWeights(f"{d}: checksum {got} of the copy on {device} does not match the committed {checksum}")
+        if self.marker(slot) != m:
+            raise CorruptWeights(f"{d} was rewritten while it was being read")
+        return items
+
+    def read(self, slot: str, *, version: int, checksum: str, verify: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """Load a committed slot (memory-mapped tensors), refusing anything but ``version``."""
+        from tensordict import TensorDict
+
+        d, m = self._committed(slot, version, checksum)
         try:
             td = TensorDict.load_memmap(d)
         except Exception as e:

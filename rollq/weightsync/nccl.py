@@ -7,16 +7,23 @@ disturbs the trainer's own groups.
 
 Protocol of one update (one control message, never one RPC per tensor):
 
-1. The trainer writes the *offer* (version, tensor manifest, checksum, bucket size) to Redis
+1. The trainer writes the *offer* (version, tensor manifest, optional checksum, mode) to Redis
    and announces it (``woffer <v>``).
-2. Each replica tells its workers once (``collective_rpc("rollq_receive", ...)``); each worker
-   starts a background thread that receives the buckets straight into a persistent flat
-   staging buffer (tensors are views into it: no unpacking copy), verifies the checksum and
-   reports. The engine keeps generating meanwhile.
-3. The trainer packs tensors into buckets (``bucket_bytes``, two buffers so packing overlaps
-   the previous broadcast) and broadcasts them, then waits for every replica's ack.
-4. All acked: the version is committed (durable record, pub/sub). Each replica then pauses
-   only to swap the staged tensors in (``rollq_apply_staged``) and resumes.
+2. Every worker that joined the group listens for offers itself (a thread in the worker
+   process with its own Redis connection: no engine RPC, which would queue behind generation
+   steps) and receives the tensors straight into a persistent flat staging buffer (tensors
+   are views into it: no unpacking copy), on its own CUDA stream, while the engine keeps
+   generating; then it writes its ack (``ok`` or the error) into the offer's ack hash.
+3. The trainer broadcasts (one broadcast per tensor on NCCL, packed buckets on gloo), then
+   waits for every worker's ack.
+4. All acked: the version is committed (durable record, pub/sub). Each replica then swaps the
+   staged tensors in with one ``collective_rpc`` (``rollq_apply_staged``), which vLLM runs
+   between two engine steps.
+
+Verification: with ``verify=True`` both sides compute the device-side checksum of the
+tensors and the receivers refuse a mismatch. It is off by default for broadcasts (NCCL and
+gloo deliver what was sent, and the checksum adds two full passes over the weights to the
+update); storage (memmap) is always verified.
 
 Every phase has a timeout (group formation, each broadcast, the acks). On a failure the trainer
 drops the group (rebuilt on the next update) and the publisher falls back to memmap for the
@@ -92,6 +99,7 @@ class Offer(msgspec.Struct, kw_only=True):
 
     version: int
     group: str
+    #: state_checksum of the tensors; "" when the sender does not verify.
     checksum: str
     bucket_bytes: int
     manifest: list[TensorMeta]
@@ -99,6 +107,20 @@ class Offer(msgspec.Struct, kw_only=True):
     mode: str = "packed"
     #: Hash receivers write their ack into, as ``replica/worker -> ok | error: ...``.
     acks: str = ""
+
+    @property
+    def verify(self) -> bool:
+        return bool(self.checksum)
+
+
+class Listen(msgspec.Struct, kw_only=True):
+    """Where a worker listens for offers and writes its ack (given when it joins)."""
+
+    url: str  # Redis URL (a ``redis+cluster://`` URL goes through the cluster client)
+    channel: str  # the queue's control channel (``woffer <v>`` hints)
+    offer_key: str  # hash holding the current offer
+    field: str  # this worker's ack field, ``replica/rank-in-replica``
+    poll: float = 1.0  # seconds between checks of the offer record (pub/sub is only a hint)
 
 
 class GroupInfo(msgspec.Struct, kw_only=True):
@@ -141,13 +163,49 @@ class Group:
             raise WeightSyncTimeout(f"broadcast of {buf.numel()} bytes did not finish within {timeout}s (timeout)")
         return work
 
-    def abort(self) -> None:
+    def abort(self, timeout: float = 10.0) -> None:
+        """Abort the group's communicators (unblocks peers stuck in a collective), at most
+        ``timeout`` seconds: it runs in a daemon thread, so it can never hang the caller."""
         fn = getattr(self.pg, "abort", None) or getattr(self.pg, "shutdown", None)
         if fn is not None:
-            try:
-                fn()
-            except Exception:
-                pass
+            t = threading.Thread(target=_quiet, args=(fn,), daemon=True, name="rollq-group-abort")
+            t.start()
+            t.join(timeout)
+
+
+def _quiet(fn: Any) -> None:
+    try:
+        fn()
+    except Exception as e:
+        log.debug("aborting a weight broadcast group: %s", e)
+
+
+def in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future:
+    """Run ``fn(*args)`` in a daemon thread; an awaitable of its result.
+
+    Unlike ``asyncio.to_thread`` the thread is not in the loop's executor, so a call stuck
+    inside a collective (bounded by our own timeouts, but a native call may still block)
+    can never hold up the event loop's shutdown.
+    """
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future = loop.create_future()
+
+    def done(ok: bool, value: Any) -> None:
+        if not fut.done():
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def run() -> None:
+        try:
+            r = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            with contextlib.suppress(RuntimeError):  # loop closed: nobody is waiting
+                loop.call_soon_threadsafe(done, False, e)
+        else:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(done, True, r)
+
+    threading.Thread(target=run, daemon=True, name="rollq-broadcast").start()
+    return fut
 
 
 def make_group(info: GroupInfo, rank: int, device: torch.device | None = None) -> Group:
@@ -195,6 +253,7 @@ class BroadcastSender:
         host: address replicas connect to (this machine's, reachable from them).
         bucket_bytes: bytes per broadcast (two buffers of it are allocated).
         timeout: seconds for group formation, each broadcast and the acks.
+        verify: checksum the tensors on both sides (two extra passes over the weights).
     """
 
     def __init__(
@@ -208,11 +267,13 @@ class BroadcastSender:
         timeout: float = 60.0,
         device: str | torch.device | None = None,
         mode: str | None = None,
+        verify: bool = False,
     ):
         if backend not in ("nccl", "gloo"):
             raise ValueError("backend must be 'nccl' or 'gloo'")
         #: ``direct`` on NCCL (no packing copy), ``packed`` on gloo; see :class:`Offer`.
         self.mode = mode or ("direct" if backend == "nccl" else "packed")
+        self.verify = verify
         self.num_workers = num_workers
         self.backend = backend
         self.host = host
@@ -237,7 +298,7 @@ class BroadcastSender:
         await client.hset(keys.weights_group, mapping={"d": msgspec.msgpack.encode(info), "next_rank": 1})
         await client.publish(keys.control, f"wgroup {info.id}")
         try:
-            self.pg = await asyncio.wait_for(asyncio.to_thread(self._form, info), self.timeout + 5)
+            self.pg = await asyncio.wait_for(in_daemon_thread(self._form, info), self.timeout + 5)
         except (asyncio.TimeoutError, RuntimeError) as e:
             await client.delete(keys.weights_group)
             raise WeightSyncTimeout(
@@ -264,19 +325,21 @@ class BroadcastSender:
 
         t0 = time.perf_counter()
         manifest = manifest_of(items)
-        checksum = state_checksum(items)
+        checksum = state_checksum(items) if self.verify else ""
         t_ck = time.perf_counter() - t0
         acks_key = keys.weights_acks(version)
         offer = Offer(
             version=version, group=self.info.id, checksum=checksum, bucket_bytes=self.bucket_bytes,
             manifest=manifest, timeout=self.timeout, mode=self.mode, acks=acks_key,
         )
-        await client.delete(acks_key)
-        await client.hset(keys.weights_offer, mapping={"v": version, "d": msgspec.msgpack.encode(offer)})
-        await client.publish(keys.control, f"woffer {version}")
+        pipe = client.pipeline(transaction=False)
+        pipe.delete(acks_key)
+        pipe.hset(keys.weights_offer, mapping={"v": version, "d": msgspec.msgpack.encode(offer)})
+        pipe.publish(keys.control, f"woffer {version}")
+        await pipe.execute()
         t1 = time.perf_counter()
         send = self._broadcast_direct if self.mode == "direct" else self._broadcast_all
-        await asyncio.wait_for(asyncio.to_thread(send, items, manifest), self.timeout * 4)
+        await asyncio.wait_for(in_daemon_thread(send, items, manifest), self.timeout * 4)
         t2 = time.perf_counter()
         acks = await self._wait_acks(client, acks_key, version)
         t3 = time.perf_counter()
@@ -362,27 +425,42 @@ class BroadcastSender:
                 raise WeightSyncTimeout(
                     f"only {len(acks)}/{want} workers acknowledged version {version} within {self.timeout}s (timeout)"
                 )
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.001)
 
     async def reset(self) -> None:
         """Drop the group (after a failure); the next send forms a new one."""
         pg, self.pg, self.info = self.pg, None, None
         if pg is not None:
-            pg.abort()
+            await in_daemon_thread(pg.abort)
 
     def close(self) -> None:
         self.pg = None
         self._bufs = []
 
 
-_ack_clients: dict[str, Any] = {}
+def sync_client(url: str) -> Any:
+    """A blocking redis-py client for ``url`` (cluster URLs through the cluster client)."""
+    from ..settings import RedisSettings
+
+    st = RedisSettings.from_url(url)
+    if st.cluster:
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url(st.url)
+    import redis
+
+    return redis.Redis.from_url(st.url)
 
 
 # ----------------------------------------------------------------------------------------
 # worker side (inside each vLLM worker, driven by RollqWorkerExtension)
 # ----------------------------------------------------------------------------------------
 class WorkerReceiver:
-    """Joins the trainer's group and receives versions into a persistent staging buffer."""
+    """Joins the trainer's group and receives versions into a persistent staging buffer.
+
+    :meth:`listen` starts a thread that follows the offer record itself (pub/sub hint plus a
+    periodic check) and receives each new offer of this group once, while the engine serves.
+    """
 
     def __init__(self, info: GroupInfo, rank: int, device: torch.device):
         self.info, self.rank, self.device = info, rank, device
@@ -391,41 +469,80 @@ class WorkerReceiver:
         self.flat: torch.Tensor | None = None
         self.staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
         self.status: dict[str, Any] = {"state": "idle"}
+        self.attempted = 0  # newest offered version this receiver took part in (or skipped)
+        #: Held while receiving into, or swapping from, the staging buffer.
+        self.lock = threading.Lock()
+        self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start_receive(self, offer: Offer, ack: tuple[str, str] | None = None) -> None:
-        """Receive ``offer`` in a background thread; then, if ``ack`` = (redis URL, field) is
-        given, write ``ok`` or the error into the offer's ack hash (no engine RPC needed)."""
-        if self._thread is not None and self._thread.is_alive():
-            raise WeightSyncError("a receive is already running")
-        self.status = {"state": "receiving", "version": offer.version}
-        self._thread = threading.Thread(target=self._receive, args=(offer, ack), name="rollq-recv", daemon=True)
+    # -- following offers ------------------------------------------------------------------
+    def listen(self, listen: Listen, loaded: Any = lambda: 0) -> None:
+        """Follow offers in a daemon thread; ``loaded()`` gives the worker's loaded version."""
+        self._thread = threading.Thread(target=self._listen, args=(listen, loaded), name="rollq-offers", daemon=True)
         self._thread.start()
 
-    def _receive(self, offer: Offer, ack: tuple[str, str] | None = None) -> None:
-        self._receive_into_staging(offer)
-        if ack is not None and offer.acks:
-            st = self.status
-            if st.get("state") == "staged":  # "ok <receive s> <verify s>"
-                value = f"ok {st.get('receive_s', 0):.4f} {st.get('verify_s', 0):.4f}"
-            else:
-                value = f"error: {st.get('error')}"
+    def close(self) -> None:
+        """Stop following offers (a newer group replaced this one); the group is aborted."""
+        self._closed.set()
+        self.pg.abort()
+
+    def _listen(self, listen: Listen, loaded: Any) -> None:
+        delay = 0.2
+        while not self._closed.is_set():
+            client = pubsub = None
             try:
-                import redis
+                client = sync_client(listen.url)
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(listen.channel)
+                while not self._closed.is_set():
+                    self.poll(client, listen, loaded)
+                    delay = 0.2
+                    msg = pubsub.get_message(timeout=listen.poll)
+                    while msg is not None and not str(msg.get("data", b""), "latin-1").startswith("woffer"):
+                        msg = pubsub.get_message(timeout=0)  # other control traffic: drain it
+            except Exception as e:  # Redis down or restarting: back off and resubscribe
+                if not self._closed.is_set():
+                    log.warning("offer listener of rank %d: %s: %s (retrying in %.1fs)", self.rank, type(e).__name__, e, delay)
+                    self._closed.wait(delay)
+                    delay = min(delay * 2, 5.0)
+            finally:
+                for c in (pubsub, client):
+                    with contextlib.suppress(Exception):
+                        c is not None and c.close()
 
-                client = _ack_clients.get(ack[0]) or _ack_clients.setdefault(ack[0], redis.Redis.from_url(ack[0]))
-                client.hset(offer.acks, ack[1], value)
-            except Exception as e:  # the replica then times out waiting and loads memmap
-                log.error("could not acknowledge version %d: %s", offer.version, e)
+    def poll(self, client: Any, listen: Listen, loaded: Any) -> bool:
+        """Receive the current offer if it is new for this group; returns whether it did."""
+        raw = client.hget(listen.offer_key, "d")
+        if raw is None:
+            return False
+        offer = msgspec.msgpack.decode(raw, type=Offer)
+        if offer.group != self.info.id or offer.version <= max(self.attempted, int(loaded())):
+            return False
+        self.attempted = offer.version  # once per offer: the trainer moves on after a failure
+        self.receive(offer)
+        value = (f"ok {self.status.get('receive_s', 0):.4f} {self.status.get('verify_s', 0):.4f}"
+                 if self.status.get("state") == "staged" else f"error: {self.status.get('error')}")
+        if offer.acks:
+            client.hset(offer.acks, listen.field, value)
+        return True
 
-    def _receive_into_staging(self, offer: Offer) -> None:
+    # -- receiving ----------------------------------------------------------------------
+    def receive(self, offer: Offer) -> None:
+        """Receive ``offer`` into the staging buffer (blocking, bounded by its timeouts)."""
+        with self.lock:
+            self._receive(offer)
+
+    def _receive(self, offer: Offer) -> None:
+        self.status = {"state": "receiving", "version": offer.version}
         t0 = time.perf_counter()
         try:
             layout = Layout.of(offer.manifest, offer.bucket_bytes)
             if self.flat is None or self.flat.numel() < layout.total:
+                self.flat = None  # free the old buffer before allocating the larger one
                 self.flat = torch.empty(layout.total, dtype=torch.uint8, device=self.device)
             cuda = self.device.type == "cuda"
             stream = torch.cuda.Stream(self.device) if cuda else None  # off the engine's stream
+            t_verify = 0.0
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                 if offer.mode == "direct":
                     for m, off in zip(offer.manifest, layout.offsets):
@@ -437,12 +554,13 @@ class WorkerReceiver:
                     wait_stream(self.device, offer.timeout * 2, f"receiving version {offer.version}")
                 items = layout.views(self.flat, offer.manifest)
                 t_recv = time.perf_counter() - t0
-                got = state_checksum(items)  # on the receive stream, one host sync
-            if got != offer.checksum:
-                raise WeightSyncError(f"staged version {offer.version} has checksum {got}, expected {offer.checksum}")
+                if offer.verify:
+                    got = state_checksum(items)  # on the receive stream, one host sync
+                    t_verify = time.perf_counter() - t0 - t_recv
+                    if got != offer.checksum:
+                        raise WeightSyncError(f"staged version {offer.version} has checksum {got}, expected {offer.checksum}")
             self.staged = (offer.version, items)
-            self.status = {"state": "staged", "version": offer.version, "receive_s": t_recv,
-                           "verify_s": time.perf_counter() - t0 - t_recv}
+            self.status = {"state": "staged", "version": offer.version, "receive_s": t_recv, "verify_s": t_verify}
         except Exception as e:
             self.staged = None
             self.status = {"state": "failed", "version": offer.version, "error": f"{type(e).__name__}: {e}"}
@@ -458,10 +576,13 @@ class WorkerReceiver:
 # replica side (in the consumer process): drives its workers, acks to the trainer
 # ----------------------------------------------------------------------------------------
 class ReplicaReceiver:
-    """Joins the trainer's broadcast group and stages offered versions while serving.
+    """Gets this replica's workers into the trainer's broadcast group and tells the follower
+    which versions they staged.
 
-    Used as ``WeightFollower.receiver``; reacts to ``wgroup`` / ``woffer`` hints and also
-    checks the Redis records every ``poll_interval`` seconds.
+    Used as ``WeightFollower.receiver``. It reacts to ``wgroup`` hints and also checks the
+    group record every ``poll_interval`` seconds; offers are followed by the workers
+    themselves (:meth:`WorkerReceiver.listen`), so no engine RPC sits on the update path
+    before the swap.
     """
 
     def __init__(self, follower: Any, poll_interval: float = 1.0):
@@ -471,7 +592,6 @@ class ReplicaReceiver:
         self.keys = self.consumer.keys
         self.poll_interval = poll_interval
         self.group: str | None = None
-        self.staged_version: int | None = None
         self._kick = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._client: Any = None
@@ -479,6 +599,10 @@ class ReplicaReceiver:
     @property
     def num_workers(self) -> int:
         return int(getattr(self.engine, "num_workers", 1))
+
+    def fields(self) -> list[str]:
+        """This replica's workers' fields in an offer's ack hash."""
+        return [f"{self.consumer.id}/{i}" for i in range(self.num_workers)]
 
     async def start(self, client: Any) -> None:
         self._client = client
@@ -489,9 +613,12 @@ class ReplicaReceiver:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.group is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.engine.call_workers("rollq_leave_group"), 30)
 
     def _on_control(self, verb: str, arg: str) -> None:
-        if verb in ("wgroup", "woffer"):
+        if verb == "wgroup":
             self._kick.set()
 
     async def _loop(self) -> None:
@@ -515,12 +642,6 @@ class ReplicaReceiver:
         info = msgspec.msgpack.decode(g, type=GroupInfo)
         if info.id != self.group:
             await self._join(info)
-        o = await self._client.hget(self.keys.weights_offer, "d")
-        if o is None:
-            return
-        offer = msgspec.msgpack.decode(o, type=Offer)
-        if offer.group == self.group and offer.version > max(self.consumer.version, self.staged_version or 0):
-            await self._receive(offer, o)
 
     async def _join(self, info: GroupInfo) -> None:
         n = self.num_workers
@@ -529,39 +650,14 @@ class ReplicaReceiver:
         if end > info.world_size:
             log.warning("broadcast group %s is full (world size %d); loading versions from memmap", info.id, info.world_size)
             self.group = info.id  # do not retry this group
-            self.staged_version = None
             return
-        self.group, self.staged_version = None, None
-        await self.engine.call_workers("rollq_join_group", msgspec.msgpack.encode(info), offset)
+        self.group = None
+        listen = Listen(url=self.consumer.redis_settings.url, channel=self.keys.control,
+                        offer_key=self.keys.weights_offer, field=f"{self.consumer.id}/")
+        await self.engine.call_workers("rollq_join_group", msgspec.msgpack.encode(info), offset, msgspec.msgpack.encode(listen))
         await self._wait_workers(lambda s: s.get("group") == info.id and s.get("joined"), info.timeout + 5, "join")
         self.group = info.id
         log.info("replica %s joined broadcast group %s as ranks %d..%d", self.consumer.id, info.id, offset, end - 1)
-
-    async def _receive(self, offer: Offer, raw: bytes) -> None:
-        """Start every worker's receive (one RPC), then wait for their acks in Redis.
-
-        The workers write their own acks, so waiting never goes through the engine (whose
-        RPCs queue behind generation steps under load).
-        """
-        acks = offer.acks or self.keys.weights_acks(offer.version)
-        fields = [f"{self.consumer.id}/{i}" for i in range(self.num_workers)]
-        try:
-            await self.engine.call_workers("rollq_receive", raw, self.consumer.id, self.consumer.redis_settings.url)
-        except Exception as e:
-            await self._client.hset(acks, fields[0], f"error: {e}")
-            raise
-        deadline = time.monotonic() + offer.timeout * 4
-        while True:
-            got = await self._client.hmget(acks, fields)
-            if all(v is not None for v in got):
-                break
-            if time.monotonic() > deadline:
-                raise WeightSyncTimeout(f"workers did not stage version {offer.version} within {offer.timeout * 4:.0f}s")
-            await asyncio.sleep(0.002)
-        if all(v.startswith(b"ok") for v in got):
-            self.staged_version = offer.version
-        else:
-            log.warning("staging version %d failed: %s", offer.version, got)
 
     async def _wait_workers(self, done: Any, timeout: float, what: str) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
@@ -576,8 +672,12 @@ class ReplicaReceiver:
                 raise WeightSyncTimeout(f"workers did not finish {what} within {timeout:.0f}s: {states}")
             await asyncio.sleep(0.01)
 
-    def staged_for(self, rec: VersionRecord) -> int | None:
-        if rec.group is not None and rec.group == self.group and self.staged_version == rec.version:
+    async def staged_for(self, rec: VersionRecord) -> int | None:
+        """``rec.version`` if every worker of this replica staged it (its acks say ``ok``)."""
+        if rec.group is None or rec.group != self.group:
+            return None
+        acks = await self._client.hmget(self.keys.weights_acks(rec.version), self.fields())
+        if all(a is not None and a.startswith(b"ok") for a in acks):
             return rec.version
         return None
 
@@ -586,5 +686,4 @@ class ReplicaReceiver:
             res = await asyncio.wait_for(self.engine.call_workers("rollq_apply_staged", staged), timeout)
         except asyncio.TimeoutError as e:
             raise WeightSyncTimeout(f"swapping in staged version {staged} took longer than {timeout}s") from e
-        self.staged_version = None
         return res[0] if res else {}

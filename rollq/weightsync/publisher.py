@@ -101,7 +101,7 @@ class WeightPublisher:
         return VersionRecord(
             version=version, transport="memmap", checksum=info.checksum, num_tensors=len(items),
             nbytes=info.nbytes, memmap_slot=info.slot, trainer=self.trainer_id,
-            timings={"write_s": info.write_s, "checksum_s": info.checksum_s}, **extra,
+            timings={"write_s": info.write_s, "checksum_s": info.checksum_s, "pinned": float(info.pinned)}, **extra,
         )
 
     async def _publish_nccl(self, version: int, items: list[tuple[str, torch.Tensor]]) -> VersionRecord:

@@ -72,64 +72,95 @@ class RollqWorkerExtension:
         return {"read_s": t1 - t0, "copy_verify_s": t2 - t1, "load_s": t3 - t2}
 
     def rollq_stage_memmap(self, root: str, slot: str, version: int, checksum: str) -> dict[str, Any]:
-        """Read, copy to the device and verify ``version`` while the engine keeps serving;
-        :meth:`rollq_apply_staged` then swaps it in (the only step inside the pause)."""
+        """Start reading ``version``, copying it to the device and verifying it, in a thread
+        of this worker (the engine keeps serving: an RPC that did the work itself would hold
+        the engine's step loop). Poll :meth:`rollq_staged_status`; :meth:`rollq_apply_staged`
+        then swaps it in."""
+        import threading
+
+        t = getattr(self, "_rollq_stage_thread", None)
+        if t is not None and t.is_alive():
+            return {"state": "busy"}
+        self._rollq_staged_mm = None  # free a previously staged copy first
+        self._rollq_stage_state = {"state": "staging", "version": version}
+        self._rollq_stage_thread = threading.Thread(
+            target=self._rollq_stage, args=(root, slot, version, checksum), name="rollq-stage", daemon=True
+        )
+        self._rollq_stage_thread.start()
+        return {"state": "started"}
+
+    def rollq_staged_status(self) -> dict[str, Any]:
+        return dict(getattr(self, "_rollq_stage_state", {"state": "idle"}))
+
+    def _rollq_stage(self, root: str, slot: str, version: int, checksum: str) -> None:
         from ..errors import CorruptWeights
         from .checksum import state_checksum
         from .memmap import MemmapStore
 
         dev = self._rollq_device()
         t0 = time.perf_counter()
+        pinned = False
         try:
-            items = MemmapStore(root).read(slot, version=version, checksum=checksum, verify=dev.type != "cuda")
+            store = MemmapStore(root)
             if dev.type == "cuda":
+                torch.cuda.set_device(dev)
                 stream = torch.cuda.Stream(dev)  # off the engine's stream
-                with torch.cuda.stream(stream):
-                    items = [(n, t.to(dev, non_blocking=True)) for n, t in items]
-                    if state_checksum(items) != checksum:
-                        raise CorruptWeights(f"version {version} in {slot}: checksum mismatch after copying to {dev}")
-        except CorruptWeights as e:
-            raise RuntimeError(f"{CORRUPT_TAG} {e}") from e
-        self._rollq_staged_mm = (version, items)
-        return {"stage_s": time.perf_counter() - t0}
+                # Page-locked mappings of the files: the copy engine reads them directly.
+                items = store.read_to_device(slot, version=version, checksum=checksum, device=dev, stream=stream)
+                pinned = items is not None
+                if items is None:
+                    items = store.read(slot, version=version, checksum=checksum, verify=False)
+                    with torch.cuda.stream(stream):
+                        items = [(n, t.to(dev, non_blocking=True)) for n, t in items]
+                        if state_checksum(items) != checksum:
+                            raise CorruptWeights(f"version {version} in {slot}: checksum mismatch after copying to {dev}")
+            else:
+                items = store.read(slot, version=version, checksum=checksum, verify=True)
+            self._rollq_staged_mm = (version, items)
+            self._rollq_stage_state = {"state": "staged", "version": version, "stage_s": time.perf_counter() - t0, "pinned": pinned}
+        except Exception as e:
+            corrupt = isinstance(e, CorruptWeights)
+            self._rollq_stage_state = {"state": "failed", "version": version, "corrupt": corrupt,
+                                       "error": f"{CORRUPT_TAG} {e}" if corrupt else f"{type(e).__name__}: {e}"}
 
     # -- broadcast (NCCL / gloo) -------------------------------------------------------
-    def rollq_join_group(self, info: bytes, rank_offset: int) -> None:
-        """Join the trainer's broadcast group as rank ``rank_offset + self.rank`` (in a thread)."""
+    def rollq_join_group(self, info: bytes, rank_offset: int, listen: bytes = b"") -> None:
+        """Join the trainer's broadcast group as rank ``rank_offset + self.rank`` (in a thread).
+
+        With ``listen`` (a msgpack :class:`~rollq.weightsync.nccl.Listen`) the worker then
+        follows offers itself and acks each one in Redis (field ``listen.field + rank``).
+        """
         import threading
 
         import msgspec
 
-        from .nccl import GroupInfo, WorkerReceiver
+        from .nccl import GroupInfo, Listen, WorkerReceiver
 
         gi = msgspec.msgpack.decode(info, type=GroupInfo)
-        rank = rank_offset + int(getattr(self, "rank", 0))
+        lst = msgspec.msgpack.decode(listen, type=Listen) if listen else None
+        local = int(getattr(self, "rank", 0))
+        rank = rank_offset + local
+        self.rollq_leave_group()
         self._rollq_status = {"state": "joining", "group": gi.id, "joined": False}
 
         def join() -> None:
             try:
-                self._rollq_receiver = WorkerReceiver(gi, rank, self._rollq_device())
+                rcv = WorkerReceiver(gi, rank, self._rollq_device())
+                self._rollq_receiver = rcv
+                if lst is not None:
+                    rcv.listen(msgspec.structs.replace(lst, field=f"{lst.field}{local}"), self.rollq_version)
                 self._rollq_status = {"state": "idle", "group": gi.id, "joined": True, "rank": rank}
             except Exception as e:
                 self._rollq_status = {"state": "failed", "group": gi.id, "joined": False, "error": f"{type(e).__name__}: {e}"}
 
         threading.Thread(target=join, name="rollq-join", daemon=True).start()
 
-    def rollq_receive(self, offer: bytes, replica: str = "", redis_url: str = "") -> None:
-        """Start receiving an offered version into the staging buffer (returns at once).
-
-        With ``replica`` and ``redis_url`` the worker acknowledges in the offer's ack hash
-        itself (field ``replica/rank-in-replica``) once the version is staged or has failed.
-        """
-        import msgspec
-
-        from .nccl import Offer
-
+    def rollq_leave_group(self) -> None:
+        """Stop following offers and drop the group (the staging buffer goes with it)."""
         rcv = getattr(self, "_rollq_receiver", None)
-        if rcv is None:
-            raise RuntimeError("this worker has not joined a broadcast group")
-        ack = (redis_url, f"{replica}/{int(getattr(self, 'rank', 0))}") if replica and redis_url else None
-        rcv.start_receive(msgspec.msgpack.decode(offer, type=Offer), ack)
+        self._rollq_receiver = None
+        if rcv is not None:
+            rcv.close()
 
     def rollq_receive_status(self) -> dict[str, Any]:
         rcv = getattr(self, "_rollq_receiver", None)
@@ -141,15 +172,23 @@ class RollqWorkerExtension:
         return base
 
     def rollq_apply_staged(self, version: int) -> dict[str, Any]:
-        """Swap a staged version in (the only step that runs while generation is paused)."""
+        """Swap a staged version in.
+
+        vLLM's engine core runs this RPC between two scheduler steps (and the copies are
+        ordered on the engine's stream after the step in flight), so no step sees a mix of
+        versions; generation stops only while it runs.
+        """
         t0 = time.perf_counter()
         mm = getattr(self, "_rollq_staged_mm", None)
         if mm is not None and mm[0] == version:
-            items = mm[1]
             self._rollq_staged_mm = None
+            self._rollq_load(mm[1])
         else:
-            items = self._rollq_receiver.take(version)
-        self._rollq_load(items)
+            rcv = getattr(self, "_rollq_receiver", None)
+            if rcv is None:
+                raise RuntimeError(f"version {version} is not staged here (no broadcast group)")
+            with rcv.lock:  # a newer offer cannot overwrite the buffer mid-swap
+                self._rollq_load(rcv.take(version))
         if self._rollq_device().type == "cuda":
             torch.cuda.synchronize(self._rollq_device())
         self._rollq_version = version
