@@ -8,6 +8,12 @@ connects through redis-py's cluster client.
 False
 >>> RedisSettings.from_url("redis+cluster://10.0.0.1:7000").url
 'redis://10.0.0.1:7000'
+>>> RedisSettings.from_url("redis://10.0.0.1:7000?cluster=true").full_url
+'redis+cluster://10.0.0.1:7000'
+
+``url`` is what redis-py's ``from_url`` takes; ``full_url`` says the same and whether to use the
+cluster client: hand ``full_url`` (never ``url``) to another process or thread that connects
+on its own, so a cluster stays a cluster there.
 """
 
 from __future__ import annotations
@@ -37,6 +43,14 @@ class RedisSettings:
     command_timeout: float = 30.0
     #: Connections per client pool.
     max_connections: int = 64
+
+    @property
+    def full_url(self) -> str:
+        """``url`` with the cluster flag in its scheme: ``from_url(full_url)`` gives these settings back."""
+        if not self.cluster:
+            return self.url
+        parts = urlsplit(self.url)
+        return urlunsplit((f"{parts.scheme}+cluster", *parts[1:]))
 
     @classmethod
     def from_url(cls, url: str | None = None, **kw: object) -> RedisSettings:
