@@ -51,6 +51,19 @@ def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Cl
     return aredis.Redis.from_url(settings.url, **kw)
 
 
+def _unparsed(response: Any, **_: Any) -> Any:
+    return response
+
+
+def raw_replies(client: Client, *commands: str) -> Client:
+    """Make ``client`` return the replies of ``commands`` as Redis sent them (nested lists of
+    bytes), skipping redis-py's parsing into dicts. For clients a hot path owns alone: their
+    callers must read the raw form (a cluster client may still parse; accept both)."""
+    for name in commands:
+        client.set_response_callback(name, _unparsed)
+    return client
+
+
 @lru_cache(maxsize=None)
 def _source(name: str) -> tuple[str, bytes]:
     text = resources.files("rollq").joinpath("lua", f"{name}.lua").read_text()

@@ -8,9 +8,9 @@ The pipeline, one asyncio task each:
 
 - **pull**: ``XREADGROUP COUNT=free`` over this replica's targeted stream and the shared
   stream; decode, validate, hand to the engine. Jobs wait in Redis, not here.
-- **finish**: engine outcomes are batched into one FINISH script call (result + XACK + XDEL
-  + forget the id, refused if the entry is no longer pending), shielded from cancellation and
-  retried across Redis outages.
+- **finish**: engine outcomes are batched into one FINISH script call (results + XACK +
+  delete the entries + forget the ids, each refused if its entry is no longer pending),
+  shielded from cancellation and retried across Redis outages.
 - **heartbeat**: renews this replica's lease key, publishes its registry entry, notices
   cancellations of running jobs, feeds the capacity controller.
 - **reclaim**: finds consumers whose lease expired and takes over their pending jobs; after
@@ -31,13 +31,13 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import msgpack
 import msgspec
 from redis.exceptions import ResponseError
 
-from ..connection import DROP_EMPTY, FINISH, RECLAIM, Client, connect, load_scripts
+from ..connection import DROP_EMPTY, FINISH, RECLAIM, Client, connect, load_scripts, raw_replies
 from ..connection import RETRYABLE as _RETRYABLE
 from ..errors import (
     DeadLettered,
@@ -109,13 +109,12 @@ class _Running:
     version_start: int
 
 
-@dataclass(slots=True)
-class _Finish:
+class _Finish(NamedTuple):
     """One pending FINISH: a result and/or a dead letter for one stream entry."""
 
     stream: str
     eid: bytes
-    job_id: str
+    job_id: str  # '' unless the id is recorded (caller-chosen): FINISH forgets it
     reply: str | None
     result: bytes
     dead_letter: bytes
@@ -171,6 +170,8 @@ class Consumer:
 
         self._own_stream = self.keys.replica_jobs(self.id)
         self._streams = [self._own_stream, self.keys.jobs]
+        self._names = {k.encode(): k for k in self._streams}  # stream names as Redis replies them
+        self._result_keys: dict[str, str] = {}  # producer id -> its result stream
         self._client: Client | None = None
         self._block_client: Client | None = None
         self._running: dict[str, _Running] = {}  # request id -> job
@@ -255,6 +256,9 @@ class Consumer:
         self._block_client = connect(
             self.redis_settings, socket_timeout=self.settings.block + 10, max_connections=4
         )
+        # Reads take the reply as Redis sent it: redis-py's parsing (a dict per entry) cost
+        # more than everything else the loop does with a job.
+        raw_replies(self._block_client, "XREADGROUP")
 
     async def _setup_redis(self) -> None:
         backoff = self.settings.backoff_initial
@@ -372,19 +376,22 @@ class Consumer:
                     if await self._nothing_left():
                         break
                 continue
-            for stream, entries in resp:
-                skey = stream.decode() if isinstance(stream, bytes) else stream
+            # The block client returns XREADGROUP's reply unparsed (see _connect): a list of
+            # [stream, [[entry id, [field, value, ...]], ...]] (a dict of streams on RESP3).
+            seen = self._seen
+            for stream, entries in resp.items() if isinstance(resp, dict) else resp:
+                skey = self._names.get(stream) or _str(stream)
                 for eid, fields in entries:
-                    if self._seen.pop((skey, eid), False) is None:
+                    if seen and seen.pop((skey, eid), False) is None:
                         continue  # the late reply of a read whose entries recover_own took back
-                    self._start_entry(skey, eid, fields, 1)
+                    self._start_entry(skey, eid, _payload(fields), 1)
             if self._engine_error is not None:
                 break
 
     def _known_eids(self) -> set[bytes]:
         known = {r.eid for r in self._running.values()}
         known.update(h[1] for h in self._held)
-        known.update(f.eid for f in self._finishes)
+        known.update(f[1] for f in self._finishes)
         known.update(p[1] for p in self._parked)
         return known
 
@@ -420,7 +427,7 @@ class Consumer:
                 self._seen[(stream, eid)] = None  # its read reply may still arrive: skip it then
                 if len(self._seen) > 100_000:
                     self._seen.popitem(last=False)
-                self._start_entry(stream, eid, fields, counts.get(eid, 1) + 1)
+                self._start_entry(stream, eid, _payload(fields), counts.get(eid, 1) + 1)
         if taken:
             log.warning("consumer %s recovered %d of its own pending jobs it was not running", self.id, taken)
         return taken
@@ -452,10 +459,12 @@ class Consumer:
                 if not t.done():
                     t.cancel()
 
-    def _start_entry(self, stream: str, eid: bytes, fields: dict | None, deliveries: int) -> None:
-        """Decode, validate and start one stream entry (or finish it with an error)."""
+    def _start_entry(self, stream: str, eid: bytes, payload: bytes | None, deliveries: int) -> None:
+        """Decode, validate and start one stream entry (or finish it with an error).
+
+        ``payload`` is the entry's ``d`` field (None if it has none: dead-lettered).
+        """
         self.counters.pulled += 1
-        payload = (fields or {}).get(_FIELD)
         if payload is None:
             self._fail(stream, eid, None, None, b"", DeadLettered, "stream entry has no 'd' field", deliveries, dlq=True)
             return
@@ -473,7 +482,7 @@ class Consumer:
                 deliveries, dlq=True, job=job,
             )
             return
-        if job.id in self._recent_cancels:
+        if self._recent_cancels and job.id in self._recent_cancels:
             self._fail(stream, eid, job.id, job.reply, b"", JobCancelled, "cancelled before it started", deliveries, job=job)
             return
         if job.deadline is not None and time.time() > job.deadline:
@@ -618,41 +627,67 @@ class Consumer:
                 self._account(batch, flags)
                 self._room.set()
 
+    def _result_key(self, reply: str) -> str:
+        k = self._result_keys.get(reply)
+        if k is None:
+            if len(self._result_keys) > 10_000:
+                self._result_keys.clear()
+            k = self._result_keys[reply] = self.keys.results(reply)
+        return k
+
     async def _finish_batch(self, batch: list[_Finish]) -> list[int]:
+        """One FINISH call for ``batch``: the rows in one msgpack argument, and the results of
+        each producer packed here as the value of its one result entry (see finish.lua)."""
         keys = [self.keys.ids, self.keys.stats, self.keys.dlq]
         index: dict[str, int] = {}
-
-        def kidx(k: str) -> int:
-            i = index.get(k)
-            if i is None:
-                keys.append(k)
-                i = index[k] = len(keys)
-            return i
-
-        rows = [
-            (kidx(f.stream), f.eid, f.job_id, kidx(self.keys.results(f.reply)) if (f.reply and f.result) else 0,
-             f.result, f.dead_letter, f.counter)
-            for f in batch
-        ]
-        # One msgpack argument for the whole batch (Redis' Lua cmsgpack reads str, not bin).
-        blob = msgpack.packb(rows, use_bin_type=False)
-        return await FINISH(self._client, keys, [GROUP, int(self.settings.result_ttl * 1000), self.settings.dlq_maxlen, blob])
+        packs: dict[int, list[bytes]] = {}
+        rows = []
+        for stream, eid, job_id, reply, result, dead, counter, _ in batch:
+            si = index.get(stream)
+            if si is None:
+                keys.append(stream)
+                si = index[stream] = len(keys)
+            ri = 0
+            if reply and result:
+                rk = self._result_key(reply)
+                ri = index.get(rk)
+                if ri is None:
+                    keys.append(rk)
+                    ri = index[rk] = len(keys)
+                    packs[ri] = [result]
+                else:
+                    packs[ri].append(result)
+            rows.append((si, eid, job_id, ri, "", dead, counter))
+        # Redis' Lua cmsgpack reads str, not bin: pack bytes as str.
+        args: list[Any] = [GROUP, int(self.settings.result_ttl * 1000), self.settings.dlq_maxlen, _pack(rows)]
+        for ri, results in packs.items():
+            args.append(ri)
+            args.append(results[0] if len(results) == 1 else _pack(results))
+        return await FINISH(self._client, keys, args)
 
     def _account(self, batch: list[_Finish], flags: list[int]) -> None:
         c = self.counters
+        buckets = c.latency_buckets
+        completed = failed = dead = 0
         for f, ok in zip(batch, flags):
             if not ok:
                 c.refused_duplicates += 1
-                log.info("result for job %s refused: already finished elsewhere", f.job_id)
+                log.info("result for job %s refused: already finished elsewhere", f.job_id or f.eid)
                 continue
             if f.counter == "completed":
-                c.completed += 1
+                completed += 1
             else:
-                c.failed += 1
+                failed += 1
             if f.dead_letter:
-                c.dead_lettered += 1
+                dead += 1
             if f.latency_ms is not None:
-                c.latency_buckets[_bucket(f.latency_ms)] += 1
+                buckets[_bucket(f.latency_ms)] += 1
+        if completed:
+            c.completed += completed
+        if failed:
+            c.failed += failed
+        if dead:
+            c.dead_lettered += dead
 
     # ==================================================================================
     # heartbeat, cancellation, capacity
@@ -858,13 +893,32 @@ class Consumer:
                     if not entry:
                         continue
                     eid, flat = entry[0], entry[1]
-                    fields = dict(zip(flat[::2], flat[1::2])) if flat else None
                     taken += 1
                     self.counters.reclaimed += 1
-                    self._start_entry(stream, eid, fields, deliveries.get(eid, 2))
+                    self._start_entry(stream, eid, _payload(flat), deliveries.get(eid, 2))
                 if claimed:
                     log.warning("reclaimed %d jobs of dead consumer %s from %s", len(claimed), name, stream)
         return taken
+
+
+_pack = msgpack.Packer(use_bin_type=False).pack
+
+
+def _str(name: bytes | str) -> str:
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def _payload(fields: Any) -> bytes | None:
+    """The ``d`` field of a stream entry, given as a flat [field, value, ...] list (a raw
+    reply) or as a dict; None when it has none."""
+    if type(fields) is list:
+        if len(fields) == 2 and fields[0] == _FIELD:
+            return fields[1]
+        for i in range(0, len(fields) - 1, 2):
+            if fields[i] == _FIELD:
+                return fields[i + 1]
+        return None
+    return fields.get(_FIELD) if fields else None
 
 
 def encode_job_safe(job: Job) -> bytes:
