@@ -1,6 +1,6 @@
 """The ``rollq`` command line.
 
-    rollq redis                                  embedded redis-server; prints its URL
+    rollq redis [--cluster N]                    embedded redis-server (or N-master cluster); prints its URL
     rollq consume --engine echo|vllm ...         run one replica
     rollq submit FILE.jsonl [--wait]             submit jobs (one JSON object per line)
     rollq status [--json] [--watch S]            queue depth, in flight, replicas
@@ -59,8 +59,28 @@ def _out(obj: Any) -> None:
 # rollq redis
 # --------------------------------------------------------------------------------------
 def cmd_redis(a: argparse.Namespace) -> int:
-    from .server import RedisServer
+    import signal
 
+    from .server import LocalCluster, RedisServer
+
+    def _interrupt(*_: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM: stop the server(s) as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    if a.cluster:
+        if a.port or a.dir:
+            log.error("--cluster picks its own ports and a temporary directory: drop --port/--dir")
+            return 2
+        cluster = LocalCluster(masters=a.cluster).start()
+        _out({"url": cluster.url, "nodes": [n.url for n in cluster.nodes], "formed_with": cluster.formed_with}) if a.json else print(cluster.url, flush=True)
+        try:
+            while all(n.proc and n.proc.poll() is None for n in cluster.nodes):
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            cluster.cleanup()
+        return 0
     srv = RedisServer(port=a.port, data_dir=a.dir, appendfsync=a.appendfsync).start()
     _out({"url": srv.url, "pid": srv.proc.pid, "data_dir": srv.data_dir}) if a.json else print(srv.url, flush=True)
     try:
@@ -345,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=0, help="port (default: a free one)")
     s.add_argument("--dir", default=None, help="data directory (default: a temporary one)")
     s.add_argument("--appendfsync", default="everysec", choices=["always", "everysec", "no"])
+    s.add_argument("--cluster", type=int, default=0, metavar="N",
+                   help="a local Redis Cluster of N masters instead (prints its redis+cluster:// URL)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_redis)
 

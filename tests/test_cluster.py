@@ -129,8 +129,43 @@ def test_cluster_formed_from_python_without_redis_cli():
             for q in cl.queues_on_every_node():
                 rc.set(QueueKeys(q).stats, b"1")
                 assert rc.get(QueueKeys(q).stats) == b"1"
-        roots = [n.data_dir for n in cl.nodes]
+        roots = [cl.data_dir, *(n.data_dir for n in cl.nodes)]
     assert not any(os.path.exists(r) for r in roots), "temp dirs left behind"
+
+
+async def test_rollq_redis_cluster_command_starts_and_removes_a_cluster():
+    """``rollq redis --cluster 3``: prints the URL of a working cluster; SIGTERM removes it all."""
+    import signal
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rollq.cli", "redis", "--cluster", "3", "--json", cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        assert line, (await proc.stderr.read()).decode()[-2000:]
+        info = json.loads(line)
+        assert info["url"].startswith("redis+cluster://127.0.0.1:") and len(info["nodes"]) == 3
+        c = connect(info["url"])
+        try:
+            await c.set(QueueKeys("anywhere").stats, b"1")
+            assert len(c.get_primaries()) == 3
+        finally:
+            await c.aclose()
+        with redis.Redis.from_url(info["nodes"][0]) as plain:
+            data_dir = plain.config_get("dir")["dir"]
+        assert os.path.isdir(data_dir)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert not os.path.exists(os.path.dirname(data_dir)), "the cluster's data directory is left behind"
+    for url in info["nodes"]:
+        with pytest.raises(redis.ConnectionError):
+            with redis.Redis.from_url(url, socket_connect_timeout=2) as plain:
+                plain.ping()
 
 
 # ----------------------------------------------------------------------------------------
