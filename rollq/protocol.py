@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 import sys
 import time
 from array import array
-from typing import Annotated, Any, Iterable, Sequence
+from typing import Annotated, Any, Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -42,16 +43,21 @@ _LITTLE = sys.byteorder == "little"
 # ----------------------------------------------------------------------------------------
 # Raw arrays
 # ----------------------------------------------------------------------------------------
+_I32: dict[int, struct.Struct] = {}  # "<{n}i" packers by length
+
+
 def pack_i32(values: Iterable[int] | bytes | None) -> bytes:
     """Token ids as little-endian int32 bytes (lists, arrays, numpy, tensors accepted)."""
-    if type(values) is list:  # the common case first
+    if type(values) is list:  # the common case first: one C call, range-checked by struct
+        packer = _I32.get(len(values))
+        if packer is None:
+            if len(_I32) > 4096:
+                _I32.clear()
+            packer = _I32[len(values)] = struct.Struct(f"<{len(values)}i")
         try:
-            a = array("i", values)
-        except (OverflowError, TypeError) as e:
+            return packer.pack(*values)
+        except struct.error as e:
             raise InvalidJob(f"token ids must be integers that fit in int32: {e}") from e
-        if not _LITTLE:
-            a.byteswap()
-        return a.tobytes()
     if values is None:
         return b""
     if isinstance(values, (bytes, bytearray, memoryview)):
@@ -311,27 +317,39 @@ def make_job(
     tracked: bool = False,
 ) -> Job:
     """Build and validate a :class:`Job` from user-facing arguments."""
-    msgs = None
-    if messages is not None:
+    spec = {
+        "prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages, "sampling": sampling,
+        "replica": replica, "min_version": min_version, "deadline": deadline, "timeout": timeout, "meta": meta,
+    }
+    return job_from_spec(spec, id, reply, max_prompt_bytes, tracked)
+
+
+def job_from_spec(spec: Mapping[str, Any], id: str, reply: str, max_prompt_bytes: int | None = None, tracked: bool = False) -> Job:
+    """:func:`make_job` for fields given as a mapping (the producer's hot path; unknown keys
+    are the caller's to refuse). Keys: ``prompt``, ``prompt_token_ids``, ``messages``,
+    ``sampling``, ``replica``, ``min_version``, ``deadline`` or ``timeout``, ``meta``."""
+    get = spec.get
+    msgs = get("messages")
+    if msgs is not None:
         try:
-            msgs = [m if isinstance(m, Message) else Message(role=str(m["role"]), content=str(m["content"])) for m in messages]
+            msgs = [m if isinstance(m, Message) else Message(role=str(m["role"]), content=str(m["content"])) for m in msgs]
         except (KeyError, TypeError) as e:
             raise InvalidJob(f"each message needs 'role' and 'content': {e}") from e
     now = time.time()
-    if timeout is not None:
-        deadline = now + timeout
+    timeout = get("timeout")
+    tokens = get("prompt_token_ids")
     job = Job(
         id=id,
         reply=reply,
-        text=prompt,
-        tokens=pack_i32(prompt_token_ids) if prompt_token_ids is not None else None,
+        text=get("prompt"),
+        tokens=pack_i32(tokens) if tokens is not None else None,
         messages=msgs,
-        sampling=validated_sampling(sampling),
-        replica=replica,
-        min_version=min_version,
-        deadline=deadline,
+        sampling=validated_sampling(get("sampling")),
+        replica=get("replica"),
+        min_version=get("min_version"),
+        deadline=now + timeout if timeout is not None else get("deadline"),
         submitted=now,
-        meta=meta,
+        meta=get("meta"),
         tracked=tracked,
     )
     return validate_job(job, max_prompt_bytes=max_prompt_bytes, sampling=False)

@@ -98,7 +98,7 @@ async def test_submit_many_chunks(queue, make_producer, make_consumer, redis_cli
     real = client_mod.Producer._run_scripts
 
     async def counting(self, script_calls):  # one pipeline = one round trip
-        calls.append(sum(n for _, _, n in script_calls))
+        calls.append(sum(len(positions) for _, _, positions in script_calls))
         return await real(self, script_calls)
 
     monkeypatch.setattr(client_mod.Producer, "_run_scripts", counting)

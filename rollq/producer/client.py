@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 import msgpack
 from redis.exceptions import NoScriptError
 
-from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect
+from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect, raw_replies
 from ..connection import RETRYABLE as _RETRYABLE
 from ..errors import InvalidJob, JobCancelled, JobRejected, QueueFull, StalenessBound, job_error
 from ..keys import GROUP, QueueKeys, check_name
@@ -37,7 +37,7 @@ from ..protocol import (
     Result,
     decode_result,
     encode_job,
-    make_job,
+    job_from_spec,
 )
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
 
@@ -52,27 +52,51 @@ class JobHandle:
 
     A job that failed raises its :class:`~rollq.errors.JobError` subclass when awaited;
     ``await handle.result(raise_error=False)`` returns the result with ``result.error`` set.
+    The handle keeps its result once it arrived (also when :meth:`Producer.results` took it).
     """
 
-    __slots__ = ("id", "_producer", "_future", "duplicate")
+    __slots__ = ("id", "duplicate", "_producer", "_result", "_future", "_entry")
 
-    def __init__(self, job_id: str, producer: Producer, future: asyncio.Future, duplicate: bool = False):
+    def __init__(self, job_id: str, producer: Producer, entry: tuple[str, bytes, bool] | None = None, duplicate: bool = False):
         self.id = job_id
-        self._producer = producer
-        self._future = future
         #: True when the job id was already queued or running (resubmission was a no-op).
         self.duplicate = duplicate
+        self._producer = producer
+        self._result: Result | None = None
+        self._future: asyncio.Future | None = None  # made when someone waits
+        self._entry = entry  # (stream, entry id, id recorded) while queued: for cancel
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._result is not None or (self._future is not None and self._future.done())
+
+    def _shared_future(self) -> asyncio.Future:
+        """This handle's future, for a duplicate handle of the same job to wait on."""
+        if self._future is None:
+            self._future = asyncio.get_running_loop().create_future()
+            if self._result is not None:
+                self._future.set_result(self._result)
+        return self._future
+
+    def _set(self, res: Result) -> None:
+        if self._result is None:
+            self._result = res
+            if self._future is not None and not self._future.done():
+                self._future.set_result(res)
 
     async def result(self, timeout: float | None = None, *, raise_error: bool = True) -> Result:
         """Wait for the result (at most ``timeout`` seconds; TimeoutError after that)."""
-        try:
-            res = await asyncio.wait_for(asyncio.shield(self._future), timeout)
-        finally:
-            if self._future.done():
-                self._producer._consume(self.id)
+        res = self._result
+        if res is None:
+            fut = self._future
+            if fut is None:
+                fut = self._future = asyncio.get_running_loop().create_future()
+            try:  # shielded: a timed-out or cancelled wait leaves the handle usable
+                res = await (asyncio.shield(fut) if timeout is None else asyncio.wait_for(asyncio.shield(fut), timeout))
+            finally:
+                if fut.done() and not fut.cancelled():
+                    self._producer._consume(self.id, fut.result())
+        else:
+            self._producer._consume(self.id, res)
         if raise_error and res.error is not None:
             raise job_error(res.error.type, res.error.message, self.id)
         return res
@@ -85,7 +109,7 @@ class JobHandle:
         return await self._producer.cancel(self.id)
 
     def __repr__(self) -> str:
-        state = "done" if self._future.done() else "pending"
+        state = "done" if self.done() else "pending"
         return f"JobHandle({self.id!r}, {state})"
 
 
@@ -122,13 +146,13 @@ class Producer:
         self._client: Client | None = None
         self._reader_client: Client | None = None
         self._reader: asyncio.Task | None = None
-        self._futures: dict[str, asyncio.Future] = {}
-        self._completed: OrderedDict[str, Result] = OrderedDict()
+        self._handles: dict[str, JobHandle] = {}  # outstanding jobs (result not consumed yet)
+        self._completed: OrderedDict[str, Result] = OrderedDict()  # arrived, not consumed yet
         self._cancelled: set[str] = set()
-        self._entries: dict[str, tuple[str, bytes, bool]] = {}
-        self._publisher: Any = None  # job id -> (stream, entry id, tracked)
+        self._publisher: Any = None
         self._outstanding = 0
-        self._room: asyncio.Condition | None = None
+        self._room: asyncio.Event | None = None  # set when outstanding jobs were consumed
+        self._room_waiters = 0
         self._arrived: asyncio.Event | None = None
         self._closed = False
         self._reader_error: BaseException | None = None
@@ -140,8 +164,9 @@ class Producer:
         if self._client is None:
             self._client = connect(self.redis_settings)
             self._reader_client = connect(self.redis_settings, socket_timeout=None)
-            self._room = asyncio.Condition()
+            self._room = asyncio.Event()
             self._arrived = asyncio.Event()
+            raw_replies(self._reader_client, "XREAD")
             await self._client.ping()
             self._reader = asyncio.create_task(self._read_results(), name=f"rollq-results-{self.id}")
         return self
@@ -151,7 +176,7 @@ class Producer:
         self._closed = True
         if self._publisher is not None:
             await self._publisher.close()
-        if self._client is not None and not self._futures:
+        if self._client is not None and not self._handles:
             try:  # nothing more can arrive for us: leave no empty stream behind
                 await DROP_EMPTY(self._client, [self._result_key], [])
             except _RETRYABLE:
@@ -190,20 +215,23 @@ class Producer:
         Fields: ``prompt`` (text) | ``prompt_token_ids`` | ``messages``; ``sampling``;
         ``id``; ``replica``; ``min_version``; ``deadline`` or ``timeout``; ``meta``.
         """
-        f = dict(spec or (), **kw)
+        f = spec if not kw else {**(spec or {}), **kw}
+        if f is None:
+            f = {}
         if not _SPEC_FIELDS.issuperset(f):
             raise InvalidJob(f"unknown job field(s) {sorted(set(f) - _SPEC_FIELDS)}; allowed: {sorted(_SPEC_FIELDS)}")
-        given = f.pop("id", None)
-        return make_job(
-            id=str(given) if given is not None else self._next_id(), reply=self.id,
-            max_prompt_bytes=self.settings.max_prompt_bytes, tracked=given is not None, **f,
-        )
+        given = f.get("id")
+        if given is None:
+            return job_from_spec(f, self._next_id(), self.id, self.settings.max_prompt_bytes)
+        return job_from_spec(f, str(given), self.id, self.settings.max_prompt_bytes, tracked=True)
 
     async def submit(self, prompt: str | None = None, /, **kw: Any) -> JobHandle:
         """Submit one job; returns immediately with its handle."""
         if prompt is not None:
             kw["prompt"] = prompt
-        return (await self.submit_many([kw]))[0]
+        job = self.build_job(kw)
+        await self.connect()
+        return (await self._submit_chunk([job]))[0]
 
     async def submit_many(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
         """Submit a batch: one pipelined round trip per ``chunk_size`` jobs.
@@ -216,14 +244,18 @@ class Producer:
         handles: list[JobHandle] = []
         chunk = self.settings.chunk_size
         it = iter(specs)
+        build = self.build_job
         inflight: asyncio.Task | None = None
         try:
             while True:
-                batch = [s if isinstance(s, Job) else self.build_job(s) for s in itertools.islice(it, chunk)]
+                batch = [s if isinstance(s, Job) else build(s) for s in itertools.islice(it, chunk)]
                 if inflight is not None:
                     handles.extend(await inflight)
                     inflight = None
                 if not batch:
+                    return handles
+                if len(batch) < chunk and not handles:  # the only chunk: no overlap to gain
+                    handles.extend(await self._submit_chunk(batch))
                     return handles
                 inflight = asyncio.ensure_future(self._submit_chunk(batch))
                 await asyncio.sleep(0)  # let it write its pipeline before we build the next chunk
@@ -244,100 +276,128 @@ class Producer:
                 "consume results or set block_when_full=True"
             )
         assert self._room is not None
-        async with self._room:
-            await self._room.wait_for(lambda: self._outstanding + n <= cap)
-            self._outstanding += n
+        self._room_waiters += 1
+        try:
+            while self._outstanding + n > cap:
+                self._room.clear()
+                await self._room.wait()
+        finally:
+            self._room_waiters -= 1
+        self._outstanding += n
 
-    async def _release(self, n: int) -> None:
+    def _release(self, n: int) -> None:
         self._outstanding -= n
-        if self._room is not None:
-            async with self._room:
-                self._room.notify_all()
+        if self._room_waiters and self._room is not None:
+            self._room.set()
+
+    def _submit_calls(self, jobs: list[Job]) -> list[tuple[list[str], list[Any], list[int]]]:
+        """SUBMIT calls for ``jobs``: (keys, args, positions of their jobs in ``jobs``)."""
+        by_stream: dict[str | None, list[int]] = {}
+        for i, job in enumerate(jobs):
+            pos = by_stream.get(job.replica)
+            if pos is None:
+                pos = by_stream[job.replica] = []
+            pos.append(i)
+        step = self.settings.script_batch
+        calls = []
+        for replica, positions in by_stream.items():
+            keys = self.keys.submit_keys(self.keys.job_stream(replica))
+            for i in range(0, len(positions), step):
+                part = positions[i : i + step]
+                args: list[Any] = []
+                for k in part:
+                    job = jobs[k]
+                    args.append(job.id if job.tracked else "")
+                    args.append(encode_job(job))
+                # One msgpack argument per call: far cheaper to send than 2 arguments per job.
+                calls.append((keys, [_pack(args), self.id], part))
+        return calls
 
     async def _submit_chunk(self, jobs: list[Job]) -> list[JobHandle]:
         await self._reserve(len(jobs))
-        loop = asyncio.get_running_loop()
-        calls: list[tuple[list[str], list[Any], int]] = []  # (keys, args, jobs) per script call
-        by_stream: dict[str, list[Any]] = {}
-        order: dict[str, list[Job]] = {}
-        for job in jobs:
-            stream = self.keys.job_stream(job.replica)
-            args = by_stream.setdefault(stream, [])
-            args.append(job.id if job.tracked else "")
-            args.append(encode_job(job))
-            order.setdefault(stream, []).append(job)
-        step = 2 * self.settings.script_batch
-        call_jobs: list[list[Job]] = []
-        for stream, args in by_stream.items():
-            keys = self.keys.submit_keys(stream)
-            for i in range(0, len(args), step):
-                part = args[i : i + step]
-                # One msgpack argument per call: far cheaper to send than 2 arguments per job.
-                calls.append((keys, [msgpack.packb(part, use_bin_type=False), self.id], len(part) // 2))
-                call_jobs.append(order[stream][i // 2 : (i + step) // 2])
+        pending = self._submit_calls(jobs)
+        entries: list[tuple[str, bytes, bool] | None] = [None] * len(jobs)
         dups: list[bytes] = []
         foreign: dict[str, str] = {}  # duplicate ids queued by another producer -> its id
         sent = 0
         try:
-            pending = list(zip(calls, call_jobs))
             while pending:
-                results = await self._run_scripts([c for c, _ in pending])
+                results = await self._run_scripts(pending)
                 refused = []
-                for (call, cjobs), (skipped, was_refused, limit, eids, owners) in zip(pending, results):
+                for call, (skipped, was_refused, limit, eids, owners) in zip(pending, results):
+                    keys, _, part = call
                     if was_refused:
-                        refused.append((call, cjobs))
-                    else:
+                        refused.append(call)
+                        continue
+                    if skipped:
                         dups.extend(skipped)
                         for jid, owner in zip(skipped, owners):
                             if owner is not None and owner.decode() != self.id:
                                 foreign[jid.decode()] = owner.decode()
-                        sent += call[2]
-                        stream = call[0][0]
-                        for job, eid in zip(cjobs, eids):
-                            if eid:
-                                self._entries[job.id] = (stream, eid, job.tracked)
+                    sent += len(part)
+                    stream = keys[0]
+                    for k, eid in zip(part, eids):
+                        if eid:
+                            entries[k] = (stream, eid, jobs[k].tracked)
                 if refused:
-                    await self._wait_for_admission(sum(c[2] for c, _ in refused), limit)
+                    await self._wait_for_admission(sum(len(c[2]) for c in refused), limit)
                 pending = refused
         except BaseException:
-            await self._release(len(jobs) - sent)  # what was enqueued runs; the rest was not sent
+            self._release(len(jobs) - sent)  # what was enqueued runs; the rest was not sent
             raise
+        known = self._handles
+        if not dups:  # the common case: every job was enqueued
+            handles = [JobHandle(job.id, self, entry) for job, entry in zip(jobs, entries)]
+            for h in handles:
+                known[h.id] = h
+            self.counters["submitted"] += len(jobs)
+            return handles
+        return self._handles_with_duplicates(jobs, entries, dups, foreign)
+
+    def _handles_with_duplicates(
+        self, jobs: list[Job], entries: list[tuple[str, bytes, bool] | None], dups: list[bytes], foreign: dict[str, str],
+    ) -> list[JobHandle]:
         # Within a call the first occurrence of an id is enqueued, repeats are skipped (and
         # all occurrences are skipped if the id was already queued): mark the last ones.
-        accepted_left: dict[bytes, int] = {}
-        if dups:
-            skipped_left = Counter(dups)
-            occurrences = Counter(job.id.encode() for job in jobs if job.tracked)
-            accepted_left = {k: occurrences[k] - skipped_left[k] for k in skipped_left}
+        skipped_left = Counter(dups)
+        occurrences = Counter(job.id.encode() for job in jobs if job.tracked)
+        accepted_left = {k: occurrences[k] - skipped_left[k] for k in skipped_left}
         handles = []
-        for job in jobs:
+        for job, entry in zip(jobs, entries):
             dup = False
-            if accepted_left and (key := job.id.encode()) in accepted_left:
+            if (key := job.id.encode()) in accepted_left:
                 if accepted_left[key] > 0:
                     accepted_left[key] -= 1
                 else:
                     dup = True
-            fut = self._futures.get(job.id)
-            if fut is None:
-                fut = loop.create_future()
-                self._futures[job.id] = fut
-            elif dup:  # resubmitted while ours is still outstanding: do not double count
-                await self._release(1)
-            if dup and job.id in foreign and not fut.done():
+            first = self._handles.get(job.id)
+            h = JobHandle(job.id, self, entry, duplicate=dup)
+            if first is None:
+                self._handles[job.id] = h
+            elif dup:  # resubmitted while ours is still outstanding: one result, shared
+                self._release(1)
+                h._future = first._shared_future()
+            else:
+                self._handles[job.id] = h
+            if dup and job.id in foreign and not h.done():
                 # Queued by another producer: its result goes there, never here.
-                fut.set_result(Result(id=job.id, error=ErrorInfo(
+                res = Result(id=job.id, error=ErrorInfo(
                     type=JobRejected.__name__,
                     message=f"job id {job.id!r} is already queued or running for producer {foreign[job.id]!r}, "
                             "which receives its result; this submission was a no-op",
-                )))
-                self._completed[job.id] = fut.result()
-            handles.append(JobHandle(job.id, self, fut, duplicate=dup))
+                ))
+                h._set(res)
+                self._completed[job.id] = res
+            handles.append(h)
         self.counters["submitted"] += len(jobs) - len(dups)
         self.counters["duplicates"] += len(dups)
         return handles
 
-    async def _run_scripts(self, calls: list[tuple[list[str], list[Any], int]]) -> list[Any]:
+    async def _run_scripts(self, calls: list[tuple[list[str], list[Any], list[int]]]) -> list[Any]:
         """Run SUBMIT calls in one pipeline (one round trip), loading the script if needed."""
+        if len(calls) == 1:  # one call: no pipeline machinery
+            keys, args, _ = calls[0]
+            return [await SUBMIT(self._client, keys, args)]
         for attempt in (0, 1):
             pipe = self._client.pipeline(transaction=False)
             for keys, args, _ in calls:
@@ -393,22 +453,22 @@ class Producer:
     async def cancel(self, job_id: str) -> bool:
         """Cancel a job by id. Returns False if it is no longer queued or running."""
         await self.connect()
-        fut = self._futures.get(job_id)
-        known = fut is not None and not fut.done()
-        stream, eid, tracked = self._entries.get(job_id, (self.keys.jobs, b"0-0", True))
+        h = self._handles.get(job_id)
+        known = h is not None and not h.done()
+        entry = h._entry if h is not None else None
+        stream, eid, tracked = entry or (self.keys.jobs, b"0-0", True)
         how = await CANCEL(
             self._client, [stream, self.keys.cancel(job_id), self.keys.ids, self.keys.stats],
             [eid, job_id, self.keys.control, CANCEL_MARK_TTL, GROUP, "1" if tracked else "0"],
         )
-        if how == 1:
-            self._entries.pop(job_id, None)
-        if fut is not None and not fut.done():
+        if how == 1 and h is not None:
+            h._entry = None
+        if h is not None and not h.done():
             if how != 1:  # it was delivered: a (cancelled) result is still to come; drop it then
                 self._cancelled.add(job_id)
-            fut.set_result(
-                Result(id=job_id, error=ErrorInfo(type=JobCancelled.__name__, message="cancelled by the submitter"))
-            )
-            self._consume(job_id)  # the caller knows: its room is free now
+            res = Result(id=job_id, error=ErrorInfo(type=JobCancelled.__name__, message="cancelled by the submitter"))
+            h._set(res)
+            self._consume(job_id, res)  # the caller knows: its room is free now
         return known
 
     # -- results -------------------------------------------------------------------------
@@ -416,19 +476,25 @@ class Producer:
         """Read the result stream; resolve handles; delete what was taken.
 
         The deletion of one batch travels in the same round trip as the next blocking read.
+        The reader client returns XREAD's reply unparsed (``raw_replies``): a list of
+        ``[stream, [[entry id, [field, value, ...]], ...]]`` (a dict of streams on RESP3).
         """
         assert self._reader_client is not None and self._arrived is not None
         last = b"0-0"
         backoff = 0.05
         count = self.settings.result_batch
         taken: list[bytes] = []
+        client = self._reader_client
+        key = self._result_key
         while not self._closed:
             try:
-                pipe = self._reader_client.pipeline(transaction=False)
                 if taken:
-                    pipe.xdel(self._result_key, *taken)
-                pipe.xread({self._result_key: last}, count=count, block=1000)
-                resp = (await pipe.execute())[-1]
+                    pipe = client.pipeline(transaction=False)
+                    pipe.xdel(key, *taken)
+                    pipe.xread({key: last}, count=count, block=1000)
+                    resp = (await pipe.execute())[-1]
+                else:
+                    resp = await client.xread({key: last}, count=count, block=1000)
                 taken = []
                 backoff = 0.05
             except _RETRYABLE as e:
@@ -438,48 +504,48 @@ class Producer:
                 continue
             if not resp:
                 continue
-            entries = resp[0][1]
-            for eid, fields in entries:
-                taken.append(eid)
-                try:
-                    one = fields.get(b"d")
-                    for data in ([one] if one is not None else msgpack.unpackb(fields[b"b"], raw=True)):
-                        self._deliver(decode_result(data))
-                except Exception as e:  # a corrupt result must not stop the reader
-                    log.error("dropping unreadable result entry %s: %s", eid, e)
-            last = taken[-1]
+            for _, entries in resp.items() if isinstance(resp, dict) else resp:
+                for eid, fields in entries:
+                    taken.append(eid)
+                    try:
+                        if type(fields) is dict:  # a client that parsed the reply anyway
+                            fields = [x for kv in fields.items() for x in kv]
+                        if fields[0] == b"d":
+                            self._deliver(decode_result(fields[1]))
+                        else:
+                            for data in msgpack.unpackb(fields[1], raw=True):
+                                self._deliver(decode_result(data))
+                    except Exception as e:  # a corrupt result must not stop the reader
+                        log.error("dropping unreadable result entry %s: %s", eid, e)
+            if taken:
+                last = taken[-1]
             self._arrived.set()
 
     def _deliver(self, res: Result) -> None:
         self.counters["results"] += 1
-        self._entries.pop(res.id, None)
-        if res.id in self._cancelled:  # its handle already holds JobCancelled
-            self._cancelled.discard(res.id)
+        jid = res.id
+        if self._cancelled and jid in self._cancelled:  # its handle already holds JobCancelled
+            self._cancelled.discard(jid)
             return
-        fut = self._futures.get(res.id)
-        if fut is not None and fut.done():
-            return  # a duplicate of what we already hold (cannot happen with one finisher)
-        if fut is None:  # a result of a previous incarnation of this producer
-            fut = asyncio.get_running_loop().create_future()
-            self._futures[res.id] = fut
+        h = self._handles.get(jid)
+        if h is None:  # a result of a previous incarnation of this producer
+            h = self._handles[jid] = JobHandle(jid, self)
             self._outstanding += 1
-        fut.set_result(res)
-        self._completed[res.id] = res
+        elif h.done():
+            return  # a duplicate of what we already hold (cannot happen with one finisher)
+        h._entry = None
+        h._set(res)
+        self._completed[jid] = res
 
-    def _consume(self, job_id: str, already_removed: bool = False) -> None:
-        """A result was taken by its handle or by results(): forget it, free room."""
-        if self._futures.pop(job_id, None) is None and not already_removed:
-            return
-        self._completed.pop(job_id, None)
-        self._outstanding -= 1
-        if self._room is not None:
-            room = self._room
-
-            async def notify() -> None:
-                async with room:
-                    room.notify_all()
-
-            asyncio.get_running_loop().create_task(notify())
+    def _consume(self, job_id: str, res: Result) -> None:
+        """``res`` was taken by its handle or by results(): forget it, free room (once)."""
+        h = self._handles.get(job_id)
+        if h is None or not (h._result is res or (h._future is not None and h._future.done() and h._future.result() is res)):
+            return  # already taken
+        del self._handles[job_id]
+        if self._completed.get(job_id) is res:
+            del self._completed[job_id]
+        self._release(1)
 
     async def results(self, *, timeout: float | None = None, raise_error: bool = False) -> AsyncIterator[Result]:
         """Results as they complete, each once (also ones no handle was awaited for).
@@ -492,7 +558,7 @@ class Producer:
         while True:
             while self._completed:
                 job_id, res = self._completed.popitem(last=False)
-                self._consume(job_id, already_removed=True)
+                self._consume(job_id, res)
                 if raise_error and res.error is not None:
                     raise job_error(res.error.type, res.error.message, job_id)
                 yield res
@@ -506,11 +572,11 @@ class Producer:
 
     async def gather(self, handles: Sequence[JobHandle], timeout: float | None = None) -> list[Result]:
         """Results of ``handles`` in order (errors returned, not raised)."""
-        return list(
-            await asyncio.wait_for(
-                asyncio.gather(*(h.result(raise_error=False) for h in handles)), timeout
-            )
-        )
+
+        async def each() -> list[Result]:  # one waiter, not a task per handle
+            return [await h.result(raise_error=False) for h in handles]
+
+        return await asyncio.wait_for(each(), timeout)
 
     async def wait_all(self, timeout: float | None = None) -> list[Result]:
         """Every result of every outstanding job (order of completion)."""
@@ -530,5 +596,7 @@ class Producer:
                 continue
         return out
 
+
+_pack = msgpack.Packer(use_bin_type=False).pack  # Redis' Lua cmsgpack reads str, not bin
 
 _SPEC_FIELDS = {"prompt", "prompt_token_ids", "messages", "sampling", "id", "replica", "min_version", "deadline", "timeout", "meta"}
