@@ -34,8 +34,9 @@ pytestmark = pytest.mark.slow
 # once its fix is applied (strict: the test then passes and the marker fails it).
 PENDING_PIPELINE_FIX = pytest.mark.xfail(
     strict=True,
-    reason="pending cluster fix: redis-py's cluster pipeline refuses pipe.evalsha (Producer._run_scripts) "
-    "and pipe.mget (Consumer._heartbeat_once); send them with pipe.execute_command",
+    reason="pending cluster fix: redis-py's cluster pipeline refuses pipe.evalsha (Producer._run_scripts, "
+    "taken when one submit_many needs several script calls: several streams or > script_batch jobs) and "
+    "pipe.mget (Consumer._heartbeat_once while jobs run); send them with pipe.execute_command",
 )
 PENDING_ACK_URL_FIX = pytest.mark.xfail(
     strict=True,
@@ -174,7 +175,7 @@ async def test_rollq_redis_cluster_command_starts_and_removes_a_cluster():
 @PENDING_PIPELINE_FIX
 async def test_submit_consume_exactly_once_on_every_node(redis_cluster, node_queues, make_producer, make_consumer, cluster_client):
     async def one(i: int, q: str) -> None:
-        p = await make_producer(q)
+        p = await make_producer(q, script_batch=40)  # 150 jobs: 4 script calls in one pipeline
         singles = [await p.submit(prompt_token_ids=[i, k], sampling={"max_tokens": 3}) for k in range(5)]
         many = await p.submit_many(
             [{"prompt_token_ids": [100 + k], "sampling": {"max_tokens": 2}, "id": f"job-{k}"} for k in range(150)]
@@ -216,7 +217,6 @@ async def test_submit_consume_exactly_once_on_every_node(redis_cluster, node_que
                 assert queue_keys_on(redis_cluster, j, q) == []
 
 
-@PENDING_PIPELINE_FIX
 async def test_reclaimed_job_runs_twice_but_is_delivered_once(redis_cluster, make_producer, make_consumer, cluster_client):
     q = redis_cluster.queue_on(1)
     k = QueueKeys(q)
@@ -265,7 +265,6 @@ async def test_a_long_job_keeps_its_lease_while_a_peer_watches(redis_cluster, ma
 # ----------------------------------------------------------------------------------------
 # cancel, dead letters, targeting
 # ----------------------------------------------------------------------------------------
-@PENDING_PIPELINE_FIX
 async def test_cancel_queued_and_running_jobs_with_the_pubsub_hint(redis_cluster, make_producer, make_consumer, cluster_client):
     q = redis_cluster.queue_on(2)
     k = QueueKeys(q)
@@ -296,7 +295,6 @@ async def test_cancel_queued_and_running_jobs_with_the_pubsub_hint(redis_cluster
     assert ("cancel", queued.id) not in hints  # removed from its stream: no replica needed telling
 
 
-@PENDING_PIPELINE_FIX
 async def test_malformed_entries_are_dead_lettered_and_later_jobs_served(redis_cluster, make_producer, make_consumer, cluster_client):
     q = redis_cluster.queue_on(0)
     k = QueueKeys(q)
@@ -322,7 +320,6 @@ async def test_malformed_entries_are_dead_lettered_and_later_jobs_served(redis_c
     assert await dlq_requeue(cluster_client, k) == (0, 2)  # not valid jobs: they stay
 
 
-@PENDING_PIPELINE_FIX
 async def test_dead_lettered_job_is_requeued_through_the_cluster(redis_cluster, make_producer, make_consumer, cluster_client):
     q = redis_cluster.queue_on(1)
     k = QueueKeys(q)
@@ -366,7 +363,6 @@ async def test_jobs_targeted_at_a_replica_run_there(redis_cluster, node_queues, 
 # ----------------------------------------------------------------------------------------
 # status
 # ----------------------------------------------------------------------------------------
-@PENDING_PIPELINE_FIX
 async def test_rollq_status_and_check_through_the_cluster_url(redis_cluster, make_producer, make_consumer, cluster_client):
     q = redis_cluster.queue_on(2)
     k = QueueKeys(q)
@@ -403,7 +399,6 @@ async def test_rollq_status_and_check_through_the_cluster_url(redis_cluster, mak
     assert rc == 1  # its lease is gone
 
 
-@PENDING_PIPELINE_FIX
 async def test_cli_submit_and_consume_through_the_cluster_url(redis_cluster, tmp_path):
     q = redis_cluster.queue_on(1)
     jobs = tmp_path / "jobs.jsonl"
@@ -421,7 +416,6 @@ async def test_cli_submit_and_consume_through_the_cluster_url(redis_cluster, tmp
     assert (st.depth, st.in_flight, st.completed) == (0, 0, 5)
 
 
-@PENDING_PIPELINE_FIX
 async def test_dashboard_sampler_reads_a_cluster_queue(redis_cluster, node_queues, make_producer):
     from rollq.dashboard.sampler import Sampler
 
@@ -439,7 +433,6 @@ async def test_dashboard_sampler_reads_a_cluster_queue(redis_cluster, node_queue
 # ----------------------------------------------------------------------------------------
 # staleness bound and policy versions
 # ----------------------------------------------------------------------------------------
-@PENDING_PIPELINE_FIX
 async def test_staleness_bound_and_versions_through_the_cluster(redis_cluster, node_queues, make_producer, make_consumer, cluster_client):
     for i, q in enumerate(node_queues):
         k = QueueKeys(q)
@@ -475,7 +468,6 @@ async def test_staleness_bound_and_versions_through_the_cluster(redis_cluster, n
         await make_consumer.stop(c)
 
 
-@PENDING_PIPELINE_FIX
 async def test_memmap_weight_publish_and_follow_through_the_cluster(redis_cluster, tmp_path, make_consumer):
     torch = pytest.importorskip("torch")
     from rollq.producer.client import Producer

