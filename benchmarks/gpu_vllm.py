@@ -80,17 +80,20 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
         sender = BroadcastSender(1, backend="nccl", bucket_bytes=1 << 30, timeout=300, device=dev)
         pub = WeightPublisher(url, queue, root=root, sender=sender)
         native_group = None
+        marks = 0
         while True:
             cmd = await asyncio.to_thread(conn.recv)
             op = cmd["op"]
             try:
                 if op == "publish":
-                    t0 = time.time()
+                    marks += 1  # the replica must then show exactly this value (checks the swap)
                     for t in list(tensors.values())[:4]:
-                        t.mul_(1.0001)
+                        t.view(-1)[:4].fill_(float(marks))
+                    torch.cuda.synchronize()
+                    t0 = time.time()
                     rec = await pub.publish_weights(tensors, transport=cmd["transport"])
                     conn.send({"ok": True, "t0": t0, "t1": time.time(), "version": rec.version, "transport": rec.transport,
-                               "timings": rec.timings, "nbytes": rec.nbytes})
+                               "timings": rec.timings, "nbytes": rec.nbytes, "mark": float(marks)})
                 elif op == "native_init":
                     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
@@ -308,6 +311,12 @@ async def engine_main(a: argparse.Namespace) -> None:
                                        f"(at {consumer.version}, failures {follower.failures})")
                 await asyncio.sleep(0.0005)
 
+        async def weights_match(mark: float) -> bool:
+            """The served weights are the published ones: the embedding and the fused qkv
+            projection (q rows come first) start with the trainer's mark."""
+            got = [(await engine.call_workers("rollq_weight_sample", n))[0] for n in ("embed_tokens", "layers.0.self_attn.qkv_proj")]
+            return all(g == [mark] * 4 for g in got)
+
         async def step_gaps(m0: float) -> dict:
             """Engine steps seen from just before the update until just after it: the largest
             gap is how long generation actually stood still (measured, not inferred)."""
@@ -327,7 +336,8 @@ async def engine_main(a: argparse.Namespace) -> None:
                     t_served, st = await wait_version(r["version"])
                     row = {"version": r["version"], "transport": r["transport"], "running_at_start": running,
                            "end_to_end_s": t_served - r["t0"], "trainer_publish_s": r["t1"] - r["t0"],
-                           "paused_s": st.pause_s, "swap": st.load, "trainer": r["timings"], **(await step_gaps(m0))}
+                           "paused_s": st.pause_s, "swap": st.load, "trainer": r["timings"], **(await step_gaps(m0)),
+                           "weights_match": await weights_match(r["mark"])}
                     log("sync", row)
                     if i > 0:  # the first forms the group
                         rows.append(row)
@@ -389,7 +399,8 @@ async def engine_main(a: argparse.Namespace) -> None:
                     nb = r.get("nbytes") or 15.2e9
                     row = {"version": r["version"], "write_s": r["timings"].get("write_s"), "checksum_s": r["timings"].get("checksum_s"),
                            "pinned_write": r["timings"].get("pinned"), "publish_s": r["t1"] - r["t0"], "load": st.load,
-                           "paused_s": st.pause_s, "end_to_end_s": t_served - r["t0"], **(await step_gaps(m0))}
+                           "paused_s": st.pause_s, "end_to_end_s": t_served - r["t0"], **(await step_gaps(m0)),
+                           "weights_match": await weights_match(r["mark"])}
                     row["gb_per_s_publish_plus_load"] = nb / 1e9 / row["end_to_end_s"]
                     # The first use of each slot (keep=2) creates its files, the second maps and
                     # page-locks them once per process; steady state starts at the fifth update.
@@ -431,7 +442,8 @@ def render(out: dict) -> str:
         lines += [f"rollq NCCL update under load: end to end {med(r, 'end_to_end_s') * 1000:.0f} ms, "
                   f"swap call {med(r, 'paused_s') * 1000:.0f} ms, longest gap between engine steps "
                   f"{med(r, 'max_step_gap_s') * 1000:.0f} ms (median step {med(r, 'median_step_s') * 1000:.0f} ms; "
-                  f"median of {len(r)})", ""]
+                  f"median of {len(r)}); swap by {sorted({str(x['swap'].get('swap')) for x in r})}, "
+                  f"served weights equal the published ones: {all(x.get('weights_match') for x in r)}", ""]
     if "native" in ph and ph["native"].get("reps"):
         r = ph["native"]["reps"]
         lines += [f"vLLM native packed update under load: pause {med(r, 'pause_s') * 1000:.0f} ms + update "
@@ -442,7 +454,8 @@ def render(out: dict) -> str:
         r = [x for x in ph["memmap"]["reps"] if x.get("steady")] or ph["memmap"]["reps"]
         lines += [f"memmap via /dev/shm (steady state, {len(r)} updates): publish + load {med(r, 'end_to_end_s'):.2f} s = "
                   f"{med(r, 'gb_per_s_publish_plus_load'):.1f} GB/s, write {med(r, 'write_s'):.2f} s, "
-                  f"longest gap between engine steps {med(r, 'max_step_gap_s') * 1000:.0f} ms", ""]
+                  f"longest gap between engine steps {med(r, 'max_step_gap_s') * 1000:.0f} ms; "
+                  f"served weights equal the published ones: {all(x.get('weights_match') for x in ph['memmap']['reps'])}", ""]
     for k, v in ph.items():
         if "error" in v:
             lines.append(f"{k}: ERROR {v['error']}")

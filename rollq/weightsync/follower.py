@@ -254,7 +254,7 @@ class WeightFollower:
             if time.monotonic() > deadline:
                 raise WeightSyncTimeout(f"staging version {rec.version} took longer than {self.load_timeout}s (load_timeout)")
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            delay = min(delay * 2, 0.01)
 
     async def _load(self, rec: VersionRecord, staged: Any) -> dict[str, Any]:
         if isinstance(staged, tuple) and staged[0] == "memmap":

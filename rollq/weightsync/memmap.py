@@ -29,7 +29,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -112,7 +112,8 @@ class MemmapStore:
         t0 = time.perf_counter()
         (d / COMMIT).unlink(missing_ok=True)  # readers now refuse this slot
         manifest = manifest_of(items)
-        reused = pinned = self._write_pinned(d, slot, items, manifest)
+        finish = self._write_pinned(d, slot, items, manifest)  # copies run while we checksum
+        reused = pinned = finish is not None
         src = TensorDict(dict(items), batch_size=[]) if not pinned else None
         if not pinned and (d / "meta.json").exists():
             try:
@@ -135,6 +136,9 @@ class MemmapStore:
         t1 = time.perf_counter()
         checksum = state_checksum(items)
         checksum_s = time.perf_counter() - t1
+        if finish is not None:
+            finish()
+            write_s = time.perf_counter() - t0  # the copies overlapped the checksum
         nbytes = sum(m.nbytes for m in manifest)
         marker = {
             "version": version, "checksum": checksum, "nbytes": nbytes, "written_at": time.time(),
@@ -149,33 +153,42 @@ class MemmapStore:
         log.info("wrote version %d to %s (%.1f MB, %.3fs, reused=%s, pinned=%s)", version, d, nbytes / 1e6, write_s, reused, pinned)
         return SlotInfo(slot, version, checksum, manifest, nbytes, write_s, checksum_s, pinned)
 
-    def _write_pinned(self, d: Path, slot: str, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta]) -> bool:
-        """GPU tensors into the slot's existing files through their page-locked mappings
-        (the copy engines write the file pages directly). Only when this store wrote the same
-        layout into the slot before; False means "use the TensorDict path"."""
+    def _write_pinned(self, d: Path, slot: str, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta]) -> Any:
+        """Enqueue copies of GPU tensors into the slot's existing files through their
+        page-locked mappings (the copy engines write the file pages directly), on side
+        streams; returns a function that waits for them and flushes, or None ("use the
+        TensorDict path"). Only when this store wrote the same layout into the slot before."""
         from . import pinned
 
         if not items or self._layouts.get(slot) != manifest or not pinned.available():
-            return False
+            return None
         if not all(t.device.type == "cuda" for _, t in items):
-            return False
+            return None
         views = []
         for (name, _), m in zip(items, manifest):
             p = d / f"{name}.memmap"
             if not p.is_file() or p.stat().st_size != m.nbytes:
-                return False
+                return None
             v = pinned.pinned_file(p) if m.nbytes else torch.empty(0, dtype=torch.uint8)
             if v is None:
-                return False
+                return None
             views.append((str(p), v))
-        for (_, t), (_, v) in zip(items, views):
-            t = t.detach()
-            if v.numel():
-                v.copy_((t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8), non_blocking=True)
+        streams: dict[torch.device, torch.cuda.Stream] = {}
         for dev in {t.device for _, t in items}:
-            torch.cuda.synchronize(dev)
-        pinned.flush([p for p, _ in views])
-        return True
+            streams[dev] = torch.cuda.Stream(dev)
+            streams[dev].wait_stream(torch.cuda.current_stream(dev))  # after whatever wrote the weights
+        for (_, t), (_, v) in zip(items, views):
+            if v.numel():
+                t = t.detach()
+                with torch.cuda.stream(streams[t.device]):
+                    v.copy_((t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8), non_blocking=True)
+
+        def finish() -> None:
+            for st in streams.values():
+                st.synchronize()
+            pinned.flush([p for p, _ in views])
+
+        return finish
 
     # -- read --------------------------------------------------------------------------
     def _committed(self, slot: str, version: int, checksum: str) -> tuple[Path, dict]:

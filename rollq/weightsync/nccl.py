@@ -173,6 +173,36 @@ class Group:
             t.join(timeout)
 
 
+_gil_users = 0
+_gil_lock = threading.Lock()
+_gil_saved = 0.005
+
+
+@contextlib.contextmanager
+def responsive_gil(interval: float = 0.0002) -> Any:
+    """Shorten the interpreter's GIL switch interval while a weight-sync thread works.
+
+    The thread shares its process with vLLM's busy engine loop; at the default 5 ms every
+    one of its hundreds of small steps (one per tensor) can wait that long for the GIL.
+    Restored when the last user leaves.
+    """
+    import sys
+
+    global _gil_users, _gil_saved
+    with _gil_lock:
+        if _gil_users == 0:
+            _gil_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(interval, _gil_saved))
+        _gil_users += 1
+    try:
+        yield
+    finally:
+        with _gil_lock:
+            _gil_users -= 1
+            if _gil_users == 0:
+                sys.setswitchinterval(_gil_saved)
+
+
 def _quiet(fn: Any) -> None:
     try:
         fn()
@@ -462,8 +492,11 @@ class WorkerReceiver:
     periodic check) and receives each new offer of this group once, while the engine serves.
     """
 
-    def __init__(self, info: GroupInfo, rank: int, device: torch.device):
+    def __init__(self, info: GroupInfo, rank: int, device: torch.device, lock: threading.Lock | None = None, on_staged: Any = None):
         self.info, self.rank, self.device = info, rank, device
+        #: Called as ``on_staged(version, items, stream)`` in the receiving thread once a
+        #: version is staged (the worker extension loads it into its shadow weights there).
+        self.on_staged = on_staged
         self.pg = make_group(info, rank, device)
         _broadcast(self.pg, torch.zeros(1, dtype=torch.uint8, device=device), info.timeout)
         self.flat: torch.Tensor | None = None
@@ -471,7 +504,7 @@ class WorkerReceiver:
         self.status: dict[str, Any] = {"state": "idle"}
         self.attempted = 0  # newest offered version this receiver took part in (or skipped)
         #: Held while receiving into, or swapping from, the staging buffer.
-        self.lock = threading.Lock()
+        self.lock = lock or threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -529,7 +562,7 @@ class WorkerReceiver:
     # -- receiving ----------------------------------------------------------------------
     def receive(self, offer: Offer) -> None:
         """Receive ``offer`` into the staging buffer (blocking, bounded by its timeouts)."""
-        with self.lock:
+        with self.lock, responsive_gil():
             self._receive(offer)
 
     def _receive(self, offer: Offer) -> None:
@@ -560,7 +593,11 @@ class WorkerReceiver:
                     if got != offer.checksum:
                         raise WeightSyncError(f"staged version {offer.version} has checksum {got}, expected {offer.checksum}")
             self.staged = (offer.version, items)
-            self.status = {"state": "staged", "version": offer.version, "receive_s": t_recv, "verify_s": t_verify}
+            t_prep = time.perf_counter()
+            if self.on_staged is not None:
+                self.on_staged(offer.version, items, stream)
+            self.status = {"state": "staged", "version": offer.version, "receive_s": t_recv, "verify_s": t_verify,
+                           "prepare_s": time.perf_counter() - t_prep}
         except Exception as e:
             self.staged = None
             self.status = {"state": "failed", "version": offer.version, "error": f"{type(e).__name__}: {e}"}

@@ -13,6 +13,7 @@ has); on the CPU backend, whose linear layers are repacked at start-up,
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Iterable
 
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 
 #: Prefix of worker errors that mean "the stored version is corrupt" (see WeightFollower).
 CORRUPT_TAG = "[rollq:CorruptWeights]"
+
+_init_lock = threading.Lock()
 
 
 class RollqWorkerExtension:
@@ -39,6 +42,64 @@ class RollqWorkerExtension:
             self.reload_weights(weights_iterator=iter(list(items)), is_checkpoint_format=True)
         else:
             self.model_runner.model.load_weights(weights=iter(items))
+
+    def _rollq_lock(self) -> Any:
+        """The worker's lock for its shadow weights and memmap staging (a broadcast receiver
+        has its own lock for its buffer, always taken before this one)."""
+        import threading
+
+        with _init_lock:
+            lock = getattr(self, "_rollq_lock_obj", None)
+            if lock is None:
+                lock = self._rollq_lock_obj = threading.Lock()
+            return lock
+
+    def _rollq_shadow(self) -> Any:
+        """The shadow weights (built on first use), or None where they are not used.
+
+        ``ROLLQ_SHADOW_WEIGHTS``: ``auto`` (default: on CUDA when memory allows), ``1``, ``0``.
+        """
+        if getattr(self, "_rollq_shadow_off", None) is not None:
+            return None
+        sh = getattr(self, "_rollq_shadow_obj", None)
+        if sh is not None:
+            return sh
+        import os
+
+        from .shadow import ShadowWeights, shadow_supported
+
+        mode = os.environ.get("ROLLQ_SHADOW_WEIGHTS", "auto").lower()
+        model = self.model_runner.model
+        why = None
+        if mode in ("0", "off", "false", "no"):
+            why = "disabled by ROLLQ_SHADOW_WEIGHTS"
+        elif mode == "auto" and self._rollq_device().type != "cuda":
+            why = "not on a GPU (the CPU backend repacks its weights)"
+        else:
+            why = shadow_supported(model)
+        if why is not None:
+            self._rollq_shadow_off = why
+            log.info("no shadow weights: %s; versions load during the swap", why)
+            return None
+        self._rollq_shadow_obj = ShadowWeights(model)
+        log.info("shadow weights: %.2f GB; new versions load while the engine serves", self._rollq_shadow_obj.nbytes / 1e9)
+        return self._rollq_shadow_obj
+
+    def _rollq_prepare(self, version: int, items: list[tuple[str, torch.Tensor]], stream: Any = None) -> bool:
+        """Load a staged version into the shadow weights (in a background thread, with the
+        worker lock held); False when there is no shadow or it failed (the swap then loads)."""
+        try:
+            with self._rollq_lock():
+                sh = self._rollq_shadow()
+                if sh is None:
+                    return False
+                sh.load(items, version, stream)
+                return True
+        except Exception as e:  # never lose the staged version over the shadow
+            log.warning("loading version %d into the shadow weights failed (%s: %s); shadow disabled", version, type(e).__name__, e)
+            self._rollq_shadow_obj = None
+            self._rollq_shadow_off = f"{type(e).__name__}: {e}"
+            return False
 
     def rollq_load_memmap(self, root: str, slot: str, version: int, checksum: str, verify: bool = True) -> dict[str, Any]:
         """Load committed ``version`` from a memmap slot; returns timings (seconds).
@@ -97,9 +158,20 @@ class RollqWorkerExtension:
         from .checksum import state_checksum
         from .memmap import MemmapStore
 
+        from .nccl import responsive_gil
+
+        with responsive_gil():
+            self._rollq_stage_locked(root, slot, version, checksum)
+
+    def _rollq_stage_locked(self, root: str, slot: str, version: int, checksum: str) -> None:
+        from ..errors import CorruptWeights
+        from .checksum import state_checksum
+        from .memmap import MemmapStore
+
         dev = self._rollq_device()
         t0 = time.perf_counter()
         pinned = False
+        stream = None
         try:
             store = MemmapStore(root)
             if dev.type == "cuda":
@@ -116,8 +188,13 @@ class RollqWorkerExtension:
                             raise CorruptWeights(f"version {version} in {slot}: checksum mismatch after copying to {dev}")
             else:
                 items = store.read(slot, version=version, checksum=checksum, verify=True)
-            self._rollq_staged_mm = (version, items)
-            self._rollq_stage_state = {"state": "staged", "version": version, "stage_s": time.perf_counter() - t0, "pinned": pinned}
+            t1 = time.perf_counter()
+            shadowed = self._rollq_prepare(version, items, stream)
+            with self._rollq_lock():
+                self._rollq_staged_mm = (version, None if shadowed else items)  # in the shadow: free the copy
+            del items
+            self._rollq_stage_state = {"state": "staged", "version": version, "stage_s": t1 - t0,
+                                       "prepare_s": time.perf_counter() - t1, "pinned": pinned, "shadow": shadowed}
         except Exception as e:
             corrupt = isinstance(e, CorruptWeights)
             self._rollq_stage_state = {"state": "failed", "version": version, "corrupt": corrupt,
@@ -145,7 +222,7 @@ class RollqWorkerExtension:
 
         def join() -> None:
             try:
-                rcv = WorkerReceiver(gi, rank, self._rollq_device())
+                rcv = WorkerReceiver(gi, rank, self._rollq_device(), on_staged=self._rollq_on_staged)
                 self._rollq_receiver = rcv
                 if lst is not None:
                     rcv.listen(msgspec.structs.replace(lst, field=f"{lst.field}{local}"), self.rollq_version)
@@ -154,6 +231,9 @@ class RollqWorkerExtension:
                 self._rollq_status = {"state": "failed", "group": gi.id, "joined": False, "error": f"{type(e).__name__}: {e}"}
 
         threading.Thread(target=join, name="rollq-join", daemon=True).start()
+
+    def _rollq_on_staged(self, version: int, items: list[tuple[str, torch.Tensor]], stream: Any) -> None:
+        self._rollq_prepare(version, items, stream)
 
     def rollq_leave_group(self) -> None:
         """Stop following offers and drop the group (the staging buffer goes with it)."""
@@ -179,20 +259,31 @@ class RollqWorkerExtension:
         versions; generation stops only while it runs.
         """
         t0 = time.perf_counter()
-        mm = getattr(self, "_rollq_staged_mm", None)
-        if mm is not None and mm[0] == version:
-            self._rollq_staged_mm = None
-            self._rollq_load(mm[1])
-        else:
+        how = "shadow"
+        with self._rollq_lock():  # nothing rewrites the shadow or memmap staging mid-swap
+            sh = getattr(self, "_rollq_shadow_obj", None)
+            mm = getattr(self, "_rollq_staged_mm", None)
+            if sh is not None and sh.version == version:
+                sh.swap()  # one fused copy, stream-ordered between two engine steps
+                sh.version = None
+                self._rollq_staged_mm = None
+            elif mm is not None and mm[0] == version and mm[1] is not None:
+                how = "load"
+                self._rollq_staged_mm = None
+                self._rollq_load(mm[1])
+            else:
+                how = "broadcast"
+        if how == "broadcast":
             rcv = getattr(self, "_rollq_receiver", None)
             if rcv is None:
-                raise RuntimeError(f"version {version} is not staged here (no broadcast group)")
-            with rcv.lock:  # a newer offer cannot overwrite the buffer mid-swap
+                raise RuntimeError(f"version {version} is not staged here")
+            # lock order: the receiver's buffer, then the worker's (as in a receive)
+            with rcv.lock, self._rollq_lock():
                 self._rollq_load(rcv.take(version))
         if self._rollq_device().type == "cuda":
             torch.cuda.synchronize(self._rollq_device())
         self._rollq_version = version
-        return {"load_s": time.perf_counter() - t0}
+        return {"load_s": time.perf_counter() - t0, "swap": how}
 
     def rollq_version(self) -> int:
         return getattr(self, "_rollq_version", 0)
