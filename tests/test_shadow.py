@@ -73,7 +73,9 @@ def test_partial_update_keeps_the_rest_and_later_live_changes():
     sh = ShadowWeights(live)
     sh.load([("qkv.q_proj", torch.ones(4, 4))], version=1)
     sh.swap()
-    live.embed.weight.data.fill_(5.0)  # changed by another path (e.g. a direct load)
+    assert sh.synced  # right after a swap the shadow equals live: the next load skips the copy
+    live.embed.weight.data.fill_(5.0)  # changed by another path (a direct load)...
+    sh.synced = False  # ...which says so, as the worker extension's other load paths do
     sh.load([("qkv.k_proj", torch.full((4, 4), 2.0))], version=2)
     sh.swap()
     w = live.qkv.weight
@@ -81,11 +83,37 @@ def test_partial_update_keeps_the_rest_and_later_live_changes():
     assert torch.equal(live.embed.weight, torch.full((8, 4), 5.0))  # not reverted by the swap
 
 
-def test_unsupported_parameter_types_are_reported():
-    class Odd(torch.nn.Parameter):
-        pass
+class QKVParam(torch.nn.Parameter):
+    """Like vLLM's ModelWeightParameter: the loader is a method writing ``self.data``, its
+    state lives in the instance dict, and __init__ takes arguments."""
 
+    def __new__(cls, data, **kwargs):
+        return super().__new__(cls, data=data, requires_grad=False)
+
+    def __init__(self, data, d: int):
+        self._d = d
+
+    def load_qkv_weight(self, loaded: torch.Tensor, shard: str) -> None:
+        i = "qkv".index(shard)
+        self.data.narrow(0, i * self._d, self._d).copy_(loaded)
+
+
+def test_parameter_subclasses_with_method_loaders_are_shadowed():
+    live = Tiny()
+    live.qkv.weight = QKVParam(torch.zeros(12, 4), d=4)
+    live.qkv.weight_loader = lambda param, t, shard: param.load_qkv_weight(t, shard)
+    live.qkv.weight.weight_loader = live.qkv.weight_loader
+    sh = ShadowWeights(live)
+    shadow_qkv = sh.root.qkv.weight
+    assert type(shadow_qkv) is QKVParam and shadow_qkv._d == 4 and shadow_qkv.data_ptr() != live.qkv.weight.data_ptr()
+    sh.load([("qkv.v_proj", torch.full((4, 4), 3.0))], version=1)
+    assert live.qkv.weight.abs().sum() == 0
+    sh.swap()
+    assert torch.equal(live.qkv.weight[8:], torch.full((4, 4), 3.0)) and live.qkv.weight[:8].abs().sum() == 0
+
+
+def test_unsupported_models_are_reported():
     m = Tiny()
-    m.qkv.weight = Odd(torch.zeros(12, 4), requires_grad=False)
-    assert "Odd" in shadow_supported(m)
+    m.quant_config = object()
+    assert "quantized" in shadow_supported(m)
     assert "load_weights" in shadow_supported(torch.nn.Linear(2, 2))

@@ -224,6 +224,49 @@ async def test_gloo_broadcast_updates_every_worker_of_every_replica(redis_url, q
     await pub.close()
 
 
+class Loadable(torch.nn.Sequential):
+    """A model with vLLM's ``load_weights`` entry point (checkpoint names -> parameters)."""
+
+    def load_weights(self, weights) -> set[str]:
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            params[name].data.copy_(t)
+        return set(params)
+
+
+def loadable_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = Loadable(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+async def test_broadcast_streams_into_shadow_weights_and_swaps(redis_url, queue, root, monkeypatch):
+    monkeypatch.setenv("ROLLQ_SHADOW_WEIGHTS", "1")  # "auto" uses them on GPUs only
+    sender = BroadcastSender(num_workers=1, backend="gloo", timeout=20, mode="direct", verify=True)
+    pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
+    engine = FakeWorkerEngine(loadable_model)
+    consumer = Consumer(engine, redis_url, queue)
+    follower = WeightFollower(consumer, root=root, reconcile_interval=0.3, broadcast=True)
+    await follower.start()
+    worker = engine.workers[0]
+    live = worker.model_runner.model
+    for fill in (7.0, 8.0):
+        rec = await pub.publish_weights(state(fill), transport="nccl")
+        assert rec.transport == "nccl"
+        await wait_for(lambda: consumer.version == rec.version, 10, "replica at the new version")
+        assert follower.history[-1].load["swap"] == "shadow", follower.history[-1].load
+        assert all(bool((p == fill).all()) for p in live.parameters())
+    assert worker._rollq_shadow_obj.synced
+    # a memmap version also loads into the shadow while staging, then swaps in
+    rec = await pub.publish_weights(state(9.0), transport="memmap")
+    await wait_for(lambda: consumer.version == rec.version, 10, "memmap version")
+    assert follower.history[-1].load["swap"] == "shadow" and float(live[0].weight[0, 0]) == 9.0
+    await follower.stop()
+    await pub.close()
+
+
 PEER = r"""
 import sys, msgspec, torch, os
 from rollq.weightsync.nccl import GroupInfo, make_group

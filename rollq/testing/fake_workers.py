@@ -21,7 +21,8 @@ class FakeWorker(RollqWorkerExtension):
     def __init__(self, model: torch.nn.Module, rank: int = 0):
         self.rank = rank
         self.device = torch.device("cpu")
-        self.model_runner = SimpleNamespace(model=_Loader(model))
+        # A model with its own load_weights (as vLLM models have) is used as it is.
+        self.model_runner = SimpleNamespace(model=model if hasattr(model, "load_weights") else _Loader(model))
 
 
 class _Loader:

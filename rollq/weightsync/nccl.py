@@ -492,11 +492,14 @@ class WorkerReceiver:
     periodic check) and receives each new offer of this group once, while the engine serves.
     """
 
-    def __init__(self, info: GroupInfo, rank: int, device: torch.device, lock: threading.Lock | None = None, on_staged: Any = None):
+    def __init__(self, info: GroupInfo, rank: int, device: torch.device, sink: Any = None, sink_invalidate: Any = None):
         self.info, self.rank, self.device = info, rank, device
-        #: Called as ``on_staged(version, items, stream)`` in the receiving thread once a
-        #: version is staged (the worker extension loads it into its shadow weights there).
-        self.on_staged = on_staged
+        #: ``sink(version, items, stream) -> bool`` consumes the received ``(name, tensor)``
+        #: pairs as they arrive, in the receiving thread (the worker extension loads them into
+        #: its shadow weights); True when it holds the whole version. ``sink_invalidate()``
+        #: drops what it loaded when the version turns out bad.
+        self.sink = sink
+        self.sink_invalidate = sink_invalidate
         self.pg = make_group(info, rank, device)
         _broadcast(self.pg, torch.zeros(1, dtype=torch.uint8, device=device), info.timeout)
         self.flat: torch.Tensor | None = None
@@ -504,7 +507,7 @@ class WorkerReceiver:
         self.status: dict[str, Any] = {"state": "idle"}
         self.attempted = 0  # newest offered version this receiver took part in (or skipped)
         #: Held while receiving into, or swapping from, the staging buffer.
-        self.lock = lock or threading.Lock()
+        self.lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -567,7 +570,9 @@ class WorkerReceiver:
 
     def _receive(self, offer: Offer) -> None:
         self.status = {"state": "receiving", "version": offer.version}
+        self.staged = None
         t0 = time.perf_counter()
+        sink_ok: Any = None
         try:
             layout = Layout.of(offer.manifest, offer.bucket_bytes)
             if self.flat is None or self.flat.numel() < layout.total:
@@ -577,31 +582,59 @@ class WorkerReceiver:
             stream = torch.cuda.Stream(self.device) if cuda else None  # off the engine's stream
             t_verify = 0.0
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                items = layout.views(self.flat, offer.manifest)
                 if offer.mode == "direct":
-                    for m, off in zip(offer.manifest, layout.offsets):
-                        self.pg.broadcast(self.flat[off : off + m.nbytes], offer.timeout)
+                    received = self._direct(offer, layout, items)
                 else:
                     for s, e in layout.buckets:
                         self.pg.broadcast(self.flat[s:e], offer.timeout)
+                    received = iter(items)
+                if self.sink is not None:
+                    # Direct mode: each tensor is loaded as soon as its broadcast is enqueued
+                    # (stream-ordered after it), so loading overlaps the transfer.
+                    sink_ok = self._feed(offer.version, received, stream)
+                else:
+                    for _ in received:
+                        pass
                 if cuda:
                     wait_stream(self.device, offer.timeout * 2, f"receiving version {offer.version}")
-                items = layout.views(self.flat, offer.manifest)
                 t_recv = time.perf_counter() - t0
                 if offer.verify:
                     got = state_checksum(items)  # on the receive stream, one host sync
                     t_verify = time.perf_counter() - t0 - t_recv
                     if got != offer.checksum:
+                        if self.sink_invalidate is not None:
+                            self.sink_invalidate()
                         raise WeightSyncError(f"staged version {offer.version} has checksum {got}, expected {offer.checksum}")
             self.staged = (offer.version, items)
-            t_prep = time.perf_counter()
-            if self.on_staged is not None:
-                self.on_staged(offer.version, items, stream)
             self.status = {"state": "staged", "version": offer.version, "receive_s": t_recv, "verify_s": t_verify,
-                           "prepare_s": time.perf_counter() - t_prep}
+                           "loaded_while_receiving": bool(sink_ok)}
         except Exception as e:
             self.staged = None
+            if sink_ok and self.sink_invalidate is not None:
+                self.sink_invalidate()
             self.status = {"state": "failed", "version": offer.version, "error": f"{type(e).__name__}: {e}"}
             log.error("receiving version %d failed: %s", offer.version, e)
+
+    def _direct(self, offer: Offer, layout: Layout, items: list[tuple[str, torch.Tensor]]) -> Any:
+        """One broadcast per tensor into its staging view, yielding each view once enqueued."""
+        for (name, view), m, off in zip(items, offer.manifest, layout.offsets):
+            self.pg.broadcast(self.flat[off : off + m.nbytes], offer.timeout)
+            yield name, view
+
+    def _feed(self, version: int, received: Any, stream: Any) -> bool:
+        """Hand the received tensors to the sink; whatever it leaves (it failed or stopped
+        early) is still received, since every rank must take part in every broadcast."""
+        ok = False
+        try:
+            ok = bool(self.sink(version, received, stream))
+        except Exception as e:
+            log.warning("loading version %d while receiving failed (%s: %s); it loads at the swap", version, type(e).__name__, e)
+            if self.sink_invalidate is not None:
+                self.sink_invalidate()
+        for _ in received:  # drain: the rest of the broadcasts
+            pass
+        return ok
 
     def take(self, version: int) -> list[tuple[str, torch.Tensor]]:
         if self.staged is None or self.staged[0] != version:

@@ -11,7 +11,7 @@ engine's stream between two steps. Parameter addresses never change, so captured
 stay valid.
 
 It costs one more copy of the weights in device memory; :func:`shadow_supported` says when it
-can be used (plain ``nn.Parameter`` tensors only, and enough free memory).
+can be used (unquantized models, one device, enough free memory).
 
 >>> shadow = ShadowWeights(model)                          # doctest: +SKIP
 >>> shadow.load(staged_items, stream=side_stream)          # while the engine serves
@@ -37,9 +37,8 @@ def shadow_supported(model: torch.nn.Module, *, margin_bytes: int = 1 << 30) -> 
     params = {id(p): p for p in model.parameters()}
     if not params:
         return "the model has no parameters"
-    odd = {type(p).__name__ for p in params.values() if type(p) is not torch.nn.Parameter}
-    if odd:
-        return f"parameters of types {sorted(odd)} (quantized or custom layouts) are not shadowed"
+    if getattr(model, "quant_config", None) is not None:
+        return "quantized models need post-load processing; they are not shadowed"
     devs = {p.device for p in params.values()}
     if len(devs) != 1:
         return f"parameters on several devices {sorted(map(str, devs))}"
@@ -50,6 +49,27 @@ def shadow_supported(model: torch.nn.Module, *, margin_bytes: int = 1 << 30) -> 
         if free < need + margin_bytes:
             return f"{free / 2**30:.1f} GiB free on {dev}, a shadow needs {need / 2**30:.1f} GiB + margin"
     return None
+
+
+def shadow_parameter(p: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A parameter of the same class and attributes as ``p`` over new storage.
+
+    vLLM's linear layers use ``Parameter`` subclasses whose loaders are methods writing
+    ``self.data`` (``ModelWeightParameter.load_qkv_weight``) and whose state lives in the
+    instance dict (``_output_dim``, ``_weight_loader``, ``tp_rank``); plain parameters carry
+    ``weight_loader``/``output_dim`` attributes. Both are copied, the data is not.
+    """
+    data = torch.empty_like(p.data)
+    cls = type(p)
+    if cls is torch.nn.Parameter:
+        sp = torch.nn.Parameter(data, requires_grad=False)
+    else:
+        sp = cls.__new__(cls, data)  # no __init__: its state is copied below
+        sp.requires_grad_(False)
+    sp.__dict__.update(vars(p))
+    if sp.shape != p.shape or sp.dtype != p.dtype or sp.data_ptr() == p.data_ptr():
+        raise TypeError(f"cannot shadow a parameter of type {cls.__name__}")
+    return sp
 
 
 class ShadowWeights:
@@ -66,6 +86,9 @@ class ShadowWeights:
         self.nbytes = sum(p.numel() * p.element_size() for p in self.live)
         #: Version currently loaded in the shadow (None: nothing to swap in).
         self.version: int | None = None
+        #: Whether shadow == live (true right after a swap); if not, a load starts by copying
+        #: live into the shadow so that a partial update keeps the other weights.
+        self.synced = False
 
     def _copy(self, module: torch.nn.Module) -> torch.nn.Module:
         done = self._modules.get(id(module))
@@ -80,10 +103,7 @@ class ShadowWeights:
                 continue
             sp = self._params.get(id(p))
             if sp is None:
-                sp = torch.nn.Parameter(torch.empty_like(p), requires_grad=False)
-                for k, v in vars(p).items():  # weight_loader, output_dim, ... (bound to the live layer)
-                    setattr(sp, k, v)
-                self._params[id(p)] = sp
+                sp = self._params[id(p)] = shadow_parameter(p)
             params[name] = sp
         m._parameters = params
         m._buffers = dict(module._buffers)  # shared: buffers are not loaded from checkpoints
@@ -93,13 +113,17 @@ class ShadowWeights:
     def load(self, items: Iterable[tuple[str, torch.Tensor]], version: int, stream: torch.cuda.Stream | None = None) -> None:
         """Load checkpoint-format ``items`` into the shadow (on ``stream``; waits for it).
 
-        The shadow first takes the live values, so a partial update leaves the rest as it is.
+        The shadow holds the live values first (it does right after a swap; otherwise they are
+        copied), so a partial update leaves the other weights as they are.
         """
         self.version = None
         cuda = self.live[0].device.type == "cuda"
         ctx = torch.cuda.stream(stream) if (cuda and stream is not None) else contextlib.nullcontext()
         with ctx, torch.no_grad():
-            torch._foreach_copy_(self.shadow, self.live)
+            if not self.synced:
+                torch._foreach_copy_(self.shadow, self.live)
+                self.synced = True
+            self.synced = False  # until the swap makes them equal again
             self.root.load_weights(iter(items))
             if cuda:
                 torch.cuda.current_stream(self.live[0].device).synchronize()
@@ -110,4 +134,5 @@ class ShadowWeights:
         after the engine step in flight and before the next one)."""
         with torch.no_grad():
             torch._foreach_copy_(self.live, self.shadow)
+        self.synced = True
 

@@ -38,6 +38,9 @@ class RollqWorkerExtension:
         return torch.device("cpu")
 
     def _rollq_load(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        sh = getattr(self, "_rollq_shadow_obj", None)
+        if sh is not None:
+            sh.synced = False  # live weights change behind the shadow's back
         if self._rollq_device().type == "cpu" and hasattr(self, "reload_weights"):
             self.reload_weights(weights_iterator=iter(list(items)), is_checkpoint_format=True)
         else:
@@ -85,9 +88,9 @@ class RollqWorkerExtension:
         log.info("shadow weights: %.2f GB; new versions load while the engine serves", self._rollq_shadow_obj.nbytes / 1e9)
         return self._rollq_shadow_obj
 
-    def _rollq_prepare(self, version: int, items: list[tuple[str, torch.Tensor]], stream: Any = None) -> bool:
-        """Load a staged version into the shadow weights (in a background thread, with the
-        worker lock held); False when there is no shadow or it failed (the swap then loads)."""
+    def _rollq_prepare(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any = None) -> bool:
+        """Load a version into the shadow weights (in a background thread, with the worker
+        lock held); False when there is no shadow or it failed (the swap then loads)."""
         try:
             with self._rollq_lock():
                 sh = self._rollq_shadow()
@@ -222,7 +225,7 @@ class RollqWorkerExtension:
 
         def join() -> None:
             try:
-                rcv = WorkerReceiver(gi, rank, self._rollq_device(), on_staged=self._rollq_on_staged)
+                rcv = WorkerReceiver(gi, rank, self._rollq_device(), sink=self._rollq_prepare, sink_invalidate=self._rollq_invalidate)
                 self._rollq_receiver = rcv
                 if lst is not None:
                     rcv.listen(msgspec.structs.replace(lst, field=f"{lst.field}{local}"), self.rollq_version)
@@ -232,8 +235,11 @@ class RollqWorkerExtension:
 
         threading.Thread(target=join, name="rollq-join", daemon=True).start()
 
-    def _rollq_on_staged(self, version: int, items: list[tuple[str, torch.Tensor]], stream: Any) -> None:
-        self._rollq_prepare(version, items, stream)
+    def _rollq_invalidate(self) -> None:
+        with self._rollq_lock():
+            sh = getattr(self, "_rollq_shadow_obj", None)
+            if sh is not None:
+                sh.version = None
 
     def rollq_leave_group(self) -> None:
         """Stop following offers and drop the group (the staging buffer goes with it)."""
@@ -283,7 +289,10 @@ class RollqWorkerExtension:
         if self._rollq_device().type == "cuda":
             torch.cuda.synchronize(self._rollq_device())
         self._rollq_version = version
-        return {"load_s": time.perf_counter() - t0, "swap": how}
+        out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "swap": how}
+        if how != "shadow":
+            out["no_shadow"] = getattr(self, "_rollq_shadow_off", None) or "not prepared"
+        return out
 
     def rollq_version(self) -> int:
         return getattr(self, "_rollq_version", 0)
