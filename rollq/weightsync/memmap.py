@@ -21,6 +21,7 @@ half-written or concurrently rewritten slot is refused with
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -72,12 +73,15 @@ def manifest_of(items: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
 class MemmapStore:
     """Versioned slots of memory-mapped tensors under ``root``."""
 
-    def __init__(self, root: str | os.PathLike, keep: int = 2, num_threads: int = 4):
+    def __init__(self, root: str | os.PathLike, keep: int = 2, num_threads: int = 4, chunk_bytes: int = 64 << 20, chunks_in_flight: int = 2):
         if keep < 2:
             raise ValueError("keep must be >= 2 (a reader's slot is never rewritten)")
         self.root = Path(root).resolve()
         self.keep = keep
         self.num_threads = num_threads
+        #: Host-to-device reads go in chunks of this size, at most ``chunks_in_flight`` queued.
+        self.chunk_bytes = chunk_bytes
+        self.chunks_in_flight = chunks_in_flight
         self.root.mkdir(parents=True, exist_ok=True)
         #: Layout this store last wrote into each slot (enables in-place pinned writes).
         self._layouts: dict[str, list[TensorMeta]] = {}
@@ -225,11 +229,21 @@ class MemmapStore:
                 return None
             srcs.append((name, getattr(torch, dtype), shape, v[:nbytes]))
         items = []
+        pending: collections.deque = collections.deque()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for name, dt, shape, v in srcs:
                 dst = torch.empty(shape, dtype=dt, device=device)
-                if v.numel():
-                    dst.view(-1).view(torch.uint8).copy_(v, non_blocking=True)
+                flat = dst.view(-1).view(torch.uint8)
+                # In chunks, few at a time: the copy engine serves copies in the order they
+                # were queued, so a whole model queued at once would hold back the engine's
+                # own small per-step copies (and generation with them) until it is through.
+                for off in range(0, v.numel(), self.chunk_bytes):
+                    flat[off : off + self.chunk_bytes].copy_(v[off : off + self.chunk_bytes], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    pending.append(ev)
+                    if len(pending) > self.chunks_in_flight:
+                        pending.popleft().synchronize()
                 items.append((name, dst))
             got = state_checksum(items)  # on the same stream, after the copies: one host sync
         if got != checksum:
