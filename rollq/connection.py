@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from functools import lru_cache
 from importlib import resources
@@ -49,6 +50,35 @@ def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Cl
         kw.pop("health_check_interval", None)
         return RedisCluster.from_url(settings.url, **kw)
     return aredis.Redis.from_url(settings.url, **kw)
+
+
+class deadline:
+    """``async with deadline(seconds, what):`` bounds the Redis calls inside (None: unbounded).
+
+    For clients made with ``socket_timeout=None`` on hot paths: redis-py bounds every send of a
+    client with a socket timeout by ``asyncio.wait_for``, which on Python 3.11 runs each send
+    as a task of its own (several event-loop turns per command); ``asyncio.timeout`` costs one
+    timer. A call that runs out of time raises redis' ``TimeoutError`` (one of
+    :data:`RETRYABLE`) saying what took too long; redis-py drops the connection it was using.
+    """
+
+    __slots__ = ("_seconds", "_what", "_cm")
+
+    def __init__(self, seconds: float | None, what: str):
+        self._seconds = seconds
+        self._what = what
+
+    async def __aenter__(self) -> None:
+        self._cm = asyncio.timeout(self._seconds)
+        await self._cm.__aenter__()
+
+    async def __aexit__(self, et: Any, e: Any, tb: Any) -> bool | None:
+        try:
+            return await self._cm.__aexit__(et, e, tb)
+        except TimeoutError as err:
+            raise RedisTimeoutError(
+                f"{self._what} took longer than {self._seconds}s (RedisSettings.command_timeout)"
+            ) from err
 
 
 def _unparsed(response: Any, **_: Any) -> Any:

@@ -37,7 +37,7 @@ import msgpack
 import msgspec
 from redis.exceptions import ResponseError
 
-from ..connection import DROP_EMPTY, FINISH, RECLAIM, Client, connect, load_scripts, raw_replies
+from ..connection import DROP_EMPTY, FINISH, RECLAIM, Client, connect, deadline, load_scripts, raw_replies
 from ..connection import RETRYABLE as _RETRYABLE
 from ..errors import (
     DeadLettered,
@@ -174,6 +174,7 @@ class Consumer:
         self._result_keys: dict[str, str] = {}  # producer id -> its result stream
         self._client: Client | None = None
         self._block_client: Client | None = None
+        self._finish_client: Client | None = None
         self._running: dict[str, _Running] = {}  # request id -> job
         self._by_job: dict[str, str] = {}  # job id -> request id
         self._held: list[tuple[str, bytes, Job, int]] = []  # waiting for a newer policy version
@@ -253,9 +254,10 @@ class Consumer:
 
     async def _connect(self) -> None:
         self._client = connect(self.redis_settings)
-        self._block_client = connect(
-            self.redis_settings, socket_timeout=self.settings.block + 10, max_connections=4
-        )
+        # The hot paths (reads, FINISH) use clients without socket timeouts, bounded by
+        # deadline() instead (see rollq.connection: fewer event-loop turns per command).
+        self._block_client = connect(self.redis_settings, socket_timeout=None, max_connections=4)
+        self._finish_client = connect(self.redis_settings, socket_timeout=None, max_connections=4)
         # Reads take the reply as Redis sent it: redis-py's parsing (a dict per entry) cost
         # more than everything else the loop does with a job.
         raw_replies(self._block_client, "XREADGROUP")
@@ -320,7 +322,7 @@ class Consumer:
             await self._client.publish(self.keys.control, f"handback {self.id}")
         except _RETRYABLE:
             pass
-        for c in (self._client, self._block_client):
+        for c in (self._client, self._block_client, self._finish_client):
             if c is not None:
                 await c.aclose()
         log.info("consumer %s stopped (%d completed, %d failed)", self.id, self.counters.completed, self.counters.failed)
@@ -335,6 +337,7 @@ class Consumer:
         s = self.settings
         backoff = s.backoff_initial
         block_ms = max(1, int(s.block * 1000))
+        read_deadline = deadline(s.block + self.redis_settings.command_timeout, "a blocking read of the job streams")
         while not self._stopping.is_set():
             if not self.intake_gate.is_set():
                 await self._wait_any(self.intake_gate.wait())
@@ -346,10 +349,11 @@ class Consumer:
                 await self._wait_any(self._room.wait(), timeout=1.0)
                 continue
             try:
-                resp = await self._block_client.xreadgroup(
-                    GROUP, self.id, {k: ">" for k in self._streams}, count=min(free, s.batch),
-                    block=50 if self._burst else block_ms,
-                )
+                async with read_deadline:
+                    resp = await self._block_client.xreadgroup(
+                        GROUP, self.id, {k: ">" for k in self._streams}, count=min(free, s.batch),
+                        block=50 if self._burst else block_ms,
+                    )
                 backoff = s.backoff_initial
             except ResponseError as e:
                 if "NOGROUP" in str(e):  # Redis lost its data (no persistence) or keys were deleted
@@ -387,6 +391,10 @@ class Consumer:
                     self._start_entry(skey, eid, _payload(fields), 1)
             if self._engine_error is not None:
                 break
+            if self._finishes:
+                # Jobs that finished at once (a fast engine, rejected entries): let the
+                # finisher send them before the next read, which may block.
+                await asyncio.sleep(0)
 
     def _known_eids(self) -> set[bytes]:
         known = {r.eid for r in self._running.values()}
@@ -663,7 +671,8 @@ class Consumer:
         for ri, results in packs.items():
             args.append(ri)
             args.append(results[0] if len(results) == 1 else _pack(results))
-        return await FINISH(self._client, keys, args)
+        async with deadline(self.redis_settings.command_timeout, f"recording {len(batch)} results"):
+            return await FINISH(self._finish_client, keys, args)
 
     def _account(self, batch: list[_Finish], flags: list[int]) -> None:
         c = self.counters

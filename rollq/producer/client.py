@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 import msgpack
 from redis.exceptions import NoScriptError
 
-from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect, raw_replies
+from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect, deadline, raw_replies
 from ..connection import RETRYABLE as _RETRYABLE
 from ..errors import InvalidJob, JobCancelled, JobRejected, QueueFull, StalenessBound, job_error
 from ..keys import GROUP, QueueKeys, check_name
@@ -55,7 +55,7 @@ class JobHandle:
     The handle keeps its result once it arrived (also when :meth:`Producer.results` took it).
     """
 
-    __slots__ = ("id", "duplicate", "_producer", "_result", "_future", "_entry")
+    __slots__ = ("id", "duplicate", "_producer", "_result", "_waiters", "_entry", "_twin")
 
     def __init__(self, job_id: str, producer: Producer, entry: tuple[str, bytes, bool] | None = None, duplicate: bool = False):
         self.id = job_id
@@ -63,40 +63,47 @@ class JobHandle:
         self.duplicate = duplicate
         self._producer = producer
         self._result: Result | None = None
-        self._future: asyncio.Future | None = None  # made when someone waits
+        self._waiters: list[asyncio.Future] | None = None  # one future per waiting task
         self._entry = entry  # (stream, entry id, id recorded) while queued: for cancel
+        self._twin: JobHandle | None = None  # a duplicate's handle of the same outstanding job
 
     def done(self) -> bool:
-        return self._result is not None or (self._future is not None and self._future.done())
-
-    def _shared_future(self) -> asyncio.Future:
-        """This handle's future, for a duplicate handle of the same job to wait on."""
-        if self._future is None:
-            self._future = asyncio.get_running_loop().create_future()
-            if self._result is not None:
-                self._future.set_result(self._result)
-        return self._future
+        return (self._twin or self)._result is not None
 
     def _set(self, res: Result) -> None:
         if self._result is None:
             self._result = res
-            if self._future is not None and not self._future.done():
-                self._future.set_result(res)
+            waiters, self._waiters = self._waiters, None
+            for w in waiters or ():
+                if not w.done():
+                    w.set_result(res)
+
+    async def _wait(self, timeout: float | None) -> Result:
+        # A future per waiting task: a wait that times out or is cancelled takes only its
+        # own future with it, and the result wakes the waiter directly (no shield hops).
+        waiter = asyncio.get_running_loop().create_future()
+        if self._waiters is None:
+            self._waiters = []
+        self._waiters.append(waiter)
+        try:
+            if timeout is None:
+                return await waiter
+            async with asyncio.timeout(timeout):
+                return await waiter
+        finally:
+            if not waiter.done() or waiter.cancelled():
+                try:
+                    self._waiters.remove(waiter)  # type: ignore[union-attr]
+                except (AttributeError, ValueError):
+                    pass
 
     async def result(self, timeout: float | None = None, *, raise_error: bool = True) -> Result:
         """Wait for the result (at most ``timeout`` seconds; TimeoutError after that)."""
-        res = self._result
+        target = self._twin or self
+        res = target._result
         if res is None:
-            fut = self._future
-            if fut is None:
-                fut = self._future = asyncio.get_running_loop().create_future()
-            try:  # shielded: a timed-out or cancelled wait leaves the handle usable
-                res = await (asyncio.shield(fut) if timeout is None else asyncio.wait_for(asyncio.shield(fut), timeout))
-            finally:
-                if fut.done() and not fut.cancelled():
-                    self._producer._consume(self.id, fut.result())
-        else:
-            self._producer._consume(self.id, res)
+            res = await target._wait(timeout)
+        self._producer._consume(self.id, res)
         if raise_error and res.error is not None:
             raise job_error(res.error.type, res.error.message, self.id)
         return res
@@ -162,12 +169,14 @@ class Producer:
     # -- lifecycle -----------------------------------------------------------------------
     async def connect(self) -> Producer:
         if self._client is None:
-            self._client = connect(self.redis_settings)
+            # No socket timeouts: calls are bounded by deadline() (see rollq.connection).
+            self._client = connect(self.redis_settings, socket_timeout=None)
             self._reader_client = connect(self.redis_settings, socket_timeout=None)
             self._room = asyncio.Event()
             self._arrived = asyncio.Event()
             raw_replies(self._reader_client, "XREAD")
-            await self._client.ping()
+            async with self._deadline("PING"):
+                await self._client.ping()
             self._reader = asyncio.create_task(self._read_results(), name=f"rollq-results-{self.id}")
         return self
 
@@ -178,7 +187,8 @@ class Producer:
             await self._publisher.close()
         if self._client is not None and not self._handles:
             try:  # nothing more can arrive for us: leave no empty stream behind
-                await DROP_EMPTY(self._client, [self._result_key], [])
+                async with self._deadline("removing the empty result stream"):
+                    await DROP_EMPTY(self._client, [self._result_key], [])
             except _RETRYABLE:
                 pass
         if self._reader is not None:
@@ -376,7 +386,7 @@ class Producer:
                 self._handles[job.id] = h
             elif dup:  # resubmitted while ours is still outstanding: one result, shared
                 self._release(1)
-                h._future = first._shared_future()
+                h._twin = first._twin or first
             else:
                 self._handles[job.id] = h
             if dup and job.id in foreign and not h.done():
@@ -393,8 +403,15 @@ class Producer:
         self.counters["duplicates"] += len(dups)
         return handles
 
+    def _deadline(self, what: str) -> deadline:
+        return deadline(self.redis_settings.command_timeout, what)
+
     async def _run_scripts(self, calls: list[tuple[list[str], list[Any], list[int]]]) -> list[Any]:
         """Run SUBMIT calls in one pipeline (one round trip), loading the script if needed."""
+        async with self._deadline(f"submitting {sum(len(c[2]) for c in calls)} jobs"):
+            return await self._run_scripts_now(calls)
+
+    async def _run_scripts_now(self, calls: list[tuple[list[str], list[Any], list[int]]]) -> list[Any]:
         if len(calls) == 1:  # one call: no pipeline machinery
             keys, args, _ = calls[0]
             return [await SUBMIT(self._client, keys, args)]
@@ -427,11 +444,13 @@ class Producer:
         ``batch`` is the number of jobs the trainer consumes per policy version."""
         await self.connect()
         if max_lag is None:
-            await self._client.hdel(self.keys.config, "max_lag", "batch")
+            async with self._deadline("removing the staleness bound"):
+                await self._client.hdel(self.keys.config, "max_lag", "batch")
             return
         if batch is None or batch < 1 or max_lag < 0:
             raise ValueError("set_staleness_bound needs max_lag >= 0 and batch >= 1")
-        await self._client.hset(self.keys.config, mapping={"max_lag": max_lag, "batch": batch})
+        async with self._deadline("setting the staleness bound"):
+            await self._client.hset(self.keys.config, mapping={"max_lag": max_lag, "batch": batch})
 
     async def publish_weights(self, state: Any, version: int | None = None, transport: str = "memmap", **publisher_kwargs: Any) -> Any:
         """Publish a new policy version of this queue (see
@@ -448,7 +467,8 @@ class Producer:
         if policy not in ("keep", "abort", "drain"):
             raise ValueError("update policy must be 'keep', 'abort' or 'drain'")
         await self.connect()
-        await self._client.hset(self.keys.config, "update_policy", policy)
+        async with self._deadline("setting the update policy"):
+            await self._client.hset(self.keys.config, "update_policy", policy)
 
     async def cancel(self, job_id: str) -> bool:
         """Cancel a job by id. Returns False if it is no longer queued or running."""
@@ -457,10 +477,11 @@ class Producer:
         known = h is not None and not h.done()
         entry = h._entry if h is not None else None
         stream, eid, tracked = entry or (self.keys.jobs, b"0-0", True)
-        how = await CANCEL(
-            self._client, [stream, self.keys.cancel(job_id), self.keys.ids, self.keys.stats],
-            [eid, job_id, self.keys.control, CANCEL_MARK_TTL, GROUP, "1" if tracked else "0"],
-        )
+        async with self._deadline(f"cancelling job {job_id!r}"):
+            how = await CANCEL(
+                self._client, [stream, self.keys.cancel(job_id), self.keys.ids, self.keys.stats],
+                [eid, job_id, self.keys.control, CANCEL_MARK_TTL, GROUP, "1" if tracked else "0"],
+            )
         if how == 1 and h is not None:
             h._entry = None
         if h is not None and not h.done():
@@ -486,15 +507,17 @@ class Producer:
         taken: list[bytes] = []
         client = self._reader_client
         key = self._result_key
+        read_deadline = deadline(1.0 + self.redis_settings.command_timeout, "a blocking read of the result stream")
         while not self._closed:
             try:
-                if taken:
-                    pipe = client.pipeline(transaction=False)
-                    pipe.xdel(key, *taken)
-                    pipe.xread({key: last}, count=count, block=1000)
-                    resp = (await pipe.execute())[-1]
-                else:
-                    resp = await client.xread({key: last}, count=count, block=1000)
+                async with read_deadline:
+                    if taken:
+                        pipe = client.pipeline(transaction=False)
+                        pipe.xdel(key, *taken)
+                        pipe.xread({key: last}, count=count, block=1000)
+                        resp = (await pipe.execute())[-1]
+                    else:
+                        resp = await client.xread({key: last}, count=count, block=1000)
                 taken = []
                 backoff = 0.05
             except _RETRYABLE as e:
@@ -520,6 +543,9 @@ class Producer:
             if taken:
                 last = taken[-1]
             self._arrived.set()
+            # Let the tasks waiting for these results run before the next read is sent: they
+            # are the latency that counts; the read can go a moment later.
+            await asyncio.sleep(0)
 
     def _deliver(self, res: Result) -> None:
         self.counters["results"] += 1
@@ -540,7 +566,7 @@ class Producer:
     def _consume(self, job_id: str, res: Result) -> None:
         """``res`` was taken by its handle or by results(): forget it, free room (once)."""
         h = self._handles.get(job_id)
-        if h is None or not (h._result is res or (h._future is not None and h._future.done() and h._future.result() is res)):
+        if h is None or h._result is not res:
             return  # already taken
         del self._handles[job_id]
         if self._completed.get(job_id) is res:
