@@ -73,7 +73,7 @@ def manifest_of(items: list[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
 class MemmapStore:
     """Versioned slots of memory-mapped tensors under ``root``."""
 
-    def __init__(self, root: str | os.PathLike, keep: int = 2, num_threads: int = 4, chunk_bytes: int = 64 << 20, chunks_in_flight: int = 2):
+    def __init__(self, root: str | os.PathLike, keep: int = 2, num_threads: int = 4, chunk_bytes: int = 256 << 20, chunks_in_flight: int = 3):
         if keep < 2:
             raise ValueError("keep must be >= 2 (a reader's slot is never rewritten)")
         self.root = Path(root).resolve()

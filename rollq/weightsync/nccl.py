@@ -583,20 +583,20 @@ class WorkerReceiver:
             t_verify = 0.0
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                 items = layout.views(self.flat, offer.manifest)
-                if offer.mode == "direct" and self.sink is not None:
-                    # Each tensor goes to the sink (another thread, another stream) as soon as
-                    # its broadcast is enqueued, so loading overlaps the transfer and never
-                    # slows the loop that keeps the broadcasts flowing.
-                    sink_ok = self._direct_with_loader(offer, layout, items, stream)
+                if offer.mode == "direct":
+                    received = self._direct(offer, layout, items)
                 else:
-                    if offer.mode == "direct":
-                        for _ in self._direct(offer, layout, items):
-                            pass
-                    else:
-                        for s, e in layout.buckets:
-                            self.pg.broadcast(self.flat[s:e], offer.timeout)
-                    if self.sink is not None:
-                        sink_ok = self._feed(offer.version, iter(items), stream)
+                    for s, e in layout.buckets:
+                        self.pg.broadcast(self.flat[s:e], offer.timeout)
+                    received = iter(items)
+                if self.sink is not None:
+                    # Direct mode: each tensor is loaded as soon as its broadcast is enqueued
+                    # (stream-ordered after it), so loading overlaps the transfer. (A separate
+                    # loader thread was measured slower: three threads then fight for the GIL.)
+                    sink_ok = self._feed(offer.version, received, stream)
+                else:
+                    for _ in received:
+                        pass
                 if cuda:
                     wait_stream(self.device, offer.timeout * 2, f"receiving version {offer.version}")
                 t_recv = time.perf_counter() - t0
@@ -622,47 +622,6 @@ class WorkerReceiver:
         for (name, view), m, off in zip(items, offer.manifest, layout.offsets):
             self.pg.broadcast(self.flat[off : off + m.nbytes], offer.timeout)
             yield name, view
-
-    def _direct_with_loader(self, offer: Offer, layout: Layout, items: list[tuple[str, torch.Tensor]], stream: Any) -> bool:
-        import queue
-
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        cuda = stream is not None
-        load_stream = torch.cuda.Stream(self.device) if cuda else None
-        done: dict[str, Any] = {}
-
-        def arrivals() -> Any:
-            while (item := q.get()) is not None:
-                name, view, ev = item
-                if ev is not None:
-                    load_stream.wait_event(ev)  # GPU-side: after this tensor's broadcast
-                yield name, view
-
-        def load() -> None:
-            gen = arrivals()
-            try:
-                with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
-                    done["ok"] = self._feed(offer.version, gen, load_stream)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                done["error"] = e
-
-        loader = threading.Thread(target=load, name="rollq-shadow-load", daemon=True)
-        loader.start()
-        try:
-            for name, view in self._direct(offer, layout, items):
-                ev = None
-                if cuda:
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                q.put((name, view, ev))
-        finally:
-            q.put(None)
-            loader.join(offer.timeout * 2)
-        if loader.is_alive():
-            raise WeightSyncTimeout(f"loading version {offer.version} into the shadow weights did not finish (timeout)")
-        if load_stream is not None:
-            load_stream.synchronize()
-        return bool(done.get("ok"))
 
     def _feed(self, version: int, received: Any, stream: Any) -> bool:
         """Hand the received tensors to the sink; whatever it leaves (it failed or stopped
