@@ -207,10 +207,13 @@ class Message(msgspec.Struct, array_like=True, frozen=True):
     content: str
 
 
-class Job(msgspec.Struct, array_like=True, kw_only=True):
+class Job(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     """A generation request: one prompt, ``sampling.n`` samples.
 
     Exactly one of ``text``, ``tokens`` (little-endian int32 bytes) or ``messages`` is set.
+    Jobs, results and samples are values that never refer back to what holds them, so they
+    are not tracked by the garbage collector (``gc=False``): large batches of them would
+    otherwise make every collection traverse them.
     """
 
     v: int = SCHEMA_VERSION
@@ -358,7 +361,7 @@ def job_from_spec(spec: Mapping[str, Any], id: str, reply: str, max_prompt_bytes
 # ----------------------------------------------------------------------------------------
 # Results
 # ----------------------------------------------------------------------------------------
-class Sample(msgspec.Struct, array_like=True):
+class Sample(msgspec.Struct, array_like=True, gc=False):
     """One of the ``n`` completions of a job."""
 
     tokens: bytes  # little-endian int32
@@ -380,7 +383,7 @@ class ErrorInfo(msgspec.Struct, array_like=True):
     message: str
 
 
-class Result(msgspec.Struct, array_like=True, kw_only=True):
+class Result(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     """The outcome of a job: samples or an error, tagged with the policy version span."""
 
     v: int = SCHEMA_VERSION

@@ -143,6 +143,25 @@ async def test_results_iterator_yields_each_once(queue, make_producer, make_cons
     assert extra == []
     assert p.outstanding == 0
     assert p.counters["results"] == 101
+    # handles keep their results after results() took them
+    assert [(await h.result(timeout=1)).id for h in handles[:3]] == [h.id for h in handles[:3]]
+    assert p.outstanding == 0
+
+
+async def test_waits_on_one_handle_are_independent(queue, make_producer, make_consumer):
+    import gc
+
+    p = await make_producer(queue)
+    h = await p.submit("twice", sampling={"max_tokens": 1})
+    patient = asyncio.ensure_future(h.result(timeout=30))
+    with pytest.raises(TimeoutError):
+        await h.result(timeout=0.05)  # an impatient waiter gives up...
+    await make_consumer.burst(make_consumer(queue))
+    r = await bounded(patient, 10, "the patient waiter")  # ...the other still gets the result
+    assert r.ok and await h.result() is r
+    assert p.outstanding == 0
+    # handles hold their producer weakly and are not tracked by the garbage collector
+    assert not gc.is_tracked(h)
 
 
 async def test_handle_timeout_without_consumer(queue, make_producer, make_consumer):

@@ -21,10 +21,12 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from collections import Counter, OrderedDict
 from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 
 import msgpack
+import msgspec
 from redis.exceptions import NoScriptError
 
 from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect, deadline, raw_replies
@@ -47,25 +49,31 @@ log = logging.getLogger(__name__)
 CANCEL_MARK_TTL = 24 * 3600
 
 
-class JobHandle:
+class JobHandle(msgspec.Struct, gc=False, eq=False):
     """A submitted job. ``await handle`` (or :meth:`result`) gives its :class:`Result`.
 
     A job that failed raises its :class:`~rollq.errors.JobError` subclass when awaited;
     ``await handle.result(raise_error=False)`` returns the result with ``result.error`` set.
     The handle keeps its result once it arrived (also when :meth:`Producer.results` took it).
+
+    Handles are made by :meth:`Producer.submit_many` (a batch makes thousands). They are
+    compact structs that the garbage collector does not track (``gc=False``): they refer to
+    their producer weakly (one shared weakref), so they form no reference cycle, and
+    thousands of live handles add nothing to every collection's work.
     """
 
-    __slots__ = ("id", "duplicate", "_producer", "_result", "_waiters", "_entry", "_twin")
-
-    def __init__(self, job_id: str, producer: Producer, entry: tuple[str, bytes, bool] | None = None, duplicate: bool = False):
-        self.id = job_id
-        #: True when the job id was already queued or running (resubmission was a no-op).
-        self.duplicate = duplicate
-        self._producer = producer
-        self._result: Result | None = None
-        self._waiters: list[asyncio.Future] | None = None  # one future per waiting task
-        self._entry = entry  # (stream, entry id, id recorded) while queued: for cancel
-        self._twin: JobHandle | None = None  # a duplicate's handle of the same outstanding job
+    id: str
+    #: The producer, weakly (``Producer._ref``).
+    _producer: Any
+    #: (stream, entry id, id recorded) while the job is queued: what cancel() removes.
+    _entry: tuple[str, bytes, bool] | None = None
+    #: True when the job id was already queued or running (resubmission was a no-op).
+    duplicate: bool = False
+    _result: Result | None = None
+    #: One future per task waiting for the result.
+    _waiters: list[asyncio.Future] | None = None
+    #: A duplicate's handle points at the handle of the same outstanding job.
+    _twin: JobHandle | None = None
 
     def done(self) -> bool:
         return (self._twin or self)._result is not None
@@ -103,7 +111,9 @@ class JobHandle:
         res = target._result
         if res is None:
             res = await target._wait(timeout)
-        self._producer._consume(self.id, res)
+        producer = self._producer()
+        if producer is not None:
+            producer._consume(self.id, res)
         if raise_error and res.error is not None:
             raise job_error(res.error.type, res.error.message, self.id)
         return res
@@ -113,7 +123,10 @@ class JobHandle:
 
     async def cancel(self) -> bool:
         """Cancel the job (queued: it never runs; running: its engine request is aborted)."""
-        return await self._producer.cancel(self.id)
+        producer = self._producer()
+        if producer is None:
+            raise RuntimeError(f"cannot cancel job {self.id!r}: its producer is gone")
+        return await producer.cancel(self.id)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
@@ -153,6 +166,7 @@ class Producer:
         self._client: Client | None = None
         self._reader_client: Client | None = None
         self._reader: asyncio.Task | None = None
+        self._ref = weakref.ref(self)
         self._handles: dict[str, JobHandle] = {}  # outstanding jobs (result not consumed yet)
         self._completed: OrderedDict[str, Result] = OrderedDict()  # arrived, not consumed yet
         self._cancelled: set[str] = set()
@@ -244,15 +258,16 @@ class Producer:
         return (await self._submit_chunk([job]))[0]
 
     async def submit_many(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
-        """Submit a batch: one pipelined round trip per ``chunk_size`` jobs.
+        """Submit a batch: one pipelined round trip per chunk of jobs.
 
-        Validation of the next chunk overlaps Redis' work on the previous one. Everything is
-        validated before its chunk is sent; a chunk that fails validation raises and is not
-        sent (earlier chunks were).
+        Chunks start at ``script_batch`` jobs and double up to ``chunk_size``, so the first
+        jobs are queued at once and building each chunk overlaps Redis' work on the previous
+        one. Everything is validated before its chunk is sent; a chunk that fails validation
+        raises and is not sent (earlier chunks were).
         """
         await self.connect()
         handles: list[JobHandle] = []
-        chunk = self.settings.chunk_size
+        chunk = min(self.settings.script_batch, self.settings.chunk_size)
         it = iter(specs)
         build = self.build_job
         inflight: asyncio.Task | None = None
@@ -269,6 +284,7 @@ class Producer:
                     return handles
                 inflight = asyncio.ensure_future(self._submit_chunk(batch))
                 await asyncio.sleep(0)  # let it write its pipeline before we build the next chunk
+                chunk = min(2 * chunk, self.settings.chunk_size)
         finally:
             if inflight is not None and not inflight.done():
                 await asyncio.shield(inflight)
@@ -357,7 +373,7 @@ class Producer:
             raise
         known = self._handles
         if not dups:  # the common case: every job was enqueued
-            handles = [JobHandle(job.id, self, entry) for job, entry in zip(jobs, entries)]
+            handles = [JobHandle(job.id, self._ref, entry) for job, entry in zip(jobs, entries)]
             for h in handles:
                 known[h.id] = h
             self.counters["submitted"] += len(jobs)
@@ -381,7 +397,7 @@ class Producer:
                 else:
                     dup = True
             first = self._handles.get(job.id)
-            h = JobHandle(job.id, self, entry, duplicate=dup)
+            h = JobHandle(job.id, self._ref, entry, duplicate=dup)
             if first is None:
                 self._handles[job.id] = h
             elif dup:  # resubmitted while ours is still outstanding: one result, shared
@@ -555,7 +571,7 @@ class Producer:
             return
         h = self._handles.get(jid)
         if h is None:  # a result of a previous incarnation of this producer
-            h = self._handles[jid] = JobHandle(jid, self)
+            h = self._handles[jid] = JobHandle(jid, self._ref)
             self._outstanding += 1
         elif h.done():
             return  # a duplicate of what we already hold (cannot happen with one finisher)
