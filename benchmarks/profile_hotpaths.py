@@ -233,14 +233,17 @@ async def submit_variants(url: str, r: redis.Redis, n: int) -> dict:
             args.append(encode_job(Job(id=jid, reply="prof", tokens=array("i", x).tobytes(), sampling=sp, submitted=now)))
         return args
 
+    def submit_args(lo: int, hi: int) -> list:  # submit.lua's arguments: one msgpack array, the producer id
+        return [msgpack.packb(build_args(lo, hi), use_bin_type=False), "prof"]
+
     async def proto_a():
         for lo in range(0, n, chunk):
-            await SUBMIT(c, skeys, build_args(lo, lo + chunk))
+            await SUBMIT(c, skeys, submit_args(lo, lo + chunk))
 
     async def proto_b():
         pipe = c.pipeline(transaction=False)
         for lo in range(0, n, chunk):
-            pipe.evalsha(SUBMIT.sha, len(skeys), *skeys, *build_args(lo, lo + chunk))
+            pipe.evalsha(SUBMIT.sha, len(skeys), *skeys, *submit_args(lo, lo + chunk))
         await pipe.execute()
 
     async def proto_c():

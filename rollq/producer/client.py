@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 
 import msgpack
 import msgspec
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect, deadline, raw_replies
 from ..connection import RETRYABLE as _RETRYABLE
@@ -524,44 +524,73 @@ class Producer:
         client = self._reader_client
         key = self._result_key
         read_deadline = deadline(1.0 + self.redis_settings.command_timeout, "a blocking read of the result stream")
-        while not self._closed:
-            try:
-                async with read_deadline:
-                    if taken:
-                        pipe = client.pipeline(transaction=False)
-                        pipe.xdel(key, *taken)
-                        pipe.xread({key: last}, count=count, block=1000)
-                        resp = (await pipe.execute())[-1]
-                    else:
-                        resp = await client.xread({key: last}, count=count, block=1000)
-                taken = []
-                backoff = 0.05
-            except _RETRYABLE as e:
-                log.warning("result stream read failed (%s); retrying in %.2fs", e, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-                continue
-            if not resp:
-                continue
-            for _, entries in resp.items() if isinstance(resp, dict) else resp:
-                for eid, fields in entries:
-                    taken.append(eid)
-                    try:
-                        if type(fields) is dict:  # a client that parsed the reply anyway
-                            fields = [x for kv in fields.items() for x in kv]
-                        if fields[0] == b"d":
-                            self._deliver(decode_result(fields[1]))
+        # On one server the reader keeps a connection of its own and writes XDEL + XREAD as
+        # one packet (a redis-py pipeline costs twice the CPU); a cluster client pipelines.
+        single = not self.redis_settings.cluster
+        conn = None
+        try:
+            while not self._closed:
+                try:
+                    async with read_deadline:
+                        if single:
+                            if conn is None:
+                                conn = await client.connection_pool.get_connection()
+                            resp = await self._read_once(conn, key, last, count, taken)
+                        elif taken:
+                            pipe = client.pipeline(transaction=False)
+                            pipe.xdel(key, *taken)
+                            pipe.xread({key: last}, count=count, block=1000)
+                            resp = (await pipe.execute())[-1]
                         else:
-                            for data in msgpack.unpackb(fields[1], raw=True):
-                                self._deliver(decode_result(data))
-                    except Exception as e:  # a corrupt result must not stop the reader
-                        log.error("dropping unreadable result entry %s: %s", eid, e)
-            if taken:
-                last = taken[-1]
-            self._arrived.set()
-            # Let the tasks waiting for these results run before the next read is sent: they
-            # are the latency that counts; the read can go a moment later.
-            await asyncio.sleep(0)
+                            resp = await client.xread({key: last}, count=count, block=1000)
+                    taken = []
+                    backoff = 0.05
+                except (*_RETRYABLE, ResponseError) as e:
+                    log.warning("result stream read failed (%s); retrying in %.2fs", e, backoff)
+                    if conn is not None:
+                        await conn.disconnect()  # replies may be left unread: start clean
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                last = self._take(resp, taken) or last
+                if resp:
+                    # Let the tasks waiting for these results run before the next read is
+                    # sent: they are the latency that counts; the read can go a moment later.
+                    await asyncio.sleep(0)
+        finally:
+            if conn is not None:
+                await client.connection_pool.release(conn)
+
+    @staticmethod
+    async def _read_once(conn: Any, key: str, last: bytes, count: int, taken: list[bytes]) -> Any:
+        """XDEL what was taken (if any) and a blocking XREAD, in one write; the XREAD's reply."""
+        cmds: list[tuple[Any, ...]] = [("XDEL", key, *taken)] if taken else []
+        cmds.append(("XREAD", "COUNT", count, "BLOCK", 1000, "STREAMS", key, last))
+        await conn.send_packed_command(conn.pack_commands(cmds))
+        if taken:
+            await conn.read_response()
+        return await conn.read_response()
+
+    def _take(self, resp: Any, taken: list[bytes]) -> bytes | None:
+        """Deliver the results of an XREAD reply; returns the last entry id read."""
+        if not resp:
+            return None
+        for _, entries in resp.items() if isinstance(resp, dict) else resp:
+            for eid, fields in entries:
+                taken.append(eid)
+                try:
+                    if type(fields) is dict:  # a client that parsed the reply anyway
+                        fields = [x for kv in fields.items() for x in kv]
+                    if fields[0] == b"d":
+                        self._deliver(decode_result(fields[1]))
+                    else:
+                        for data in msgpack.unpackb(fields[1], raw=True):
+                            self._deliver(decode_result(data))
+                except Exception as e:  # a corrupt result must not stop the reader
+                    log.error("dropping unreadable result entry %s: %s", eid, e)
+        assert self._arrived is not None
+        self._arrived.set()
+        return taken[-1] if taken else None
 
     def _deliver(self, res: Result) -> None:
         self.counters["results"] += 1
