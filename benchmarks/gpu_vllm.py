@@ -283,7 +283,8 @@ async def engine_main(a: argparse.Namespace) -> None:
     if trainer is not None:
         consumer = Consumer(engine, srv.url, queue, consumer_id="replica-0",
                             settings=ConsumerSettings(max_inflight=256, initial_inflight=256, adaptive=False, drain_timeout=2.0))
-        follower = WeightFollower(consumer, root=root, broadcast="sync" in phases, reconcile_interval=1.0, load_timeout=600)
+        follower = WeightFollower(consumer, root=root, broadcast="sync" in phases, reconcile_interval=1.0, load_timeout=600,
+                                  memmap_chunks_in_flight=a.memmap_chunks)
         await follower.start()
         ctask = asyncio.create_task(consumer.run())
         load = Load(srv.url, queue, 256)
@@ -469,6 +470,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--sync-reps", type=int, default=3)
     ap.add_argument("--memmap-reps", type=int, default=6)
+    ap.add_argument("--memmap-chunks", type=int, default=3, help="256 MiB read chunks in flight (0: unthrottled)")
     ap.add_argument("--gpu-mem", type=float, default=0.55)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=256)

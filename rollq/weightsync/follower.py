@@ -63,6 +63,7 @@ class WeightFollower:
         drain_timeout: float = 120.0,
         default_policy: str = "keep",
         broadcast: bool = False,
+        memmap_chunks_in_flight: int = 3,
     ):
         self.consumer = consumer
         self.engine = consumer.engine
@@ -71,6 +72,9 @@ class WeightFollower:
         self.load_timeout = load_timeout
         self.drain_timeout = drain_timeout
         self.default_policy = default_policy
+        #: Memmap reads to the GPU: 256 MiB chunks queued at most this many at a time (0: all
+        #: at once, faster but it stalls generation; see rollq.weightsync.memmap.MemmapStore).
+        self.memmap_chunks_in_flight = memmap_chunks_in_flight
         self.history: list[UpdateStats] = []
         self.failures = 0
         self._lock = asyncio.Lock()
@@ -234,7 +238,9 @@ class WeightFollower:
     async def _stage_memmap(self, rec: VersionRecord) -> Any:
         """Have every worker stage ``rec`` in a thread of its own, polling until all did."""
         started = await asyncio.wait_for(
-            self.engine.call_workers("rollq_stage_memmap", self.root, rec.memmap_slot, rec.version, rec.checksum),
+            self.engine.call_workers(
+                "rollq_stage_memmap", self.root, rec.memmap_slot, rec.version, rec.checksum, self.memmap_chunks_in_flight
+            ),
             self.load_timeout,
         )
         if not started:  # an engine without weights (echo): nothing to stage

@@ -365,7 +365,7 @@ class BroadcastSender:
         pipe = client.pipeline(transaction=False)
         pipe.delete(acks_key)
         pipe.hset(keys.weights_offer, mapping={"v": version, "d": msgspec.msgpack.encode(offer)})
-        pipe.publish(keys.control, f"woffer {version}")
+        pipe.execute_command("PUBLISH", keys.control, f"woffer {version}")  # cluster pipelines refuse pipe.publish
         await pipe.execute()
         t1 = time.perf_counter()
         send = self._broadcast_direct if self.mode == "direct" else self._broadcast_all
@@ -723,7 +723,8 @@ class ReplicaReceiver:
             self.group = info.id  # do not retry this group
             return
         self.group = None
-        listen = Listen(url=self.consumer.redis_settings.url, channel=self.keys.control,
+        # full_url: a cluster URL stays one in the workers (url has the cluster flag stripped)
+        listen = Listen(url=self.consumer.redis_settings.full_url, channel=self.keys.control,
                         offer_key=self.keys.weights_offer, field=f"{self.consumer.id}/")
         await self.engine.call_workers("rollq_join_group", msgspec.msgpack.encode(info), offset, msgspec.msgpack.encode(listen))
         await self._wait_workers(lambda s: s.get("group") == info.id and s.get("joined"), info.timeout + 5, "join")

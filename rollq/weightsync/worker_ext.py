@@ -135,7 +135,7 @@ class RollqWorkerExtension:
         self._rollq_version = version
         return {"read_s": t1 - t0, "copy_verify_s": t2 - t1, "load_s": t3 - t2}
 
-    def rollq_stage_memmap(self, root: str, slot: str, version: int, checksum: str) -> dict[str, Any]:
+    def rollq_stage_memmap(self, root: str, slot: str, version: int, checksum: str, chunks_in_flight: int = 3) -> dict[str, Any]:
         """Start reading ``version``, copying it to the device and verifying it, in a thread
         of this worker (the engine keeps serving: an RPC that did the work itself would hold
         the engine's step loop). Poll :meth:`rollq_staged_status`; :meth:`rollq_apply_staged`
@@ -148,7 +148,7 @@ class RollqWorkerExtension:
         self._rollq_staged_mm = None  # free a previously staged copy first
         self._rollq_stage_state = {"state": "staging", "version": version}
         self._rollq_stage_thread = threading.Thread(
-            target=self._rollq_stage, args=(root, slot, version, checksum), name="rollq-stage", daemon=True
+            target=self._rollq_stage, args=(root, slot, version, checksum, chunks_in_flight), name="rollq-stage", daemon=True
         )
         self._rollq_stage_thread.start()
         return {"state": "started"}
@@ -156,7 +156,7 @@ class RollqWorkerExtension:
     def rollq_staged_status(self) -> dict[str, Any]:
         return dict(getattr(self, "_rollq_stage_state", {"state": "idle"}))
 
-    def _rollq_stage(self, root: str, slot: str, version: int, checksum: str) -> None:
+    def _rollq_stage(self, root: str, slot: str, version: int, checksum: str, chunks_in_flight: int = 3) -> None:
         from ..errors import CorruptWeights
         from .checksum import state_checksum
         from .memmap import MemmapStore
@@ -164,9 +164,9 @@ class RollqWorkerExtension:
         from .nccl import responsive_gil
 
         with responsive_gil():
-            self._rollq_stage_locked(root, slot, version, checksum)
+            self._rollq_stage_locked(root, slot, version, checksum, chunks_in_flight)
 
-    def _rollq_stage_locked(self, root: str, slot: str, version: int, checksum: str) -> None:
+    def _rollq_stage_locked(self, root: str, slot: str, version: int, checksum: str, chunks_in_flight: int) -> None:
         from ..errors import CorruptWeights
         from .checksum import state_checksum
         from .memmap import MemmapStore
@@ -176,7 +176,7 @@ class RollqWorkerExtension:
         pinned = False
         stream = None
         try:
-            store = MemmapStore(root)
+            store = MemmapStore(root, chunks_in_flight=chunks_in_flight)
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
                 stream = torch.cuda.Stream(dev)  # off the engine's stream
