@@ -38,11 +38,6 @@ PENDING_PIPELINE_FIX = pytest.mark.xfail(
     "taken when one submit_many needs several script calls: several streams or > script_batch jobs) and "
     "pipe.mget (Consumer._heartbeat_once while jobs run); send them with pipe.execute_command",
 )
-PENDING_ACK_URL_FIX = pytest.mark.xfail(
-    strict=True,
-    reason="pending cluster fix: broadcast workers get redis_settings.url (cluster flag stripped) and ack "
-    "through a plain client (MOVED); pass redis_settings.full_url",
-)
 
 #: Every key rollq writes: ``rollq:{<queue>}:<role>...`` (QueueKeys), the tag being the queue.
 KEY_RE = re.compile(rb"^rollq:\{([A-Za-z0-9_.\-]{1,128})\}:[a-z]+(:.*)?$", re.S)
@@ -501,7 +496,6 @@ async def test_memmap_weight_publish_and_follow_through_the_cluster(redis_cluste
         await follower.stop()
 
 
-@PENDING_ACK_URL_FIX
 async def test_gloo_broadcast_acks_through_the_cluster(redis_cluster, tmp_path):
     """Workers acknowledge staged broadcast versions in Redis themselves: on a cluster they must
     reach the node of the queue's slot, not the seed node of the URL."""
