@@ -6,8 +6,11 @@ for all workers, never one per tensor). Methods run inside each worker process, 
 model, so the weights never travel through the engine's RPC channel.
 
 Loading: on GPU workers ``model.load_weights`` (the checkpoint-format loader every vLLM model
-has); on the CPU backend, whose linear layers are repacked at start-up,
-``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``.
+has), run while the engine serves into shadow weights (:mod:`rollq.weightsync.shadow`) where
+memory allows, so the swap is one device copy; on the CPU backend, whose linear layers are
+repacked at start-up, ``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``
+at the swap. Staging (broadcast receive, memmap read) runs in threads of the worker process:
+an RPC that did the work itself would hold the engine's step loop for its whole duration.
 """
 
 from __future__ import annotations
@@ -49,8 +52,6 @@ class RollqWorkerExtension:
     def _rollq_lock(self) -> Any:
         """The worker's lock for its shadow weights and memmap staging (a broadcast receiver
         has its own lock for its buffer, always taken before this one)."""
-        import threading
-
         with _init_lock:
             lock = getattr(self, "_rollq_lock_obj", None)
             if lock is None:
