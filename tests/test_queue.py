@@ -516,3 +516,23 @@ async def test_finish_deletes_acknowledged_entries_and_refuses_second_results(qu
     assert await FINISH(redis_client, keys, [GROUP, 60_000, 1000, pack(rows)]) == [1, 0]
     assert (await redis_client.xrange(res_key))[-1][1] == {b"d": b"r6"}
     assert await left() == []
+
+
+async def test_result_read_before_the_reply_of_its_submission(queue, make_producer):
+    """The reader may take a result before the task that submitted the job has handled the
+    script's reply (both sockets ready in one loop turn): the new handle adopts it."""
+    from rollq.protocol import Result
+
+    p = await make_producer(queue)
+    early = Result(id="early-1")
+    p._deliver(early)  # as the reader does when the result wins the race
+    h = await p.submit("x", id="early-1")
+    assert await bounded(h.result(), 2, "the adopted result") is early
+    assert p.outstanding == 0
+    # the same when results() took the result first
+    late = Result(id="early-2")
+    p._deliver(late)
+    assert [r async for r in p.results(timeout=0.1)] == [late]
+    h2 = await p.submit("x", id="early-2")
+    assert await bounded(h2.result(), 2, "the adopted result") is late
+    assert p.outstanding == 0

@@ -169,6 +169,7 @@ class Producer:
         self._ref = weakref.ref(self)
         self._handles: dict[str, JobHandle] = {}  # outstanding jobs (result not consumed yet)
         self._completed: OrderedDict[str, Result] = OrderedDict()  # arrived, not consumed yet
+        self._orphans: dict[str, Result] = {}  # results that arrived before any handle
         self._cancelled: set[str] = set()
         self._publisher: Any = None
         self._outstanding = 0
@@ -374,8 +375,12 @@ class Producer:
         known = self._handles
         if not dups:  # the common case: every job was enqueued
             handles = [JobHandle(job.id, self._ref, entry) for job, entry in zip(jobs, entries)]
-            for h in handles:
-                known[h.id] = h
+            if self._orphans:
+                for h in handles:
+                    self._register(h)
+            else:
+                for h in handles:
+                    known[h.id] = h
             self.counters["submitted"] += len(jobs)
             return handles
         return self._handles_with_duplicates(jobs, entries, dups, foreign)
@@ -398,8 +403,8 @@ class Producer:
                     dup = True
             first = self._handles.get(job.id)
             h = JobHandle(job.id, self._ref, entry, duplicate=dup)
-            if first is None:
-                self._handles[job.id] = h
+            if first is None or (not dup and job.id in self._orphans):
+                self._register(h)
             elif dup:  # resubmitted while ours is still outstanding: one result, shared
                 self._release(1)
                 h._twin = first._twin or first
@@ -599,14 +604,33 @@ class Producer:
             self._cancelled.discard(jid)
             return
         h = self._handles.get(jid)
-        if h is None:  # a result of a previous incarnation of this producer
+        if h is None:
+            # A result of a previous incarnation of this producer, or one read before the
+            # reply of its own submission was handled (its handle adopts it: _register).
             h = self._handles[jid] = JobHandle(jid, self._ref)
             self._outstanding += 1
+            if len(self._orphans) > 100_000:
+                self._orphans.clear()
+            self._orphans[jid] = res
         elif h.done():
             return  # a duplicate of what we already hold (cannot happen with one finisher)
         h._entry = None
         h._set(res)
         self._completed[jid] = res
+
+    def _register(self, h: JobHandle) -> None:
+        """Make ``h`` the handle of its job; it adopts a result that came before it did."""
+        res = self._orphans.pop(h.id, None) if self._orphans else None
+        if res is None:
+            self._handles[h.id] = h
+            return
+        # The result was read before the submission's reply was handled: _deliver counted
+        # it as a job of its own; it is this one.
+        h._set(res)
+        held = self._handles.get(h.id)
+        if held is not None and held._result is res:  # not taken yet: h takes its place
+            self._handles[h.id] = h
+        self._release(1)
 
     def _consume(self, job_id: str, res: Result) -> None:
         """``res`` was taken by its handle or by results(): forget it, free room (once)."""
