@@ -8,6 +8,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any, Sequence
 
+import redis
 import redis.asyncio as aredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
@@ -16,6 +17,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .settings import RedisSettings
 
 Client = Any  # redis.asyncio.Redis | redis.asyncio.RedisCluster
+
+_REDIS_PY_VERSION = getattr(redis, "__version__", "99.99.99")
 
 #: Errors that mean "Redis is unreachable for now": callers back off and retry.
 RETRYABLE = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -49,6 +52,9 @@ def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Cl
 
         kw.pop("health_check_interval", None)
         return RedisCluster.from_url(settings.url, **kw)
+    # The version redis-py reports with CLIENT SETINFO: given, it is not looked up in the
+    # package metadata for every new connection (milliseconds each).
+    kw.setdefault("lib_version", _REDIS_PY_VERSION)
     return aredis.Redis.from_url(settings.url, **kw)
 
 
