@@ -287,6 +287,8 @@ def _explain(e: msgspec.ValidationError, given: dict[str, Any]) -> str:
 
 
 _validated: dict[int, SamplingParams] = {}
+#: Keys of the job specs job_from_spec builds without the general checks.
+_TOKENS_SPEC = frozenset({"prompt_token_ids", "sampling", "meta"})
 
 
 def validated_sampling(sp: SamplingParams | dict[str, Any] | None) -> SamplingParams:
@@ -331,6 +333,16 @@ def job_from_spec(spec: Mapping[str, Any], id: str, reply: str, max_prompt_bytes
     """:func:`make_job` for fields given as a mapping (the producer's hot path; unknown keys
     are the caller's to refuse). Keys: ``prompt``, ``prompt_token_ids``, ``messages``,
     ``sampling``, ``replica``, ``min_version``, ``deadline`` or ``timeout``, ``meta``."""
+    tokens = spec.get("prompt_token_ids")
+    if type(tokens) is list and tokens and spec.keys() <= _TOKENS_SPEC:
+        # The common shape (token ids, shared sampling params, meta): only what can be wrong
+        # with it is checked; every other shape takes the general path below.
+        sp = validated_sampling(spec.get("sampling"))
+        if max_prompt_bytes is not None and 4 * len(tokens) > max_prompt_bytes:
+            raise InvalidJob(f"prompt of {4 * len(tokens)} bytes exceeds the limit of {max_prompt_bytes} bytes")
+        if tracked and not 0 < len(id) <= 256:
+            raise InvalidJob("job id must be 1-256 characters")
+        return Job(id=id, reply=reply, tokens=pack_i32(tokens), sampling=sp, submitted=time.time(), meta=spec.get("meta"), tracked=tracked)
     get = spec.get
     msgs = get("messages")
     if msgs is not None:

@@ -385,3 +385,25 @@ def test_wire_has_no_pickle():
 
     with pytest.raises((TypeError, msgspec.EncodeError)):
         encode_job(Job(id="j", reply="p", text="a", meta=Thing()))
+
+
+def test_token_spec_fast_path_builds_the_same_job():
+    """job_from_spec builds {prompt_token_ids, sampling, meta} specs without the general
+    checks: the job must be the one the general path builds, and bad input still refused."""
+    from rollq.protocol import job_from_spec
+
+    sp = SamplingParams(max_tokens=8, n=2)
+    fast = job_from_spec({"prompt_token_ids": [1, 2, 3], "sampling": sp, "meta": {"k": 1}}, "j1", "p", 1024, True)
+    slow = make_job(id="j1", reply="p", prompt_token_ids=[1, 2, 3], sampling=sp, meta={"k": 1}, max_prompt_bytes=1024, tracked=True)
+    fast.submitted = slow.submitted = 0.0
+    assert encode_job(fast) == encode_job(slow)
+    with pytest.raises(InvalidJob, match="exceeds the limit"):
+        job_from_spec({"prompt_token_ids": list(range(300))}, "j", "p", 1000)
+    with pytest.raises(InvalidJob, match="int32"):
+        job_from_spec({"prompt_token_ids": [1, 2**31]}, "j", "p")
+    with pytest.raises(InvalidJob, match="1-256"):
+        job_from_spec({"prompt_token_ids": [1]}, "x" * 257, "p", tracked=True)
+    with pytest.raises(InvalidJob, match="temperature"):
+        job_from_spec({"prompt_token_ids": [1], "sampling": {"temperature": -1}}, "j", "p")
+    with pytest.raises(InvalidJob):  # empty prompts take the general path, which refuses them
+        job_from_spec({"prompt_token_ids": []}, "j", "p")
