@@ -464,9 +464,10 @@ async def test_resubmitting_another_producers_id_does_not_hang(queue, make_produ
 # the finish script on its own
 # ----------------------------------------------------------------------------------------
 async def test_finish_deletes_acknowledged_entries_and_refuses_second_results(queue, redis_client):
-    """finish.lua: entries older than the oldest pending one go with one XTRIM MINID, newer
-    ones one by one; results packed by the consumer are written as they are, and a pack with
-    a refused row is filtered in Lua; a second result for an entry is refused."""
+    """finish.lua: a few acknowledged entries go with one XDEL; more with one XTRIM MINID below
+    the oldest pending entry, and those newer than it one by one; results packed by the
+    consumer are written as they are, and a pack with a refused row is filtered in Lua; a
+    second result for an entry is refused."""
     import msgpack
 
     from rollq.connection import FINISH
@@ -474,9 +475,9 @@ async def test_finish_deletes_acknowledged_entries_and_refuses_second_results(qu
     k = QueueKeys(queue)
     res_key = k.results("prod")
     await redis_client.xgroup_create(k.jobs, GROUP, id="0", mkstream=True)
-    for i in range(6):
+    for i in range(12):
         await redis_client.xadd(k.jobs, {"d": f"job{i}"})
-    read = await redis_client.xreadgroup(GROUP, "c", {k.jobs: ">"}, count=10)
+    read = await redis_client.xreadgroup(GROUP, "c", {k.jobs: ">"}, count=20)
     e = [eid for eid, _ in read[0][1]]
     keys = [k.ids, k.stats, k.dlq, k.jobs, res_key]
     pack = lambda x: msgpack.packb(x, use_bin_type=False)  # noqa: E731
@@ -489,26 +490,34 @@ async def test_finish_deletes_acknowledged_entries_and_refuses_second_results(qu
     async def left() -> list[bytes]:
         return [eid for eid, _ in await redis_client.xrange(k.jobs)]
 
-    # e0 still runs: e1 and e2 are deleted one by one, e0 and the rest stay
-    assert await finish([e[1], e[2]], [b"r1", b"r2"]) == [1, 1]
-    assert await left() == [e[0], e[3], e[4], e[5]]
-    # e0 finishes: everything below the oldest pending entry (e3) goes
-    assert await finish([e[0]], [b"r0"]) == [1]
-    assert await left() == [e[3], e[4], e[5]]
-    # a second result for e1 is refused, e3's is taken: the pack is filtered
-    assert await finish([e[1], e[3]], [b"again", b"r3"]) == [0, 1]
-    # nothing pending any more once e4 and e5 finish: the stream is empty
-    assert await finish([e[5], e[4]], [b"r5", b"r4"]) == [1, 1]
+    r = [f"r{i}".encode() for i in range(12)]
+    # e0 still runs: e1-e5 are newer than it, deleted one by one; e0 and the rest stay
+    assert await finish(e[1:6], r[1:6]) == [1] * 5
+    assert await left() == [e[0]] + e[6:]
+    # e0 alone: one XDEL
+    assert await finish([e[0]], [r[0]]) == [1]
+    assert await left() == e[6:]
+    # a second result for e1 is refused, e6-e10 are taken (the pack is filtered); e11 still
+    # runs: everything below it goes with the trim
+    assert await finish([e[1]] + e[6:11], [b"again"] + r[6:11]) == [0] + [1] * 5
+    assert await left() == [e[11]]
+    assert await finish([e[11]], [r[11]]) == [1]
     assert await left() == []
     entries = await redis_client.xrange(res_key)
     got = []
     for _, f in entries:
         got += [f[b"d"]] if b"d" in f else msgpack.unpackb(f[b"b"], raw=True)
-    assert got == [b"r1", b"r2", b"r0", b"r3", b"r5", b"r4"]
-    assert [sorted(f) for _, f in entries] == [[b"b"], [b"d"], [b"d"], [b"b"]]
-    assert (await redis_client.hgetall(k.stats)) == {b"completed": b"6"}
+    assert got == r[1:6] + [r[0]] + r[6:12]
+    assert [sorted(f) for _, f in entries] == [[b"b"], [b"d"], [b"b"], [b"d"]]
+    assert (await redis_client.hgetall(k.stats)) == {b"completed": b"12"}
     (group,) = await redis_client.xinfo_groups(k.jobs)
     assert group.get("pending", group.get(b"pending")) == 0
+    # nothing pending and a batch of several: trimmed up to the newest, which goes too
+    for i in range(6):
+        await redis_client.xadd(k.jobs, {"d": f"more{i}"})
+    more = [eid for eid, _ in (await redis_client.xreadgroup(GROUP, "c", {k.jobs: ">"}, count=10))[0][1]]
+    assert await finish(more, [b"m"] * 6) == [1] * 6
+    assert await left() == []
     # rows that carry their own payloads (no packs) still work
     await redis_client.xadd(k.jobs, {"d": "job6"})
     (eid6,) = [eid for eid, _ in (await redis_client.xreadgroup(GROUP, "c", {k.jobs: ">"}, count=10))[0][1]]
