@@ -727,7 +727,8 @@ class Consumer:
         self._queue_stats(pipe)
         job_ids = list(self._by_job)
         if job_ids:
-            pipe.mget([self.keys.cancel(j) for j in job_ids])
+            # execute_command: redis-py's cluster pipeline refuses pipe.mget (the keys share one slot)
+            pipe.execute_command("MGET", *[self.keys.cancel(j) for j in job_ids])
         res = await pipe.execute()
         if res[0] is None and self._leased:
             # Our lease lapsed (a stall or partition longer than lease_ttl): peers may have

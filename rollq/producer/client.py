@@ -439,7 +439,8 @@ class Producer:
         for attempt in (0, 1):
             pipe = self._client.pipeline(transaction=False)
             for keys, args, _ in calls:
-                pipe.evalsha(SUBMIT.sha, len(keys), *keys, *args)
+                # execute_command: redis-py's cluster pipeline refuses pipe.evalsha
+                pipe.execute_command("EVALSHA", SUBMIT.sha, len(keys), *keys, *args)
             results = await pipe.execute(raise_on_error=False)
             if not any(isinstance(r, NoScriptError) for r in results):
                 break
