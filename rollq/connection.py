@@ -50,6 +50,13 @@ def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Cl
     if settings.cluster:
         from redis.asyncio.cluster import RedisCluster
 
+        if not hasattr(RedisCluster, "pubsub"):  # replicas follow cancels and versions on pub/sub
+            import redis
+
+            raise RuntimeError(
+                f"Redis Cluster needs redis-py >= 8.0 (asyncio cluster pub/sub); this is {redis.__version__}"
+            )
+
         kw.pop("health_check_interval", None)
         return RedisCluster.from_url(settings.url, **kw)
     # The version redis-py reports with CLIENT SETINFO: given, it is not looked up in the

@@ -30,15 +30,6 @@ from tests.helpers import ROOT, bounded, collect, make_consumer, make_producer, 
 
 pytestmark = pytest.mark.slow
 
-# Fixes in files other engineers own, written as /tmp/cluster-fixes.patch: remove each marker
-# once its fix is applied (strict: the test then passes and the marker fails it).
-PENDING_PIPELINE_FIX = pytest.mark.xfail(
-    strict=True,
-    reason="pending cluster fix: redis-py's cluster pipeline refuses pipe.evalsha (Producer._run_scripts, "
-    "taken when one submit_many needs several script calls: several streams or > script_batch jobs) and "
-    "pipe.mget (Consumer._heartbeat_once while jobs run); send them with pipe.execute_command",
-)
-
 #: Every key rollq writes: ``rollq:{<queue>}:<role>...`` (QueueKeys), the tag being the queue.
 KEY_RE = re.compile(rb"^rollq:\{([A-Za-z0-9_.\-]{1,128})\}:[a-z]+(:.*)?$", re.S)
 
@@ -167,7 +158,6 @@ async def test_rollq_redis_cluster_command_starts_and_removes_a_cluster():
 # ----------------------------------------------------------------------------------------
 # producer -> consumer -> results, on every node at once
 # ----------------------------------------------------------------------------------------
-@PENDING_PIPELINE_FIX
 async def test_submit_consume_exactly_once_on_every_node(redis_cluster, node_queues, make_producer, make_consumer, cluster_client):
     async def one(i: int, q: str) -> None:
         p = await make_producer(q, script_batch=40)  # 150 jobs: 4 script calls in one pipeline
@@ -239,7 +229,6 @@ async def test_reclaimed_job_runs_twice_but_is_delivered_once(redis_cluster, mak
     assert await cluster_client.xlen(k.jobs) == 0
 
 
-@PENDING_PIPELINE_FIX
 async def test_a_long_job_keeps_its_lease_while_a_peer_watches(redis_cluster, make_producer, make_consumer):
     """Heartbeats renew the lease (and read cancel marks) while jobs run: a peer never takes
     over a long job of a live replica."""
@@ -336,7 +325,6 @@ async def test_dead_lettered_job_is_requeued_through_the_cluster(redis_cluster, 
     assert await cluster_client.xlen(k.jobs) == 1
 
 
-@PENDING_PIPELINE_FIX
 async def test_jobs_targeted_at_a_replica_run_there(redis_cluster, node_queues, make_producer, make_consumer):
     for i, q in enumerate(node_queues):
         p = await make_producer(q)
@@ -531,7 +519,6 @@ async def test_gloo_broadcast_acks_through_the_cluster(redis_cluster, tmp_path):
 # ----------------------------------------------------------------------------------------
 # key hygiene (runs last in this module: it inspects what the tests above left)
 # ----------------------------------------------------------------------------------------
-@PENDING_PIPELINE_FIX
 async def test_every_key_on_every_node_carries_its_queue_tag(redis_cluster, node_queues, make_producer, make_consumer):
     for q in node_queues:  # at least one full round trip of our own
         p = await make_producer(q)

