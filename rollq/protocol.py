@@ -46,14 +46,20 @@ _LITTLE = sys.byteorder == "little"
 _I32: dict[int, struct.Struct] = {}  # "<{n}i" packers by length
 
 
+def i32_packer(n: int) -> struct.Struct:
+    """A cached ``struct.Struct`` packing ``n`` int32 token ids, little-endian."""
+    packer = _I32.get(n)
+    if packer is None:
+        if len(_I32) > 4096:
+            _I32.clear()
+        packer = _I32[n] = struct.Struct(f"<{n}i")
+    return packer
+
+
 def pack_i32(values: Iterable[int] | bytes | None) -> bytes:
     """Token ids as little-endian int32 bytes (lists, arrays, numpy, tensors accepted)."""
     if type(values) is list:  # the common case first: one C call, range-checked by struct
-        packer = _I32.get(len(values))
-        if packer is None:
-            if len(_I32) > 4096:
-                _I32.clear()
-            packer = _I32[len(values)] = struct.Struct(f"<{len(values)}i")
+        packer = _I32.get(len(values)) or i32_packer(len(values))
         try:
             return packer.pack(*values)
         except struct.error as e:

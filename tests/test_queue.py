@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import pytest
 
 import rollq.producer.client as client_mod
+from redis.exceptions import ConnectionError as RedisConnectionError
 from rollq.consumer.engine import EchoEngine
 from rollq.errors import JobCancelled, JobExpired, JobRejected, QueueFull
 from rollq.keys import GROUP, QueueKeys
@@ -93,7 +95,42 @@ async def test_meta_is_returned_untouched(queue, make_producer, make_consumer):
     assert r3.meta is None
 
 
+async def _check_order_and_results(queue, p, handles, redis_client, make_consumer, n):
+    # stream order is submission order
+    entries = await redis_client.xrange(QueueKeys(queue).jobs)
+    assert len(entries) == n
+    from rollq.protocol import decode_job
+
+    assert [decode_job(f[b"d"]).id for _, f in entries] == [h.id for h in handles]
+    await make_consumer.burst(make_consumer(queue))
+    results = await p.gather(handles, timeout=5)
+    assert [r.meta for r in results] == list(range(n))
+    assert [r.samples[0].token_ids for r in results] == [[i + 1] for i in range(n)]
+
+
+async def test_submit_many_streams_script_calls(queue, make_producer, make_consumer, redis_client, monkeypatch):
+    """One server: a call per script_batch jobs, written as soon as built, at most
+    chunk_size // script_batch calls unanswered, replies read in order."""
+    calls: list[int] = []
+    unread: list[int] = []
+    real_reply = client_mod.Producer._read_replies
+
+    async def counting(self, conn, script_calls, reran):
+        calls.append(sum(len(c[2]) for c in script_calls))
+        return await real_reply(self, conn, script_calls, reran)
+
+    monkeypatch.setattr(client_mod.Producer, "_read_replies", counting)
+    p = await make_producer(queue, chunk_size=21, script_batch=7)
+    specs = [{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}, "meta": i} for i in range(50)]
+    handles = await p.submit_many(specs)
+    assert len(handles) == 50 and len({h.id for h in handles}) == 50
+    assert calls == [7] * 7 + [1], "one script call per script_batch jobs"
+    assert p.outstanding == 50
+    await _check_order_and_results(queue, p, handles, redis_client, make_consumer, 50)
+
+
 async def test_submit_many_chunks(queue, make_producer, make_consumer, redis_client, monkeypatch):
+    """The chunked path (a cluster's): one pipelined round trip per chunk."""
     calls: list[int] = []
     real = client_mod.Producer._run_scripts
 
@@ -104,19 +141,74 @@ async def test_submit_many_chunks(queue, make_producer, make_consumer, redis_cli
     monkeypatch.setattr(client_mod.Producer, "_run_scripts", counting)
     p = await make_producer(queue, chunk_size=7)
     specs = [{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}, "meta": i} for i in range(50)]
-    handles = await p.submit_many(specs)
+    handles = await p._submit_many_chunks(specs)
     assert len(handles) == 50 and len({h.id for h in handles}) == 50
     assert calls == [7] * 7 + [1], "one round trip per chunk_size jobs"
-    # stream order is submission order
-    entries = await redis_client.xrange(QueueKeys(queue).jobs)
-    assert len(entries) == 50
-    from rollq.protocol import decode_job
+    await _check_order_and_results(queue, p, handles, redis_client, make_consumer, 50)
 
-    assert [decode_job(f[b"d"]).id for _, f in entries] == [h.id for h in handles]
-    await make_consumer.burst(make_consumer(queue))
-    results = await p.gather(handles, timeout=5)
-    assert [r.meta for r in results] == list(range(50))
-    assert [r.samples[0].token_ids for r in results] == [[i + 1] for i in range(50)]
+
+async def test_submit_many_reloads_a_flushed_script(queue, make_producer, make_consumer, redis_client):
+    """SCRIPT FLUSH between batches: every streamed call that met NOSCRIPT runs again, once."""
+    p = await make_producer(queue, chunk_size=20, script_batch=5)
+    await redis_client.script_flush()
+    specs = [{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}, "meta": i} for i in range(23)]
+    handles = await p.submit_many(specs)
+    assert len(handles) == 23 and p.outstanding == 23
+    await _check_order_and_results(queue, p, handles, redis_client, make_consumer, 23)
+
+
+async def test_submit_many_releases_room_when_the_connection_fails(queue, make_producer, monkeypatch):
+    """A streamed submission that fails mid-way frees the room of every job whose reply was not read."""
+    p = await make_producer(queue, chunk_size=20, script_batch=5)
+    real_reply = client_mod.Producer._read_replies
+    seen = []
+
+    async def failing(self, conn, script_calls, reran):
+        seen.append(len(script_calls))
+        if len(seen) == 2:  # after a reply was read: not written again, the error is the caller's
+            raise RedisConnectionError("dropped")
+        return await real_reply(self, conn, script_calls, reran)
+
+    monkeypatch.setattr(client_mod.Producer, "_read_replies", failing)
+    with pytest.raises(RedisConnectionError):
+        await p.submit_many([{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}} for i in range(40)])
+    assert p.outstanding == 5, "only the first call's jobs were acknowledged"
+    monkeypatch.setattr(client_mod.Producer, "_read_replies", real_reply)
+    h = await p.submit_many([{"prompt_token_ids": [1], "sampling": {"max_tokens": 1}}])  # the pool is fine
+    assert len(h) == 1 and p.outstanding == 6
+
+
+async def test_build_jobs_matches_build_job(queue, make_producer):
+    """The inline common shape of build_jobs gives the jobs and refusals build_job gives."""
+    from rollq.protocol import SamplingParams
+
+    p = await make_producer(queue, max_prompt_bytes=64)
+    sp = SamplingParams(max_tokens=3)
+    specs = [
+        {"prompt_token_ids": [1, 2, 3], "sampling": sp},
+        {"prompt_token_ids": [4, 5], "sampling": {"max_tokens": 2}},
+        {"prompt_token_ids": [6], "sampling": sp, "meta": 1},
+        {"prompt": "text", "sampling": sp},
+        {"prompt_token_ids": [7], "sampling": None},
+    ]
+    fast = p.build_jobs(specs)
+    q = await make_producer(queue, producer_id=p.id, max_prompt_bytes=64)
+    slow = [q.build_job(s) for s in specs]
+    strip = lambda j: msgspec.structs.replace(j, submitted=0.0)  # noqa: E731
+    assert [strip(j) for j in fast] == [strip(j) for j in slow]
+    assert p._seq == q._seq == len(specs)
+    for bad in (
+        {"prompt_token_ids": [1] * 17, "sampling": sp},  # 68 bytes > 64
+        {"prompt_token_ids": [2**31], "sampling": sp},
+        {"prompt_token_ids": ["x"], "sampling": sp},
+        {"prompt_token_ids": [1], "sampling": {"max_tokens": 0}},
+        {"prompt_token_ids": [1], "sampling": {"nope": 1}},
+    ):
+        with pytest.raises(Exception) as e_fast:
+            p.build_jobs([specs[0], bad])
+        with pytest.raises(Exception) as e_slow:
+            q.build_job(bad)
+        assert type(e_fast.value) is type(e_slow.value) and str(e_fast.value) == str(e_slow.value)
 
 
 async def test_results_iterator_yields_each_once(queue, make_producer, make_consumer):

@@ -19,14 +19,16 @@ import asyncio
 import itertools
 import logging
 import os
+import struct
 import time
 import uuid
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
 
 import msgpack
 import msgspec
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect, deadline, raw_replies
@@ -39,7 +41,9 @@ from ..protocol import (
     Result,
     decode_result,
     encode_job,
+    i32_packer,
     job_from_spec,
+    validated_sampling,
 )
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
 
@@ -250,6 +254,50 @@ class Producer:
             return job_from_spec(f, self._next_id(), self.id, self.settings.max_prompt_bytes)
         return job_from_spec(f, str(given), self.id, self.settings.max_prompt_bytes, tracked=True)
 
+    def build_jobs(self, specs: Iterable[JobSpec | Job]) -> list[Job]:
+        """:meth:`build_job` for each spec (a :class:`Job` is taken as it is): the same jobs and
+        the same refusals, with the common shape ``{"prompt_token_ids": [...], "sampling": sp}``
+        built inline (one loop, sampling params validated once per distinct object)."""
+        jobs: list[Job] = []
+        append = jobs.append
+        build = self.build_job
+        prefix, reply, limit = self._prefix, self.id, self.settings.max_prompt_bytes
+        now = time.time
+        sp_in: Any = _NOTHING
+        sp = None
+        n_last = -1
+        packer: Any = None
+        seq = self._seq
+        try:
+            for s in specs:
+                if type(s) is dict and len(s) == 2 and "sampling" in s:
+                    toks = s.get("prompt_token_ids")
+                    if type(toks) is list and toks:
+                        if s["sampling"] is not sp_in:  # as job_from_spec: sampling, size, tokens
+                            sp = validated_sampling(s["sampling"])
+                            sp_in = s["sampling"]
+                        n = len(toks)
+                        if n != n_last:
+                            if limit is not None and 4 * n > limit:
+                                raise InvalidJob(f"prompt of {4 * n} bytes exceeds the limit of {limit} bytes")
+                            packer, n_last = i32_packer(n), n
+                        try:
+                            tokens = packer.pack(*toks)
+                        except struct.error as e:
+                            raise InvalidJob(f"token ids must be integers that fit in int32: {e}") from e
+                        seq += 1
+                        append(Job(id=f"{prefix}{seq:x}", reply=reply, tokens=tokens, sampling=sp, submitted=now()))
+                        continue
+                if isinstance(s, Job):
+                    append(s)
+                else:
+                    self._seq = seq
+                    append(build(s))
+                    seq = self._seq
+        finally:
+            self._seq = seq
+        return jobs
+
     async def submit(self, prompt: str | None = None, /, **kw: Any) -> JobHandle:
         """Submit one job; returns immediately with its handle."""
         if prompt is not None:
@@ -259,22 +307,123 @@ class Producer:
         return (await self._submit_chunk([job]))[0]
 
     async def submit_many(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
-        """Submit a batch: one pipelined round trip per chunk of jobs.
+        """Submit a batch, pipelined: script calls of ``script_batch`` jobs stream to Redis
+        while the next ones are built, ``chunk_size`` jobs in flight at most.
 
-        Chunks start at ``script_batch`` jobs and double up to ``chunk_size``, so the first
-        jobs are queued at once and building each chunk overlaps Redis' work on the previous
-        one. Everything is validated before its chunk is sent; a chunk that fails validation
-        raises and is not sent (earlier chunks were).
+        On one server the batch holds one connection of the pool and writes each call as soon
+        as its jobs are built (so Redis runs one call while the next is built and encoded) and
+        reads the replies in order; on a cluster, chunks start at ``script_batch`` jobs and
+        double up to ``chunk_size``, one pipelined round trip each. Everything is validated
+        before its call is sent; a spec that fails validation raises and is not sent (the
+        jobs before it were).
         """
         await self.connect()
+        if self.redis_settings.cluster:
+            return await self._submit_many_chunks(specs)
+        return await self._submit_many_stream(specs)
+
+    async def _submit_many_stream(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
+        step = max(1, self.settings.script_batch)
+        window = max(1, self.settings.chunk_size // step)  # calls whose replies are not read yet
+        it = iter(specs)
+        build = self.build_jobs
+        handles: list[JobHandle] = []
+        # Calls written (or about to be) whose replies were not read: their jobs hold room.
+        inflight: deque[tuple[list[Job], list[Any], list[bytes]]] = deque()
+        reran: list[bool] = []
+        pool = self._client.connection_pool
+        conn = await pool.get_connection()
+        sha = SUBMIT.sha
+        replied = False
+        attempts = 0
+
+        async def rewrite(error: BaseException) -> None:
+            # A pooled connection that a Redis restart closed fails on first use (before any
+            # reply: nothing it carried ran). Write every call in flight again on a new one,
+            # as redis-py's retry would; after a reply was read, the error is the caller's.
+            nonlocal attempts
+            if replied or attempts >= 3:
+                raise error
+            attempts += 1
+            await conn.disconnect()
+            await asyncio.sleep(0.05 * 2 ** (attempts - 1))
+            try:
+                for _, _, packed in inflight:
+                    await conn.send_packed_command(packed, check_health=False)
+            except RedisConnectionError as e:
+                await rewrite(e)
+
+        async def take() -> None:
+            nonlocal replied
+            jobs, calls, _ = inflight[0]
+            while True:
+                try:
+                    results = await self._read_replies(conn, calls, reran)
+                    break
+                except RedisConnectionError as e:
+                    await rewrite(e)
+            replied = True
+            inflight.popleft()
+            handles.extend(await self._finish_chunk(jobs, calls, results))
+
+        try:
+            while True:
+                jobs = build(itertools.islice(it, step))
+                if not jobs:
+                    break
+                await self._reserve(len(jobs))
+                try:
+                    calls = self._submit_calls(jobs)
+                    packed = conn.pack_commands([("EVALSHA", sha, len(keys), *keys, *args) for keys, args, _ in calls])
+                except BaseException:
+                    self._release(len(jobs))
+                    raise
+                inflight.append((jobs, calls, packed))
+                try:
+                    await conn.send_packed_command(packed, check_health=False)
+                except RedisConnectionError as e:
+                    await rewrite(e)
+                await asyncio.sleep(0)  # the loop flushes what the socket did not take at once
+                if len(inflight) >= window:
+                    await take()
+                    while reran and inflight:  # NOSCRIPT: the reruns go before anything new
+                        await take()
+                    reran.clear()
+            while inflight:
+                await take()
+            return handles
+        finally:
+            if inflight:
+                for jobs, _, _ in inflight:  # no reply read: whether Redis ran them is not known
+                    self._release(len(jobs))
+                await conn.disconnect()  # replies may be left unread: start clean
+            await pool.release(conn)
+
+    async def _read_replies(self, conn: Any, calls: list[Any], reran: list[bool]) -> list[Any]:
+        """The replies of ``calls``, written on ``conn`` (in order).
+
+        A call that met NOSCRIPT did nothing: it runs again (loading the script) and ``reran``
+        says so, for the caller to read every reply in flight before it writes more (the calls
+        written after it met NOSCRIPT too, and their reruns keep the submission order)."""
+        results = []
+        async with self._deadline(f"submitting {sum(len(c[2]) for c in calls)} jobs"):
+            for keys, args, _ in calls:
+                try:
+                    results.append(await conn.read_response())
+                except NoScriptError:
+                    results.append(await SUBMIT(self._client, keys, args))
+                    reran.append(True)
+        return results
+
+    async def _submit_many_chunks(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
         handles: list[JobHandle] = []
         chunk = min(self.settings.script_batch, self.settings.chunk_size)
         it = iter(specs)
-        build = self.build_job
+        build = self.build_jobs
         inflight: asyncio.Task | None = None
         try:
             while True:
-                batch = [s if isinstance(s, Job) else build(s) for s in itertools.islice(it, chunk)]
+                batch = build(itertools.islice(it, chunk))
                 if inflight is not None:
                     handles.extend(await inflight)
                     inflight = None
@@ -317,15 +466,25 @@ class Producer:
         if self._room_waiters and self._room is not None:
             self._room.set()
 
-    def _submit_calls(self, jobs: list[Job]) -> list[tuple[list[str], list[Any], list[int]]]:
+    def _submit_calls(self, jobs: list[Job]) -> list[tuple[list[str], list[Any], list[int] | range]]:
         """SUBMIT calls for ``jobs``: (keys, args, positions of their jobs in ``jobs``)."""
+        step = self.settings.script_batch
+        if all(job.replica is None and not job.tracked for job in jobs):  # the common case
+            keys = self.keys.submit_keys(self.keys.jobs)
+            payloads = list(map(encode_job, jobs))
+            calls = []
+            for i in range(0, len(jobs), step):
+                part = payloads[i : i + step]
+                args: list[Any] = [""] * (2 * len(part))  # '': a generated id, nothing to record
+                args[1::2] = part
+                calls.append((keys, [_pack(args), self.id], range(i, i + len(part))))
+            return calls
         by_stream: dict[str | None, list[int]] = {}
         for i, job in enumerate(jobs):
             pos = by_stream.get(job.replica)
             if pos is None:
                 pos = by_stream[job.replica] = []
             pos.append(i)
-        step = self.settings.script_batch
         calls = []
         for replica, positions in by_stream.items():
             keys = self.keys.submit_keys(self.keys.job_stream(replica))
@@ -342,14 +501,25 @@ class Producer:
 
     async def _submit_chunk(self, jobs: list[Job]) -> list[JobHandle]:
         await self._reserve(len(jobs))
-        pending = self._submit_calls(jobs)
+        try:
+            calls = self._submit_calls(jobs)
+        except BaseException:
+            self._release(len(jobs))
+            raise
+        return await self._finish_chunk(jobs, calls, None)
+
+    async def _finish_chunk(self, jobs: list[Job], pending: list[Any], results: list[Any] | None) -> list[JobHandle]:
+        """Run the SUBMIT calls of ``jobs`` (``results``: the replies of a first round already
+        sent), again for calls the staleness bound refused, and make the handles. The
+        ``len(jobs)`` reserved places are released for jobs that are not sent."""
         entries: list[tuple[str, bytes, bool] | None] = [None] * len(jobs)
         dups: list[bytes] = []
         foreign: dict[str, str] = {}  # duplicate ids queued by another producer -> its id
         sent = 0
         try:
             while pending:
-                results = await self._run_scripts(pending)
+                if results is None:
+                    results = await self._run_scripts(pending)
                 refused = []
                 for call, (skipped, was_refused, limit, eids, owners) in zip(pending, results):
                     keys, _, part = call
@@ -366,6 +536,7 @@ class Producer:
                     for k, eid in zip(part, eids):
                         if eid:
                             entries[k] = (stream, eid, jobs[k].tracked)
+                results = None
                 if refused:
                     await self._wait_for_admission(sum(len(c[2]) for c in refused), limit)
                 pending = refused
@@ -694,5 +865,7 @@ class Producer:
 
 
 _pack = msgpack.Packer(use_bin_type=False).pack  # Redis' Lua cmsgpack reads str, not bin
+
+_NOTHING = object()
 
 _SPEC_FIELDS = {"prompt", "prompt_token_ids", "messages", "sampling", "id", "replica", "min_version", "deadline", "timeout", "meta"}
