@@ -637,3 +637,18 @@ async def test_result_read_before_the_reply_of_its_submission(queue, make_produc
     h2 = await p.submit("x", id="early-2")
     assert await bounded(h2.result(), 2, "the adopted result") is late
     assert p.outstanding == 0
+
+
+async def test_connect_to_an_unreachable_server_leaves_nothing_running():
+    import socket
+
+    from rollq.producer.client import Producer
+    from rollq.settings import RedisSettings
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = Producer(RedisSettings.from_url(f"redis://127.0.0.1:{port}/0"), "q")
+    with pytest.raises(Exception):
+        await asyncio.wait_for(p.connect(), 30)
+    assert p._reader is None and p._client is None and p._reader_client is None

@@ -188,15 +188,25 @@ class Producer:
     # -- lifecycle -----------------------------------------------------------------------
     async def connect(self) -> Producer:
         if self._client is None:
-            # No socket timeouts: calls are bounded by deadline() (see rollq.connection).
-            self._client = connect(self.redis_settings, socket_timeout=None)
-            self._reader_client = connect(self.redis_settings, socket_timeout=None)
+            # No socket timeouts: calls are bounded by deadline() (see rollq.connection). No
+            # health checks either: they cost a PING before the handshake of every new
+            # connection, and these clients bound every call and reconnect on errors.
+            self._client = connect(self.redis_settings, socket_timeout=None, health_check_interval=0)
+            self._reader_client = connect(self.redis_settings, socket_timeout=None, health_check_interval=0)
             self._room = asyncio.Event()
             self._arrived = asyncio.Event()
             raw_replies(self._reader_client, "XREAD")
-            async with self._deadline("PING"):
-                await self._client.ping()
+            # The reader connects while the PING waits: two handshakes in the time of one.
             self._reader = asyncio.create_task(self._read_results(), name=f"rollq-results-{self.id}")
+            try:
+                async with self._deadline("PING"):
+                    await self._client.ping()
+            except BaseException:  # unreachable: leave nothing behind, a later connect() retries
+                self._reader.cancel()
+                for c in (self._client, self._reader_client):
+                    await c.aclose()
+                self._client = self._reader_client = self._reader = None
+                raise
         return self
 
     async def close(self) -> None:
@@ -325,6 +335,7 @@ class Producer:
     async def _submit_many_stream(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
         step = max(1, self.settings.script_batch)
         window = max(1, self.settings.chunk_size // step)  # calls whose replies are not read yet
+        size = min(step, _FIRST_CALL)  # small first calls: Redis starts while the rest is built
         it = iter(specs)
         build = self.build_jobs
         handles: list[JobHandle] = []
@@ -368,9 +379,10 @@ class Producer:
 
         try:
             while True:
-                jobs = build(itertools.islice(it, step))
+                jobs = build(itertools.islice(it, size))
                 if not jobs:
                     break
+                size = min(2 * size, step)
                 await self._reserve(len(jobs))
                 try:
                     calls = self._submit_calls(jobs)
@@ -867,5 +879,7 @@ class Producer:
 _pack = msgpack.Packer(use_bin_type=False).pack  # Redis' Lua cmsgpack reads str, not bin
 
 _NOTHING = object()
+#: Jobs in the first script call of a streamed submit_many (then doubling to script_batch).
+_FIRST_CALL = 64
 
 _SPEC_FIELDS = {"prompt", "prompt_token_ids", "messages", "sampling", "id", "replica", "min_version", "deadline", "timeout", "meta"}
