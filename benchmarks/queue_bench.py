@@ -420,7 +420,7 @@ async def rollq_bench(url: str, r: redis.Redis, n: int, args, bracket=None) -> d
     out["submit"] = {
         "seconds": t1 - t0, "jobs_per_s": n / (t1 - t0),
         "producer_cpu_us_per_job": 1e6 * (c1 - c0) / n, "redis_cpu_us_per_job": 1e6 * (rc1 - rc0) / n,
-        "api": "Producer.submit_many(specs), one call, default ProducerSettings (chunks of 500 jobs doubling up to chunk_size=4000)",
+        "api": "Producer.submit_many(specs), one call, default ProducerSettings (one connection; script calls of 64 jobs doubling to script_batch=500, each written as soon as built, at most chunk_size=4000 jobs unanswered)",
     }
     log(f"rollq submit: {n / (t1 - t0):,.0f} jobs/s")
 
