@@ -524,6 +524,16 @@ class Producer:
         """Run the SUBMIT calls of ``jobs`` (``results``: the replies of a first round already
         sent), again for calls the staleness bound refused, and make the handles. The
         ``len(jobs)`` reserved places are released for jobs that are not sent."""
+        if results is not None and len(pending) == 1 and not self._orphans:
+            skipped, was_refused, _, eids, _ = results[0]
+            if not skipped and not was_refused and len(eids) == len(jobs):
+                # The common reply: one call (its jobs in order), every job enqueued.
+                stream, ref, known = pending[0][0][0], self._ref, self._handles
+                handles = [JobHandle(job.id, ref, (stream, eid, job.tracked)) for job, eid in zip(jobs, eids)]
+                for h in handles:
+                    known[h.id] = h
+                self.counters["submitted"] += len(jobs)
+                return handles
         entries: list[tuple[str, bytes, bool] | None] = [None] * len(jobs)
         dups: list[bytes] = []
         foreign: dict[str, str] = {}  # duplicate ids queued by another producer -> its id
