@@ -652,3 +652,38 @@ async def test_connect_to_an_unreachable_server_leaves_nothing_running():
     with pytest.raises(Exception):
         await asyncio.wait_for(p.connect(), 30)
     assert p._reader is None and p._client is None and p._reader_client is None
+
+
+async def test_submit_many_invalid_spec_mid_batch(queue, make_producer, redis_client):
+    """The jobs before a spec that fails validation were sent and are outstanding; none after it."""
+    from rollq.errors import InvalidJob
+
+    p = await make_producer(queue, chunk_size=20, script_batch=5)
+    specs = [{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}} for i in range(32)]
+    specs[30] = {"prompt_token_ids": [1], "sampling": {"max_tokens": 0}}
+    with pytest.raises(InvalidJob):
+        await p.submit_many(specs)
+    assert p.outstanding == 30
+    assert await redis_client.xlen(QueueKeys(queue).jobs) == 30
+
+
+async def test_streamed_submit_many_blocks_and_resumes_at_the_cap(queue, make_producer, make_consumer):
+    """Several calls in flight and a cap smaller than the batch: the submission waits for room
+    (given back as results are consumed by another task) instead of deadlocking, and ends."""
+    p = await make_producer(queue, max_outstanding=10, block_when_full=True, chunk_size=20, script_batch=5)
+    c = make_consumer(queue)
+    make_consumer.start(c)
+    got: list[str] = []
+
+    async def consume():
+        async for r in p.results():
+            got.append(r.id)
+            if len(got) == 40:
+                return
+
+    reader = asyncio.create_task(consume())
+    handles = await bounded(p.submit_many([{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}} for i in range(40)]),
+                            20, "the capped streamed submission")
+    await bounded(reader, 20, "every result")
+    assert sorted(got) == sorted(h.id for h in handles) and len(set(got)) == 40
+    assert p.outstanding == 0

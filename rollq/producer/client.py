@@ -379,11 +379,24 @@ class Producer:
 
         try:
             while True:
-                jobs = build(itertools.islice(it, size))
+                try:
+                    jobs = build(itertools.islice(it, size))
+                    if jobs:
+                        if inflight and self._outstanding + len(jobs) > self.settings.max_outstanding:
+                            # Room comes back as results are consumed, which counts only for
+                            # jobs whose replies were read: read them all before waiting.
+                            while inflight:
+                                await take()
+                        await self._reserve(len(jobs))
+                except Exception:
+                    # A spec failed validation, or QueueFull: the jobs before were sent, their
+                    # handles are made (the caller gets the error, the jobs run as submitted).
+                    while inflight:
+                        await take()
+                    raise
                 if not jobs:
                     break
                 size = min(2 * size, step)
-                await self._reserve(len(jobs))
                 try:
                     calls = self._submit_calls(jobs)
                     packed = conn.pack_commands([("EVALSHA", sha, len(keys), *keys, *args) for keys, args, _ in calls])
