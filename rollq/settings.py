@@ -75,7 +75,8 @@ class ProducerSettings:
     max_outstanding: int = 100_000
     #: When the cap is reached: wait for room (True) or raise QueueFull (False).
     block_when_full: bool = True
-    #: Jobs per round trip in submit_many (sent as a pipeline of script calls).
+    #: submit_many: on one server, the most jobs whose script replies may be outstanding
+    #: (calls are written as they are built); on a cluster, jobs per pipelined round trip.
     chunk_size: int = 4000
     #: Jobs per script call: bounds how long one call holds Redis (shared servers).
     script_batch: int = 500
