@@ -94,6 +94,12 @@ class Engine(abc.ABC):
     async def reset_prefix_cache(self) -> None:  # noqa: B027
         """Drop cached prefixes computed with older weights."""
 
+    def new_cache_salt(self) -> str | None:
+        """Make later requests ignore prefixes cached so far, without an engine call (used
+        while requests still run, when the cache cannot be dropped). Engines without a
+        prefix cache have nothing to do."""
+        return None
+
     async def call_workers(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """Run ``method`` of the weight-sync worker extension in every worker; one result each.
 

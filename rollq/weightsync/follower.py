@@ -189,7 +189,9 @@ class WeightFollower:
                 t_pause = time.perf_counter()  # generation stops for at most this long
                 load = await self._load(rec, staged)
                 self._set_version(rec.version)
-                self._salt_prefix_cache()
+                # Requests are running (keep), so vLLM would refuse to drop its cache: new
+                # requests get a fresh salt instead and never reuse a prefix of the old weights.
+                self.engine.new_cache_salt()
             else:
                 aborted = c.abort_running()
                 t_pause = time.perf_counter()
@@ -218,13 +220,6 @@ class WeightFollower:
             c.id, rec.version, policy, rec.transport, st.update_s, st.pause_s,
         )
         return st
-
-    def _salt_prefix_cache(self) -> None:
-        """New requests must not reuse prefixes cached under the old weights. Requests are
-        running (``keep``), so vLLM would refuse to drop its cache: use a fresh cache salt."""
-        salt = getattr(self.engine, "new_cache_salt", None)
-        if salt is not None:
-            salt()
 
     def _set_version(self, v: int) -> None:
         self.consumer.version = v

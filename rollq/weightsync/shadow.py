@@ -122,7 +122,6 @@ class ShadowWeights:
         with ctx, torch.no_grad():
             if not self.synced:
                 torch._foreach_copy_(self.shadow, self.live)
-                self.synced = True
             self.synced = False  # until the swap makes them equal again
             self.root.load_weights(iter(items))
             if cuda:
