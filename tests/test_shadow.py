@@ -117,3 +117,89 @@ def test_unsupported_models_are_reported():
     m.quant_config = object()
     assert "quantized" in shadow_supported(m)
     assert "load_weights" in shadow_supported(torch.nn.Linear(2, 2))
+
+
+# -- load plan: later versions skip load_weights ---------------------------------------------
+class Meta:
+    def __init__(self, name: str, t: torch.Tensor):
+        self.name, self.dtype, self.shape = name, str(t.dtype).removeprefix("torch."), list(t.shape)
+
+
+def ckpt(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [("embed.weight", torch.randn(8, 4, generator=g))] + [
+        (f"qkv.{s}_proj", torch.randn(4, 4, generator=g)) for s in "qkv"
+    ]
+
+
+def test_traced_load_gives_a_plan_and_direct_writes_equal_load_weights():
+    live, ref = Tiny(), Tiny()
+    sh = ShadowWeights(live)
+    v1 = ckpt(1)
+    assert sh.wants_trace([Meta(n, t) for n, t in v1])
+    sh.load(v1, version=1, trace=True)
+    assert sh.plan is not None and sh.plan_refused is None
+    sh.swap()
+    v2 = ckpt(2)
+    metas = [Meta(n, t) for n, t in v2]
+    assert not sh.wants_trace(metas)
+    views = sh.begin_direct(metas)
+    assert views is not None and [v.numel() for v in views] == [t.numel() * 4 for _, t in v2]
+    for v, (_, t) in zip(views, v2):  # what a transport does: raw bytes into the views
+        v.copy_(t.reshape(-1).view(torch.uint8))
+    sh.end_direct(2)
+    assert sh.version == 2
+    sh.swap()
+    ref.load_weights(v2)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(live.state_dict()[k], v), k
+    # another manifest (a tensor more, a shape changed) has no plan: load_weights again
+    assert sh.direct_views(metas[:2]) is None and sh.wants_trace(metas[:2])
+
+
+def test_loaders_that_do_more_than_copy_get_no_plan():
+    class Scaled(Tiny):
+        def load_weights(self, weights):
+            for name, t in weights:
+                if name == "embed.weight":
+                    self.embed.weight.data.copy_(t * 2)  # a transform: not a plain copy
+                else:
+                    super().load_weights([(name, t)])
+
+    class Twice(Tiny):
+        def load_weights(self, weights):
+            for name, t in weights:
+                super().load_weights([(name, t)])
+                if name == "qkv.q_proj":
+                    self.qkv.weight.data[4:8].copy_(t)  # the same tensor lands in two places
+
+    for cls, why in ((Scaled, "not a whole-tensor copy"), (Twice, "written 2 times")):
+        live = cls()
+        sh = ShadowWeights(live)
+        sh.load(ckpt(1), version=1, trace=True)
+        assert sh.plan is None and why in sh.plan_refused, sh.plan_refused
+        metas = [Meta(n, t) for n, t in ckpt(1)]
+        assert sh.direct_views(metas) is None and not sh.wants_trace(metas)  # not traced again
+        sh.swap()  # the traced load itself loaded correctly
+        ref = cls()
+        ref.load_weights(ckpt(1))
+        assert all(torch.equal(live.state_dict()[k], v) for k, v in ref.state_dict().items())
+
+
+def test_direct_write_after_live_changed_starts_from_live():
+    live = Tiny()
+    sh = ShadowWeights(live)
+    sh.load(ckpt(1), version=1, trace=True)
+    sh.swap()
+    sh.invalidate()  # as a failed version leaves it
+    live.qkv.weight.data.fill_(3.0)
+    part = [("embed.weight", torch.ones(8, 4))]
+    sh.load(part, version=2, trace=True)  # another manifest: traced, plan for it
+    metas = [Meta(n, t) for n, t in part]
+    live.qkv.weight.data.fill_(4.0)  # live changed behind the shadow (a direct load)
+    sh.synced = False
+    views = sh.begin_direct(metas)
+    views[0].copy_(torch.full((8, 4), 5.0).view(-1).view(torch.uint8))
+    sh.end_direct(3)
+    sh.swap()
+    assert torch.equal(live.embed.weight, torch.full((8, 4), 5.0)) and bool((live.qkv.weight == 4.0).all())

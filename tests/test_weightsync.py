@@ -258,7 +258,11 @@ async def test_broadcast_streams_into_shadow_weights_and_swaps(redis_url, queue,
         await wait_for(lambda: consumer.version == rec.version, 10, "replica at the new version")
         assert follower.history[-1].load["swap"] == "shadow", follower.history[-1].load
         assert all(bool((p == fill).all()) for p in live.parameters())
-    assert worker._rollq_shadow_obj.synced
+        # the first version loads through load_weights (traced: it records the load plan),
+        # the next is received straight into the shadow's bytes, with no staging buffer
+        assert worker._rollq_receiver.status["in_place"] == (fill == 8.0)
+        assert (worker._rollq_receiver.flat is None) == (fill == 8.0)
+    assert worker._rollq_shadow_obj.synced and worker._rollq_shadow_obj.plan is not None
     # a memmap version also loads into the shadow while staging, then swaps in
     rec = await pub.publish_weights(state(9.0), transport="memmap")
     await wait_for(lambda: consumer.version == rec.version, 10, "memmap version")

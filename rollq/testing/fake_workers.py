@@ -18,9 +18,10 @@ from ..weightsync.worker_ext import RollqWorkerExtension
 
 
 class FakeWorker(RollqWorkerExtension):
-    def __init__(self, model: torch.nn.Module, rank: int = 0):
+    def __init__(self, model: torch.nn.Module, rank: int = 0, device: str | torch.device = "cpu"):
         self.rank = rank
-        self.device = torch.device("cpu")
+        self.device = torch.device(device)
+        model = model.to(self.device)
         # A model with its own load_weights (as vLLM models have) is used as it is.
         self.model_runner = SimpleNamespace(model=model if hasattr(model, "load_weights") else _Loader(model))
 
@@ -42,9 +43,9 @@ class _Loader:
 class FakeWorkerEngine(EchoEngine):
     """EchoEngine + ``num_workers`` fake workers, each holding a copy of ``model``."""
 
-    def __init__(self, model_factory: Any, num_workers: int = 1, **kw: Any):
+    def __init__(self, model_factory: Any, num_workers: int = 1, device: str | torch.device = "cpu", **kw: Any):
         super().__init__(**kw)
-        self.workers = [FakeWorker(model_factory(), rank=i) for i in range(num_workers)]
+        self.workers = [FakeWorker(model_factory(), rank=i, device=device) for i in range(num_workers)]
         self.num_workers = num_workers
 
     async def call_workers(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:

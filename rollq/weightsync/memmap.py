@@ -209,12 +209,17 @@ class MemmapStore:
         return d, m
 
     def read_to_device(
-        self, slot: str, *, version: int, checksum: str, device: torch.device, stream: torch.cuda.Stream | None = None
+        self, slot: str, *, version: int, checksum: str, device: torch.device, stream: torch.cuda.Stream | None = None,
+        into: Any = None,
     ) -> list[tuple[str, torch.Tensor]] | None:
         """Copy a committed slot straight into new tensors on ``device`` through page-locked
         mappings of its files, then verify on the device. Copies are enqueued on ``stream``
         (default: the current one); this returns after they finished and were verified.
-        None when the files cannot be registered (use :meth:`read` and copy instead)."""
+        None when the files cannot be registered (use :meth:`read` and copy instead).
+
+        ``into(manifest)`` may give, per tensor, the device bytes (``uint8``, contiguous) to
+        copy it into instead of new tensors (the shadow weights' own bytes); it is called
+        only once the files are known to be readable."""
         from . import pinned
 
         d, m = self._committed(slot, version, checksum)
@@ -232,10 +237,16 @@ class MemmapStore:
             srcs.append((name, getattr(torch, dtype), shape, v[:nbytes]))
         items = []
         pending: collections.deque = collections.deque()
+        metas = [TensorMeta(name, dtype, shape) for name, dtype, shape in m["manifest"]]
+        dests = into(metas) if into is not None else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for name, dt, shape, v in srcs:
-                dst = torch.empty(shape, dtype=dt, device=device)
-                flat = dst.view(-1).view(torch.uint8)
+            for i, (name, dt, shape, v) in enumerate(srcs):
+                if dests is not None:
+                    flat = dests[i]
+                    dst = flat.view(dt).view(shape)
+                else:
+                    dst = torch.empty(shape, dtype=dt, device=device)
+                    flat = dst.view(-1).view(torch.uint8)
                 # In chunks, few at a time: the copy engine serves copies in the order they
                 # were queued, so a whole model queued at once would hold back the engine's
                 # own small per-step copies (and generation with them) until it is through.

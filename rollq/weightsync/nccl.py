@@ -107,6 +107,10 @@ class Offer(msgspec.Struct, kw_only=True):
     mode: str = "packed"
     #: Hash receivers write their ack into, as ``replica/worker -> ok | error: ...``.
     acks: str = ""
+    #: ``direct`` mode on NCCL: consecutive tensors up to this many bytes go as one coalesced
+    #: NCCL group (one kernel launch: per-tensor launches wait for SMs a busy engine holds,
+    #: 200 vs 45 ms for 15.2 GB in benchmarks/gpu_copy_paths.py). 0: one launch per tensor.
+    group_bytes: int = 0
 
     @property
     def verify(self) -> bool:
@@ -132,6 +136,19 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     world_size: int
     backend: str
     timeout: float
+
+
+def groups_of(manifest: list[TensorMeta], group_bytes: int) -> list[tuple[int, int]]:
+    """Index ranges of consecutive tensors up to ``group_bytes`` each (0: one per tensor)."""
+    out, start, size = [], 0, 0
+    for i, m in enumerate(manifest):
+        size += m.nbytes
+        if group_bytes <= 0 or size >= group_bytes:
+            out.append((start, i + 1))
+            start, size = i + 1, 0
+    if start < len(manifest):
+        out.append((start, len(manifest)))
+    return out
 
 
 def _free_port(host: str) -> int:
@@ -161,6 +178,32 @@ class Group:
                 work.wait()  # stream-level: later work on this stream sees the data
         elif wait and not work.wait(timedelta(seconds=timeout)):
             raise WeightSyncTimeout(f"broadcast of {buf.numel()} bytes did not finish within {timeout}s (timeout)")
+        return work
+
+    def broadcast_many(self, bufs: list[torch.Tensor], timeout: float, *, coalesce: bool) -> Any:
+        """Broadcast each of ``bufs`` from rank 0, as one coalesced NCCL group when
+        ``coalesce`` (every rank must group the same tensors the same way).
+
+        GPU: enqueued; returns the work to wait on (stream-level). CPU: each finishes (bounded)
+        before this returns.
+        """
+        if not bufs:
+            return None
+        if bufs[0].device.type != "cuda":
+            for b in bufs:
+                self.broadcast(b, timeout)
+            return None
+        if not coalesce or len(bufs) == 1:
+            work = None
+            for b in bufs:
+                work = self.broadcast(b, timeout, wait=False)
+            return work
+        self.pg._start_coalescing()
+        try:
+            for b in bufs:
+                self.broadcast(b, timeout, wait=False)
+        finally:
+            work = self.pg._end_coalescing()
         return work
 
     def abort(self, timeout: float = 10.0) -> None:
@@ -281,7 +324,9 @@ class BroadcastSender:
         num_workers: vLLM workers that will join (sum of tensor-parallel sizes of replicas).
         backend: ``nccl`` (GPU tensors) or ``gloo`` (CPU).
         host: address replicas connect to (this machine's, reachable from them).
-        bucket_bytes: bytes per broadcast (two buffers of it are allocated).
+        bucket_bytes: bytes per broadcast in ``packed`` mode (two buffers of it are allocated).
+        group_bytes: ``direct`` mode on NCCL: tensors sent as one coalesced NCCL group, up to
+            this many bytes (0: one launch per tensor; see :class:`Offer`).
         timeout: seconds for group formation, each broadcast and the acks.
         verify: checksum the tensors on both sides (two extra passes over the weights).
     """
@@ -298,6 +343,7 @@ class BroadcastSender:
         device: str | torch.device | None = None,
         mode: str | None = None,
         verify: bool = False,
+        group_bytes: int = 4 << 30,
     ):
         if backend not in ("nccl", "gloo"):
             raise ValueError("backend must be 'nccl' or 'gloo'")
@@ -309,6 +355,7 @@ class BroadcastSender:
         self.host = host
         self.port = port
         self.bucket_bytes = bucket_bytes
+        self.group_bytes = group_bytes if backend == "nccl" else 0
         self.timeout = timeout
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -360,7 +407,7 @@ class BroadcastSender:
         acks_key = keys.weights_acks(version)
         offer = Offer(
             version=version, group=self.info.id, checksum=checksum, bucket_bytes=self.bucket_bytes,
-            manifest=manifest, timeout=self.timeout, mode=self.mode, acks=acks_key,
+            manifest=manifest, timeout=self.timeout, mode=self.mode, acks=acks_key, group_bytes=self.group_bytes,
         )
         pipe = client.pipeline(transaction=False)
         pipe.delete(acks_key)
@@ -374,10 +421,12 @@ class BroadcastSender:
         acks = await self._wait_acks(client, acks_key, version)
         t3 = time.perf_counter()
         self.last_timings = {"checksum_s": t_ck, "broadcast_s": t2 - t1, "acks_s": t3 - t2, "send_s": t3 - t0}
-        parts = [v.split() for v in acks.values() if len(v.split()) == 3]
+        parts = [v.split() for v in acks.values() if len(v.split()) >= 3]
         if parts:  # the slowest receiver's own view: receive and verify times
             self.last_timings["receiver_receive_s"] = max(float(p[1]) for p in parts)
             self.last_timings["receiver_verify_s"] = max(float(p[2]) for p in parts)
+            # share of receivers that wrote the version in place (into their shadow weights)
+            self.last_timings["receivers_in_place"] = sum(p[3:4] == ["in-place"] for p in parts) / len(parts)
         await client.expire(acks_key, 3600)
         nbytes = sum(m.nbytes for m in manifest)
         return VersionRecord(
@@ -422,13 +471,20 @@ class BroadcastSender:
             wait_stream(self.device, self.timeout * 2, "weight broadcast")
 
     def _broadcast_direct(self, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta]) -> None:
-        """One broadcast per tensor, straight from the trainer's (contiguous) tensors."""
-        last = None
+        """One broadcast per tensor, straight from the trainer's (contiguous) tensors, in
+        coalesced groups of ``group_bytes`` on NCCL."""
+        flats = []
         for _, t in items:
             t = t.detach()
-            if not t.is_contiguous():
-                t = t.contiguous()
-            last = self.pg.broadcast(t.reshape(-1).view(torch.uint8), self.timeout, wait=False)
+            flats.append((t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8))
+        last = None
+        cuda = self.device.type == "cuda"
+        for lo, hi in groups_of(manifest, self.group_bytes if cuda else 0):
+            if cuda:
+                last = self.pg.broadcast_many(flats[lo:hi], self.timeout, coalesce=self.group_bytes > 0) or last
+            else:
+                for f in flats[lo:hi]:
+                    last = self.pg.broadcast(f, self.timeout, wait=False)
         if last is not None:
             self._finish(last)
         if self.device.type == "cuda":
@@ -492,14 +548,21 @@ class WorkerReceiver:
     periodic check) and receives each new offer of this group once, while the engine serves.
     """
 
-    def __init__(self, info: GroupInfo, rank: int, device: torch.device, sink: Any = None, sink_invalidate: Any = None):
+    def __init__(
+        self, info: GroupInfo, rank: int, device: torch.device, sink: Any = None, sink_invalidate: Any = None,
+        direct: Any = None,
+    ):
         self.info, self.rank, self.device = info, rank, device
-        #: ``sink(version, items, stream) -> bool`` consumes the received ``(name, tensor)``
-        #: pairs as they arrive, in the receiving thread (the worker extension loads them into
-        #: its shadow weights); True when it holds the whole version. ``sink_invalidate()``
-        #: drops what it loaded when the version turns out bad.
+        #: ``sink(version, items, stream, manifest) -> bool`` consumes the received
+        #: ``(name, tensor)`` pairs as they arrive, in the receiving thread (the worker
+        #: extension loads them into its shadow weights); True when it holds the whole version.
+        #: ``sink_invalidate()`` drops what it loaded when the version turns out bad.
         self.sink = sink
         self.sink_invalidate = sink_invalidate
+        #: ``direct(version, manifest, stream) -> DirectTarget | None``: where to receive each
+        #: tensor in place (the shadow weights' own bytes, by their load plan), so that there
+        #: is neither a staging buffer nor a load step; None: stage and hand to ``sink``.
+        self.direct = direct
         self.pg = make_group(info, rank, device)
         _broadcast(self.pg, torch.zeros(1, dtype=torch.uint8, device=device), info.timeout)
         self.flat: torch.Tensor | None = None
@@ -556,7 +619,8 @@ class WorkerReceiver:
             return False
         self.attempted = offer.version  # once per offer: the trainer moves on after a failure
         self.receive(offer)
-        value = (f"ok {self.status.get('receive_s', 0):.4f} {self.status.get('verify_s', 0):.4f}"
+        value = (f"ok {self.status.get('receive_s', 0):.4f} {self.status.get('verify_s', 0):.4f} "
+                 f"{'in-place' if self.status.get('in_place') else 'staged'}"
                  if self.status.get("state") == "staged" else f"error: {self.status.get('error')}")
         if offer.acks:
             client.hset(offer.acks, listen.field, value)
@@ -573,30 +637,42 @@ class WorkerReceiver:
         self.staged = None
         t0 = time.perf_counter()
         sink_ok: Any = None
+        target: Any = None
         try:
-            layout = Layout.of(offer.manifest, offer.bucket_bytes)
-            if self.flat is None or self.flat.numel() < layout.total:
-                self.flat = None  # free the old buffer before allocating the larger one
-                self.flat = torch.empty(layout.total, dtype=torch.uint8, device=self.device)
             cuda = self.device.type == "cuda"
             stream = torch.cuda.Stream(self.device) if cuda else None  # off the engine's stream
             t_verify = 0.0
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                items = layout.views(self.flat, offer.manifest)
-                if offer.mode == "direct":
-                    received = self._direct(offer, layout, items)
-                else:
-                    for s, e in layout.buckets:
-                        self.pg.broadcast(self.flat[s:e], offer.timeout)
-                    received = iter(items)
-                if self.sink is not None:
-                    # Direct mode: each tensor is loaded as soon as its broadcast is enqueued
-                    # (stream-ordered after it), so loading overlaps the transfer. (A separate
-                    # loader thread was measured slower: three threads then fight for the GIL.)
-                    sink_ok = self._feed(offer.version, received, stream)
-                else:
-                    for _ in received:
+                if offer.mode == "direct" and self.direct is not None:
+                    target = self.direct(offer.version, offer.manifest, stream)
+                if target is not None:
+                    # In place: each tensor lands in the bytes the shadow weights load it to.
+                    self.flat = None  # the staging buffer is not needed any more
+                    dests = target.views
+                    items = [(m.name, d.view(getattr(torch, m.dtype)).view(m.shape)) for m, d in zip(offer.manifest, dests)]
+                    for _ in self._direct(offer, dests, items):
                         pass
+                else:
+                    layout = Layout.of(offer.manifest, offer.bucket_bytes)
+                    if self.flat is None or self.flat.numel() < layout.total:
+                        self.flat = None  # free the old buffer before allocating the larger one
+                        self.flat = torch.empty(layout.total, dtype=torch.uint8, device=self.device)
+                    items = layout.views(self.flat, offer.manifest)
+                    if offer.mode == "direct":
+                        dests = [self.flat[off : off + m.nbytes] for m, off in zip(offer.manifest, layout.offsets)]
+                        received = self._direct(offer, dests, items)
+                    else:
+                        for s, e in layout.buckets:
+                            self.pg.broadcast(self.flat[s:e], offer.timeout)
+                        received = iter(items)
+                    if self.sink is not None:
+                        # Each tensor is loaded as soon as its broadcast is enqueued (stream-ordered
+                        # after it), so loading overlaps the transfer. (A separate loader thread
+                        # was measured slower: three threads then fight for the GIL.)
+                        sink_ok = self._feed(offer, received, stream)
+                    else:
+                        for _ in received:
+                            pass
                 if cuda:
                     wait_stream(self.device, offer.timeout * 2, f"receiving version {offer.version}")
                 t_recv = time.perf_counter() - t0
@@ -604,31 +680,41 @@ class WorkerReceiver:
                     got = state_checksum(items)  # on the receive stream, one host sync
                     t_verify = time.perf_counter() - t0 - t_recv
                     if got != offer.checksum:
-                        if self.sink_invalidate is not None:
-                            self.sink_invalidate()
                         raise WeightSyncError(f"staged version {offer.version} has checksum {got}, expected {offer.checksum}")
-            self.staged = (offer.version, items)
+            if target is not None:
+                target.done(offer.version, True)
+                target = None
+                self.staged = (offer.version, None)  # in the shadow weights, not in a buffer here
+            else:
+                self.staged = (offer.version, items)
             self.status = {"state": "staged", "version": offer.version, "receive_s": t_recv, "verify_s": t_verify,
-                           "loaded_while_receiving": bool(sink_ok)}
+                           "loaded_while_receiving": bool(sink_ok), "in_place": self.staged[1] is None}
         except Exception as e:
             self.staged = None
-            if sink_ok and self.sink_invalidate is not None:
+            if target is not None:
+                target.done(offer.version, False)
+            elif sink_ok and self.sink_invalidate is not None:
                 self.sink_invalidate()
             self.status = {"state": "failed", "version": offer.version, "error": f"{type(e).__name__}: {e}"}
             log.error("receiving version %d failed: %s", offer.version, e)
 
-    def _direct(self, offer: Offer, layout: Layout, items: list[tuple[str, torch.Tensor]]) -> Any:
-        """One broadcast per tensor into its staging view, yielding each view once enqueued."""
-        for (name, view), m, off in zip(items, offer.manifest, layout.offsets):
-            self.pg.broadcast(self.flat[off : off + m.nbytes], offer.timeout)
-            yield name, view
+    def _direct(self, offer: Offer, dests: list[torch.Tensor], items: list[tuple[str, torch.Tensor]]) -> Any:
+        """One broadcast per tensor into ``dests`` (coalesced in groups of the offer's
+        ``group_bytes`` on NCCL), yielding each tensor's view once its group is enqueued."""
+        cuda = self.device.type == "cuda"
+        for lo, hi in groups_of(offer.manifest, offer.group_bytes if cuda else 0):
+            work = self.pg.broadcast_many(dests[lo:hi], offer.timeout, coalesce=offer.group_bytes > 0)
+            if work is not None:
+                work.wait()  # stream-level: what the caller enqueues next sees the data
+            yield from items[lo:hi]
 
-    def _feed(self, version: int, received: Any, stream: Any) -> bool:
+    def _feed(self, offer: Offer, received: Any, stream: Any) -> bool:
         """Hand the received tensors to the sink; whatever it leaves (it failed or stopped
         early) is still received, since every rank must take part in every broadcast."""
         ok = False
+        version = offer.version
         try:
-            ok = bool(self.sink(version, received, stream))
+            ok = bool(self.sink(version, received, stream, offer.manifest))
         except Exception as e:
             log.warning("loading version %d while receiving failed (%s: %s); it loads at the swap", version, type(e).__name__, e)
             if self.sink_invalidate is not None:
@@ -640,6 +726,8 @@ class WorkerReceiver:
     def take(self, version: int) -> list[tuple[str, torch.Tensor]]:
         if self.staged is None or self.staged[0] != version:
             raise WeightSyncError(f"version {version} is not staged here (staged: {self.staged[0] if self.staged else None})")
+        if self.staged[1] is None:
+            raise WeightSyncError(f"version {version} was received into the shadow weights, which no longer hold it")
         return self.staged[1]
 
 

@@ -89,21 +89,40 @@ class RollqWorkerExtension:
         log.info("shadow weights: %.2f GB; new versions load while the engine serves", self._rollq_shadow_obj.nbytes / 1e9)
         return self._rollq_shadow_obj
 
-    def _rollq_prepare(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any = None) -> bool:
+    def _rollq_prepare(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any = None, manifest: Any = None) -> bool:
         """Load a version into the shadow weights (in a background thread, with the worker
-        lock held); False when there is no shadow or it failed (the swap then loads)."""
+        lock held); False when there is no shadow or it failed (the swap then loads).
+        With its ``manifest`` given, the load is traced once per manifest for a load plan
+        (:mod:`rollq.weightsync.shadow`): later versions are then written in place."""
         try:
             with self._rollq_lock():
                 sh = self._rollq_shadow()
                 if sh is None:
                     return False
-                sh.load(items, version, stream)
+                sh.load(items, version, stream, trace=manifest is not None and sh.wants_trace(manifest))
                 return True
         except Exception as e:  # never lose the staged version over the shadow
             log.warning("loading version %d into the shadow weights failed (%s: %s); shadow disabled", version, type(e).__name__, e)
             self._rollq_shadow_obj = None
             self._rollq_shadow_off = f"{type(e).__name__}: {e}"
             return False
+
+    def _rollq_direct(self, version: int, manifest: Any, stream: Any = None) -> "_DirectTarget | None":
+        """Where to write ``version`` in place: the shadow weights' bytes by their load plan,
+        with the worker lock held until :meth:`_DirectTarget.done`; None when there is no
+        shadow or no plan for this manifest (stage it and load it instead)."""
+        lock = self._rollq_lock()
+        lock.acquire()
+        try:
+            sh = self._rollq_shadow()
+            views = sh.begin_direct(manifest, stream) if sh is not None else None
+        except BaseException:
+            lock.release()
+            raise
+        if views is None:
+            lock.release()
+            return None
+        return _DirectTarget(sh, views, lock)
 
     def rollq_load_memmap(self, root: str, slot: str, version: int, checksum: str, verify: bool = True) -> dict[str, Any]:
         """Load committed ``version`` from a memmap slot; returns timings (seconds).
@@ -181,8 +200,27 @@ class RollqWorkerExtension:
             if dev.type == "cuda":
                 torch.cuda.set_device(dev)
                 stream = torch.cuda.Stream(dev)  # off the engine's stream
+                target: _DirectTarget | None = None
+
+                def into(manifest: Any) -> Any:  # straight into the shadow when it has a plan
+                    nonlocal target
+                    target = self._rollq_direct(version, manifest, stream)
+                    return target.views if target is not None else None
+
                 # Page-locked mappings of the files: the copy engine reads them directly.
-                items = store.read_to_device(slot, version=version, checksum=checksum, device=dev, stream=stream)
+                try:
+                    items = store.read_to_device(slot, version=version, checksum=checksum, device=dev, stream=stream, into=into)
+                except BaseException:
+                    if target is not None:
+                        target.done(version, False)
+                    raise
+                if target is not None:
+                    target.done(version, True)
+                    with self._rollq_lock():
+                        self._rollq_staged_mm = (version, None)
+                    self._rollq_stage_state = {"state": "staged", "version": version, "stage_s": time.perf_counter() - t0,
+                                               "prepare_s": 0.0, "pinned": True, "shadow": True, "in_place": True}
+                    return
                 pinned = items is not None
                 if items is None:
                     items = store.read(slot, version=version, checksum=checksum, verify=False)
@@ -193,7 +231,9 @@ class RollqWorkerExtension:
             else:
                 items = store.read(slot, version=version, checksum=checksum, verify=True)
             t1 = time.perf_counter()
-            shadowed = self._rollq_prepare(version, items, stream)
+            from .memmap import manifest_of
+
+            shadowed = self._rollq_prepare(version, items, stream, manifest_of(items))
             with self._rollq_lock():
                 self._rollq_staged_mm = (version, None if shadowed else items)  # in the shadow: free the copy
             del items
@@ -226,7 +266,8 @@ class RollqWorkerExtension:
 
         def join() -> None:
             try:
-                rcv = WorkerReceiver(gi, rank, self._rollq_device(), sink=self._rollq_prepare, sink_invalidate=self._rollq_invalidate)
+                rcv = WorkerReceiver(gi, rank, self._rollq_device(), sink=self._rollq_prepare,
+                                     sink_invalidate=self._rollq_invalidate, direct=self._rollq_direct)
                 self._rollq_receiver = rcv
                 if lst is not None:
                     rcv.listen(msgspec.structs.replace(lst, field=f"{lst.field}{local}"), self.rollq_version)
@@ -240,7 +281,7 @@ class RollqWorkerExtension:
         with self._rollq_lock():
             sh = getattr(self, "_rollq_shadow_obj", None)
             if sh is not None:
-                sh.version = None
+                sh.invalidate()
 
     def rollq_leave_group(self) -> None:
         """Stop following offers and drop the group (the staging buffer goes with it)."""
@@ -304,3 +345,20 @@ class RollqWorkerExtension:
             if name_contains in name and p.numel() > 0:
                 return p.detach().reshape(-1)[:4].float().cpu().tolist()
         return []
+
+
+class _DirectTarget:
+    """A version being written into the shadow weights in place (the worker lock is held)."""
+
+    def __init__(self, shadow: Any, views: list[torch.Tensor], lock: Any):
+        self.shadow, self.views, self._lock = shadow, views, lock
+
+    def done(self, version: int, ok: bool) -> None:
+        """All bytes are in (the caller waited for its copies), or the write failed."""
+        try:
+            if ok:
+                self.shadow.end_direct(version)
+            else:
+                self.shadow.invalidate()
+        finally:
+            self._lock.release()
