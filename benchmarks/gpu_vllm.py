@@ -312,6 +312,18 @@ async def engine_main(a: argparse.Namespace) -> None:
                                        f"(at {consumer.version}, failures {follower.failures})")
                 await asyncio.sleep(0.0005)
 
+        async def served_at(v: int, t_follower: float) -> float:
+            """When version ``v`` is really serving: the follower has recorded it and the
+            swap's device copies (enqueued without a host wait) have finished."""
+            for _ in range(2000):
+                done = (await engine.call_workers("rollq_swap_done"))[0]
+                if done.get("version") != v:
+                    return t_follower  # not swapped from the shadow: the follower waited for it
+                if done.get("done_at"):
+                    return max(t_follower, done["done_at"])
+                await asyncio.sleep(0.001)
+            raise TimeoutError(f"swap of version {v} did not finish on the device")
+
         async def weights_match(mark: float) -> bool:
             """The served weights are the published ones: the embedding and the fused qkv
             projection (q rows come first) start with the trainer's mark."""
@@ -334,9 +346,11 @@ async def engine_main(a: argparse.Namespace) -> None:
                     running = await wait_running()
                     m0 = time.monotonic()
                     r = await asyncio.to_thread(call, op="publish", transport="nccl")
-                    t_served, st = await wait_version(r["version"])
+                    t_follower, st = await wait_version(r["version"])
+                    t_served = await served_at(r["version"], t_follower)
                     row = {"version": r["version"], "transport": r["transport"], "running_at_start": running,
-                           "end_to_end_s": t_served - r["t0"], "trainer_publish_s": r["t1"] - r["t0"],
+                           "end_to_end_s": t_served - r["t0"], "follower_done_s": t_follower - r["t0"],
+                           "trainer_publish_s": r["t1"] - r["t0"],
                            "paused_s": st.pause_s, "swap": st.load, "trainer": r["timings"], **(await step_gaps(m0)),
                            "weights_match": await weights_match(r["mark"])}
                     log("sync", row)
@@ -396,7 +410,8 @@ async def engine_main(a: argparse.Namespace) -> None:
                     await wait_running()
                     m0 = time.monotonic()
                     r = await asyncio.to_thread(call, op="publish", transport="memmap")
-                    t_served, st = await wait_version(r["version"])
+                    t_follower, st = await wait_version(r["version"])
+                    t_served = await served_at(r["version"], t_follower)
                     nb = r.get("nbytes") or 15.2e9
                     row = {"version": r["version"], "write_s": r["timings"].get("write_s"), "checksum_s": r["timings"].get("checksum_s"),
                            "pinned_write": r["timings"].get("pinned"), "publish_s": r["t1"] - r["t0"], "load": st.load,

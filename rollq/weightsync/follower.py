@@ -33,7 +33,7 @@ from typing import Any
 
 from ..connection import RETRYABLE
 from ..errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
-from .versions import VersionRecord, read_version
+from .versions import VersionRecord, decode_record
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class WeightFollower:
         self._kick = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._client: Any = None
+        self._hinted = 0  # newest version announced on pub/sub (its acks are read with the record)
         #: NCCL/gloo receiver (rollq.weightsync.nccl) that stages versions while serving.
         self.receiver: Any = None
         if broadcast:
@@ -115,6 +116,10 @@ class WeightFollower:
 
     def _on_control(self, verb: str, arg: str) -> None:
         if verb == "version":
+            try:
+                self._hinted = max(self._hinted, int(arg.split()[0]))
+            except (ValueError, IndexError):
+                pass
             self._kick.set()
 
     async def _reconcile_with_retry(self) -> None:
@@ -148,26 +153,34 @@ class WeightFollower:
     async def reconcile(self) -> UpdateStats | None:
         """Apply the committed version if it is newer than the loaded one."""
         async with self._lock:
-            rec = await read_version(self._client, self.consumer.keys)
+            # One round trip: the record, the policy and (for an announced broadcast version)
+            # this replica's acks; every await here waits behind a busy consumer's event loop.
+            keys = self.consumer.keys
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hget(keys.version, "d")
+            pipe.hget(keys.config, "update_policy")
+            hinted = self._hinted if self.receiver is not None and self._hinted > self.consumer.version else 0
+            if hinted:
+                pipe.hmget(keys.weights_acks(hinted), self.receiver.fields())
+            got = await pipe.execute()
+            rec = decode_record(got[0]) if got[0] else None
             if rec is None or rec.version <= self.consumer.version:
                 return None
-            policy = await self._policy()
-            st = await self.apply(rec, policy)
+            p = got[1].decode() if isinstance(got[1], bytes) else got[1]
+            policy = p if p in POLICIES else self.default_policy
+            acks = got[2] if hinted and hinted == rec.version else None
+            st = await self.apply(rec, policy, acks=acks)
             self.history.append(st)
             self.failures = 0
             return st
 
-    async def _policy(self) -> str:
-        p = await self._client.hget(self.consumer.keys.config, "update_policy")
-        p = p.decode() if isinstance(p, bytes) else p
-        return p if p in POLICIES else self.default_policy
-
-    async def apply(self, rec: VersionRecord, policy: str) -> UpdateStats:
+    async def apply(self, rec: VersionRecord, policy: str, acks: list[Any] | None = None) -> UpdateStats:
         c = self.consumer
         t0 = time.perf_counter()
         staged = None
         if self.receiver is not None and rec.transport == "nccl":
-            staged = await self.receiver.staged_for(rec)  # received while serving; only the swap is left
+            # received while serving; only the swap is left
+            staged = await self.receiver.staged_for(rec, acks=acks)
             if staged is None and rec.memmap_slot is None:
                 # Committed before this replica acked (it joined late, or the trainer moved on):
                 # wait briefly for a memmap copy rather than failing.

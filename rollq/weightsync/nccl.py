@@ -293,6 +293,9 @@ def make_group(info: GroupInfo, rank: int, device: torch.device | None = None) -
     else:
         opts = torch.distributed.ProcessGroupNCCL.Options()
         opts._timeout = timeout
+        # The receivers share their GPU with a busy engine: a high-priority stream gets the
+        # broadcast's blocks scheduled ahead of the engine's queued kernels as SMs free up.
+        opts.is_high_priority_stream = True
         pg = torch.distributed.ProcessGroupNCCL(pstore, rank, info.world_size, opts)
     return Group(pg, store)
 
@@ -832,11 +835,13 @@ class ReplicaReceiver:
                 raise WeightSyncTimeout(f"workers did not finish {what} within {timeout:.0f}s: {states}")
             await asyncio.sleep(0.01)
 
-    async def staged_for(self, rec: VersionRecord) -> int | None:
-        """``rec.version`` if every worker of this replica staged it (its acks say ``ok``)."""
+    async def staged_for(self, rec: VersionRecord, acks: list[Any] | None = None) -> int | None:
+        """``rec.version`` if every worker of this replica staged it (its acks say ``ok``);
+        ``acks``: the ack fields of this replica, already read."""
         if rec.group is None or rec.group != self.group:
             return None
-        acks = await self._client.hmget(self.keys.weights_acks(rec.version), self.fields())
+        if acks is None:
+            acks = await self._client.hmget(self.keys.weights_acks(rec.version), self.fields())
         if all(a is not None and a.startswith(b"ok") for a in acks):
             return rec.version
         return None

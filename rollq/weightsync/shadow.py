@@ -176,6 +176,13 @@ class ShadowWeights:
         self.plan_refused: str | None = None
         self._no_plan: set[Signature] = set()
         self._bytes: list[torch.Tensor | None] = [None] * len(self.shadow)
+        #: CUDA event after the last swap's copies: nothing rewrites the shadow before it.
+        self.swap_event: torch.cuda.Event | None = None
+
+    def _after_swap(self) -> None:
+        """Order the current stream after the last swap (which still reads the shadow)."""
+        if self.swap_event is not None:
+            torch.cuda.current_stream(self.live[0].device).wait_event(self.swap_event)
 
     def _copy(self, module: torch.nn.Module) -> torch.nn.Module:
         done = self._modules.get(id(module))
@@ -216,6 +223,7 @@ class ShadowWeights:
         cuda = self.live[0].device.type == "cuda"
         ctx = torch.cuda.stream(stream) if (cuda and stream is not None) else contextlib.nullcontext()
         with ctx, torch.no_grad():
+            self._after_swap()
             if not self.synced:
                 copy_all(self.shadow, self.live)
             self.synced = False  # until the swap makes them equal again
@@ -295,9 +303,10 @@ class ShadowWeights:
         if views is None:
             return None
         self.version = None
-        if not self.synced:
-            cuda = self.live[0].device.type == "cuda"
-            with torch.cuda.stream(stream) if (cuda and stream is not None) else contextlib.nullcontext(), torch.no_grad():
+        cuda = self.live[0].device.type == "cuda"
+        with torch.cuda.stream(stream) if (cuda and stream is not None) else contextlib.nullcontext(), torch.no_grad():
+            self._after_swap()  # the writes into ``views`` go on this stream, after it
+            if not self.synced:
                 copy_all(self.shadow, self.live)
         self.synced = False
         return views
@@ -311,10 +320,16 @@ class ShadowWeights:
         self.version = None
         self.synced = False
 
-    def swap(self) -> None:
+    def swap(self) -> torch.cuda.Event | None:
         """Copy the shadow into the live parameters (on the current stream: stream-ordered
-        after the engine step in flight and before the next one)."""
+        after the engine step in flight and before the next one). On a GPU this only
+        enqueues the copies; the returned event marks their end (the shadow is not
+        rewritten before it)."""
         with torch.no_grad():
             copy_all(self.live, self.shadow)
         self.synced = True
+        if self.live[0].device.type == "cuda":
+            self.swap_event = torch.cuda.Event()
+            self.swap_event.record()
+        return self.swap_event
 

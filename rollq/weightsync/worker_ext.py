@@ -308,11 +308,14 @@ class RollqWorkerExtension:
         """
         t0 = time.perf_counter()
         how = "shadow"
+        swapped = None
         with self._rollq_lock():  # nothing rewrites the shadow or memmap staging mid-swap
             sh = getattr(self, "_rollq_shadow_obj", None)
             mm = getattr(self, "_rollq_staged_mm", None)
             if sh is not None and sh.version == version:
-                sh.swap()  # one fused copy, stream-ordered between two engine steps
+                # Copies enqueued on the engine's stream between two steps: the next step runs
+                # after them. No host wait: the engine prepares that step meanwhile.
+                swapped = sh.swap()
                 sh.version = None
                 self._rollq_staged_mm = None
             elif mm is not None and mm[0] == version and mm[1] is not None:
@@ -328,13 +331,31 @@ class RollqWorkerExtension:
             # lock order: the receiver's buffer, then the worker's (as in a receive)
             with rcv.lock, self._rollq_lock():
                 self._rollq_load(rcv.take(version))
-        if self._rollq_device().type == "cuda":
+        if swapped is not None:
+            self._rollq_watch_swap(version, swapped)
+        elif self._rollq_device().type == "cuda":
             torch.cuda.synchronize(self._rollq_device())
         self._rollq_version = version
         out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "swap": how}
         if how != "shadow":
             out["no_shadow"] = getattr(self, "_rollq_shadow_off", None) or "not prepared"
         return out
+
+    def _rollq_watch_swap(self, version: int, event: Any) -> None:
+        """Note (wall clock) when the swap's copies of ``version`` finished on the device."""
+        self._rollq_swap_done = {"version": version, "enqueued_at": time.time(), "done_at": None}
+        rec = self._rollq_swap_done
+
+        def wait() -> None:
+            while not event.query():
+                time.sleep(0.0002)
+            rec["done_at"] = time.time()
+
+        threading.Thread(target=wait, name="rollq-swap-watch", daemon=True).start()
+
+    def rollq_swap_done(self) -> dict[str, Any]:
+        """When the last swap was enqueued and when its copies finished (``time.time()``)."""
+        return dict(getattr(self, "_rollq_swap_done", {}))
 
     def rollq_version(self) -> int:
         return getattr(self, "_rollq_version", 0)
