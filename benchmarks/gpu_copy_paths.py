@@ -12,8 +12,10 @@ A Qwen2.5-7B-shaped bf16 state (339 tensors, 15.2 GB) on GPU 0 (trainer) and GPU
   256 MiB chunks with 3 in flight (rollq's default memmap read throttle);
 - ``broadcast``: GPU 0 -> GPU 1 over NCCL: one flat buffer (the ceiling), one broadcast per
   tensor into per-tensor destinations (rollq's ``direct`` mode), and the same per-tensor
-  broadcasts coalesced into NCCL groups of about 1 GiB; each also with a synthetic load
-  on GPU 1 (bf16 matmuls on another stream, standing in for a busy engine).
+  broadcasts coalesced into NCCL groups of about 1 and 4 GiB; each also with a synthetic
+  load on GPU 1 on another stream, standing in for a busy engine: bf16 matmuls (compute)
+  or device copies (memory-bound, as decoding is). ``--broadcast-only`` skips the rest
+  (to compare NCCL settings given through the environment).
 
 Each figure is the median of ``--reps`` runs, timed with a device synchronize around it.
 Results go to ``<out>.json`` and ``<out>.md``.
@@ -49,11 +51,16 @@ def _timed(fn, dev: torch.device, reps: int) -> float:
 
 
 class SyntheticLoad:
-    """bf16 matmuls back to back on their own stream of ``dev`` (a stand-in for a busy engine)."""
+    """Work back to back on its own stream of ``dev`` (a stand-in for a busy engine):
+    ``compute``: bf16 matmuls; ``memory``: 2 GiB device copies (HBM-bound, as decoding is)."""
 
-    def __init__(self, dev: torch.device):
-        self.dev, self.stop = dev, threading.Event()
-        self.a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    def __init__(self, dev: torch.device, kind: str = "compute"):
+        self.dev, self.kind, self.stop = dev, kind, threading.Event()
+        if kind == "compute":
+            self.a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+        else:
+            self.a = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
+            self.b = torch.empty(2 << 30, dtype=torch.uint8, device=dev)
         self.t = threading.Thread(target=self.run, daemon=True)
 
     def run(self) -> None:
@@ -62,7 +69,10 @@ class SyntheticLoad:
         with torch.cuda.stream(s):
             while not self.stop.is_set():
                 for _ in range(4):
-                    self.a @ self.a
+                    if self.kind == "compute":
+                        self.a @ self.a
+                    else:
+                        self.b.copy_(self.a)
                 s.synchronize()
 
     def __enter__(self) -> "SyntheticLoad":
@@ -75,7 +85,7 @@ class SyntheticLoad:
         self.t.join()
 
 
-def _rank(rank: int, port: int, reps: int, q: "mp.Queue") -> None:
+def _rank(rank: int, port: int, reps: int, q: "mp.Queue", broadcast_only: bool = False) -> None:
     from benchmarks.gpu_nccl_transport import qwen7b_shapes
     from rollq.weightsync.nccl import GroupInfo, make_group
 
@@ -85,7 +95,7 @@ def _rank(rank: int, port: int, reps: int, q: "mp.Queue") -> None:
     tensors = [torch.empty(s, dtype=torch.bfloat16, device=dev).normal_() for _, s in shapes]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     res: dict[str, float] = {}
-    if rank == 1:
+    if rank == 1 and not broadcast_only:
         from rollq.weightsync.checksum import state_checksum
 
         shadow = [torch.empty_like(t).normal_() for t in tensors]
@@ -204,13 +214,13 @@ def _rank(rank: int, port: int, reps: int, q: "mp.Queue") -> None:
                 "broadcast coalesced ~4 GiB groups": lambda: coalesced(g4),
                 "broadcast coalesced, one group": lambda: coalesced([views]),
                 "broadcast packed 1 GiB buckets + scatter": packed}
-    for loaded in (False, True):
+    for loaded in (None, "compute", "memory"):
         for name, fn in patterns.items():
-            key = name + (" + load on GPU 1" if loaded else "")
+            key = name + (f" + {loaded} load on GPU 1" if loaded else "")
             ts = []
             for _ in range(reps):
                 barrier()
-                ctx = SyntheticLoad(dev) if (loaded and rank == 1) else None
+                ctx = SyntheticLoad(dev, loaded) if (loaded and rank == 1) else None
                 if ctx:
                     ctx.__enter__()
                 barrier()
@@ -233,6 +243,7 @@ def _rank(rank: int, port: int, reps: int, q: "mp.Queue") -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--broadcast-only", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/gpu_copy_paths")
     a = ap.parse_args()
     if torch.cuda.device_count() < 2:
@@ -242,7 +253,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, a.reps, q)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, a.reps, q, a.broadcast_only)) for r in range(2)]
     for p in procs:
         p.start()
     got = {}
@@ -254,12 +265,13 @@ def main() -> None:
     gb = nbytes / 1e9
     # broadcasts: the receiver's (rank 1) view; it includes the slower side
     rows = dict(got[1])
-    out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "tensors": n, "bytes": nbytes,
+    env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+    out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "nccl_env": env, "tensors": n, "bytes": nbytes,
            "reps": a.reps, "seconds": rows, "trainer_seconds": got[0], "at": time.strftime("%Y-%m-%d %H:%M:%S")}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(out, indent=2))
     lines = [f"Weight-update building blocks, {n} tensors / {gb:.1f} GB bf16 (Qwen2.5-7B shapes), {out['gpu']}, "
-             f"median of {a.reps}", "", "| operation | time | GB/s |", "| --- | --- | --- |"]
+             f"median of {a.reps}; NCCL environment {env}", "", "| operation | time | GB/s |", "| --- | --- | --- |"]
     for k, v in rows.items():
         lines.append(f"| {k} | {v * 1000:.1f} ms | {gb / v:.0f} |" if isinstance(v, float) else f"| {k} | {v} | |")
     Path(a.out + ".md").write_text("\n".join(lines) + "\n")
