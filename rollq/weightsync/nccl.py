@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -136,9 +137,12 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     world_size: int
     backend: str
     timeout: float
-    #: NCCL: at least this many CTAs (channels) per collective, on every rank. Beside an
+    #: NCCL: at least this many channels (CTAs) per collective, on every rank. Beside an
     #: engine's memory-bound decoding, 32 moved 15.2 GB in 43.5 ms against 52.0 ms with
-    #: NCCL's default (benchmarks/results/nccl_settings/). 0: NCCL's default.
+    #: NCCL's default (benchmarks/results/nccl_settings/). 0: NCCL's default. Given to NCCL
+    #: as ``NCCL_MIN_NCHANNELS`` (unless already set), which NCCL reads once per process, at
+    #: its first communicator: the weight group is that in a TP=1 vLLM worker. (Setting
+    #: ``min_ctas`` in the communicator config was refused by NCCL 2.28.9 as "Invalid config".)
     min_ctas: int = 32
 
 
@@ -299,15 +303,10 @@ def make_group(info: GroupInfo, rank: int, device: torch.device | None = None) -
         opts._timeout = timeout
         # The receivers share their GPU with a busy engine: a high-priority stream gets the
         # broadcast's blocks scheduled ahead of the engine's queued kernels as SMs free up,
-        # and more CTAs keep the transfer at NVLink speed while decoding loads HBM.
+        # and more channels keep the transfer at NVLink speed while decoding loads HBM.
         opts.is_high_priority_stream = True
-        if info.min_ctas > 0:
-            try:
-                cfg = opts.config
-                cfg.min_ctas = info.min_ctas
-                opts.config = cfg
-            except AttributeError:  # a torch without NCCL communicator config
-                log.info("this torch cannot set NCCL's min CTAs; using NCCL's default")
+        if info.min_ctas > 0 and not any(k in os.environ for k in ("NCCL_MIN_NCHANNELS", "NCCL_MIN_CTAS")):
+            os.environ["NCCL_MIN_NCHANNELS"] = str(info.min_ctas)
         pg = torch.distributed.ProcessGroupNCCL(pstore, rank, info.world_size, opts)
     return Group(pg, store)
 
