@@ -137,13 +137,14 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     world_size: int
     backend: str
     timeout: float
-    #: NCCL: at least this many channels (CTAs) per collective, on every rank. Beside an
-    #: engine's memory-bound decoding, 32 moved 15.2 GB in 43.5 ms against 52.0 ms with
-    #: NCCL's default (benchmarks/results/nccl_settings/). 0: NCCL's default. Given to NCCL
-    #: as ``NCCL_MIN_NCHANNELS`` (unless already set), which NCCL reads once per process, at
-    #: its first communicator: the weight group is that in a TP=1 vLLM worker. (Setting
-    #: ``min_ctas`` in the communicator config was refused by NCCL 2.28.9 as "Invalid config".)
-    min_ctas: int = 32
+    #: NCCL: at least this many channels (CTAs) per collective (0: NCCL's default). Given to
+    #: NCCL as ``NCCL_MIN_NCHANNELS`` (unless already set), which NCCL reads once per process,
+    #: at its first communicator, so it changes the whole process: off by default. Beside a
+    #: synthetic memory-bound load, 32 moved 15.2 GB in 43.5 ms against 52.0 ms
+    #: (benchmarks/results/nccl_settings/); beside a real vLLM engine it did not shorten the
+    #: update (87 vs 83 ms median, results/gpu_vllm_min_channels.md). Setting ``min_ctas`` in
+    #: the communicator config instead was refused by NCCL 2.28.9 ("Invalid config").
+    min_ctas: int = 0
 
 
 def groups_of(manifest: list[TensorMeta], group_bytes: int) -> list[tuple[int, int]]:
@@ -201,15 +202,20 @@ class Group:
             for b in bufs:
                 self.broadcast(b, timeout)
             return None
+        # As little Python per tensor as possible: every collective call releases the GIL and
+        # must win it back from the engine's busy thread (one options object, bound method).
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        bcast = self.pg.broadcast
         if not coalesce or len(bufs) == 1:
             work = None
             for b in bufs:
-                work = self.broadcast(b, timeout, wait=False)
+                work = bcast([b], opts)
             return work
         self.pg._start_coalescing()
         try:
             for b in bufs:
-                self.broadcast(b, timeout, wait=False)
+                bcast([b], opts)
         finally:
             work = self.pg._end_coalescing()
         return work
@@ -359,7 +365,7 @@ class BroadcastSender:
         mode: str | None = None,
         verify: bool = False,
         group_bytes: int = 4 << 30,
-        min_ctas: int = 32,
+        min_ctas: int = 0,
     ):
         if backend not in ("nccl", "gloo"):
             raise ValueError("backend must be 'nccl' or 'gloo'")
