@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import msgspec
@@ -339,3 +340,70 @@ def test_group_info_roundtrip():
     gi = GroupInfo(id="x", host="127.0.0.1", port=1, world_size=3, backend="gloo", timeout=1.0)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(gi), type=GroupInfo) == gi
     assert EchoEngine().num_workers if hasattr(EchoEngine(), "num_workers") else True
+
+
+class ScriptedGroup:
+    """Stands in for the broadcast group on the receiving side: each broadcast delivers the
+    next tensor of ``sent`` (rank 0's bytes); ``fail_at`` makes that broadcast raise."""
+
+    def __init__(self, sent: list[torch.Tensor], fail_at: int | None = None):
+        self.flats = [t.contiguous().reshape(-1).view(torch.uint8) for t in sent]
+        self.fail_at, self.n = fail_at, 0
+
+    def _one(self, buf: torch.Tensor) -> None:
+        if self.n == self.fail_at:
+            raise RuntimeError("peer died mid-broadcast")
+        buf.copy_(self.flats[self.n])
+        self.n += 1
+
+    def broadcast(self, buf, timeout, wait=True):
+        self._one(buf)
+
+    def broadcast_many(self, bufs, timeout, *, coalesce):
+        for b in bufs:
+            self._one(b)
+
+
+def test_in_place_receive_that_fails_leaves_nothing_to_swap_and_the_next_one_works(monkeypatch):
+    from rollq.weightsync.memmap import manifest_of
+    from rollq.weightsync.nccl import Offer, WorkerReceiver
+
+    monkeypatch.setenv("ROLLQ_SHADOW_WEIGHTS", "1")
+    worker = FakeWorkerEngine(loadable_model).workers[0]
+    live = worker.model_runner.model
+    rcv = WorkerReceiver.__new__(WorkerReceiver)  # the group is scripted, not formed
+    rcv.info, rcv.rank, rcv.device = GroupInfo(id="g", host="", port=0, world_size=2, backend="gloo", timeout=5), 1, torch.device("cpu")
+    rcv.sink, rcv.sink_invalidate, rcv.direct = worker._rollq_prepare, worker._rollq_invalidate, worker._rollq_direct
+    rcv.flat, rcv.staged, rcv.status, rcv.attempted = None, None, {}, 0
+    rcv.lock = threading.Lock()
+    worker._rollq_receiver = rcv
+
+    def version(fill: float) -> tuple[Offer, list[torch.Tensor]]:
+        items = [(k, torch.full_like(v, fill)) for k, v in live.state_dict().items()]
+        offer = Offer(version=int(fill), group="g", checksum="", bucket_bytes=1 << 20, manifest=manifest_of(items),
+                      timeout=5, mode="direct")
+        return offer, [t for _, t in items]
+
+    def receive(fill: float, fail_at: int | None = None) -> None:
+        offer, sent = version(fill)
+        rcv.pg = ScriptedGroup(sent, fail_at)
+        rcv._receive(offer)
+
+    receive(1.0)  # staged and loaded through load_weights, traced: the plan
+    assert rcv.status["state"] == "staged" and not rcv.status["in_place"]
+    assert worker.rollq_apply_staged(1)["swap"] == "shadow" and all(bool((p == 1.0).all()) for p in live.parameters())
+
+    receive(2.0, fail_at=2)  # in place, then the group breaks part way
+    sh = worker._rollq_shadow_obj
+    assert rcv.status["state"] == "failed" and "peer died" in rcv.status["error"]
+    assert sh.version is None and not sh.synced  # half a version: nothing to swap in
+    assert worker._rollq_lock().acquire(blocking=False)  # the target gave the lock back
+    worker._rollq_lock().release()
+    with pytest.raises(WeightSyncError, match="not staged"):
+        worker.rollq_apply_staged(2)
+    assert all(bool((p == 1.0).all()) for p in live.parameters())  # live never saw version 2
+
+    receive(3.0)  # in place again (the shadow is synced from live first)
+    assert rcv.status["state"] == "staged" and rcv.status["in_place"]
+    worker.rollq_apply_staged(3)
+    assert all(bool((p == 3.0).all()) for p in live.parameters())
