@@ -203,3 +203,48 @@ def test_direct_write_after_live_changed_starts_from_live():
     sh.end_direct(3)
     sh.swap()
     assert torch.equal(live.embed.weight, torch.full((8, 4), 5.0)) and bool((live.qkv.weight == 4.0).all())
+
+
+def test_tensors_load_weights_ignores_are_received_into_scratch():
+    class TiedHead(Tiny):  # vLLM's loaders skip lm_head.weight when it is tied to the embedding
+        def load_weights(self, weights):
+            return super().load_weights((n, t) for n, t in weights if n != "head.weight")
+
+    live, ref = TiedHead(), TiedHead()
+    sh = ShadowWeights(live)
+    v1 = ckpt(1) + [("head.weight", torch.randn(8, 4))]
+    sh.load(v1, version=1, trace=True)
+    assert sh.plan is not None, sh.plan_refused
+    sh.swap()
+    v2 = ckpt(2) + [("head.weight", torch.full((8, 4), 9.0))]
+    views = sh.begin_direct([Meta(n, t) for n, t in v2])
+    shadow_bytes = {p.untyped_storage().data_ptr() for p in sh.shadow}
+    assert views[-1].untyped_storage().data_ptr() not in shadow_bytes  # scratch, not a weight
+    for v, (_, t) in zip(views, v2):
+        v.copy_(t.reshape(-1).view(torch.uint8))
+    sh.end_direct(2)
+    sh.swap()
+    ref.load_weights(v2)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(live.state_dict()[k], v), k  # the head is the embedding, not 9.0
+
+
+def test_loaders_that_write_after_the_iterator_ends_get_no_plan():
+    class Eager(Tiny):
+        def load_weights(self, weights):
+            return super().load_weights(list(weights))  # copies all happen after the last yield
+
+    class Deferred(Tiny):  # q/k/v are kept and written once the iterator is exhausted
+        def load_weights(self, weights):
+            kept = []
+            for name, t in weights:
+                if name.startswith("qkv."):
+                    kept.append((name, t))
+                else:
+                    super().load_weights([(name, t)])
+            return super().load_weights(kept)
+
+    for cls in (Eager, Deferred):
+        sh = ShadowWeights(cls())
+        sh.load(ckpt(1), version=1, trace=True)
+        assert sh.plan is None and "outside any tensor's turn" in sh.plan_refused, sh.plan_refused

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
@@ -97,7 +98,7 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 class Region:
     """Where one checkpoint tensor lands: a byte range of a shadow parameter's storage."""
 
-    param: int  # index into ShadowWeights.shadow
+    param: int  # index into ShadowWeights.shadow; -1: scratch bytes (load_weights ignores it)
     offset: int  # bytes from the start of the parameter's storage
     nbytes: int
 
@@ -117,14 +118,15 @@ class _LoadTrace(TorchDispatchMode):
         super().__init__()
         self.owners = owners  # storage address -> shadow parameter index
         self.live = live  # storage addresses of live parameters and shared buffers
-        self.current: tuple[str, torch.Tensor] | None = None
+        #: The tensor load_weights is at; ("<start>"|"<end>", None) before the first and after
+        #: the last: a write then cannot be attributed, and refuses the plan.
+        self.current: tuple[str, torch.Tensor | None] = ("<start>", None)
         self.regions: dict[str, list[Region]] = {}
         self.other: dict[str, str] = {}  # name -> why it is not a plain copy
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.current is not None:
-            self._note(func, args, kwargs)
+        self._note(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _note(self, func: Any, args: tuple, kwargs: dict) -> None:
@@ -141,6 +143,9 @@ class _LoadTrace(TorchDispatchMode):
                 if owner is None:
                     if base in self.live:
                         self.other[name] = f"{func} writes a live tensor"
+                    continue
+                if inp is None:
+                    self.other[name] = f"{func} writes a weight outside any tensor's turn"
                     continue
                 src = args[1] if len(args) > 1 else None
                 if (
@@ -176,6 +181,9 @@ class ShadowWeights:
         self.plan_refused: str | None = None
         self._no_plan: set[Signature] = set()
         self._bytes: list[torch.Tensor | None] = [None] * len(self.shadow)
+        #: Where tensors that load_weights ignores are received (see _plan_from).
+        self._scratch: torch.Tensor | None = None
+        self._scratch_bytes = 0
         #: CUDA event after the last swap's copies: nothing rewrites the shadow before it.
         self.swap_event: torch.cuda.Event | None = None
 
@@ -248,7 +256,7 @@ class ShadowWeights:
                 seen.append((name, str(t.dtype).replace("torch.", ""), tuple(t.shape)))
                 trace.current = (name, t)  # what load_weights does until it asks for the next
                 yield name, t
-            trace.current = None
+            trace.current = ("<end>", None)
 
         with trace:
             self.root.load_weights(follow())
@@ -265,14 +273,29 @@ class ShadowWeights:
 
     def _plan_from(self, trace: _LoadTrace, sig: Signature) -> str | None:
         regions: dict[str, Region] = {}
+        scratch = 0
+        for edge in ("<start>", "<end>"):
+            if edge in trace.other:
+                return trace.other[edge]
         for name, dtype, shape in sig:
             if name in trace.other:
                 return f"{name}: {trace.other[name]}"
             got = trace.regions.get(name, [])
+            if not got:
+                # load_weights wrote nothing for it (a tied lm_head, an unused buffer): it is
+                # received into scratch bytes, never read (a loader that kept it to write it
+                # later would have shown up as a foreign copy under another name: refused)
+                n = math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+                regions[name] = Region(-1, scratch, n)
+                scratch += (n + 255) // 256 * 256
+                continue
             if len(got) != 1:
                 return f"{name} was written {len(got)} times"
             regions[name] = got[0]
-        spans = sorted((r.param, r.offset, r.offset + r.nbytes) for r in regions.values())
+        if all(r.param < 0 for r in regions.values()):
+            return "load_weights wrote none of the tensors"
+        self._scratch_bytes, self._scratch = scratch, None
+        spans = sorted((r.param, r.offset, r.offset + r.nbytes) for r in regions.values() if r.param >= 0)
         for (p0, _, e0), (p1, s1, _) in zip(spans, spans[1:]):
             if p0 == p1 and s1 < e0:
                 return "two tensors land on overlapping bytes"
@@ -293,7 +316,12 @@ class ShadowWeights:
         if self.plan is None or self.plan[0] != signature_of(metas):
             return None
         regions = self.plan[1]
-        return [self._param_bytes(r.param)[r.offset : r.offset + r.nbytes] for r in (regions[m.name] for m in metas)]
+        if self._scratch is None and self._scratch_bytes:
+            self._scratch = torch.empty(self._scratch_bytes, dtype=torch.uint8, device=self.shadow[0].device)
+        return [
+            (self._param_bytes(r.param) if r.param >= 0 else self._scratch)[r.offset : r.offset + r.nbytes]
+            for r in (regions[m.name] for m in metas)
+        ]
 
     def begin_direct(self, metas: Iterable[Any], stream: torch.cuda.Stream | None = None) -> list[torch.Tensor] | None:
         """Start a version written straight into the shadow: the views to write (see
