@@ -32,6 +32,7 @@ a loader that defers its copies) keeps ``load_weights`` for the whole version.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import logging
@@ -99,7 +100,7 @@ class Region:
     """Where one checkpoint tensor lands: a byte range of a shadow parameter's storage."""
 
     param: int  # index into ShadowWeights.shadow; -1: scratch bytes (load_weights ignores it)
-    offset: int  # bytes from the start of the parameter's storage
+    offset: int  # bytes from the parameter's first element
     nbytes: int
 
 
@@ -114,9 +115,14 @@ def signature_of(metas: Iterable[Any]) -> Signature:
 class _LoadTrace(TorchDispatchMode):
     """Records the writes ``load_weights`` makes into shadow storage, per checkpoint tensor."""
 
-    def __init__(self, owners: dict[int, int], live: set[int]):
+    def __init__(self, params: list[torch.Tensor], live: set[int]):
         super().__init__()
-        self.owners = owners  # storage address -> shadow parameter index
+        # (first byte, end, index) of every shadow parameter, by address: after a relayout
+        # they share one storage, so a write is matched to the parameter holding its bytes
+        spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), i) for i, p in enumerate(params))
+        self.starts = [a for a, _, _ in spans]
+        self.spans = spans
+        self.storages = {p.untyped_storage().data_ptr() for p in params}
         self.live = live  # storage addresses of live parameters and shared buffers
         #: The tensor load_weights is at; ("<start>"|"<end>", None) before the first and after
         #: the last: a write then cannot be attributed, and refuses the plan.
@@ -139,11 +145,14 @@ class _LoadTrace(TorchDispatchMode):
                 if not isinstance(x, torch.Tensor) or x.numel() == 0:
                     continue
                 base = x.untyped_storage().data_ptr()
-                owner = self.owners.get(base)
+                owner = self._owner(x) if base in self.storages else None
                 if owner is None:
                     if base in self.live:
                         self.other[name] = f"{func} writes a live tensor"
+                    elif base in self.storages:
+                        self.other[name] = f"{func} writes shadow bytes outside the parameters"
                     continue
+                index, first = owner
                 if inp is None:
                     self.other[name] = f"{func} writes a weight outside any tensor's turn"
                     continue
@@ -153,9 +162,20 @@ class _LoadTrace(TorchDispatchMode):
                     and src.data_ptr() == inp.data_ptr() and src.numel() == inp.numel() and src.dtype == inp.dtype == x.dtype
                     and src.is_contiguous() and inp.is_contiguous() and x.is_contiguous()
                 ):
-                    self.regions.setdefault(name, []).append(Region(owner, x.data_ptr() - base, x.numel() * x.element_size()))
+                    self.regions.setdefault(name, []).append(Region(index, x.data_ptr() - first, x.numel() * x.element_size()))
                 else:
                     self.other[name] = f"{func} is not a whole-tensor copy"
+
+    def _owner(self, x: torch.Tensor) -> tuple[int, int] | None:
+        """(index, first byte) of the shadow parameter holding all of ``x``'s bytes."""
+        a = x.data_ptr()
+        k = bisect.bisect_right(self.starts, a) - 1
+        if k < 0:
+            return None
+        first, end, index = self.spans[k]
+        if a + x.numel() * x.element_size() > end:
+            return None
+        return index, first
 
 
 class ShadowWeights:
@@ -184,6 +204,10 @@ class ShadowWeights:
         #: Where tensors that load_weights ignores are received (see _plan_from).
         self._scratch: torch.Tensor | None = None
         self._scratch_bytes = 0
+        #: The plan's parameters in one buffer (see :meth:`_relayout`): its signature, each
+        #: tensor's byte offset in :attr:`flat`, and its size.
+        self.flat: torch.Tensor | None = None
+        self.flat_layout: tuple[Signature, list[int], int] | None = None
         #: CUDA event after the last swap's copies: nothing rewrites the shadow before it.
         self.swap_event: torch.cuda.Event | None = None
 
@@ -244,11 +268,10 @@ class ShadowWeights:
         self.version = version
 
     def _traced_load(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        owners = {p.untyped_storage().data_ptr(): i for i, p in enumerate(self.shadow)}
         live = {p.untyped_storage().data_ptr() for p in self.live}
         live |= {b.untyped_storage().data_ptr() for b in self.model.buffers() if b is not None}
         addrs = [p.data_ptr() for p in self.shadow]
-        trace = _LoadTrace(owners, live)
+        trace = _LoadTrace(self.shadow, live)
         seen: list[tuple[str, str, tuple]] = []
 
         def follow() -> Iterator[tuple[str, torch.Tensor]]:
@@ -265,7 +288,9 @@ class ShadowWeights:
         sig = tuple(seen)
         why = self._plan_from(trace, sig)
         if why is None:
-            log.info("load plan recorded: %d tensors written straight into the shadow from now on", len(sig))
+            self._relayout()
+            log.info("load plan recorded: %d tensors written straight into the shadow from now on (%s)", len(sig),
+                     "one flat buffer" if self.flat_layout else "parameters apart")
         else:
             self.plan_refused = why
             self._no_plan.add(sig)
@@ -295,6 +320,7 @@ class ShadowWeights:
         if all(r.param < 0 for r in regions.values()):
             return "load_weights wrote none of the tensors"
         self._scratch_bytes, self._scratch = scratch, None
+        self.flat_layout = None
         spans = sorted((r.param, r.offset, r.offset + r.nbytes) for r in regions.values() if r.param >= 0)
         for (p0, _, e0), (p1, s1, _) in zip(spans, spans[1:]):
             if p0 == p1 and s1 < e0:
@@ -302,11 +328,61 @@ class ShadowWeights:
         self.plan, self.plan_refused = (sig, regions), None
         return None
 
+    def _relayout(self, align: int = 256) -> None:
+        """Move the parameters the plan fills completely into one flat buffer, in the order
+        the manifest first reaches them, the scratch bytes after them. A version then lands
+        in a few large contiguous ranges (:meth:`flat_offsets`): a transport can move it in
+        a few calls instead of one per tensor. Skipped when the plan fills a parameter only
+        in part (bytes in between would be overwritten) or a parameter is not contiguous."""
+        assert self.plan is not None
+        sig, regions = self.plan
+        order: list[int] = []
+        filled: dict[int, int] = {}
+        for name, _, _ in sig:
+            r = regions[name]
+            if r.param >= 0:
+                if r.param not in filled:
+                    order.append(r.param)
+                    filled[r.param] = 0
+                filled[r.param] += r.nbytes  # regions never overlap (_plan_from)
+        size = {i: self.shadow[i].numel() * self.shadow[i].element_size() for i in order}
+        if any(filled[i] != size[i] or not self.shadow[i].is_contiguous() for i in order):
+            return
+        base, pos = {}, 0
+        for i in order:
+            base[i] = pos
+            pos = (pos + size[i] + align - 1) // align * align
+        scratch_at = pos
+        total = scratch_at + self._scratch_bytes
+        dev = self.shadow[order[0]].device
+        flat = torch.empty(total, dtype=torch.uint8, device=dev)
+        with torch.no_grad():
+            for i in order:
+                p = self.shadow[i]
+                dst = flat[base[i] : base[i] + size[i]]
+                dst.copy_(p.data.reshape(-1).view(torch.uint8))
+                p.data = dst.view(p.dtype).view(p.shape)
+        self._bytes = [None] * len(self.shadow)
+        self.flat = flat
+        self._scratch = flat[scratch_at:] if self._scratch_bytes else None
+        offsets = [base[r.param] + r.offset if r.param >= 0 else scratch_at + r.offset for r in (regions[n] for n, _, _ in sig)]
+        self.flat_layout = (sig, offsets, total)
+
+    def flat_offsets(self, metas: Iterable[Any]) -> tuple[list[int], int] | None:
+        """Each tensor's byte offset in :attr:`flat` and the buffer's size, for exactly this
+        manifest; None without a flat layout for it."""
+        if self.flat_layout is None or self.flat_layout[0] != signature_of(metas):
+            return None
+        return list(self.flat_layout[1]), self.flat_layout[2]
+
     def _param_bytes(self, i: int) -> torch.Tensor:
+        """The bytes of shadow parameter ``i`` from its first element on (``uint8``)."""
         b = self._bytes[i]
         if b is None:
-            st = self.shadow[i].untyped_storage()
-            b = self._bytes[i] = torch.empty(0, dtype=torch.uint8, device=self.shadow[i].device).set_(st)
+            p = self.shadow[i]
+            st = p.untyped_storage()
+            whole = torch.empty(0, dtype=torch.uint8, device=p.device).set_(st)
+            b = self._bytes[i] = whole[p.data_ptr() - st.data_ptr() :]
         return b
 
     def direct_views(self, metas: Iterable[Any]) -> list[torch.Tensor] | None:
