@@ -64,7 +64,7 @@ def log(*a: object) -> None:
 # ---------------------------------------------------------------------------------------
 # trainer process (GPU 0)
 # ---------------------------------------------------------------------------------------
-def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
+def trainer_main(url: str, queue: str, root: str, conn: object, shadow_layout: bool = False) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("ROLLQ_TRAINER_GPU", "0")
     import torch
 
@@ -77,7 +77,7 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
     tensors = {n: torch.empty(s, dtype=torch.bfloat16, device=dev).normal_() * 0.02 for n, s in qwen7b_shapes()}
 
     async def serve() -> None:
-        sender = BroadcastSender(1, backend="nccl", bucket_bytes=1 << 30, timeout=300, device=dev)
+        sender = BroadcastSender(1, backend="nccl", bucket_bytes=1 << 30, timeout=300, device=dev, shadow_layout=shadow_layout)
         pub = WeightPublisher(url, queue, root=root, sender=sender)
         native_group = None
         marks = 0
@@ -232,7 +232,7 @@ async def engine_main(a: argparse.Namespace) -> None:
 
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
-        trainer = ctx.Process(target=trainer_main, args=(srv.url, queue, root, child), daemon=True)
+        trainer = ctx.Process(target=trainer_main, args=(srv.url, queue, root, child, a.shadow_layout), daemon=True)
         trainer.start()
 
     broken: list[str] = []
@@ -487,6 +487,8 @@ def main() -> None:
     ap.add_argument("--memmap-reps", type=int, default=6)
     ap.add_argument("--memmap-chunks", type=int, default=3, help="256 MiB read chunks in flight (0: unthrottled)")
     ap.add_argument("--gpu-mem", type=float, default=0.55)
+    ap.add_argument("--shadow-layout", action="store_true",
+                    help="BroadcastSender(shadow_layout=True): buckets in the receivers' flat shadow layout")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--tiny", action="store_true", help="the local tiny model (CPU runs): overhead phase only")

@@ -137,6 +137,12 @@ class QueueKeys:
         """Hash: the version being broadcast now (manifest, checksum), before it is committed."""
         return f"{self.tag}:woffer"
 
+    @cached_property
+    def weights_layouts(self) -> str:
+        """Hash ``replica/worker -> msgpack FlatLayout``: where each broadcast receiver's shadow
+        weights want each tensor of a manifest (the trainer packs buckets that way)."""
+        return f"{self.tag}:wlayouts"
+
     def weights_acks(self, version: int) -> str:
         """Hash ``replica -> ok|error`` of receivers that staged a broadcast version."""
         return f"{self.tag}:wacks:{version}"
@@ -155,6 +161,7 @@ class QueueKeys:
         return [
             self.jobs, self.ids, self.dlq, self.consumers, self.stats, self.latency, self.lag,
             self.config, self.version, self.versions_log, self.admission, self.weights_group, self.weights_offer,
+            self.weights_layouts,
         ]
 
     def pattern(self) -> str:

@@ -92,7 +92,8 @@ async def test_memmap_versions_are_read_straight_into_the_shadow(redis_url, queu
         await pub.close()
 
 
-async def test_nccl_versions_are_received_into_the_shadow_in_coalesced_groups(redis_url, queue, shm_root):
+@pytest.mark.parametrize("shadow_layout", [False, True])
+async def test_nccl_versions_are_received_into_the_shadow_in_coalesced_groups(redis_url, queue, shm_root, shadow_layout):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     engine = FakeWorkerEngine(Fused, device="cuda:1")
@@ -100,7 +101,9 @@ async def test_nccl_versions_are_received_into_the_shadow_in_coalesced_groups(re
     follower = WeightFollower(consumer, root=shm_root, reconcile_interval=0.3, broadcast=True)
     await follower.start()
     # 3 groups of tensors (group_bytes below one q/k/v tensor pair): coalescing is exercised
-    sender = BroadcastSender(1, backend="nccl", timeout=60, device="cuda:0", group_bytes=2 * 64 * 32 * 2)
+    # (with shadow_layout, versions after the first go as buckets of the receiver's flat layout)
+    sender = BroadcastSender(1, backend="nccl", timeout=60, device="cuda:0", group_bytes=2 * 64 * 32 * 2,
+                             bucket_bytes=8192, shadow_layout=shadow_layout)
     pub = WeightPublisher(redis_url, queue, root=shm_root, sender=sender)
     try:
         for fill in (1.0, 2.0, 3.0):
@@ -111,6 +114,7 @@ async def test_nccl_versions_are_received_into_the_shadow_in_coalesced_groups(re
             check(engine, fill)
             rcv = engine.workers[0]._rollq_receiver
             assert rcv.status["in_place"] == (fill > 1.0), rcv.status
+            assert rec.timings["layout_mode"] == float(shadow_layout and fill > 1.0)
     finally:
         await follower.stop()
         await pub.close()

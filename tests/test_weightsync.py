@@ -407,3 +407,47 @@ def test_in_place_receive_that_fails_leaves_nothing_to_swap_and_the_next_one_wor
     assert rcv.status["state"] == "staged" and rcv.status["in_place"]
     worker.rollq_apply_staged(3)
     assert all(bool((p == 3.0).all()) for p in live.parameters())
+
+
+async def test_receivers_report_their_shadow_layout_and_the_trainer_packs_buckets_that_way(redis_url, queue, root, monkeypatch):
+    monkeypatch.setenv("ROLLQ_SHADOW_WEIGHTS", "1")  # "auto" uses them on GPUs only
+    sender = BroadcastSender(num_workers=3, backend="gloo", timeout=20, mode="direct", bucket_bytes=4096, shadow_layout=True)
+    pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
+    engines = [FakeWorkerEngine(loadable_model, num_workers=2), FakeWorkerEngine(loadable_model)]
+    consumers = [Consumer(e, redis_url, queue) for e in engines]
+    followers = [WeightFollower(c, root=root, reconcile_interval=0.3, broadcast=True) for c in consumers]
+    for f in followers:
+        await f.start()
+    workers = [w for e in engines for w in e.workers]
+    keys = QueueKeys(queue)
+    client = await pub._c()
+
+    async def publish(fill: float) -> VersionRecord:
+        rec = await pub.publish_weights(state(fill), transport="nccl")
+        assert rec.transport == "nccl", rec
+        await wait_for(lambda: all(c.version == rec.version for c in consumers), 10, f"version {rec.version}")
+        for w in workers:
+            assert all(bool((p == fill).all()) for p in w.model_runner.model.parameters())
+        return rec
+
+    try:
+        rec = await publish(1.0)  # per tensor; loaded through load_weights, traced: each shadow goes flat
+        assert rec.timings["layout_mode"] == 0.0
+        assert len(await client.hgetall(keys.weights_layouts)) == 3
+        for fill in (2.0, 3.0):  # every receiver reported the same layout: buckets land in place
+            rec = await publish(fill)
+            assert rec.timings["layout_mode"] == 1.0 and rec.timings["receivers_in_place"] == 1.0, rec.timings
+        # a receiver whose shadow is gone (restarted, out of memory) still takes part: it stages
+        # the buckets and loads them at the swap
+        workers[2]._rollq_shadow_obj, workers[2]._rollq_shadow_off = None, "test"
+        rec = await publish(4.0)
+        assert rec.timings["layout_mode"] == 1.0 and rec.timings["receivers_in_place"] == 2 / 3, rec.timings
+        assert followers[1].history[-1].load["swap"] == "broadcast"
+        # layouts that disagree: back to one broadcast per tensor
+        await client.hset(keys.weights_layouts, "other/0", b"\x80")
+        rec = await publish(5.0)
+        assert rec.timings["layout_mode"] == 0.0
+    finally:
+        for f in followers:
+            await f.stop()
+        await pub.close()

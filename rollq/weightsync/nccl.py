@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -82,6 +83,16 @@ class Layout:
             start = end
         return cls(offsets, total, buckets)
 
+    @classmethod
+    def explicit(cls, offsets: list[int], total: int, bucket_bytes: int) -> Layout:
+        """Given offsets (a receiver's :class:`FlatLayout`), cut into buckets."""
+        buckets, start = [], 0
+        while start < total:
+            end = min(total, start + bucket_bytes)
+            buckets.append((start, end))
+            start = end
+        return cls(list(offsets), total, buckets)
+
     def views(self, flat: torch.Tensor, manifest: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
         out = []
         for m, off in zip(manifest, self.offsets):
@@ -90,12 +101,31 @@ class Layout:
         return out
 
 
+class FlatLayout(msgspec.Struct, kw_only=True):
+    """Where a receiver's shadow weights hold each tensor of a manifest, in one flat buffer
+    (Redis ``wlayouts``; see :meth:`rollq.weightsync.shadow.ShadowWeights.flat_offsets`)."""
+
+    sig: str  # manifest_digest of the manifest it is for
+    offsets: list[int]
+    total: int
+
+
+def manifest_digest(manifest: list[TensorMeta]) -> str:
+    """A short digest of a manifest's names, dtypes and shapes, in order."""
+    import hashlib
+
+    return hashlib.blake2b(msgspec.msgpack.encode(manifest), digest_size=12).hexdigest()
+
+
 class Offer(msgspec.Struct, kw_only=True):
     """A version being broadcast (Redis ``woffer``).
 
     ``mode``: ``packed`` (tensors packed into ``bucket_bytes`` buckets: few large messages,
-    best for gloo) or ``direct`` (one broadcast per tensor straight from the trainer's tensors
-    into the receivers' staging views: no copy on either side, best for NCCL).
+    best for gloo), ``direct`` (one broadcast per tensor straight from the trainer's tensors
+    into the receivers' staging views or shadow bytes: no copy on either side) or ``layout``
+    (buckets packed by the trainer at ``offsets``, the layout every receiver reported for its
+    shadow weights: each bucket lands in place, a few collective calls per version instead of
+    one per tensor).
     """
 
     version: int
@@ -112,6 +142,9 @@ class Offer(msgspec.Struct, kw_only=True):
     #: NCCL group (one kernel launch: per-tensor launches wait for SMs a busy engine holds,
     #: 200 vs 45 ms for 15.2 GB in benchmarks/gpu_copy_paths.py). 0: one launch per tensor.
     group_bytes: int = 0
+    #: ``layout`` mode: each tensor's byte offset in the flat stream, and the stream's size.
+    offsets: list[int] = []
+    total: int = 0
 
     @property
     def verify(self) -> bool:
@@ -126,6 +159,7 @@ class Listen(msgspec.Struct, kw_only=True):
     offer_key: str  # hash holding the current offer
     field: str  # this worker's ack field, ``replica/rank-in-replica``
     poll: float = 1.0  # seconds between checks of the offer record (pub/sub is only a hint)
+    layouts_key: str = ""  # hash to report this worker's FlatLayout in (same field)
 
 
 class GroupInfo(msgspec.Struct, kw_only=True):
@@ -356,6 +390,10 @@ class BroadcastSender:
         timeout: seconds for group formation, each broadcast and the acks.
         verify: checksum the tensors on both sides (two extra passes over the weights).
         min_ctas: NCCL CTAs (channels) per collective on every rank (see :class:`GroupInfo`).
+        shadow_layout: in ``direct`` mode, once every receiver has reported the same flat
+            layout of its shadow weights for the manifest, send ``layout`` offers instead (a
+            few bucket transfers per version; see :class:`Offer`). Opt-in: not yet measured
+            on GPUs against ``direct``.
     """
 
     def __init__(
@@ -372,6 +410,7 @@ class BroadcastSender:
         verify: bool = False,
         group_bytes: int = 4 << 30,
         min_ctas: int = 0,
+        shadow_layout: bool = False,
     ):
         if backend not in ("nccl", "gloo"):
             raise ValueError("backend must be 'nccl' or 'gloo'")
@@ -385,6 +424,7 @@ class BroadcastSender:
         self.bucket_bytes = bucket_bytes
         self.group_bytes = group_bytes if backend == "nccl" else 0
         self.min_ctas = min_ctas
+        self.shadow_layout = shadow_layout
         self.timeout = timeout
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -400,7 +440,7 @@ class BroadcastSender:
             id=uuid.uuid4().hex[:12], host=self.host, port=self.port or _free_port(self.host),
             world_size=self.num_workers + 1, backend=self.backend, timeout=self.timeout, min_ctas=self.min_ctas,
         )
-        await client.delete(keys.weights_group)
+        await client.delete(keys.weights_group, keys.weights_layouts)  # new ranks report anew
         await client.hset(keys.weights_group, mapping={"d": msgspec.msgpack.encode(info), "next_rank": 1})
         await client.publish(keys.control, f"wgroup {info.id}")
         try:
@@ -434,9 +474,15 @@ class BroadcastSender:
         checksum = state_checksum(items) if self.verify else ""
         t_ck = time.perf_counter() - t0
         acks_key = keys.weights_acks(version)
+        mode, flat = self.mode, None
+        if self.shadow_layout and mode == "direct":
+            flat = await self._agreed_layout(client, keys, manifest)
+            if flat is not None:
+                mode = "layout"
         offer = Offer(
             version=version, group=self.info.id, checksum=checksum, bucket_bytes=self.bucket_bytes,
-            manifest=manifest, timeout=self.timeout, mode=self.mode, acks=acks_key, group_bytes=self.group_bytes,
+            manifest=manifest, timeout=self.timeout, mode=mode, acks=acks_key, group_bytes=self.group_bytes,
+            offsets=flat.offsets if flat else [], total=flat.total if flat else 0,
         )
         pipe = client.pipeline(transaction=False)
         pipe.delete(acks_key)
@@ -444,12 +490,17 @@ class BroadcastSender:
         pipe.execute_command("PUBLISH", keys.control, f"woffer {version}")  # cluster pipelines refuse pipe.publish
         await pipe.execute()
         t1 = time.perf_counter()
-        send = self._broadcast_direct if self.mode == "direct" else self._broadcast_all
+        if mode == "direct":
+            send = self._broadcast_direct
+        else:
+            layout = Layout.explicit(offer.offsets, offer.total, self.bucket_bytes) if mode == "layout" else None
+            send = functools.partial(self._broadcast_all, layout=layout)
         await asyncio.wait_for(in_daemon_thread(send, items, manifest), self.timeout * 4)
         t2 = time.perf_counter()
         acks = await self._wait_acks(client, acks_key, version)
         t3 = time.perf_counter()
-        self.last_timings = {"checksum_s": t_ck, "broadcast_s": t2 - t1, "acks_s": t3 - t2, "send_s": t3 - t0}
+        self.last_timings = {"checksum_s": t_ck, "broadcast_s": t2 - t1, "acks_s": t3 - t2, "send_s": t3 - t0,
+                             "layout_mode": float(mode == "layout")}
         parts = [v.split() for v in acks.values() if len(v.split()) >= 3]
         if parts:  # the slowest receiver's own view: receive and verify times
             self.last_timings["receiver_receive_s"] = max(float(p[1]) for p in parts)
@@ -463,27 +514,31 @@ class BroadcastSender:
             group=self.info.id, timings=dict(self.last_timings, replicas=float(len(acks))),
         )
 
-    def _broadcast_all(self, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta]) -> None:
-        """Pack into two alternating bucket buffers and broadcast each bucket.
+    def _broadcast_all(
+        self, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta], layout: Layout | None = None
+    ) -> None:
+        """Pack into two alternating bucket buffers and broadcast each bucket, at the offsets
+        of ``layout`` (default: the manifest's own, :meth:`Layout.of`).
 
         On GPUs everything is stream-ordered: packing bucket i+1 overlaps the broadcast of
         bucket i, and a buffer is repacked only after its previous broadcast completed.
         """
-        layout = Layout.of(manifest, self.bucket_bytes)
+        layout = layout or Layout.of(manifest, self.bucket_bytes)
         size = max(e - s for s, e in layout.buckets)
         if not self._bufs or self._bufs[0].numel() < size or self._bufs[0].device != self.device:
             self._bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
         flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in items]
+        order = sorted(range(len(flats)), key=lambda i: layout.offsets[i])  # by position in the stream
         works: list[Any] = [None, None]
-        idx = 0  # first tensor not fully packed yet
+        idx = 0  # first tensor (in stream order) not fully packed yet
         for bi, (bstart, bend) in enumerate(layout.buckets):
             slot = bi % 2
             if works[slot] is not None:
                 self._finish(works[slot])  # the buffer's previous broadcast has finished reading it
             buf = self._bufs[slot][: bend - bstart]
             j = idx
-            while j < len(flats) and layout.offsets[j] < bend:
-                off, src = layout.offsets[j], flats[j]
+            while j < len(order) and layout.offsets[order[j]] < bend:
+                off, src = layout.offsets[order[j]], flats[order[j]]
                 lo, hi = max(off, bstart), min(off + src.numel(), bend)
                 if hi > lo:
                     buf[lo - bstart : hi - bstart].copy_(src[lo - off : hi - off], non_blocking=True)
@@ -525,6 +580,20 @@ class BroadcastSender:
             work.wait()
         elif not work.wait(timedelta(seconds=self.timeout)):
             raise WeightSyncTimeout(f"a weight broadcast did not finish within {self.timeout}s (timeout)")
+
+    async def _agreed_layout(self, client: Any, keys: Any, manifest: list[TensorMeta]) -> FlatLayout | None:
+        """The flat layout every receiver reported for this manifest, if they all agree."""
+        raw = await client.hgetall(keys.weights_layouts)
+        if len(raw) < self.num_workers:
+            return None
+        try:
+            got = [msgspec.msgpack.decode(v, type=FlatLayout) for v in raw.values()]
+        except msgspec.DecodeError:
+            return None
+        first, sig = got[0], manifest_digest(manifest)
+        if first.sig != sig or len(first.offsets) != len(manifest) or any(g != first for g in got[1:]):
+            return None
+        return first
 
     async def _wait_acks(self, client: Any, key: str, version: int) -> dict[str, str]:
         deadline = time.monotonic() + self.timeout
@@ -579,7 +648,7 @@ class WorkerReceiver:
 
     def __init__(
         self, info: GroupInfo, rank: int, device: torch.device, sink: Any = None, sink_invalidate: Any = None,
-        direct: Any = None,
+        direct: Any = None, layout: Any = None,
     ):
         self.info, self.rank, self.device = info, rank, device
         #: ``sink(version, items, stream, manifest) -> bool`` consumes the received
@@ -592,6 +661,10 @@ class WorkerReceiver:
         #: tensor in place (the shadow weights' own bytes, by their load plan), so that there
         #: is neither a staging buffer nor a load step; None: stage and hand to ``sink``.
         self.direct = direct
+        #: ``layout(manifest) -> FlatLayout | None``: this worker's shadow layout for a manifest,
+        #: reported in Redis after each version so the trainer can pack buckets that way.
+        self.layout = layout
+        self._reported: bytes | None = None
         self.pg = make_group(info, rank, device)
         _broadcast(self.pg, torch.zeros(1, dtype=torch.uint8, device=device), info.timeout)
         self.flat: torch.Tensor | None = None
@@ -651,8 +724,17 @@ class WorkerReceiver:
         value = (f"ok {self.status.get('receive_s', 0):.4f} {self.status.get('verify_s', 0):.4f} "
                  f"{'in-place' if self.status.get('in_place') else 'staged'}"
                  if self.status.get("state") == "staged" else f"error: {self.status.get('error')}")
+        report = None
+        if self.layout is not None and listen.layouts_key and self.status.get("state") == "staged":
+            fl = self.layout(offer.manifest)
+            report = msgspec.msgpack.encode(fl) if fl is not None else None
+        pipe = client.pipeline(transaction=False)
+        if report is not None and report != self._reported:
+            pipe.hset(listen.layouts_key, listen.field, report)  # before the ack: seen by the next offer
+            self._reported = report
         if offer.acks:
-            client.hset(offer.acks, listen.field, value)
+            pipe.hset(offer.acks, listen.field, value)
+        pipe.execute()
         return True
 
     # -- receiving ----------------------------------------------------------------------
@@ -672,17 +754,26 @@ class WorkerReceiver:
             stream = torch.cuda.Stream(self.device) if cuda else None  # off the engine's stream
             t_verify = 0.0
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                if offer.mode == "direct" and self.direct is not None:
+                explicit = offer.mode == "layout"
+                if offer.mode in ("direct", "layout") and self.direct is not None:
                     target = self.direct(offer.version, offer.manifest, stream)
+                    if explicit and target is not None and (target.flat is None or target.flat_offsets != (offer.offsets, offer.total)):
+                        target.done(offer.version, False)  # our shadow is laid out otherwise: stage
+                        target = None
                 if target is not None:
                     # In place: each tensor lands in the bytes the shadow weights load it to.
                     self.flat = None  # the staging buffer is not needed any more
                     dests = target.views
                     items = [(m.name, d.view(getattr(torch, m.dtype)).view(m.shape)) for m, d in zip(offer.manifest, dests)]
-                    for _ in self._direct(offer, dests, items):
-                        pass
+                    if explicit:  # a few buckets, each straight into the shadow's flat buffer
+                        for s, e in Layout.explicit(offer.offsets, offer.total, offer.bucket_bytes).buckets:
+                            self.pg.broadcast(target.flat[s:e], offer.timeout)
+                    else:
+                        for _ in self._direct(offer, dests, items):
+                            pass
                 else:
-                    layout = Layout.of(offer.manifest, offer.bucket_bytes)
+                    layout = (Layout.explicit(offer.offsets, offer.total, offer.bucket_bytes) if explicit
+                              else Layout.of(offer.manifest, offer.bucket_bytes))
                     if self.flat is None or self.flat.numel() < layout.total:
                         self.flat = None  # free the old buffer before allocating the larger one
                         self.flat = torch.empty(layout.total, dtype=torch.uint8, device=self.device)
@@ -842,7 +933,8 @@ class ReplicaReceiver:
         self.group = None
         # full_url: a cluster URL stays one in the workers (url has the cluster flag stripped)
         listen = Listen(url=self.consumer.redis_settings.full_url, channel=self.keys.control,
-                        offer_key=self.keys.weights_offer, field=f"{self.consumer.id}/")
+                        offer_key=self.keys.weights_offer, field=f"{self.consumer.id}/",
+                        layouts_key=self.keys.weights_layouts)
         await self.engine.call_workers("rollq_join_group", msgspec.msgpack.encode(info), offset, msgspec.msgpack.encode(listen))
         await self._wait_workers(lambda s: s.get("group") == info.id and s.get("joined"), info.timeout + 5, "join")
         self.group = info.id

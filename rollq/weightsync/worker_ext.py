@@ -122,7 +122,17 @@ class RollqWorkerExtension:
         if views is None:
             lock.release()
             return None
-        return _DirectTarget(sh, views, lock)
+        return _DirectTarget(sh, views, lock, sh.flat_offsets(manifest))
+
+    def _rollq_flat_layout(self, manifest: Any) -> Any:
+        """This worker's shadow layout for ``manifest`` as a FlatLayout (None without one)."""
+        from .nccl import FlatLayout, manifest_digest
+
+        sh = getattr(self, "_rollq_shadow_obj", None)
+        got = sh.flat_offsets(manifest) if sh is not None else None
+        if got is None:
+            return None
+        return FlatLayout(sig=manifest_digest(list(manifest)), offsets=got[0], total=got[1])
 
     def rollq_load_memmap(self, root: str, slot: str, version: int, checksum: str, verify: bool = True) -> dict[str, Any]:
         """Load committed ``version`` from a memmap slot; returns timings (seconds).
@@ -267,7 +277,8 @@ class RollqWorkerExtension:
         def join() -> None:
             try:
                 rcv = WorkerReceiver(gi, rank, self._rollq_device(), sink=self._rollq_prepare,
-                                     sink_invalidate=self._rollq_invalidate, direct=self._rollq_direct)
+                                     sink_invalidate=self._rollq_invalidate, direct=self._rollq_direct,
+                                     layout=self._rollq_flat_layout)
                 self._rollq_receiver = rcv
                 if lst is not None:
                     rcv.listen(msgspec.structs.replace(lst, field=f"{lst.field}{local}"), self.rollq_version)
@@ -369,10 +380,15 @@ class RollqWorkerExtension:
 
 
 class _DirectTarget:
-    """A version being written into the shadow weights in place (the worker lock is held)."""
+    """A version being written into the shadow weights in place (the worker lock is held).
 
-    def __init__(self, shadow: Any, views: list[torch.Tensor], lock: Any):
+    ``views``: each tensor's bytes; ``flat`` / ``flat_offsets``: the shadow's flat buffer and
+    each tensor's offset in it with the buffer's size (None when it is not laid out flat)."""
+
+    def __init__(self, shadow: Any, views: list[torch.Tensor], lock: Any, flat_offsets: Any = None):
         self.shadow, self.views, self._lock = shadow, views, lock
+        self.flat_offsets = flat_offsets
+        self.flat = shadow.flat if flat_offsets is not None else None
 
     def done(self, version: int, ok: bool) -> None:
         """All bytes are in (the caller waited for its copies), or the write failed."""
