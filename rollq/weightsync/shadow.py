@@ -356,12 +356,17 @@ class ShadowWeights:
         total = scratch_at + self._scratch_bytes
         dev = self.shadow[order[0]].device
         flat = torch.empty(total, dtype=torch.uint8, device=dev)
+        old = []  # kept until the copies out of them are done (their blocks may be reused)
         with torch.no_grad():
             for i in order:
                 p = self.shadow[i]
                 dst = flat[base[i] : base[i] + size[i]]
                 dst.copy_(p.data.reshape(-1).view(torch.uint8))
+                old.append(p.data)
                 p.data = dst.view(p.dtype).view(p.shape)
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+        del old
         self._bytes = [None] * len(self.shadow)
         self.flat = flat
         self._scratch = flat[scratch_at:] if self._scratch_bytes else None
