@@ -358,8 +358,7 @@ class RollqWorkerExtension:
         rec = self._rollq_swap_done
 
         def wait() -> None:
-            while not event.query():
-                time.sleep(0.0002)
+            event.synchronize()  # blocks without the GIL: no polling beside the engine
             rec["done_at"] = time.time()
 
         threading.Thread(target=wait, name="rollq-swap-watch", daemon=True).start()
