@@ -8,7 +8,6 @@ page-locked memmap reads and writes into the shadow's own bytes.
 from __future__ import annotations
 
 import shutil
-import time
 import uuid
 
 import pytest
@@ -18,6 +17,7 @@ from rollq import Consumer
 from rollq.testing.fake_workers import FakeWorkerEngine
 from rollq.weightsync import WeightFollower, WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
+from tests.helpers import until
 
 pytestmark = pytest.mark.gpu
 
@@ -54,16 +54,6 @@ def check(engine: FakeWorkerEngine, fill: float) -> None:
     assert bool((m.out == -fill).all())
 
 
-async def wait_for(cond, timeout: float, what: str) -> None:
-    import asyncio
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 @pytest.fixture
 def shm_root():
     root = f"/dev/shm/rollq-test-{uuid.uuid4().hex[:8]}"
@@ -80,7 +70,7 @@ async def test_memmap_versions_are_read_straight_into_the_shadow(redis_url, queu
     try:
         for fill in (1.0, 2.0, 3.0, 4.0):
             rec = await pub.publish_weights(ckpt(fill, "cuda:0"), transport="memmap")
-            await wait_for(lambda: consumer.version == rec.version, 60, f"version {rec.version}")
+            await until(lambda: consumer.version == rec.version, 60, f"version {rec.version}")
             load = follower.history[-1].load
             assert load["swap"] == "shadow", load
             check(engine, fill)
@@ -109,7 +99,7 @@ async def test_nccl_versions_are_received_into_the_shadow_in_coalesced_groups(re
         for fill in (1.0, 2.0, 3.0):
             rec = await pub.publish_weights(ckpt(fill, "cuda:0"), transport="nccl")
             assert rec.transport == "nccl", rec
-            await wait_for(lambda: consumer.version == rec.version, 60, f"version {rec.version}")
+            await until(lambda: consumer.version == rec.version, 60, f"version {rec.version}")
             assert follower.history[-1].load["swap"] == "shadow"
             check(engine, fill)
             rcv = engine.workers[0]._rollq_receiver

@@ -19,6 +19,7 @@ from rollq.keys import QueueKeys
 from rollq.testing.fake_workers import FakeWorkerEngine
 from rollq.weightsync import MemmapStore, VersionRecord, WeightFollower, WeightPublisher, commit_version, read_version
 from rollq.weightsync.nccl import BroadcastSender, GroupInfo
+from tests.helpers import until
 
 
 def small_model() -> torch.nn.Module:
@@ -32,14 +33,6 @@ def state(fill: float) -> dict[str, torch.Tensor]:
 
 def weight0(engine: FakeWorkerEngine, i: int = 0) -> float:
     return float(engine.workers[i].model_runner.model.module[0].weight[0, 0].detach())
-
-
-async def wait_for(cond, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -116,7 +109,7 @@ async def test_restarted_replica_catches_up_before_pulling_and_missed_hint_is_re
     rec = VersionRecord(version=3, transport="memmap", checksum=info.checksum, num_tensors=4, nbytes=info.nbytes, memmap_slot=info.slot)
     c = pub._client
     await c.hset(QueueKeys(queue).version, mapping={"v": 3, "d": msgspec.msgpack.encode(rec)})
-    await wait_for(lambda: consumer.version == 3, 5, "reconcile of a version without announcement")
+    await until(lambda: consumer.version == 3, 5, "reconcile of a version without announcement")
     assert weight0(engine) == 3.0
     await follower.stop()
     await pub.close()
@@ -134,7 +127,7 @@ async def test_update_policies_and_version_spans(redis_url, queue, root, policy)
     async with Producer(redis_url, queue) as p:
         await p.set_update_policy(policy)
         hs = await p.submit_many([{"prompt": f"q{i}", "sampling": {"max_tokens": 20}} for i in range(6)])
-        await wait_for(lambda: consumer.running_count() == 6, 10, "jobs running")
+        await until(lambda: consumer.running_count() == 6, 10, "jobs running")
         await pub.publish_weights(state(2.0))
         rs = await p.gather(hs, timeout=30)
         after = await (await p.submit("after", sampling={"max_tokens": 2}))
@@ -214,11 +207,11 @@ async def test_gloo_broadcast_updates_every_worker_of_every_replica(redis_url, q
         await f.start()
     rec = await pub.publish_weights(state(7.0), transport="nccl")
     assert rec.transport == "nccl" and rec.memmap_slot is None and rec.timings["replicas"] == 3
-    await wait_for(lambda: all(c.version == rec.version for c in consumers), 10, "replicas at the new version")
+    await until(lambda: all(c.version == rec.version for c in consumers), 10, "replicas at the new version")
     assert [weight0(e, i) for e in engines for i in range(e.num_workers)] == [7.0, 7.0, 7.0]
     assert all(f.history[-1].transport == "nccl" for f in followers)
     rec2 = await pub.publish_weights(state(8.0), transport="nccl")  # same group, staging reused
-    await wait_for(lambda: all(c.version == rec2.version for c in consumers), 10, "second update")
+    await until(lambda: all(c.version == rec2.version for c in consumers), 10, "second update")
     assert weight0(engines[1]) == 8.0
     for f in followers:
         await f.stop()
@@ -256,7 +249,7 @@ async def test_broadcast_streams_into_shadow_weights_and_swaps(redis_url, queue,
     for fill in (7.0, 8.0):
         rec = await pub.publish_weights(state(fill), transport="nccl")
         assert rec.transport == "nccl"
-        await wait_for(lambda: consumer.version == rec.version, 10, "replica at the new version")
+        await until(lambda: consumer.version == rec.version, 10, "replica at the new version")
         assert follower.history[-1].load["swap"] == "shadow", follower.history[-1].load
         assert all(bool((p == fill).all()) for p in live.parameters())
         # the first version loads through load_weights (traced: it records the load plan),
@@ -266,7 +259,7 @@ async def test_broadcast_streams_into_shadow_weights_and_swaps(redis_url, queue,
     assert worker._rollq_shadow_obj.synced and worker._rollq_shadow_obj.plan is not None
     # a memmap version also loads into the shadow while staging, then swaps in
     rec = await pub.publish_weights(state(9.0), transport="memmap")
-    await wait_for(lambda: consumer.version == rec.version, 10, "memmap version")
+    await until(lambda: consumer.version == rec.version, 10, "memmap version")
     assert follower.history[-1].load["swap"] == "shadow" and float(live[0].weight[0, 0]) == 9.0
     await follower.stop()
     await pub.close()
@@ -330,7 +323,7 @@ async def _peer_dies_mid_broadcast(redis_url: str, queue: str, root: str) -> Non
     assert rec.transport == "memmap" and rec.timings.get("nccl_failed") == 1.0
     assert elapsed < 15 * 5 + 10  # bounded by the timeouts, not a hang
     assert sender.pg is None  # the group is dropped and rebuilt next time
-    await wait_for(lambda: consumer.version == rec.version, 10, "replica loads the memmap fallback")
+    await until(lambda: consumer.version == rec.version, 10, "replica loads the memmap fallback")
     assert weight0(engine) == 9.0
     await follower.stop()
     await pub.close()
@@ -425,7 +418,7 @@ async def test_receivers_report_their_shadow_layout_and_the_trainer_packs_bucket
     async def publish(fill: float) -> VersionRecord:
         rec = await pub.publish_weights(state(fill), transport="nccl")
         assert rec.transport == "nccl", rec
-        await wait_for(lambda: all(c.version == rec.version for c in consumers), 10, f"version {rec.version}")
+        await until(lambda: all(c.version == rec.version for c in consumers), 10, f"version {rec.version}")
         for w in workers:
             assert all(bool((p == fill).all()) for p in w.model_runner.model.parameters())
         return rec
