@@ -251,21 +251,31 @@ class ShadowWeights:
         copied), so a partial update leaves the other weights as they are. ``trace``: record
         the load plan of this manifest (see the module docstring).
         """
-        self.version = None
-        cuda = self.live[0].device.type == "cuda"
-        ctx = torch.cuda.stream(stream) if (cuda and stream is not None) else contextlib.nullcontext()
-        with ctx, torch.no_grad():
-            self._after_swap()
-            if not self.synced:
-                copy_all(self.shadow, self.live)
-            self.synced = False  # until the swap makes them equal again
+        with self._on(stream), torch.no_grad():
+            self._begin_write()
             if trace:
                 self._traced_load(items)
             else:
                 self.root.load_weights(iter(items))
-            if cuda:
+            if self.live[0].device.type == "cuda":
                 torch.cuda.current_stream(self.live[0].device).synchronize()
         self.version = version
+
+    def _on(self, stream: torch.cuda.Stream | None) -> Any:
+        """Work on ``stream`` (GPU shadows given one), else where it is."""
+        if stream is not None and self.live[0].device.type == "cuda":
+            return torch.cuda.stream(stream)
+        return contextlib.nullcontext()
+
+    def _begin_write(self) -> None:
+        """Before a new version is written into the shadow (on the current stream): nothing
+        to swap in until it is complete, after the last swap's copies (which read the
+        shadow), starting from live's values (a partial update keeps the other weights)."""
+        self.version = None
+        self._after_swap()
+        if not self.synced:
+            copy_all(self.shadow, self.live)
+        self.synced = False  # until the swap makes them equal again
 
     def _traced_load(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
         live = {p.untyped_storage().data_ptr() for p in self.live}
@@ -411,13 +421,8 @@ class ShadowWeights:
         views = self.direct_views(metas)
         if views is None:
             return None
-        self.version = None
-        cuda = self.live[0].device.type == "cuda"
-        with torch.cuda.stream(stream) if (cuda and stream is not None) else contextlib.nullcontext(), torch.no_grad():
-            self._after_swap()  # the writes into ``views`` go on this stream, after it
-            if not self.synced:
-                copy_all(self.shadow, self.live)
-        self.synced = False
+        with self._on(stream), torch.no_grad():
+            self._begin_write()  # the writes into ``views`` go on this stream, after it
         return views
 
     def end_direct(self, version: int) -> None:
