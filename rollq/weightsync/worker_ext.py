@@ -187,10 +187,6 @@ class RollqWorkerExtension:
         return dict(getattr(self, "_rollq_stage_state", {"state": "idle"}))
 
     def _rollq_stage(self, root: str, slot: str, version: int, checksum: str, chunks_in_flight: int = 3) -> None:
-        from ..errors import CorruptWeights
-        from .checksum import state_checksum
-        from .memmap import MemmapStore
-
         from .nccl import responsive_gil
 
         with responsive_gil():
