@@ -725,7 +725,10 @@ class WorkerReceiver:
                  f"{'in-place' if self.status.get('in_place') else 'staged'}"
                  if self.status.get("state") == "staged" else f"error: {self.status.get('error')}")
         report = None
-        if self.layout is not None and listen.layouts_key and self.status.get("state") == "staged":
+        # The layout only changes when a version is loaded (not written in place): in steady
+        # state nothing is computed here, between the receive and the ack.
+        if (self.layout is not None and listen.layouts_key and self.status.get("state") == "staged"
+                and (self._reported is None or not self.status.get("in_place"))):
             fl = self.layout(offer.manifest)
             report = msgspec.msgpack.encode(fl) if fl is not None else None
         pipe = client.pipeline(transaction=False)
@@ -755,6 +758,8 @@ class WorkerReceiver:
             t_verify = 0.0
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                 explicit = offer.mode == "layout"
+                layout = (Layout.explicit(offer.offsets, offer.total, offer.bucket_bytes) if explicit
+                          else Layout.of(offer.manifest, offer.bucket_bytes))
                 if offer.mode in ("direct", "layout") and self.direct is not None:
                     target = self.direct(offer.version, offer.manifest, stream)
                     if explicit and target is not None and (target.flat is None or target.flat_offsets != (offer.offsets, offer.total)):
@@ -766,14 +771,12 @@ class WorkerReceiver:
                     dests = target.views
                     items = [(m.name, d.view(getattr(torch, m.dtype)).view(m.shape)) for m, d in zip(offer.manifest, dests)]
                     if explicit:  # a few buckets, each straight into the shadow's flat buffer
-                        for s, e in Layout.explicit(offer.offsets, offer.total, offer.bucket_bytes).buckets:
+                        for s, e in layout.buckets:
                             self.pg.broadcast(target.flat[s:e], offer.timeout)
                     else:
                         for _ in self._direct(offer, dests, items):
                             pass
                 else:
-                    layout = (Layout.explicit(offer.offsets, offer.total, offer.bucket_bytes) if explicit
-                              else Layout.of(offer.manifest, offer.bucket_bytes))
                     if self.flat is None or self.flat.numel() < layout.total:
                         self.flat = None  # free the old buffer before allocating the larger one
                         self.flat = torch.empty(layout.total, dtype=torch.uint8, device=self.device)
