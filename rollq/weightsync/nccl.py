@@ -562,13 +562,12 @@ class BroadcastSender:
             t = t.detach()
             flats.append((t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8))
         last = None
-        cuda = self.device.type == "cuda"
-        for lo, hi in groups_of(manifest, self.group_bytes if cuda else 0):
-            if cuda:
+        if self.device.type == "cuda":
+            for lo, hi in groups_of(manifest, self.group_bytes):
                 last = self.pg.broadcast_many(flats[lo:hi], self.timeout, coalesce=self.group_bytes > 0) or last
-            else:
-                for f in flats[lo:hi]:
-                    last = self.pg.broadcast(f, self.timeout, wait=False)
+        else:  # gloo: all enqueued, the last one waited for below
+            for f in flats:
+                last = self.pg.broadcast(f, self.timeout, wait=False)
         if last is not None:
             self._finish(last)
         if self.device.type == "cuda":
