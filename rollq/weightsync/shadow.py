@@ -201,6 +201,8 @@ class ShadowWeights:
         self.plan_refused: str | None = None
         self._no_plan: set[Signature] = set()
         self._bytes: list[torch.Tensor | None] = [None] * len(self.shadow)
+        #: :meth:`direct_views` of the plan's manifest (the same bytes every version).
+        self._views: list[torch.Tensor] | None = None
         #: Where tensors that load_weights ignores are received (see _plan_from).
         self._scratch: torch.Tensor | None = None
         self._scratch_bytes = 0
@@ -331,6 +333,7 @@ class ShadowWeights:
             return "load_weights wrote none of the tensors"
         self._scratch_bytes, self._scratch = scratch, None
         self.flat_layout = None
+        self._views = None
         spans = sorted((r.param, r.offset, r.offset + r.nbytes) for r in regions.values() if r.param >= 0)
         for (p0, _, e0), (p1, s1, _) in zip(spans, spans[1:]):
             if p0 == p1 and s1 < e0:
@@ -378,6 +381,7 @@ class ShadowWeights:
             torch.cuda.current_stream(dev).synchronize()
         del old
         self._bytes = [None] * len(self.shadow)
+        self._views = None
         self.flat = flat
         self._scratch = flat[scratch_at:] if self._scratch_bytes else None
         offsets = [base[r.param] + r.offset if r.param >= 0 else scratch_at + r.offset for r in (regions[n] for n, _, _ in sig)]
@@ -402,17 +406,21 @@ class ShadowWeights:
 
     def direct_views(self, metas: Iterable[Any]) -> list[torch.Tensor] | None:
         """Per tensor of the manifest, the shadow bytes it lands in (``uint8``, contiguous);
-        None unless the recorded plan is for exactly this manifest."""
+        None unless the recorded plan is for exactly this manifest. Built once per plan (the
+        receiving thread shares the GIL with the engine: hundreds of tensor calls per version
+        would each wait for it)."""
         metas = list(metas)
         if self.plan is None or self.plan[0] != signature_of(metas):
             return None
-        regions = self.plan[1]
-        if self._scratch is None and self._scratch_bytes:
-            self._scratch = torch.empty(self._scratch_bytes, dtype=torch.uint8, device=self.shadow[0].device)
-        return [
-            (self._param_bytes(r.param) if r.param >= 0 else self._scratch)[r.offset : r.offset + r.nbytes]
-            for r in (regions[m.name] for m in metas)
-        ]
+        if self._views is None:
+            regions = self.plan[1]
+            if self._scratch is None and self._scratch_bytes:
+                self._scratch = torch.empty(self._scratch_bytes, dtype=torch.uint8, device=self.shadow[0].device)
+            self._views = [
+                (self._param_bytes(r.param) if r.param >= 0 else self._scratch)[r.offset : r.offset + r.nbytes]
+                for r in (regions[m.name] for m in metas)
+            ]
+        return list(self._views)
 
     def begin_direct(self, metas: Iterable[Any], stream: torch.cuda.Stream | None = None) -> list[torch.Tensor] | None:
         """Start a version written straight into the shadow: the views to write (see
