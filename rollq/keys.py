@@ -147,6 +147,11 @@ class QueueKeys:
         """Hash ``replica -> ok|error`` of receivers that staged a broadcast version."""
         return f"{self.tag}:wacks:{version}"
 
+    def weights_ack_signal(self, version: int) -> str:
+        """List each receiver also pushes its ack onto (``field\tvalue``), so the trainer
+        blocks on it (BLPOP) instead of polling the ack hash."""
+        return f"{self.tag}:wacksig:{version}"
+
     @cached_property
     def admission(self) -> str:
         """Hash of admission-control counters (staleness bound)."""

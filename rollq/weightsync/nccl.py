@@ -94,11 +94,12 @@ class Layout:
         return cls(list(offsets), total, buckets)
 
     def views(self, flat: torch.Tensor, manifest: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
-        out = []
-        for m, off in zip(manifest, self.offsets):
-            dt = getattr(torch, m.dtype)
-            out.append((m.name, flat[off : off + m.nbytes].view(dt).view(m.shape)))
-        return out
+        return typed_views(manifest, [flat[off : off + m.nbytes] for m, off in zip(manifest, self.offsets)])
+
+
+def typed_views(manifest: list[TensorMeta], raw: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` per manifest entry, viewing its raw ``uint8`` bytes in ``raw``."""
+    return [(m.name, r.view(getattr(torch, m.dtype)).view(m.shape)) for m, r in zip(manifest, raw)]
 
 
 class FlatLayout(msgspec.Struct, kw_only=True):
@@ -138,6 +139,8 @@ class Offer(msgspec.Struct, kw_only=True):
     mode: str = "packed"
     #: Hash receivers write their ack into, as ``replica/worker -> ok | error: ...``.
     acks: str = ""
+    #: List receivers also push ``field\tvalue`` onto (the trainer blocks on it); "": none.
+    ack_signal: str = ""
     #: ``direct`` mode on NCCL: consecutive tensors up to this many bytes go as one coalesced
     #: NCCL group (one kernel launch: per-tensor launches wait for SMs a busy engine holds,
     #: 200 vs 45 ms for 15.2 GB in benchmarks/gpu_copy_paths.py). 0: one launch per tensor.
@@ -473,7 +476,7 @@ class BroadcastSender:
         manifest = manifest_of(items)
         checksum = state_checksum(items) if self.verify else ""
         t_ck = time.perf_counter() - t0
-        acks_key = keys.weights_acks(version)
+        acks_key, signal = keys.weights_acks(version), keys.weights_ack_signal(version)
         mode, flat = self.mode, None
         if self.shadow_layout and mode == "direct":
             flat = await self._agreed_layout(client, keys, manifest)
@@ -481,11 +484,11 @@ class BroadcastSender:
                 mode = "layout"
         offer = Offer(
             version=version, group=self.info.id, checksum=checksum, bucket_bytes=self.bucket_bytes,
-            manifest=manifest, timeout=self.timeout, mode=mode, acks=acks_key, group_bytes=self.group_bytes,
+            manifest=manifest, timeout=self.timeout, mode=mode, acks=acks_key, ack_signal=signal, group_bytes=self.group_bytes,
             offsets=flat.offsets if flat else [], total=flat.total if flat else 0,
         )
         pipe = client.pipeline(transaction=False)
-        pipe.delete(acks_key)
+        pipe.delete(acks_key, signal)
         pipe.hset(keys.weights_offer, mapping={"v": version, "d": msgspec.msgpack.encode(offer)})
         pipe.execute_command("PUBLISH", keys.control, f"woffer {version}")  # cluster pipelines refuse pipe.publish
         await pipe.execute()
@@ -497,7 +500,7 @@ class BroadcastSender:
             send = functools.partial(self._broadcast_all, layout=layout)
         await asyncio.wait_for(in_daemon_thread(send, items, manifest), self.timeout * 4)
         t2 = time.perf_counter()
-        acks = await self._wait_acks(client, acks_key, version)
+        acks = await self._wait_acks(client, acks_key, signal, version)
         t3 = time.perf_counter()
         self.last_timings = {"checksum_s": t_ck, "broadcast_s": t2 - t1, "acks_s": t3 - t2, "send_s": t3 - t0,
                              "layout_mode": float(mode == "layout")}
@@ -507,7 +510,14 @@ class BroadcastSender:
             self.last_timings["receiver_verify_s"] = max(float(p[2]) for p in parts)
             # share of receivers that wrote the version in place (into their shadow weights)
             self.last_timings["receivers_in_place"] = sum(p[3:4] == ["in-place"] for p in parts) / len(parts)
-        await client.expire(acks_key, 3600)
+            timed = [p for p in parts if len(p) >= 6]
+            if timed:  # until its first broadcast was enqueued, and its last
+                self.last_timings["receiver_setup_s"] = max(float(p[4]) for p in timed)
+                self.last_timings["receiver_enqueued_s"] = max(float(p[5]) for p in timed)
+        pipe = client.pipeline(transaction=False)
+        pipe.expire(acks_key, 3600)
+        pipe.delete(signal)
+        await pipe.execute()
         nbytes = sum(m.nbytes for m in manifest)
         return VersionRecord(
             version=version, transport="nccl", checksum=checksum, num_tensors=len(items), nbytes=nbytes,
@@ -594,21 +604,29 @@ class BroadcastSender:
             return None
         return first
 
-    async def _wait_acks(self, client: Any, key: str, version: int) -> dict[str, str]:
+    async def _wait_acks(self, client: Any, key: str, signal: str, version: int) -> dict[str, str]:
+        """Every worker's ack (``timeout``): each one wakes a BLPOP on ``signal`` (no polling
+        delay on the update's path); the hash is reread now and then in case a push was lost."""
         deadline = time.monotonic() + self.timeout
         want = self.num_workers
+        acks = {k.decode(): v.decode() for k, v in (await client.hgetall(key)).items()}
         while True:
-            acks = {k.decode(): v.decode() for k, v in (await client.hgetall(key)).items()}
             bad = {k: v for k, v in acks.items() if not v.startswith("ok")}
             if bad:
                 raise WeightSyncError(f"receivers failed to stage version {version}: {bad}")
             if len(acks) >= want:
                 return acks
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise WeightSyncTimeout(
                     f"only {len(acks)}/{want} workers acknowledged version {version} within {self.timeout}s (timeout)"
                 )
-            await asyncio.sleep(0.001)
+            got = await client.blpop([signal], timeout=min(left, 0.5))
+            if got is None:
+                acks = {k.decode(): v.decode() for k, v in (await client.hgetall(key)).items()}
+                continue
+            field, _, value = got[1].decode().partition("\t")
+            acks[field] = value
 
     async def reset(self) -> None:
         """Drop the group (after a failure); the next send forms a new one."""
@@ -721,7 +739,8 @@ class WorkerReceiver:
         self.attempted = offer.version  # once per offer: the trainer moves on after a failure
         self.receive(offer)
         value = (f"ok {self.status.get('receive_s', 0):.4f} {self.status.get('verify_s', 0):.4f} "
-                 f"{'in-place' if self.status.get('in_place') else 'staged'}"
+                 f"{'in-place' if self.status.get('in_place') else 'staged'} "
+                 f"{self.status.get('setup_s', 0):.4f} {self.status.get('enqueued_s', 0):.4f}"
                  if self.status.get("state") == "staged" else f"error: {self.status.get('error')}")
         report = None
         # The layout only changes when a version is loaded (not written in place): in steady
@@ -736,6 +755,8 @@ class WorkerReceiver:
             self._reported = report
         if offer.acks:
             pipe.hset(offer.acks, listen.field, value)
+        if offer.ack_signal:
+            pipe.rpush(offer.ack_signal, f"{listen.field}\t{value}")
         pipe.execute()
         return True
 
@@ -768,18 +789,21 @@ class WorkerReceiver:
                     # In place: each tensor lands in the bytes the shadow weights load it to.
                     self.flat = None  # the staging buffer is not needed any more
                     dests = target.views
-                    items = [(m.name, d.view(getattr(torch, m.dtype)).view(m.shape)) for m, d in zip(offer.manifest, dests)]
+                    t_setup = time.perf_counter() - t0
                     if explicit:  # a few buckets, each straight into the shadow's flat buffer
                         for s, e in layout.buckets:
                             self.pg.broadcast(target.flat[s:e], offer.timeout)
                     else:
-                        for _ in self._direct(offer, dests, items):
+                        for _ in self._direct(offer, dests, []):  # nothing to yield: only the broadcasts
                             pass
+                    # typed views only to checksum them (each tensor call gives the GIL away)
+                    items = typed_views(offer.manifest, dests) if offer.verify else []
                 else:
                     if self.flat is None or self.flat.numel() < layout.total:
                         self.flat = None  # free the old buffer before allocating the larger one
                         self.flat = torch.empty(layout.total, dtype=torch.uint8, device=self.device)
                     items = layout.views(self.flat, offer.manifest)
+                    t_setup = time.perf_counter() - t0
                     if offer.mode == "direct":
                         dests = [self.flat[off : off + m.nbytes] for m, off in zip(offer.manifest, layout.offsets)]
                         received = self._direct(offer, dests, items)
@@ -795,6 +819,7 @@ class WorkerReceiver:
                     else:
                         for _ in received:
                             pass
+                t_enqueued = time.perf_counter() - t0
                 if cuda:
                     wait_stream(self.device, offer.timeout * 2, f"receiving version {offer.version}")
                 t_recv = time.perf_counter() - t0
@@ -810,6 +835,7 @@ class WorkerReceiver:
             else:
                 self.staged = (offer.version, items)
             self.status = {"state": "staged", "version": offer.version, "receive_s": t_recv, "verify_s": t_verify,
+                           "setup_s": t_setup, "enqueued_s": t_enqueued,
                            "loaded_while_receiving": bool(sink_ok), "in_place": self.staged[1] is None}
         except Exception as e:
             self.staged = None
