@@ -52,6 +52,11 @@ class UpdateStats:
     #: step in flight, not for this whole time.
     pause_s: float
     load: dict[str, Any] = field(default_factory=dict)
+    #: Where the update's time went on this side: ``read_s`` (the record, policy and acks),
+    #: ``load_call_s`` (the load or swap call to the engine, as the follower saw it) and
+    #: ``hinted_at`` (wall clock when the pub/sub announcement reached this follower; 0: the
+    #: update was found by polling).
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class WeightFollower:
@@ -86,6 +91,8 @@ class WeightFollower:
         self._task: asyncio.Task | None = None
         self._client: Any = None
         self._hinted = 0  # newest version announced on pub/sub (its acks are read with the record)
+        self._hinted_at = 0.0  # when that announcement arrived (wall clock)
+        self._load_call_s = 0.0
         #: NCCL/gloo receiver (rollq.weightsync.nccl) that stages versions while serving.
         self.receiver: Any = None
         if broadcast:
@@ -121,7 +128,9 @@ class WeightFollower:
     def _on_control(self, verb: str, arg: str) -> None:
         if verb == "version":
             try:
-                self._hinted = max(self._hinted, int(arg.split()[0]))
+                v = int(arg.split()[0])
+                if v > self._hinted:
+                    self._hinted, self._hinted_at = v, time.time()
             except (ValueError, IndexError):
                 pass
             self._kick.set()
@@ -157,6 +166,7 @@ class WeightFollower:
     async def reconcile(self) -> UpdateStats | None:
         """Apply the committed version if it is newer than the loaded one."""
         async with self._lock:
+            t0 = time.perf_counter()
             # One round trip: the record, the policy and (for an announced broadcast version)
             # this replica's acks; every await here waits behind a busy consumer's event loop.
             keys = self.consumer.keys
@@ -173,7 +183,9 @@ class WeightFollower:
             p = got[1].decode() if isinstance(got[1], bytes) else got[1]
             policy = p if p in POLICIES else self.default_policy
             acks = got[2] if hinted and hinted == rec.version else None
+            read_s = time.perf_counter() - t0
             st = await self.apply(rec, policy, acks=acks)
+            st.timings.update(read_s=read_s, hinted_at=self._hinted_at if self._hinted == rec.version else 0.0)
             self.history.append(st)
             self.failures = 0
             return st
@@ -231,7 +243,8 @@ class WeightFollower:
             "last_update_s": round(time.perf_counter() - t0, 4), "last_pause_s": round(pause_s, 4),
             "updates": c.update_info.get("updates", 0) + 1,
         }
-        st = UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load)
+        st = UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load,
+                         timings={"load_call_s": self._load_call_s})
         log.info(
             "replica %s now at policy version %d (%s, %s): update %.3fs, paused %.3fs",
             c.id, rec.version, policy, rec.transport, st.update_s, st.pause_s,
@@ -275,6 +288,13 @@ class WeightFollower:
             delay = min(delay * 2, 0.01)
 
     async def _load(self, rec: VersionRecord, staged: Any) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        try:
+            return await self._load_now(rec, staged)
+        finally:
+            self._load_call_s = time.perf_counter() - t0
+
+    async def _load_now(self, rec: VersionRecord, staged: Any) -> dict[str, Any]:
         if isinstance(staged, tuple) and staged[0] == "memmap":
             try:
                 res = await asyncio.wait_for(self.engine.call_workers("rollq_apply_staged", staged[1]), self.load_timeout)
