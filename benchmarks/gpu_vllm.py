@@ -64,7 +64,7 @@ def log(*a: object) -> None:
 # ---------------------------------------------------------------------------------------
 # trainer process (GPU 0)
 # ---------------------------------------------------------------------------------------
-def trainer_main(url: str, queue: str, root: str, conn: object, shadow_layout: bool = False) -> None:
+def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("ROLLQ_TRAINER_GPU", "0")
     import torch
 
@@ -77,7 +77,7 @@ def trainer_main(url: str, queue: str, root: str, conn: object, shadow_layout: b
     tensors = {n: torch.empty(s, dtype=torch.bfloat16, device=dev).normal_() * 0.02 for n, s in qwen7b_shapes()}
 
     async def serve() -> None:
-        sender = BroadcastSender(1, backend="nccl", bucket_bytes=1 << 30, timeout=300, device=dev, shadow_layout=shadow_layout)
+        sender = BroadcastSender(1, backend="nccl", bucket_bytes=1 << 30, timeout=300, device=dev)
         pub = WeightPublisher(url, queue, root=root, sender=sender)
         native_group = None
         marks = 0
@@ -85,7 +85,10 @@ def trainer_main(url: str, queue: str, root: str, conn: object, shadow_layout: b
             cmd = await asyncio.to_thread(conn.recv)
             op = cmd["op"]
             try:
-                if op == "publish":
+                if op == "configure":  # the variant of the next sends
+                    sender.shadow_layout = bool(cmd["shadow_layout"])
+                    conn.send({"ok": True})
+                elif op == "publish":
                     marks += 1  # the replica must then show exactly this value (checks the swap)
                     for t in list(tensors.values())[:4]:
                         t.view(-1)[:4].fill_(float(marks))
@@ -232,7 +235,7 @@ async def engine_main(a: argparse.Namespace) -> None:
 
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
-        trainer = ctx.Process(target=trainer_main, args=(srv.url, queue, root, child, a.shadow_layout), daemon=True)
+        trainer = ctx.Process(target=trainer_main, args=(srv.url, queue, root, child), daemon=True)
         trainer.start()
 
     broken: list[str] = []
@@ -342,19 +345,29 @@ async def engine_main(a: argparse.Namespace) -> None:
         if "sync" in phases:
             try:
                 rows = []
-                for i in range(a.sync_reps + 1):
+                variants = a.sync_variants.split(",")
+                # The first update forms the group (and traces the load plan); then the variants
+                # take turns, so each sees the same engine, load and machine noise.
+                for i in range(a.sync_reps * len(variants) + 1):
+                    variant = variants[(i - 1) % len(variants)] if i else variants[0]
+                    await asyncio.to_thread(call, op="configure", shadow_layout=variant == "layout")
                     running = await wait_running()
                     m0 = time.monotonic()
                     r = await asyncio.to_thread(call, op="publish", transport="nccl")
                     t_follower, st = await wait_version(r["version"])
                     t_served = await served_at(r["version"], t_follower)
-                    row = {"version": r["version"], "transport": r["transport"], "running_at_start": running,
+                    hinted = st.timings.get("hinted_at") or 0.0
+                    row = {"variant": variant, "version": r["version"], "transport": r["transport"], "running_at_start": running,
                            "end_to_end_s": t_served - r["t0"], "follower_done_s": t_follower - r["t0"],
                            "trainer_publish_s": r["t1"] - r["t0"],
+                           # after the trainer's publish call returned (the commit is its last step)
+                           "hint_after_publish_s": hinted - r["t1"] if hinted else None,
+                           "follower_read_s": st.timings.get("read_s"), "swap_call_s": st.timings.get("load_call_s"),
+                           "copies_after_follower_s": t_served - t_follower,
                            "paused_s": st.pause_s, "swap": st.load, "trainer": r["timings"], **(await step_gaps(m0)),
                            "weights_match": await weights_match(r["mark"])}
                     log("sync", row)
-                    if i > 0:  # the first forms the group
+                    if i > 0:
                         rows.append(row)
                 out["phases"]["sync"] = {"reps": rows}
             except Exception as e:
@@ -454,12 +467,37 @@ def render(out: dict) -> str:
         return v[len(v) // 2] if v else float("nan")
 
     if "sync" in ph and ph["sync"].get("reps"):
-        r = ph["sync"]["reps"]
-        lines += [f"rollq NCCL update under load: end to end {med(r, 'end_to_end_s') * 1000:.0f} ms, "
-                  f"swap call {med(r, 'paused_s') * 1000:.0f} ms, longest gap between engine steps "
-                  f"{med(r, 'max_step_gap_s') * 1000:.0f} ms (median step {med(r, 'median_step_s') * 1000:.0f} ms; "
-                  f"median of {len(r)}); swap by {sorted({str(x['swap'].get('swap')) for x in r})}, "
-                  f"served weights equal the published ones: {all(x.get('weights_match') for x in r)}", ""]
+        allr = ph["sync"]["reps"]
+        variants = list(dict.fromkeys(x.get("variant", "direct") for x in allr))
+        for v in variants:
+            r = [x for x in allr if x.get("variant", "direct") == v]
+            e2e = sorted(x["end_to_end_s"] * 1000 for x in r)
+            lines += [f"rollq NCCL update under load ({v}): end to end {med(r, 'end_to_end_s') * 1000:.0f} ms "
+                      f"({e2e[0]:.0f}-{e2e[-1]:.0f}), swap call {med(r, 'paused_s') * 1000:.0f} ms, longest gap between "
+                      f"engine steps {med(r, 'max_step_gap_s') * 1000:.0f} ms (median step {med(r, 'median_step_s') * 1000:.0f} ms; "
+                      f"median of {len(r)}); swap by {sorted({str(x['swap'].get('swap')) for x in r})}, "
+                      f"served weights equal the published ones: {all(x.get('weights_match') for x in r)}", ""]
+        # where the time goes, medians per variant (ms)
+        parts = [("offer", lambda x: x["trainer"].get("send_s", 0) - x["trainer"].get("broadcast_s", 0) - x["trainer"].get("acks_s", 0)),
+                 ("receiver setup", lambda x: x["trainer"].get("receiver_setup_s")),
+                 ("receiver enqueued", lambda x: x["trainer"].get("receiver_enqueued_s")),
+                 ("broadcast", lambda x: x["trainer"].get("broadcast_s")),
+                 ("acks", lambda x: x["trainer"].get("acks_s")),
+                 ("publish call", lambda x: x.get("trainer_publish_s")),
+                 ("announcement reaches follower", lambda x: x.get("hint_after_publish_s")),
+                 ("follower read", lambda x: x.get("follower_read_s")),
+                 ("swap call", lambda x: x.get("swap_call_s")),
+                 ("follower done", lambda x: x.get("follower_done_s")),
+                 ("copies done after that", lambda x: x.get("copies_after_follower_s")),
+                 ("end to end", lambda x: x.get("end_to_end_s"))]
+        lines += ["| ms (median) | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
+        for name, f in parts:
+            cells = []
+            for v in variants:
+                vals = sorted(y for y in (f(x) for x in allr if x.get("variant", "direct") == v) if y is not None)
+                cells.append(f"{vals[len(vals) // 2] * 1000:.1f}" if vals else "-")
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append("")
     if "native" in ph and ph["native"].get("reps"):
         r = ph["native"]["reps"]
         lines += [f"vLLM native packed update under load: pause {med(r, 'pause_s') * 1000:.0f} ms + update "
@@ -487,8 +525,9 @@ def main() -> None:
     ap.add_argument("--memmap-reps", type=int, default=6)
     ap.add_argument("--memmap-chunks", type=int, default=3, help="256 MiB read chunks in flight (0: unthrottled)")
     ap.add_argument("--gpu-mem", type=float, default=0.55)
-    ap.add_argument("--shadow-layout", action="store_true",
-                    help="BroadcastSender(shadow_layout=True): buckets in the receivers' flat shadow layout")
+    ap.add_argument("--sync-variants", default="direct",
+                    help="comma list taking turns in the sync phase: direct (one broadcast per tensor, coalesced), "
+                         "layout (BroadcastSender(shadow_layout=True): buckets in the receivers' flat shadow layout)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--tiny", action="store_true", help="the local tiny model (CPU runs): overhead phase only")
