@@ -350,7 +350,10 @@ async def engine_main(a: argparse.Namespace) -> None:
                 # take turns, so each sees the same engine, load and machine noise.
                 for i in range(a.sync_reps * len(variants) + 1):
                     variant = variants[(i - 1) % len(variants)] if i else variants[0]
-                    await asyncio.to_thread(call, op="configure", shadow_layout=variant == "layout")
+                    await asyncio.to_thread(call, op="configure", shadow_layout=variant != "direct")
+                    follower.swap_overlap = variant.startswith("overlap")
+                    if follower.swap_overlap and ":" in variant:
+                        follower.overlap_lead_s = float(variant.split(":")[1]) / 1000
                     running = await wait_running()
                     m0 = time.monotonic()
                     r = await asyncio.to_thread(call, op="publish", transport="nccl")
@@ -489,7 +492,9 @@ def render(out: dict) -> str:
                  ("swap call", lambda x: x.get("swap_call_s")),
                  ("follower done", lambda x: x.get("follower_done_s")),
                  ("copies done after that", lambda x: x.get("copies_after_follower_s")),
-                 ("end to end", lambda x: x.get("end_to_end_s"))]
+                 ("end to end", lambda x: x.get("end_to_end_s")),
+                 ("intake closed (pause_s)", lambda x: x.get("paused_s")),
+                 ("generation stopped (longest gap between steps)", lambda x: x.get("max_step_gap_s"))]
         lines += ["| ms (median) | " + " | ".join(variants) + " |", "| --- |" + " --- |" * len(variants)]
         for name, f in parts:
             cells = []
@@ -527,7 +532,9 @@ def main() -> None:
     ap.add_argument("--gpu-mem", type=float, default=0.55)
     ap.add_argument("--sync-variants", default="direct",
                     help="comma list taking turns in the sync phase: direct (one broadcast per tensor, coalesced), "
-                         "layout (BroadcastSender(shadow_layout=True): buckets in the receivers' flat shadow layout)")
+                         "layout (BroadcastSender(shadow_layout=True): buckets in the receivers' flat shadow layout), "
+                         "overlap[:LEAD_MS] (layout, and WeightFollower(swap_overlap=True): swapped in part by part "
+                         "while the last parts arrive, generation stopped from LEAD_MS before the receive's expected end)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--tiny", action="store_true", help="the local tiny model (CPU runs): overhead phase only")

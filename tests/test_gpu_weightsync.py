@@ -108,3 +108,37 @@ async def test_nccl_versions_are_received_into_the_shadow_in_coalesced_groups(re
     finally:
         await follower.stop()
         await pub.close()
+
+
+@pytest.mark.parametrize("shadow_layout", [False, True])
+async def test_nccl_versions_swapped_in_part_by_part_while_they_arrive(redis_url, queue, shm_root, shadow_layout):
+    """WeightFollower(swap_overlap=True): each part's parameters are exchanged on the engine's
+    stream right after the part's CUDA event, then kept once the version is committed."""
+    import asyncio
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    engine = FakeWorkerEngine(Fused, device="cuda:1")
+    consumer = Consumer(engine, redis_url, queue)
+    follower = WeightFollower(consumer, root=shm_root, reconcile_interval=0.3, broadcast=True, swap_overlap=True,
+                              overlap_lead_s=5.0)
+    await follower.start()
+    run = asyncio.create_task(consumer.run())  # its control channel brings the offers' hints
+    sender = BroadcastSender(1, backend="nccl", timeout=60, device="cuda:0", group_bytes=2 * 64 * 32 * 2,
+                             bucket_bytes=8192, shadow_layout=shadow_layout)
+    pub = WeightPublisher(redis_url, queue, root=shm_root, sender=sender)
+    try:
+        swaps = []
+        for fill in (1.0, 2.0, 3.0, 4.0):
+            rec = await pub.publish_weights(ckpt(fill, "cuda:0"), transport="nccl")
+            assert rec.transport == "nccl", rec
+            await until(lambda: consumer.version == rec.version, 60, f"version {rec.version}")
+            swaps.append(follower.history[-1].load["swap"])
+            check(engine, fill)
+        assert swaps == ["shadow", "shadow", "overlap", "overlap"], swaps
+        assert follower.history[-1].load["parts"] >= 2
+    finally:
+        consumer.stop()
+        await asyncio.wait_for(run, 30)
+        await follower.stop()
+        await pub.close()

@@ -265,6 +265,55 @@ async def test_broadcast_streams_into_shadow_weights_and_swaps(redis_url, queue,
     await pub.close()
 
 
+@pytest.mark.parametrize("shadow_layout", [False, True])
+async def test_overlapped_swap_through_a_broadcast_and_its_undo_when_the_commit_is_late(redis_url, queue, root, monkeypatch, shadow_layout):
+    import rollq.weightsync.publisher as publisher_mod
+
+    monkeypatch.setenv("ROLLQ_SHADOW_WEIGHTS", "1")  # "auto" uses them on GPUs only
+    sender = BroadcastSender(num_workers=1, backend="gloo", timeout=20, mode="direct", bucket_bytes=4096, shadow_layout=shadow_layout)
+    pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
+    engine = FakeWorkerEngine(loadable_model)
+    consumer = Consumer(engine, redis_url, queue)
+    # a lead longer than any receive here: the swap starts as soon as the offer is seen
+    follower = WeightFollower(consumer, root=root, reconcile_interval=0.3, broadcast=True, swap_overlap=True,
+                              overlap_lead_s=5.0, overlap_commit_timeout=0.1)
+    await follower.start()
+    run = asyncio.create_task(consumer.run())  # its control channel brings the offers' hints
+    live = engine.workers[0].model_runner.model
+    try:
+        swaps = []
+        for fill in (1.0, 2.0, 3.0, 4.0):
+            rec = await pub.publish_weights(state(fill), transport="nccl")
+            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+            assert all(bool((p == fill).all()) for p in live.parameters())
+            swaps.append(follower.history[-1].load["swap"])
+        # 1: staged and loaded (the plan), 2: in place (this replica learns how long its
+        # receives take), then swapped in part by part while arriving
+        assert swaps == ["shadow", "shadow", "overlap", "overlap"], swaps
+        assert rec.timings["layout_mode"] == float(shadow_layout)
+        st = follower.history[-1]
+        assert st.load["parts"] >= 2 and st.pause_s > 0 and consumer.version == 4
+
+        # the trainer commits late: the overlapped swap is undone, then the committed version
+        # goes live the usual way
+        commit = publisher_mod.commit_version
+
+        async def late_commit(*a, **kw):
+            await asyncio.sleep(0.4)
+            return await commit(*a, **kw)
+
+        monkeypatch.setattr(publisher_mod, "commit_version", late_commit)
+        rec = await pub.publish_weights(state(5.0), transport="nccl")
+        await until(lambda: consumer.version == rec.version, 10, "version 5")
+        assert follower.overlap_reverts == 1 and follower.history[-1].load["swap"] == "shadow"
+        assert all(bool((p == 5.0).all()) for p in live.parameters())
+    finally:
+        consumer.stop()
+        await asyncio.wait_for(run, 10)
+        await follower.stop()
+        await pub.close()
+
+
 PEER = r"""
 import sys, msgspec, torch, os
 from rollq.weightsync.nccl import GroupInfo, make_group
@@ -339,11 +388,14 @@ class ScriptedGroup:
     """Stands in for the broadcast group on the receiving side: each broadcast delivers the
     next tensor of ``sent`` (rank 0's bytes); ``fail_at`` makes that broadcast raise."""
 
-    def __init__(self, sent: list[torch.Tensor], fail_at: int | None = None):
+    def __init__(self, sent: list[torch.Tensor], fail_at: int | None = None, hold_at: int | None = None):
         self.flats = [t.contiguous().reshape(-1).view(torch.uint8) for t in sent]
         self.fail_at, self.n = fail_at, 0
+        self.hold_at, self.release = hold_at, threading.Event()  # broadcast ``hold_at`` waits for release
 
     def _one(self, buf: torch.Tensor) -> None:
+        if self.n == self.hold_at:
+            assert self.release.wait(10)
         if self.n == self.fail_at:
             raise RuntimeError("peer died mid-broadcast")
         buf.copy_(self.flats[self.n])
@@ -366,9 +418,8 @@ def test_in_place_receive_that_fails_leaves_nothing_to_swap_and_the_next_one_wor
     live = worker.model_runner.model
     rcv = WorkerReceiver.__new__(WorkerReceiver)  # the group is scripted, not formed
     rcv.info, rcv.rank, rcv.device = GroupInfo(id="g", host="", port=0, world_size=2, backend="gloo", timeout=5), 1, torch.device("cpu")
-    rcv.sink, rcv.sink_invalidate, rcv.direct = worker._rollq_prepare, worker._rollq_invalidate, worker._rollq_direct
-    rcv.flat, rcv.staged, rcv.status, rcv.attempted = None, None, {}, 0
-    rcv.lock = threading.Lock()
+    rcv.sink, rcv.sink_invalidate, rcv.direct, rcv.layout = worker._rollq_prepare, worker._rollq_invalidate, worker._rollq_direct, None
+    rcv._init_state()
     worker._rollq_receiver = rcv
 
     def version(fill: float) -> tuple[Offer, list[torch.Tensor]]:
@@ -400,6 +451,80 @@ def test_in_place_receive_that_fails_leaves_nothing_to_swap_and_the_next_one_wor
     assert rcv.status["state"] == "staged" and rcv.status["in_place"]
     worker.rollq_apply_staged(3)
     assert all(bool((p == 3.0).all()) for p in live.parameters())
+
+
+def test_overlapped_swap_goes_live_part_by_part_and_is_undone_on_failure_or_without_commit(monkeypatch):
+    from rollq.weightsync.memmap import manifest_of
+    from rollq.weightsync.nccl import Offer, WorkerReceiver
+
+    monkeypatch.setenv("ROLLQ_SHADOW_WEIGHTS", "1")
+    worker = FakeWorkerEngine(loadable_model).workers[0]
+    live = worker.model_runner.model
+    rcv = WorkerReceiver.__new__(WorkerReceiver)  # the group is scripted, not formed
+    rcv.info, rcv.rank, rcv.device = GroupInfo(id="g", host="", port=0, world_size=2, backend="gloo", timeout=5), 1, torch.device("cpu")
+    rcv.sink, rcv.sink_invalidate, rcv.direct, rcv.layout = worker._rollq_prepare, worker._rollq_invalidate, worker._rollq_direct, None
+    rcv._init_state()
+    worker._rollq_receiver = rcv
+
+    def values() -> set[float]:
+        return {float(v) for p in live.parameters() for v in p.flatten().unique()}
+
+    def start(fill: float, **kw) -> tuple[threading.Thread, ScriptedGroup]:
+        items = [(k, torch.full_like(v, fill)) for k, v in live.state_dict().items()]
+        offer = Offer(version=int(fill), group="g", checksum="", bucket_bytes=1 << 20, manifest=manifest_of(items),
+                      timeout=5, mode="direct")
+        rcv.pg = ScriptedGroup([t for _, t in items], **kw)
+        th = threading.Thread(target=rcv._receive, args=(offer,))
+        th.start()
+        return th, rcv.pg
+
+    th, _ = start(1.0)  # staged and loaded through load_weights (traced: the plan), swapped normally
+    th.join()
+    worker.rollq_apply_staged(1)
+    assert values() == {1.0}
+
+    # the receive breaks after two of its four tensors: what was swapped in goes back
+    th, g = start(2.0, fail_at=2, hold_at=2)
+    out: dict = {}
+    swap = threading.Thread(target=lambda: out.update(worker.rollq_swap_overlapped(2, commit_timeout=1.0)))
+    swap.start()
+    assert until_sync(lambda: values() == {1.0, 2.0})  # parts 0 and 1 are live already (generation is paused)
+    g.release.set()
+    th.join()
+    swap.join()
+    assert out["swap"] == "reverted" and "receive failed" in out["why"], out
+    assert values() == {1.0} and worker.rollq_version() == 1
+
+    # received whole, but never committed: undone too, and still staged in the shadow
+    th, _ = start(3.0)
+    th.join()
+    out = worker.rollq_swap_overlapped(3, commit_timeout=0.05)
+    assert out["swap"] == "reverted" and "not committed" in out["why"], out
+    assert values() == {1.0} and worker._rollq_shadow_obj.version == 3
+    rcv._note("version 3")  # the announcement: the same version now goes live
+    out = worker.rollq_swap_overlapped(3, commit_timeout=1.0)
+    assert out["swap"] == "overlap" and out["parts"] == 4, out
+    assert values() == {3.0} and worker.rollq_version() == 3
+    sh = worker._rollq_shadow_obj
+    assert sh.version is None and not sh.synced  # the shadow holds version 1's bytes now
+
+    # the next version is written without syncing the shadow first (only the plan's bytes
+    # differ), and goes live through the usual swap
+    th, _ = start(4.0)
+    th.join()
+    assert rcv.status["in_place"] and worker.rollq_apply_staged(4)["swap"] == "shadow"
+    assert values() == {4.0}
+    # no in-place receive of that version: nothing to do here
+    assert worker.rollq_swap_overlapped(9, start_timeout=0.01)["swap"] == "none"
+
+
+def until_sync(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 async def test_receivers_report_their_shadow_layout_and_the_trainer_packs_buckets_that_way(redis_url, queue, root, monkeypatch):

@@ -73,6 +73,9 @@ class WeightFollower:
         default_policy: str = "keep",
         broadcast: bool = False,
         memmap_chunks_in_flight: int = 3,
+        swap_overlap: bool = False,
+        overlap_lead_s: float = 0.025,
+        overlap_commit_timeout: float = 0.25,
     ):
         self.consumer = consumer
         self.engine = consumer.engine
@@ -84,7 +87,18 @@ class WeightFollower:
         #: Memmap reads to the GPU: 256 MiB chunks queued at most this many at a time (0: all
         #: at once, faster but it stalls generation; see rollq.weightsync.memmap.MemmapStore).
         self.memmap_chunks_in_flight = memmap_chunks_in_flight
+        #: ``keep`` policy, broadcast received in place by a one-worker replica: stop
+        #: generation ``overlap_lead_s`` before the receive is expected to end (this replica's
+        #: last in-place receive times) and swap each part in as it completes, instead of
+        #: swapping the whole version after the commit (see ``rollq_swap_overlapped``).
+        #: Generation then stands still for about the lead plus the commit; end to end, the
+        #: swap's copies and the wait for a step boundary leave the update's path.
+        self.swap_overlap = swap_overlap
+        self.overlap_lead_s = overlap_lead_s
+        self.overlap_commit_timeout = overlap_commit_timeout
         self.history: list[UpdateStats] = []
+        #: Overlapped swaps undone (the receive failed, or no commit came in time).
+        self.overlap_reverts = 0
         self.failures = 0
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
@@ -93,6 +107,9 @@ class WeightFollower:
         self._hinted = 0  # newest version announced on pub/sub (its acks are read with the record)
         self._hinted_at = 0.0  # when that announcement arrived (wall clock)
         self._load_call_s = 0.0
+        self._policy: str | None = None  # the queue's update policy as last read
+        self._receive_est: float | None = None  # this replica's in-place receive time (EWMA, s)
+        self._overlap_task: asyncio.Task | None = None
         #: NCCL/gloo receiver (rollq.weightsync.nccl) that stages versions while serving.
         self.receiver: Any = None
         if broadcast:
@@ -117,6 +134,9 @@ class WeightFollower:
             await self.receiver.start(self._client)
 
     async def stop(self) -> None:
+        if self._overlap_task is not None:
+            self._overlap_task.cancel()
+            await asyncio.gather(self._overlap_task, return_exceptions=True)
         if self.receiver is not None:
             await self.receiver.stop()
         if self._task is not None:
@@ -126,7 +146,14 @@ class WeightFollower:
             await self._client.aclose()
 
     def _on_control(self, verb: str, arg: str) -> None:
-        if verb == "version":
+        if verb == "woffer" and self._can_overlap():
+            try:
+                v = int(arg.split()[0])
+            except (ValueError, IndexError):
+                return
+            if v > self.consumer.version and (self._overlap_task is None or self._overlap_task.done()):
+                self._overlap_task = asyncio.create_task(self._overlap(v, time.monotonic()), name="rollq-overlapped-swap")
+        elif verb == "version":
             try:
                 v = int(arg.split()[0])
                 if v > self._hinted:
@@ -181,14 +208,75 @@ class WeightFollower:
             if rec is None or rec.version <= self.consumer.version:
                 return None
             p = got[1].decode() if isinstance(got[1], bytes) else got[1]
-            policy = p if p in POLICIES else self.default_policy
+            policy = self._policy = p if p in POLICIES else self.default_policy
             acks = got[2] if hinted and hinted == rec.version else None
+            self._note_receive(acks)
             read_s = time.perf_counter() - t0
             st = await self.apply(rec, policy, acks=acks)
             st.timings.update(read_s=read_s, hinted_at=self._hinted_at if self._hinted == rec.version else 0.0)
             self.history.append(st)
             self.failures = 0
             return st
+
+    # -- swap overlapped with the receive ---------------------------------------------------
+    def _can_overlap(self) -> bool:
+        return (self.swap_overlap and self.receiver is not None and self.receiver.num_workers == 1
+                and self._policy == "keep" and self._receive_est is not None)
+
+    def _note_receive(self, acks: list[Any] | None) -> None:
+        """Learn how long this replica's in-place receives take, from its ack
+        (``ok <receive_s> <verify_s> in-place ...``)."""
+        parts = acks[0].split() if acks and len(acks) == 1 and acks[0] else []
+        if len(parts) >= 4 and parts[0] == b"ok" and parts[3] == b"in-place":
+            t = float(parts[1])
+            self._receive_est = t if self._receive_est is None else 0.7 * self._receive_est + 0.3 * t
+
+    async def _overlap(self, version: int, t_offer: float) -> None:
+        """Announced offer ``version``: shortly before its receive should end, stop and swap
+        it in part by part (``rollq_swap_overlapped``); if that does not happen (not received
+        in place, receive failed, no commit in time) the usual path applies it once committed."""
+        c = self.consumer
+        try:
+            await asyncio.sleep(max(0.0, t_offer + (self._receive_est or 0.0) - self.overlap_lead_s - time.monotonic()))
+            async with self._lock:
+                if c.version >= version or not self._can_overlap():
+                    return
+                t0 = time.perf_counter()
+                c.intake_gate.clear()
+                state_before, c.state = c.state, "paused"
+                try:
+                    res = await asyncio.wait_for(
+                        self.engine.call_workers("rollq_swap_overlapped", version, self.overlap_commit_timeout),
+                        self.load_timeout,
+                    )
+                    got = res[0] if res else {}
+                    if got.get("swap") == "overlap":
+                        self._set_version(version)
+                        self.engine.new_cache_salt()
+                finally:
+                    c.state = state_before if state_before != "paused" else "serving"
+                    c.intake_gate.set()
+                    c.release_held()
+                pause_s = time.perf_counter() - t0
+                if got.get("swap") != "overlap":
+                    self.overlap_reverts += got.get("swap") == "reverted"
+                    log.info("version %d: no overlapped swap (%s); it is applied once committed", version, got.get("why"))
+                    return
+                c._paused_total += pause_s
+                c.update_info = {"last_update_s": round(pause_s, 4), "last_pause_s": round(pause_s, 4),
+                                 "updates": c.update_info.get("updates", 0) + 1}
+                if got.get("receive_s"):
+                    self._receive_est = 0.7 * (self._receive_est or got["receive_s"]) + 0.3 * got["receive_s"]
+                st = UpdateStats(version, "keep", "nccl", time.monotonic() - t_offer, pause_s, got,
+                                 timings={"load_call_s": pause_s, "read_s": 0.0, "hinted_at": 0.0})
+                self.history.append(st)
+                self.failures = 0
+                log.info("replica %s now at policy version %d (keep, nccl, swapped while receiving): paused %.3fs",
+                         c.id, version, pause_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the usual path still applies the version once committed
+            log.warning("overlapped swap of version %d failed: %s: %s", version, type(e).__name__, e)
 
     async def apply(self, rec: VersionRecord, policy: str, acks: list[Any] | None = None) -> UpdateStats:
         c = self.consumer

@@ -163,6 +163,7 @@ class Listen(msgspec.Struct, kw_only=True):
     field: str  # this worker's ack field, ``replica/rank-in-replica``
     poll: float = 1.0  # seconds between checks of the offer record (pub/sub is only a hint)
     layouts_key: str = ""  # hash to report this worker's FlatLayout in (same field)
+    version_key: str = ""  # the committed version record (a swap overlapped with the receive waits for it)
 
 
 class GroupInfo(msgspec.Struct, kw_only=True):
@@ -656,6 +657,58 @@ def sync_client(url: str) -> Any:
 # ----------------------------------------------------------------------------------------
 # worker side (inside each vLLM worker, driven by RollqWorkerExtension)
 # ----------------------------------------------------------------------------------------
+class ReceiveProgress:
+    """An in-place receive, part by part (a bucket or a coalesced group of tensors).
+
+    ``part_of[j]``: the part holding the last bytes of manifest tensor ``j``. ``parts``
+    grows as parts are enqueued, each with a CUDA event recorded after it (None on CPU,
+    where a part is received when it is listed). ``rollq_swap_overlapped`` swaps each
+    part's parameters in as soon as the part is complete, stream-ordered after its event.
+    """
+
+    def __init__(self, version: int, manifest: list[TensorMeta], part_of: list[int], cond: threading.Condition):
+        self.version, self.manifest, self.part_of = version, manifest, part_of
+        self.parts: list[Any] = []
+        self.state = "receiving"  # then "staged" or "failed"
+        self._cond = cond
+
+    @classmethod
+    def of(cls, offer: Offer, layout: Layout, groups: list[tuple[int, int]], cond: threading.Condition) -> ReceiveProgress:
+        if offer.mode == "layout":
+            import bisect
+
+            ends = [e for _, e in layout.buckets]
+            part_of = [bisect.bisect_left(ends, off + m.nbytes) for m, off in zip(offer.manifest, layout.offsets)]
+        else:
+            part_of = [k for k, (lo, hi) in enumerate(groups) for _ in range(lo, hi)]
+        return cls(offer.version, offer.manifest, part_of, cond)
+
+    def add(self, event: Any) -> None:
+        with self._cond:
+            self.parts.append(event)
+            self._cond.notify_all()
+
+    def finish(self, ok: bool) -> None:
+        with self._cond:
+            self.state = "staged" if ok else "failed"
+            self._cond.notify_all()
+
+    def wait_part(self, k: int, timeout: float) -> tuple[bool, Any]:
+        """``(True, event)`` once part ``k`` is enqueued; ``(False, None)`` if the receive
+        failed first or ``timeout`` passed."""
+        with self._cond:
+            self._cond.wait_for(lambda: len(self.parts) > k or self.state == "failed", timeout)
+            if len(self.parts) > k and self.state != "failed":
+                return True, self.parts[k]
+            return False, None
+
+    def wait_done(self, timeout: float) -> bool:
+        """Whether every byte arrived (the receive ended well) within ``timeout``."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.state != "receiving", timeout)
+            return self.state == "staged"
+
+
 class WorkerReceiver:
     """Joins the trainer's group and receives versions into a persistent staging buffer.
 
@@ -681,15 +734,27 @@ class WorkerReceiver:
         #: ``layout(manifest) -> FlatLayout | None``: this worker's shadow layout for a manifest,
         #: reported in Redis after each version so the trainer can pack buckets that way.
         self.layout = layout
-        self._reported: bytes | None = None
         self.pg = make_group(info, rank, device)
         _broadcast(self.pg, torch.zeros(1, dtype=torch.uint8, device=device), info.timeout)
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """Everything but the group (tests script the group and call this)."""
+        self._reported: bytes | None = None
         self.flat: torch.Tensor | None = None
         self.staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
         self.status: dict[str, Any] = {"state": "idle"}
         self.attempted = 0  # newest offered version this receiver took part in (or skipped)
         #: Held while receiving into, or swapping from, the staging buffer.
         self.lock = threading.Lock()
+        #: The in-place receive in progress or last done (see :class:`ReceiveProgress`).
+        self.progress: ReceiveProgress | None = None
+        #: Newest version seen committed (``version <v>`` announcements; the record is the truth).
+        self.committed = 0
+        self._events = threading.Condition()
+        self._listen_cfg: Listen | None = None
+        self._rpc_client: Any = None
+        self._decided = 0  # newest version whose receive started (in place or staged)
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -703,8 +768,63 @@ class WorkerReceiver:
         """Stop following offers (a newer group replaced this one); the group is aborted."""
         self._closed.set()
         self.pg.abort()
+        with self._events:
+            self._events.notify_all()
+
+    # -- what a swap overlapped with the receive waits for ---------------------------------
+    def _note(self, data: str) -> None:
+        """A control message: ``version <v>`` says ``v`` was committed."""
+        if data.startswith("version "):
+            try:
+                v = int(data.split()[1])
+            except (ValueError, IndexError):
+                return
+            with self._events:
+                if v > self.committed:
+                    self.committed = v
+                    self._events.notify_all()
+
+    def progress_for(self, version: int, timeout: float) -> ReceiveProgress | None:
+        """The in-place receive of ``version``, waiting up to ``timeout`` for it to start;
+        None when it does not (not offered yet, or staged instead of in place)."""
+        with self._events:
+            self._events.wait_for(lambda: self._closed.is_set() or self._decided >= version, timeout)
+            p = self.progress
+        return p if p is not None and p.version == version else None
+
+    def wait_committed(self, version: int, timeout: float) -> bool:
+        """Whether ``version`` is committed within ``timeout``: its announcement, or else the
+        version record (read every 20 ms: the announcement is only a hint)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._events:
+                self._events.wait_for(lambda: self.committed >= version or self._closed.is_set(),
+                                      max(0.0, min(0.02, deadline - time.monotonic())))
+                if self.committed >= version:
+                    return self.committed == version or self._recorded() == version
+            rec = self._recorded()
+            if rec >= version:
+                return rec == version
+            if time.monotonic() >= deadline or self._closed.is_set():
+                return False
+
+    def _recorded(self) -> int:
+        """The committed version in Redis (0: unknown)."""
+        cfg = self._listen_cfg
+        if cfg is None or not cfg.version_key:
+            return 0
+        try:
+            if self._rpc_client is None:
+                self._rpc_client = sync_client(cfg.url)
+            v = self._rpc_client.hget(cfg.version_key, "v")
+            return int(v) if v is not None else 0
+        except Exception as e:  # Redis away: the swap gives up and the follower's path applies it
+            log.warning("reading the version record failed: %s: %s", type(e).__name__, e)
+            self._rpc_client = None
+            return 0
 
     def _listen(self, listen: Listen, loaded: Any) -> None:
+        self._listen_cfg = listen
         delay = 0.2
         while not self._closed.is_set():
             client = pubsub = None
@@ -717,6 +837,7 @@ class WorkerReceiver:
                     delay = 0.2
                     msg = pubsub.get_message(timeout=listen.poll)
                     while msg is not None and not str(msg.get("data", b""), "latin-1").startswith("woffer"):
+                        self._note(str(msg.get("data", b""), "latin-1"))
                         msg = pubsub.get_message(timeout=0)  # other control traffic: drain it
             except Exception as e:  # Redis down or restarting: back off and resubscribe
                 if not self._closed.is_set():
@@ -785,17 +906,31 @@ class WorkerReceiver:
                     if explicit and target is not None and (target.flat is None or target.flat_offsets != (offer.offsets, offer.total)):
                         target.done(offer.version, False)  # our shadow is laid out otherwise: stage
                         target = None
+                groups = groups_of(offer.manifest, offer.group_bytes if cuda else 0)
+                with self._events:
+                    self.progress = ReceiveProgress.of(offer, layout, groups, self._events) if target is not None else None
+                    self._decided = offer.version
+                    self._events.notify_all()
+                progress = self.progress
                 if target is not None:
                     # In place: each tensor lands in the bytes the shadow weights load it to.
                     self.flat = None  # the staging buffer is not needed any more
                     dests = target.views
                     t_setup = time.perf_counter() - t0
-                    if explicit:  # a few buckets, each straight into the shadow's flat buffer
-                        for s, e in layout.buckets:
-                            self.pg.broadcast(target.flat[s:e], offer.timeout)
-                    else:
-                        for _ in self._direct(offer, dests, []):  # nothing to yield: only the broadcasts
-                            pass
+                    ranges = ([target.flat[s:e] for s, e in layout.buckets] if explicit  # straight into the flat shadow
+                              else [dests[lo:hi] for lo, hi in groups])
+                    for part in ranges:
+                        if explicit:
+                            self.pg.broadcast(part, offer.timeout)
+                        else:
+                            work = self.pg.broadcast_many(part, offer.timeout, coalesce=offer.group_bytes > 0)
+                            if work is not None:
+                                work.wait()  # stream-level on NCCL
+                        ev = None
+                        if cuda:
+                            ev = torch.cuda.Event()
+                            ev.record(stream)
+                        progress.add(ev)
                     # typed views only to checksum them (each tensor call gives the GIL away)
                     items = typed_views(offer.manifest, dests) if offer.verify else []
                 else:
@@ -837,8 +972,15 @@ class WorkerReceiver:
             self.status = {"state": "staged", "version": offer.version, "receive_s": t_recv, "verify_s": t_verify,
                            "setup_s": t_setup, "enqueued_s": t_enqueued,
                            "loaded_while_receiving": bool(sink_ok), "in_place": self.staged[1] is None}
+            if progress is not None:
+                progress.finish(True)
         except Exception as e:
             self.staged = None
+            with self._events:
+                self._decided = max(self._decided, offer.version)
+                self._events.notify_all()
+            if self.progress is not None and self.progress.version == offer.version:
+                self.progress.finish(False)
             if target is not None:
                 target.done(offer.version, False)
             elif sink_ok and self.sink_invalidate is not None:
@@ -962,7 +1104,7 @@ class ReplicaReceiver:
         # full_url: a cluster URL stays one in the workers (url has the cluster flag stripped)
         listen = Listen(url=self.consumer.redis_settings.full_url, channel=self.keys.control,
                         offer_key=self.keys.weights_offer, field=f"{self.consumer.id}/",
-                        layouts_key=self.keys.weights_layouts)
+                        layouts_key=self.keys.weights_layouts, version_key=self.keys.version)
         await self.engine.call_workers("rollq_join_group", msgspec.msgpack.encode(info), offset, msgspec.msgpack.encode(listen))
         await self._wait_workers(lambda s: s.get("group") == info.id and s.get("joined"), info.timeout + 5, "join")
         self.group = info.id

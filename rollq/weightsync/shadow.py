@@ -212,6 +212,10 @@ class ShadowWeights:
         self.flat_layout: tuple[Signature, list[int], int] | None = None
         #: CUDA event after the last swap's copies: nothing rewrites the shadow before it.
         self.swap_event: torch.cuda.Event | None = None
+        #: When not :attr:`synced`: the signature of the plan whose bytes are the only ones
+        #: where shadow and live may differ (a write of that plan then needs no sync first).
+        self._clean_except: Signature | None = None
+        self._xtmp: torch.Tensor | None = None  # bounce buffer of :meth:`exchange`
 
     def _after_swap(self) -> None:
         """Order the current stream after the last swap (which still reads the shadow)."""
@@ -269,15 +273,19 @@ class ShadowWeights:
             return torch.cuda.stream(stream)
         return contextlib.nullcontext()
 
-    def _begin_write(self) -> None:
+    def _begin_write(self, sig: Signature | None = None) -> None:
         """Before a new version is written into the shadow (on the current stream): nothing
         to swap in until it is complete, after the last swap's copies (which read the
-        shadow), starting from live's values (a partial update keeps the other weights)."""
+        shadow), starting from live's values (a partial update keeps the other weights).
+
+        ``sig``: the write covers exactly the bytes of that plan; when shadow and live differ
+        nowhere else (:meth:`exchange` leaves them so), no sync is needed first."""
         self.version = None
         self._after_swap()
-        if not self.synced:
+        if not self.synced and not (sig is not None and self._clean_except == sig):
             copy_all(self.shadow, self.live)
         self.synced = False  # until the swap makes them equal again
+        self._clean_except = sig
 
     def _traced_load(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
         live = {p.untyped_storage().data_ptr() for p in self.live}
@@ -430,8 +438,64 @@ class ShadowWeights:
         if views is None:
             return None
         with self._on(stream), torch.no_grad():
-            self._begin_write()  # the writes into ``views`` go on this stream, after it
+            self._begin_write(self.plan[0])  # the writes into ``views`` go on this stream, after it
         return views
+
+    def params_by_part(self, metas: Iterable[Any], part_of: list[int]) -> list[list[int]] | None:
+        """Group the shadow parameters the plan writes by the part of a transfer that
+        completes them: ``part_of[j]`` is the part (bucket, group) holding the last bytes of
+        manifest tensor ``j``; a parameter written by several tensors (a fused ``qkv_proj``)
+        is complete with the last of them. None without a plan for this manifest."""
+        metas = list(metas)
+        if self.plan is None or self.plan[0] != signature_of(metas):
+            return None
+        regions = self.plan[1]
+        last: dict[int, int] = {}
+        for m, k in zip(metas, part_of):
+            r = regions[m.name]
+            if r.param >= 0:
+                last[r.param] = max(last.get(r.param, k), k)
+        out: list[list[int]] = [[] for _ in range(max(part_of, default=-1) + 1)]
+        for i, k in last.items():
+            out[k].append(i)
+        return out
+
+    def exchange(self, indices: Iterable[int], chunk_bytes: int = 256 << 20) -> None:
+        """Swap the values of live and shadow parameters ``indices`` (enqueued on the current
+        stream), through a bounce buffer of ``chunk_bytes``. Unlike :meth:`swap` it can be
+        undone (exchange again): an update swapped in part by part while it still arrives
+        (``rollq_swap_overlapped``) goes back to the old weights if it fails or is never
+        committed. Costs three copies per byte where :meth:`swap` costs one."""
+        with torch.no_grad():
+            for i in indices:
+                a, b = self.live[i], self.shadow[i]
+                if not (a.is_contiguous() and b.is_contiguous()):
+                    t = a.clone()
+                    a.copy_(b)
+                    b.copy_(t)
+                    continue
+                ab, bb = a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)
+                n = ab.numel()
+                if self._xtmp is None or self._xtmp.device != a.device:
+                    biggest = max(p.numel() * p.element_size() for p in self.live)
+                    self._xtmp = torch.empty(min(chunk_bytes, biggest), dtype=torch.uint8, device=a.device)
+                step = self._xtmp.numel()
+                for s in range(0, n, step):
+                    e = min(n, s + step)
+                    t = self._xtmp[: e - s]
+                    t.copy_(ab[s:e])
+                    ab[s:e].copy_(bb[s:e])
+                    bb[s:e].copy_(t)
+            if self.live[0].device.type == "cuda":  # the next write into the shadow waits for these
+                self.swap_event = torch.cuda.Event()
+                self.swap_event.record()
+
+    def exchanged(self, version: int) -> torch.cuda.Event | None:
+        """``version`` went live by :meth:`exchange` (the shadow now holds the old values of
+        the plan's bytes): nothing left to swap; returns the event after the exchanges."""
+        self.version = None
+        self.synced = False
+        return self.swap_event
 
     def end_direct(self, version: int) -> None:
         """The bytes of ``version`` are all in (the caller waited for its copies)."""

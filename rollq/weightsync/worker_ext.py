@@ -348,6 +348,66 @@ class RollqWorkerExtension:
             out["no_shadow"] = getattr(self, "_rollq_shadow_off", None) or "not prepared"
         return out
 
+    def rollq_swap_overlapped(
+        self, version: int, commit_timeout: float = 0.25, receive_timeout: float = 5.0, start_timeout: float = 0.05,
+    ) -> dict[str, Any]:
+        """Swap ``version`` in while its last parts still arrive, then wait for its commit.
+
+        vLLM's engine core runs this RPC between two steps, so generation stands still from
+        here until it returns. Each part of the in-place receive (a bucket, or a coalesced
+        group of tensors) is swapped in as soon as it is complete, by
+        :meth:`~rollq.weightsync.shadow.ShadowWeights.exchange` stream-ordered after the
+        part's event, while the rest still arrives; once every byte is in and the trainer has
+        committed the version, the next step runs on it. If the receive fails, or the commit
+        does not come within ``commit_timeout`` of the last byte, the exchanges are undone:
+        the old weights serve on, and a committed version is swapped in the usual way
+        (:meth:`rollq_apply_staged`).
+
+        Returns ``{"swap": "overlap" | "reverted" | "none", ...}`` with timings (seconds):
+        ``wait_parts_s`` (until the last part was swapped in), ``wait_commit_s``, ``load_s``.
+        """
+        t0 = time.perf_counter()
+        rcv = getattr(self, "_rollq_receiver", None)
+        sh = getattr(self, "_rollq_shadow_obj", None)
+        if rcv is None or sh is None:
+            return {"swap": "none", "why": "no broadcast receiver" if rcv is None else "no shadow weights"}
+        prog = rcv.progress_for(version, start_timeout)
+        groups = sh.params_by_part(prog.manifest, prog.part_of) if prog is not None else None
+        if groups is None:
+            return {"swap": "none", "why": f"version {version} is not being received in place"}
+        dev = self._rollq_device()
+        cur = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+        done: list[int] = []
+        deadline = time.monotonic() + receive_timeout
+        ok = True
+        for k, params in enumerate(groups):
+            got, ev = prog.wait_part(k, max(0.0, deadline - time.monotonic()))
+            if not got:
+                ok = False
+                break
+            if ev is not None:
+                cur.wait_event(ev)  # after the part's bytes, on the engine's stream
+            sh.exchange(params)
+            done += params
+        t_parts = time.perf_counter() - t0
+        ok = ok and prog.wait_done(max(0.0, deadline - time.monotonic())) and sh.version == version
+        why = "" if ok else "the receive failed or did not finish in time"
+        t1 = time.perf_counter()
+        if ok and not rcv.wait_committed(version, commit_timeout):
+            ok, why = False, f"version {version} was not committed within {commit_timeout}s"
+        t_commit = time.perf_counter() - t1
+        with self._rollq_lock():
+            if not ok:
+                sh.exchange(reversed(done))  # the old weights again (the shadow keeps what arrived)
+                log.warning("overlapped swap of version %d undone: %s", version, why)
+                return {"swap": "reverted", "why": why, "load_s": time.perf_counter() - t0}
+            ev = sh.exchanged(version)
+        if ev is not None:
+            self._rollq_watch_swap(version, ev)
+        self._rollq_version = version
+        return {"swap": "overlap", "parts": len(groups), "wait_parts_s": t_parts, "wait_commit_s": t_commit,
+                "load_s": time.perf_counter() - t0, "receive_s": rcv.status.get("receive_s")}
+
     def _rollq_watch_swap(self, version: int, event: Any) -> None:
         """Note (wall clock) when the swap's copies of ``version`` finished on the device."""
         self._rollq_swap_done = {"version": version, "enqueued_at": time.time(), "done_at": None}
