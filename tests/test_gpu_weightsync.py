@@ -136,9 +136,25 @@ async def test_nccl_versions_swapped_in_part_by_part_while_they_arrive(redis_url
             swaps.append(follower.history[-1].load["swap"])
             check(engine, fill)
         assert swaps == ["shadow", "shadow", "overlap", "overlap"], swaps
-        assert follower.history[-1].load["parts"] >= 2
+        assert follower.history[-1].load["parts"] >= 2 and follower.history[-1].load["kernel"] == "triton"
     finally:
         consumer.stop()
         await asyncio.wait_for(run, 30)
         await follower.stop()
         await pub.close()
+
+
+def test_swap_kernel_swaps_every_width_and_odd_lengths():
+    from rollq.weightsync.shadow import swap_bytes_
+
+    for dtype, n in ((torch.bfloat16, 4096 * 3 + 1), (torch.float32, 1000), (torch.uint8, 4097), (torch.int64, 7)):
+        a = torch.arange(n, device="cuda:0").to(dtype)
+        b = (torch.arange(n, device="cuda:0") * 3 + 1).to(dtype)
+        a0, b0 = a.clone(), b.clone()
+        assert swap_bytes_(a, b), "Triton is part of the GPU stack here"
+        assert torch.equal(a, b0) and torch.equal(b, a0)
+    # odd byte offsets fall back to narrower elements, still swapping exactly
+    buf = torch.arange(64, device="cuda:0", dtype=torch.uint8)
+    x, y = buf[1:22].clone(), buf[33:54].clone()
+    swap_bytes_(buf[1:22], buf[33:54])
+    assert torch.equal(buf[1:22], y) and torch.equal(buf[33:54], x)

@@ -95,6 +95,65 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         d.copy_(s)
 
 
+_SWAP_KERNEL: Any = None  # Triton kernel of swap_bytes_ (False: Triton unusable here)
+
+
+def _swap_kernel() -> Any:
+    global _SWAP_KERNEL
+    if _SWAP_KERNEL is None:
+        try:
+            import triton
+            import triton.language as tl
+
+            @triton.jit
+            def swap(a_ptr, b_ptr, n, BLOCK: tl.constexpr):  # noqa: N803 (Triton's constexpr style)
+                offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                m = offs < n
+                x = tl.load(a_ptr + offs, mask=m)
+                y = tl.load(b_ptr + offs, mask=m)
+                tl.store(a_ptr + offs, y, mask=m)
+                tl.store(b_ptr + offs, x, mask=m)
+
+            _SWAP_KERNEL = swap
+        except Exception as e:  # no Triton (or no compiler for it): three copies per byte instead
+            log.info("Triton swap kernel unavailable (%s: %s); exchanges go through a bounce buffer", type(e).__name__, e)
+            _SWAP_KERNEL = False
+    return _SWAP_KERNEL
+
+
+def swap_bytes_(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Swap the contents of two contiguous CUDA tensors of the same size in place, in one
+    pass (each byte read and written once on each side), on the current stream. False when
+    it cannot (no Triton, not CUDA, not contiguous): use three copies through a buffer."""
+    if a.device.type != "cuda" or not (a.is_contiguous() and b.is_contiguous()) or not _swap_kernel():
+        return False
+    ab, bb = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    n = ab.numel()
+    for dt, w in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if n % w == 0 and ab.data_ptr() % w == 0 and bb.data_ptr() % w == 0:
+            ab, bb = ab.view(dt), bb.view(dt)
+            break
+    _launch_swap(ab, bb)
+    return True
+
+
+def _launch_swap(a: torch.Tensor, b: torch.Tensor, block: int = 4096) -> None:
+    n = a.numel()
+    if n:
+        _swap_kernel()[((n + block - 1) // block,)](a, b, n, BLOCK=block, num_warps=8)
+
+
+def warm_swap_kernel(device: torch.device) -> None:
+    """Compile :func:`swap_bytes_`'s kernel now for each element width and for lengths with
+    and without a multiple of 16 (Triton specializes on both), not inside a swap."""
+    if not _swap_kernel():
+        return
+    for dt in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        for n in (4096, 4097):
+            _launch_swap(torch.zeros(n, dtype=dt, device=device), torch.ones(n, dtype=dt, device=device))
+    torch.cuda.synchronize(device)
+
+
 @dataclass(frozen=True)
 class Region:
     """Where one checkpoint tensor lands: a byte range of a shadow parameter's storage."""
@@ -216,6 +275,10 @@ class ShadowWeights:
         #: where shadow and live may differ (a write of that plan then needs no sync first).
         self._clean_except: Signature | None = None
         self._xtmp: torch.Tensor | None = None  # bounce buffer of :meth:`exchange`
+        #: How the last :meth:`exchange` swapped bytes: ``triton`` (one pass) or ``copies``.
+        self.exchange_kernel = ""
+        if self.live[0].device.type == "cuda":
+            warm_swap_kernel(self.live[0].device)  # compiled now, not inside a swap
 
     def _after_swap(self) -> None:
         """Order the current stream after the last swap (which still reads the shadow)."""
@@ -462,13 +525,18 @@ class ShadowWeights:
 
     def exchange(self, indices: Iterable[int], chunk_bytes: int = 256 << 20) -> None:
         """Swap the values of live and shadow parameters ``indices`` (enqueued on the current
-        stream), through a bounce buffer of ``chunk_bytes``. Unlike :meth:`swap` it can be
-        undone (exchange again): an update swapped in part by part while it still arrives
-        (``rollq_swap_overlapped``) goes back to the old weights if it fails or is never
-        committed. Costs three copies per byte where :meth:`swap` costs one."""
+        stream). Unlike :meth:`swap` it can be undone (exchange again): an update swapped in
+        part by part while it still arrives (``rollq_swap_overlapped``) goes back to the old
+        weights if it fails or is never committed. On CUDA with Triton one kernel per
+        parameter reads and writes each byte once per side (twice :meth:`swap`'s traffic);
+        otherwise three copies through a bounce buffer of ``chunk_bytes`` (three times)."""
         with torch.no_grad():
             for i in indices:
                 a, b = self.live[i], self.shadow[i]
+                if swap_bytes_(a, b):
+                    self.exchange_kernel = "triton"
+                    continue
+                self.exchange_kernel = "copies"
                 if not (a.is_contiguous() and b.is_contiguous()):
                     t = a.clone()
                     a.copy_(b)

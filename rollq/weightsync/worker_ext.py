@@ -406,7 +406,7 @@ class RollqWorkerExtension:
             self._rollq_watch_swap(version, ev)
         self._rollq_version = version
         return {"swap": "overlap", "parts": len(groups), "wait_parts_s": t_parts, "wait_commit_s": t_commit,
-                "load_s": time.perf_counter() - t0, "receive_s": rcv.status.get("receive_s")}
+                "load_s": time.perf_counter() - t0, "receive_s": rcv.status.get("receive_s"), "kernel": sh.exchange_kernel}
 
     def _rollq_watch_swap(self, version: int, event: Any) -> None:
         """Note (wall clock) when the swap's copies of ``version`` finished on the device."""
