@@ -90,7 +90,7 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
                     conn.send({"ok": True})
                 elif op == "publish":
                     marks += 1  # the replica must then show exactly this value (checks the swap)
-                    for t in list(tensors.values())[:4]:
+                    for t in tensors.values():
                         t.view(-1)[:4].fill_(float(marks))
                     torch.cuda.synchronize()
                     t0 = time.time()
@@ -328,9 +328,13 @@ async def engine_main(a: argparse.Namespace) -> None:
             raise TimeoutError(f"swap of version {v} did not finish on the device")
 
         async def weights_match(mark: float) -> bool:
-            """The served weights are the published ones: the embedding and the fused qkv
-            projection (q rows come first) start with the trainer's mark."""
-            got = [(await engine.call_workers("rollq_weight_sample", n))[0] for n in ("embed_tokens", "layers.0.self_attn.qkv_proj")]
+            """The served weights are the published ones: every checkpoint tensor starts with
+            the trainer's mark; sampled at the first, the last, and inside fused parameters
+            (the v rows of layer 0's qkv_proj, the up rows of layer 13's gate_up_proj)."""
+            h, kv, inter = 3584, 512, 18944
+            where = [("embed_tokens", 0), ("layers.0.self_attn.qkv_proj", 0), ("layers.0.self_attn.qkv_proj", (h + kv) * h),
+                     ("layers.13.mlp.gate_up_proj", inter * h), ("layers.27.mlp.down_proj", 0), ("lm_head", 0)]
+            got = [(await engine.call_workers("rollq_weight_sample", n, off))[0] for n, off in where]
             return all(g == [mark] * 4 for g in got)
 
         async def step_gaps(m0: float) -> dict:

@@ -137,7 +137,7 @@ async def _consume(a: argparse.Namespace) -> int:
     if a.weights_root or a.broadcast:
         from .weightsync.follower import WeightFollower
 
-        sync = WeightFollower(consumer, root=a.weights_root, broadcast=a.broadcast)
+        sync = WeightFollower(consumer, root=a.weights_root, broadcast=a.broadcast, swap_overlap=a.swap_overlap)
         await sync.start()
     try:
         return await consumer.run(burst=a.burst, install_signal_handlers=True)
@@ -383,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-extension", default=None, help="vllm worker_extension_cls (weight sync)")
     s.add_argument("--weights-root", default=None, help="follow policy versions published under this memmap root")
     s.add_argument("--broadcast", action="store_true", help="also join the trainer's NCCL/gloo weight broadcasts")
+    s.add_argument("--swap-overlap", action="store_true",
+                   help="with --broadcast and the keep policy: swap a version in part by part while its last parts "
+                        "arrive (shorter end to end, longer pause; see WeightFollower(swap_overlap=True))")
     s.add_argument("--max-inflight", type=int, default=None, help="cap on running jobs (default: from the engine)")
     s.add_argument("--initial-inflight", type=int, default=None)
     s.add_argument("--batch", type=int, default=512)

@@ -140,7 +140,11 @@ def swap_bytes_(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _launch_swap(a: torch.Tensor, b: torch.Tensor, block: int = 4096) -> None:
     n = a.numel()
     if n:
-        _swap_kernel()[((n + block - 1) // block,)](a, b, n, BLOCK=block, num_warps=8)
+        # Triton launches on the current device's current stream: make that the tensors'
+        # device (a thread whose current device is another GPU would run it there, over
+        # peer access and unordered with this device's stream).
+        with torch.cuda.device(a.device):
+            _swap_kernel()[((n + block - 1) // block,)](a, b, n, BLOCK=block, num_warps=8)
 
 
 def warm_swap_kernel(device: torch.device) -> None:

@@ -426,11 +426,12 @@ class RollqWorkerExtension:
     def rollq_version(self) -> int:
         return getattr(self, "_rollq_version", 0)
 
-    def rollq_weight_sample(self, name_contains: str = "embed") -> list[float]:
-        """A few values of one parameter (tests use it to see an update land)."""
+    def rollq_weight_sample(self, name_contains: str = "embed", offset: int = 0) -> list[float]:
+        """Four values of the first parameter whose name contains ``name_contains``, from
+        element ``offset`` on (tests and benchmarks use it to see an update land)."""
         for name, p in self.model_runner.model.named_parameters():
             if name_contains in name and p.numel() > 0:
-                return p.detach().reshape(-1)[:4].float().cpu().tolist()
+                return p.detach().reshape(-1)[offset : offset + 4].float().cpu().tolist()
         return []
 
 
