@@ -356,8 +356,10 @@ async def engine_main(a: argparse.Namespace) -> None:
                     variant = variants[(i - 1) % len(variants)] if i else variants[0]
                     await asyncio.to_thread(call, op="configure", shadow_layout=variant != "direct")
                     follower.swap_overlap = variant.startswith("overlap")
-                    if follower.swap_overlap and ":" in variant:
-                        follower.overlap_lead_s = float(variant.split(":")[1]) / 1000
+                    if follower.swap_overlap:  # overlap[:LEAD_MS[:PROGRAMS]]
+                        opts = variant.split(":")[1:]
+                        follower.overlap_lead_s = float(opts[0]) / 1000 if opts else 0.035
+                        follower.overlap_programs = int(opts[1]) if len(opts) > 1 else 0
                     running = await wait_running()
                     m0 = time.monotonic()
                     r = await asyncio.to_thread(call, op="publish", transport="nccl")
@@ -537,8 +539,9 @@ def main() -> None:
     ap.add_argument("--sync-variants", default="direct",
                     help="comma list taking turns in the sync phase: direct (one broadcast per tensor, coalesced), "
                          "layout (BroadcastSender(shadow_layout=True): buckets in the receivers' flat shadow layout), "
-                         "overlap[:LEAD_MS] (layout, and WeightFollower(swap_overlap=True): swapped in part by part "
-                         "while the last parts arrive, generation stopped from LEAD_MS before the receive's expected end)")
+                         "overlap[:LEAD_MS[:PROGRAMS]] (layout, and WeightFollower(swap_overlap=True): swapped in part by part "
+                         "while the last parts arrive, generation stopped from LEAD_MS before the receive's expected end; "
+                         "PROGRAMS caps the exchange kernel's blocks)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen-len", type=int, default=256)
     ap.add_argument("--tiny", action="store_true", help="the local tiny model (CPU runs): overhead phase only")

@@ -153,6 +153,11 @@ def test_swap_kernel_swaps_every_width_and_odd_lengths():
         a0, b0 = a.clone(), b.clone()
         assert swap_bytes_(a, b), "Triton is part of the GPU stack here"
         assert torch.equal(a, b0) and torch.equal(b, a0)
+    # fewer programs than blocks: each loops over its share (grid-stride)
+    a = torch.arange(4096 * 10 + 3, device="cuda:0", dtype=torch.int32)
+    b = -a
+    swap_bytes_(a, b, programs=3)
+    assert torch.equal(b, torch.arange(4096 * 10 + 3, device="cuda:0", dtype=torch.int32)) and torch.equal(a, -b)
     # odd byte offsets fall back to narrower elements, still swapping exactly
     buf = torch.arange(64, device="cuda:0", dtype=torch.uint8)
     x, y = buf[1:22].clone(), buf[33:54].clone()

@@ -76,6 +76,7 @@ class WeightFollower:
         swap_overlap: bool = False,
         overlap_lead_s: float = 0.035,
         overlap_commit_timeout: float = 0.25,
+        overlap_programs: int = 0,
     ):
         self.consumer = consumer
         self.engine = consumer.engine
@@ -99,6 +100,8 @@ class WeightFollower:
         self.swap_overlap = swap_overlap
         self.overlap_lead_s = overlap_lead_s
         self.overlap_commit_timeout = overlap_commit_timeout
+        #: Cap on the exchange kernel's concurrent blocks (0: none; see rollq_swap_overlapped).
+        self.overlap_programs = overlap_programs
         self.history: list[UpdateStats] = []
         #: Overlapped swaps undone (the receive failed, or no commit came in time).
         self.overlap_reverts = 0
@@ -249,7 +252,8 @@ class WeightFollower:
                 state_before, c.state = c.state, "paused"
                 try:
                     res = await asyncio.wait_for(
-                        self.engine.call_workers("rollq_swap_overlapped", version, self.overlap_commit_timeout),
+                        self.engine.call_workers("rollq_swap_overlapped", version, self.overlap_commit_timeout,
+                                                 5.0, 0.05, self.overlap_programs),
                         self.load_timeout,
                     )
                     got = res[0] if res else {}

@@ -107,12 +107,16 @@ def _swap_kernel() -> Any:
 
             @triton.jit
             def swap(a_ptr, b_ptr, n, BLOCK: tl.constexpr):  # noqa: N803 (Triton's constexpr style)
-                offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-                m = offs < n
-                x = tl.load(a_ptr + offs, mask=m)
-                y = tl.load(b_ptr + offs, mask=m)
-                tl.store(a_ptr + offs, y, mask=m)
-                tl.store(b_ptr + offs, x, mask=m)
+                # grid-stride: fewer programs than blocks leave SMs (and memory bandwidth) to
+                # whatever runs beside it (the NCCL receive of the rest of the version)
+                step = tl.num_programs(0).to(tl.int64) * BLOCK
+                for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+                    offs = start + tl.arange(0, BLOCK)
+                    m = offs < n
+                    x = tl.load(a_ptr + offs, mask=m)
+                    y = tl.load(b_ptr + offs, mask=m)
+                    tl.store(a_ptr + offs, y, mask=m)
+                    tl.store(b_ptr + offs, x, mask=m)
 
             _SWAP_KERNEL = swap
         except Exception as e:  # no Triton (or no compiler for it): three copies per byte instead
@@ -121,10 +125,11 @@ def _swap_kernel() -> Any:
     return _SWAP_KERNEL
 
 
-def swap_bytes_(a: torch.Tensor, b: torch.Tensor) -> bool:
+def swap_bytes_(a: torch.Tensor, b: torch.Tensor, programs: int = 0) -> bool:
     """Swap the contents of two contiguous CUDA tensors of the same size in place, in one
     pass (each byte read and written once on each side), on the current stream. False when
-    it cannot (no Triton, not CUDA, not contiguous): use three copies through a buffer."""
+    it cannot (no Triton, not CUDA, not contiguous): use three copies through a buffer.
+    ``programs``: at most this many concurrent blocks (0: one per 4096 elements)."""
     if a.device.type != "cuda" or not (a.is_contiguous() and b.is_contiguous()) or not _swap_kernel():
         return False
     ab, bb = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
@@ -133,18 +138,21 @@ def swap_bytes_(a: torch.Tensor, b: torch.Tensor) -> bool:
         if n % w == 0 and ab.data_ptr() % w == 0 and bb.data_ptr() % w == 0:
             ab, bb = ab.view(dt), bb.view(dt)
             break
-    _launch_swap(ab, bb)
+    _launch_swap(ab, bb, programs)
     return True
 
 
-def _launch_swap(a: torch.Tensor, b: torch.Tensor, block: int = 4096) -> None:
+def _launch_swap(a: torch.Tensor, b: torch.Tensor, programs: int = 0, block: int = 4096) -> None:
     n = a.numel()
     if n:
+        grid = (n + block - 1) // block
+        if programs > 0:
+            grid = min(grid, programs)
         # Triton launches on the current device's current stream: make that the tensors'
         # device (a thread whose current device is another GPU would run it there, over
         # peer access and unordered with this device's stream).
         with torch.cuda.device(a.device):
-            _swap_kernel()[((n + block - 1) // block,)](a, b, n, BLOCK=block, num_warps=8)
+            _swap_kernel()[(grid,)](a, b, n, BLOCK=block, num_warps=8)
 
 
 def warm_swap_kernel(device: torch.device) -> None:
@@ -527,17 +535,18 @@ class ShadowWeights:
             out[k].append(i)
         return out
 
-    def exchange(self, indices: Iterable[int], chunk_bytes: int = 256 << 20) -> None:
+    def exchange(self, indices: Iterable[int], chunk_bytes: int = 256 << 20, programs: int = 0) -> None:
         """Swap the values of live and shadow parameters ``indices`` (enqueued on the current
         stream). Unlike :meth:`swap` it can be undone (exchange again): an update swapped in
         part by part while it still arrives (``rollq_swap_overlapped``) goes back to the old
         weights if it fails or is never committed. On CUDA with Triton one kernel per
         parameter reads and writes each byte once per side (twice :meth:`swap`'s traffic);
-        otherwise three copies through a bounce buffer of ``chunk_bytes`` (three times)."""
+        otherwise three copies through a bounce buffer of ``chunk_bytes`` (three times).
+        ``programs``: cap on the kernel's concurrent blocks (see :func:`swap_bytes_`)."""
         with torch.no_grad():
             for i in indices:
                 a, b = self.live[i], self.shadow[i]
-                if swap_bytes_(a, b):
+                if swap_bytes_(a, b, programs):
                     self.exchange_kernel = "triton"
                     continue
                 self.exchange_kernel = "copies"

@@ -350,6 +350,7 @@ class RollqWorkerExtension:
 
     def rollq_swap_overlapped(
         self, version: int, commit_timeout: float = 0.25, receive_timeout: float = 5.0, start_timeout: float = 0.05,
+        programs: int = 0,
     ) -> dict[str, Any]:
         """Swap ``version`` in while its last parts still arrive, then wait for its commit.
 
@@ -362,6 +363,9 @@ class RollqWorkerExtension:
         does not come within ``commit_timeout`` of the last byte, the exchanges are undone:
         the old weights serve on, and a committed version is swapped in the usual way
         (:meth:`rollq_apply_staged`).
+
+        ``programs`` caps the exchange kernel's concurrent blocks (0: no cap), leaving memory
+        bandwidth to the receive still running beside it.
 
         Returns ``{"swap": "overlap" | "reverted" | "none", ...}`` with timings (seconds):
         ``wait_parts_s`` (until the last part was swapped in), ``wait_commit_s``, ``load_s``.
@@ -387,7 +391,7 @@ class RollqWorkerExtension:
                 break
             if ev is not None:
                 cur.wait_event(ev)  # after the part's bytes, on the engine's stream
-            sh.exchange(params)
+            sh.exchange(params, programs=programs)
             done += params
         t_parts = time.perf_counter() - t0
         ok = ok and prog.wait_done(max(0.0, deadline - time.monotonic())) and sh.version == version
