@@ -95,8 +95,8 @@ class WeightFollower:
         #: Generation then stands still for about the lead plus the commit; end to end, the
         #: swap's copies and the wait for a step boundary leave the update's path. The lead
         #: should cover one engine step plus exchanging the weights (each byte read and
-        #: written on both sides): 35 ms for 15.2 GB on an H200 (benchmarks/gpu_vllm.py:
-        #: 58 ms end to end with 44 ms stopped, against 71 ms and 15 ms without overlap).
+        #: written on both sides): 35 ms for 15.2 GB on an H200 (benchmarks/README.md: 59.7 ms
+        #: end to end with 40 ms stopped, against 70-72 ms and 13-15 ms without overlap).
         self.swap_overlap = swap_overlap
         self.overlap_lead_s = overlap_lead_s
         self.overlap_commit_timeout = overlap_commit_timeout
@@ -269,17 +269,13 @@ class WeightFollower:
                     self.overlap_reverts += got.get("swap") == "reverted"
                     log.info("version %d: no overlapped swap (%s); it is applied once committed", version, got.get("why"))
                     return
-                c._paused_total += pause_s
-                c.update_info = {"last_update_s": round(pause_s, 4), "last_pause_s": round(pause_s, 4),
-                                 "updates": c.update_info.get("updates", 0) + 1}
                 if got.get("receive_s"):
                     self._receive_est = 0.7 * (self._receive_est or got["receive_s"]) + 0.3 * got["receive_s"]
-                st = UpdateStats(version, "keep", "nccl", time.monotonic() - t_offer, pause_s, got,
-                                 timings={"load_call_s": pause_s, "read_s": 0.0, "hinted_at": 0.0})
-                self.history.append(st)
+                self.history.append(self._updated(UpdateStats(
+                    version, "keep", "nccl", time.monotonic() - t_offer, pause_s, got,
+                    timings={"load_call_s": pause_s, "read_s": 0.0, "hinted_at": 0.0},
+                )))
                 self.failures = 0
-                log.info("replica %s now at policy version %d (keep, nccl, swapped while receiving): paused %.3fs",
-                         c.id, version, pause_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the usual path still applies the version once committed
@@ -333,16 +329,21 @@ class WeightFollower:
             c.state = state_before if state_before != "paused" else "serving"
             c.intake_gate.set()
             c.release_held()  # reads that arrived while intake was closed
-        c._paused_total += pause_s
+        return self._updated(UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load,
+                                         timings={"load_call_s": self._load_call_s}))
+
+    def _updated(self, st: UpdateStats) -> UpdateStats:
+        """Account for an applied update on the consumer (status, paused total) and log it."""
+        c = self.consumer
+        c._paused_total += st.pause_s
         c.update_info = {
-            "last_update_s": round(time.perf_counter() - t0, 4), "last_pause_s": round(pause_s, 4),
+            "last_update_s": round(st.update_s, 4), "last_pause_s": round(st.pause_s, 4),
             "updates": c.update_info.get("updates", 0) + 1,
         }
-        st = UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load,
-                         timings={"load_call_s": self._load_call_s})
         log.info(
-            "replica %s now at policy version %d (%s, %s): update %.3fs, paused %.3fs",
-            c.id, rec.version, policy, rec.transport, st.update_s, st.pause_s,
+            "replica %s now at policy version %d (%s, %s%s): update %.3fs, paused %.3fs",
+            c.id, st.version, st.policy, st.transport, ", swapped in while arriving" if st.load.get("swap") == "overlap" else "",
+            st.update_s, st.pause_s,
         )
         return st
 
