@@ -495,6 +495,28 @@ def test_overlapped_swap_goes_live_part_by_part_and_is_undone_on_failure_or_with
     assert out["swap"] == "reverted" and "receive failed" in out["why"], out
     assert values() == {1.0} and worker.rollq_version() == 1
 
+    # a part that never completes on the device (its event stays pending): the swap gives up
+    # after receive_timeout and aborts the group, which ends the transfer behind those events
+    from rollq.weightsync.nccl import ReceiveProgress
+
+    class Pending:
+        def query(self) -> bool:
+            return False
+
+    add = ReceiveProgress.add
+    monkeypatch.setattr(ReceiveProgress, "add", lambda self, ev: add(self, Pending()))
+    th, g = start(2.0, hold_at=2)
+    aborted = threading.Event()
+    g.abort = aborted.set
+    out = worker.rollq_swap_overlapped(2, commit_timeout=1.0, receive_timeout=0.2)
+    assert th.is_alive(), "the undo did not wait for the stuck receive"
+    assert out["swap"] == "reverted" and aborted.is_set() and values() == {1.0}, out
+    g.release.set()  # what the abort does to a real transfer: it ends
+    th.join()
+    assert rcv.status["state"] == "failed" and "abandoned" in rcv.status["error"], rcv.status
+    assert worker._rollq_shadow_obj.version is None  # nothing to swap in from that receive
+    monkeypatch.setattr(ReceiveProgress, "add", add)
+
     # received whole, but never committed: undone too, and still staged in the shadow
     th, _ = start(3.0)
     th.join()

@@ -756,6 +756,7 @@ class WorkerReceiver:
         self._listen_cfg: Listen | None = None
         self._rpc_client: Any = None
         self._decided = 0  # newest version whose receive started (in place or staged)
+        self._abandoned = 0  # a version whose receive must fail even if its kernels end
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -771,6 +772,12 @@ class WorkerReceiver:
         self.pg.abort()
         with self._events:
             self._events.notify_all()
+
+    def abandon(self, version: int) -> None:
+        """Give up the receive of ``version``: the group is aborted (its pending kernels end,
+        so nothing queued behind them waits for NCCL's own timeout) and the receive fails."""
+        self._abandoned = version
+        self.pg.abort()
 
     # -- what a swap overlapped with the receive waits for ---------------------------------
     def _note(self, data: str) -> None:
@@ -958,6 +965,8 @@ class WorkerReceiver:
                 t_enqueued = time.perf_counter() - t0
                 if cuda:
                     wait_stream(self.device, offer.timeout * 2, f"receiving version {offer.version}")
+                if self._abandoned == offer.version:  # aborted mid-way: whatever arrived is not it
+                    raise WeightSyncError(f"receive of version {offer.version} abandoned (group aborted)")
                 t_recv = time.perf_counter() - t0
                 if offer.verify:
                     got = state_checksum(items)  # on the receive stream, one host sync

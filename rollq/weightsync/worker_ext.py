@@ -382,6 +382,7 @@ class RollqWorkerExtension:
         dev = self._rollq_device()
         cur = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
         done: list[int] = []
+        parts_done = 0
         deadline = time.monotonic() + receive_timeout
         ok = True
         for k, params in enumerate(groups):
@@ -389,10 +390,11 @@ class RollqWorkerExtension:
             if not got:
                 ok = False
                 break
-            if ev is not None:
+            if ev is not None and cur is not None:
                 cur.wait_event(ev)  # after the part's bytes, on the engine's stream
             sh.exchange(params, programs=programs)
             done += params
+            parts_done = k + 1
         t_parts = time.perf_counter() - t0
         ok = ok and prog.wait_done(max(0.0, deadline - time.monotonic())) and sh.version == version
         why = "" if ok else "the receive failed or did not finish in time"
@@ -400,11 +402,20 @@ class RollqWorkerExtension:
         if ok and not rcv.wait_committed(version, commit_timeout):
             ok, why = False, f"version {version} was not committed within {commit_timeout}s"
         t_commit = time.perf_counter() - t1
+        if not ok:
+            # Exchanges queued behind a part that never completes (a peer died mid-transfer)
+            # would hold the engine's stream until NCCL's own timeout: abandon the receive,
+            # which aborts the group and ends its kernels (the version then comes by memmap,
+            # the group is formed anew). An exchange is its own inverse, so undoing restores
+            # the old bytes whatever arrived. The receive may still hold the worker lock: the
+            # undo touches only the parts already swapped, which it no longer writes.
+            if any(ev is not None and not ev.query() for ev in prog.parts[:parts_done]):
+                log.warning("version %d: abandoning its receive (parts still pending)", version)
+                rcv.abandon(version)
+            sh.exchange(reversed(done))
+            log.warning("overlapped swap of version %d undone: %s", version, why)
+            return {"swap": "reverted", "why": why, "load_s": time.perf_counter() - t0}
         with self._rollq_lock():
-            if not ok:
-                sh.exchange(reversed(done))  # the old weights again (the shadow keeps what arrived)
-                log.warning("overlapped swap of version %d undone: %s", version, why)
-                return {"swap": "reverted", "why": why, "load_s": time.perf_counter() - t0}
             ev = sh.exchanged(version)
         if ev is not None:
             self._rollq_watch_swap(version, ev)
