@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import msgspec
 import pytest
@@ -409,27 +410,38 @@ class ScriptedGroup:
             self._one(b)
 
 
-def test_in_place_receive_that_fails_leaves_nothing_to_swap_and_the_next_one_works(monkeypatch):
-    from rollq.weightsync.memmap import manifest_of
-    from rollq.weightsync.nccl import Offer, WorkerReceiver
+def scripted_receiver(monkeypatch) -> tuple[Any, torch.nn.Module, Any]:
+    """A fake worker with shadow weights and a receiver whose group is scripted (not formed):
+    ``(worker, its live model, receiver)``; set ``receiver.pg`` to a :class:`ScriptedGroup`."""
+    from rollq.weightsync.nccl import WorkerReceiver
 
     monkeypatch.setenv("ROLLQ_SHADOW_WEIGHTS", "1")
     worker = FakeWorkerEngine(loadable_model).workers[0]
-    live = worker.model_runner.model
-    rcv = WorkerReceiver.__new__(WorkerReceiver)  # the group is scripted, not formed
+    rcv = WorkerReceiver.__new__(WorkerReceiver)
     rcv.info, rcv.rank, rcv.device = GroupInfo(id="g", host="", port=0, world_size=2, backend="gloo", timeout=5), 1, torch.device("cpu")
     rcv.sink, rcv.sink_invalidate, rcv.direct, rcv.layout = worker._rollq_prepare, worker._rollq_invalidate, worker._rollq_direct, None
     rcv._init_state()
     worker._rollq_receiver = rcv
+    return worker, worker.model_runner.model, rcv
 
-    def version(fill: float) -> tuple[Offer, list[torch.Tensor]]:
-        items = [(k, torch.full_like(v, fill)) for k, v in live.state_dict().items()]
-        offer = Offer(version=int(fill), group="g", checksum="", bucket_bytes=1 << 20, manifest=manifest_of(items),
-                      timeout=5, mode="direct")
-        return offer, [t for _, t in items]
+
+def scripted_version(live: torch.nn.Module, fill: float) -> tuple[Any, list[torch.Tensor]]:
+    """The offer of version ``int(fill)`` (every tensor of ``live`` filled with ``fill``,
+    one broadcast per tensor) and the tensors rank 0 sends."""
+    from rollq.weightsync.memmap import manifest_of
+    from rollq.weightsync.nccl import Offer
+
+    items = [(k, torch.full_like(v, fill)) for k, v in live.state_dict().items()]
+    offer = Offer(version=int(fill), group="g", checksum="", bucket_bytes=1 << 20, manifest=manifest_of(items),
+                  timeout=5, mode="direct")
+    return offer, [t for _, t in items]
+
+
+def test_in_place_receive_that_fails_leaves_nothing_to_swap_and_the_next_one_works(monkeypatch):
+    worker, live, rcv = scripted_receiver(monkeypatch)
 
     def receive(fill: float, fail_at: int | None = None) -> None:
-        offer, sent = version(fill)
+        offer, sent = scripted_version(live, fill)
         rcv.pg = ScriptedGroup(sent, fail_at)
         rcv._receive(offer)
 
@@ -454,26 +466,14 @@ def test_in_place_receive_that_fails_leaves_nothing_to_swap_and_the_next_one_wor
 
 
 def test_overlapped_swap_goes_live_part_by_part_and_is_undone_on_failure_or_without_commit(monkeypatch):
-    from rollq.weightsync.memmap import manifest_of
-    from rollq.weightsync.nccl import Offer, WorkerReceiver
-
-    monkeypatch.setenv("ROLLQ_SHADOW_WEIGHTS", "1")
-    worker = FakeWorkerEngine(loadable_model).workers[0]
-    live = worker.model_runner.model
-    rcv = WorkerReceiver.__new__(WorkerReceiver)  # the group is scripted, not formed
-    rcv.info, rcv.rank, rcv.device = GroupInfo(id="g", host="", port=0, world_size=2, backend="gloo", timeout=5), 1, torch.device("cpu")
-    rcv.sink, rcv.sink_invalidate, rcv.direct, rcv.layout = worker._rollq_prepare, worker._rollq_invalidate, worker._rollq_direct, None
-    rcv._init_state()
-    worker._rollq_receiver = rcv
+    worker, live, rcv = scripted_receiver(monkeypatch)
 
     def values() -> set[float]:
         return {float(v) for p in live.parameters() for v in p.flatten().unique()}
 
     def start(fill: float, **kw) -> tuple[threading.Thread, ScriptedGroup]:
-        items = [(k, torch.full_like(v, fill)) for k, v in live.state_dict().items()]
-        offer = Offer(version=int(fill), group="g", checksum="", bucket_bytes=1 << 20, manifest=manifest_of(items),
-                      timeout=5, mode="direct")
-        rcv.pg = ScriptedGroup([t for _, t in items], **kw)
+        offer, sent = scripted_version(live, fill)
+        rcv.pg = ScriptedGroup(sent, **kw)
         th = threading.Thread(target=rcv._receive, args=(offer,))
         th.start()
         return th, rcv.pg
