@@ -26,10 +26,11 @@ The pause (generation stopped) and the whole update time are recorded per replic
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from ..connection import RETRYABLE
 from ..errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
@@ -234,8 +235,10 @@ class WeightFollower:
         (``ok <receive_s> <verify_s> in-place ...``)."""
         parts = acks[0].split() if acks and len(acks) == 1 and acks[0] else []
         if len(parts) >= 4 and parts[0] == b"ok" and parts[3] == b"in-place":
-            t = float(parts[1])
-            self._receive_est = t if self._receive_est is None else 0.7 * self._receive_est + 0.3 * t
+            self._learn_receive(float(parts[1]))
+
+    def _learn_receive(self, t: float) -> None:
+        self._receive_est = t if self._receive_est is None else 0.7 * self._receive_est + 0.3 * t
 
     async def _overlap(self, version: int, t_offer: float) -> None:
         """Announced offer ``version``: shortly before its receive should end, stop and swap
@@ -248,9 +251,7 @@ class WeightFollower:
                 if c.version >= version or not self._can_overlap():
                     return
                 t0 = time.perf_counter()
-                c.intake_gate.clear()
-                state_before, c.state = c.state, "paused"
-                try:
+                with self._intake_closed():
                     res = await asyncio.wait_for(
                         self.engine.call_workers("rollq_swap_overlapped", version, self.overlap_commit_timeout,
                                                  5.0, 0.05, self.overlap_programs),
@@ -260,17 +261,13 @@ class WeightFollower:
                     if got.get("swap") == "overlap":
                         self._set_version(version)
                         self.engine.new_cache_salt()
-                finally:
-                    c.state = state_before if state_before != "paused" else "serving"
-                    c.intake_gate.set()
-                    c.release_held()
                 pause_s = time.perf_counter() - t0
                 if got.get("swap") != "overlap":
                     self.overlap_reverts += got.get("swap") == "reverted"
                     log.info("version %d: no overlapped swap (%s); it is applied once committed", version, got.get("why"))
                     return
                 if got.get("receive_s"):
-                    self._receive_est = 0.7 * (self._receive_est or got["receive_s"]) + 0.3 * got["receive_s"]
+                    self._learn_receive(got["receive_s"])
                 self.history.append(self._updated(UpdateStats(
                     version, "keep", "nccl", time.monotonic() - t_offer, pause_s, got,
                     timings={"load_call_s": pause_s, "read_s": 0.0, "hinted_at": 0.0},
@@ -295,42 +292,52 @@ class WeightFollower:
         if staged is None and rec.memmap_slot is not None and self.root is not None:
             # Read, copy and verify while still serving; the pause below only swaps it in.
             staged = await self._stage_memmap(rec)
-        c.intake_gate.clear()  # rollq's own intake closes first (vLLM would still accept)
-        state_before, c.state = c.state, "paused"
         aborted: list[Any] = []
-        try:
-            if policy == "drain":
-                t_pause = time.perf_counter()
-                await self._wait_drained()
-                load = await self._load(rec, staged)
-                self._set_version(rec.version)
-                await self.engine.reset_prefix_cache()
-            elif policy == "keep":
-                t_pause = time.perf_counter()  # generation stops for at most this long
-                load = await self._load(rec, staged)
-                self._set_version(rec.version)
-                # Requests are running (keep), so vLLM would refuse to drop its cache: new
-                # requests get a fresh salt instead and never reuse a prefix of the old weights.
-                self.engine.new_cache_salt()
-            else:
-                aborted = c.abort_running()
-                t_pause = time.perf_counter()
-                await self.engine.pause("abort")
-                try:
+        with self._intake_closed():
+            try:
+                if policy == "drain":
+                    t_pause = time.perf_counter()
+                    await self._wait_drained()
                     load = await self._load(rec, staged)
                     self._set_version(rec.version)
                     await self.engine.reset_prefix_cache()
-                finally:
-                    await self.engine.resume()
-            pause_s = time.perf_counter() - t_pause
-        finally:
-            if aborted:
-                c.restart(aborted)
-            c.state = state_before if state_before != "paused" else "serving"
-            c.intake_gate.set()
-            c.release_held()  # reads that arrived while intake was closed
+                elif policy == "keep":
+                    t_pause = time.perf_counter()  # generation stops for at most this long
+                    load = await self._load(rec, staged)
+                    self._set_version(rec.version)
+                    # Requests are running (keep), so vLLM would refuse to drop its cache: new
+                    # requests get a fresh salt instead and never reuse a prefix of the old weights.
+                    self.engine.new_cache_salt()
+                else:
+                    aborted = c.abort_running()
+                    t_pause = time.perf_counter()
+                    await self.engine.pause("abort")
+                    try:
+                        load = await self._load(rec, staged)
+                        self._set_version(rec.version)
+                        await self.engine.reset_prefix_cache()
+                    finally:
+                        await self.engine.resume()
+                pause_s = time.perf_counter() - t_pause
+            finally:
+                if aborted:  # before intake reopens
+                    c.restart(aborted)
         return self._updated(UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load,
                                          timings={"load_call_s": self._load_call_s}))
+
+    @contextlib.contextmanager
+    def _intake_closed(self) -> Iterator[None]:
+        """rollq's own intake closed (vLLM would still accept) and the replica shown paused
+        while an update is swapped in; reads that arrived meanwhile are released after."""
+        c = self.consumer
+        c.intake_gate.clear()
+        state_before, c.state = c.state, "paused"
+        try:
+            yield
+        finally:
+            c.state = state_before if state_before != "paused" else "serving"
+            c.intake_gate.set()
+            c.release_held()
 
     def _updated(self, st: UpdateStats) -> UpdateStats:
         """Account for an applied update on the consumer (status, paused total) and log it."""
