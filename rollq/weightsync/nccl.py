@@ -33,6 +33,7 @@ same version; receivers that staged nothing load that memmap copy.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
 import logging
@@ -611,7 +612,11 @@ class BroadcastSender:
         delay on the update's path); the hash is reread now and then in case a push was lost."""
         deadline = time.monotonic() + self.timeout
         want = self.num_workers
-        acks = {k.decode(): v.decode() for k, v in (await client.hgetall(key)).items()}
+
+        async def read() -> dict[str, str]:
+            return {k.decode(): v.decode() for k, v in (await client.hgetall(key)).items()}
+
+        acks = await read()
         while True:
             bad = {k: v for k, v in acks.items() if not v.startswith("ok")}
             if bad:
@@ -625,7 +630,7 @@ class BroadcastSender:
                 )
             got = await client.blpop([signal], timeout=min(left, 0.5))
             if got is None:
-                acks = {k.decode(): v.decode() for k, v in (await client.hgetall(key)).items()}
+                acks = await read()
                 continue
             field, _, value = got[1].decode().partition("\t")
             acks[field] = value
@@ -676,8 +681,6 @@ class ReceiveProgress:
     @classmethod
     def of(cls, offer: Offer, layout: Layout, groups: list[tuple[int, int]], cond: threading.Condition) -> ReceiveProgress:
         if offer.mode == "layout":
-            import bisect
-
             ends = [e for _, e in layout.buckets]
             part_of = [bisect.bisect_left(ends, off + m.nbytes) for m, off in zip(offer.manifest, layout.offsets)]
         else:
@@ -931,9 +934,7 @@ class WorkerReceiver:
                         if explicit:
                             self.pg.broadcast(part, offer.timeout)
                         else:
-                            work = self.pg.broadcast_many(part, offer.timeout, coalesce=offer.group_bytes > 0)
-                            if work is not None:
-                                work.wait()  # stream-level on NCCL
+                            self._recv_group(offer, part)
                         ev = None
                         if cuda:
                             ev = torch.cuda.Event()
@@ -949,7 +950,7 @@ class WorkerReceiver:
                     t_setup = time.perf_counter() - t0
                     if offer.mode == "direct":
                         dests = [self.flat[off : off + m.nbytes] for m, off in zip(offer.manifest, layout.offsets)]
-                        received = self._direct(offer, dests, items)
+                        received = self._direct(offer, dests, items, groups)
                     else:
                         for s, e in layout.buckets:
                             self.pg.broadcast(self.flat[s:e], offer.timeout)
@@ -998,15 +999,21 @@ class WorkerReceiver:
             self.status = {"state": "failed", "version": offer.version, "error": f"{type(e).__name__}: {e}"}
             log.error("receiving version %d failed: %s", offer.version, e)
 
-    def _direct(self, offer: Offer, dests: list[torch.Tensor], items: list[tuple[str, torch.Tensor]]) -> Any:
-        """One broadcast per tensor into ``dests`` (coalesced in groups of the offer's
-        ``group_bytes`` on NCCL), yielding each tensor's view once its group is enqueued."""
-        cuda = self.device.type == "cuda"
-        for lo, hi in groups_of(offer.manifest, offer.group_bytes if cuda else 0):
-            work = self.pg.broadcast_many(dests[lo:hi], offer.timeout, coalesce=offer.group_bytes > 0)
-            if work is not None:
-                work.wait()  # stream-level: what the caller enqueues next sees the data
+    def _direct(
+        self, offer: Offer, dests: list[torch.Tensor], items: list[tuple[str, torch.Tensor]], groups: list[tuple[int, int]],
+    ) -> Any:
+        """One broadcast per tensor into ``dests``, by ``groups`` (:func:`groups_of`),
+        yielding each tensor's view once its group is enqueued."""
+        for lo, hi in groups:
+            self._recv_group(offer, dests[lo:hi])
             yield from items[lo:hi]
+
+    def _recv_group(self, offer: Offer, bufs: list[torch.Tensor]) -> None:
+        """One group of a ``direct`` offer's tensors (a coalesced NCCL group when the offer
+        says so); on NCCL, what the caller enqueues next on its stream sees the data."""
+        work = self.pg.broadcast_many(bufs, offer.timeout, coalesce=offer.group_bytes > 0)
+        if work is not None:
+            work.wait()  # stream-level
 
     def _feed(self, offer: Offer, received: Any, stream: Any) -> bool:
         """Hand the received tensors to the sink; whatever it leaves (it failed or stopped
