@@ -567,9 +567,7 @@ class ShadowWeights:
                     t.copy_(ab[s:e])
                     ab[s:e].copy_(bb[s:e])
                     bb[s:e].copy_(t)
-            if self.live[0].device.type == "cuda":  # the next write into the shadow waits for these
-                self.swap_event = torch.cuda.Event()
-                self.swap_event.record()
+            self._mark_swap()
 
     def exchanged(self, version: int) -> torch.cuda.Event | None:
         """``version`` went live by :meth:`exchange` (the shadow now holds the old values of
@@ -595,8 +593,13 @@ class ShadowWeights:
         with torch.no_grad():
             copy_all(self.live, self.shadow)
         self.synced = True
+        self._mark_swap()
+        return self.swap_event
+
+    def _mark_swap(self) -> None:
+        """Record :attr:`swap_event` after the work just enqueued on the current stream (that
+        reads or writes the shadow): the next write into the shadow waits for it."""
         if self.live[0].device.type == "cuda":
             self.swap_event = torch.cuda.Event()
             self.swap_event.record()
-        return self.swap_event
 
