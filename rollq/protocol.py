@@ -16,6 +16,7 @@ as raw little-endian arrays (``int32`` / ``float32``) with their dtype implied b
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import struct
 import sys
@@ -144,6 +145,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] = 1.0
     skip_special_tokens: bool = True
     detokenize: bool = True
+    #: Logprobs of the prompt's own tokens (vLLM's ``prompt_logprobs``): the logprob of each
+    #: prompt token given the ones before it (the first has none). With a prompt made of
+    #: context + continuation this scores the continuation (a scoring job, see
+    #: :func:`score_spec`). Only the given token's logprob is returned; 0 and more ask for it.
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | SamplingParams | None) -> SamplingParams:
@@ -183,6 +189,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
             raise bad(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if len(self.stop) > MAX_STOP or any(not s for s in self.stop):
             raise bad(f"stop must be at most {MAX_STOP} non-empty strings")
         if len(self.stop_token_ids) > MAX_STOP or any(t < 0 for t in self.stop_token_ids):
@@ -335,6 +343,65 @@ def make_job(
     return job_from_spec(spec, id, reply, max_prompt_bytes, tracked)
 
 
+_NO_ODD = object()
+
+
+def prompt_parts(prompt: Any) -> tuple[str | None, Any]:
+    """``(text, token ids)`` of a prompt given in one of the forms vLLM accepts: a ``str``, a
+    ``TokensPrompt`` dict (``{"prompt_token_ids": [...]}``), a ``TextPrompt`` dict
+    (``{"prompt": "..."}``), or a bare sequence of token ids (a list, tuple, 1-D numpy array
+    or tensor); anything else is refused with :class:`~rollq.errors.InvalidJob`.
+
+    >>> prompt_parts({"prompt_token_ids": [1, 2, 3]})
+    (None, [1, 2, 3])
+    >>> prompt_parts([4, 5])
+    (None, [4, 5])
+    >>> prompt_parts({"prompt": "hi"})
+    ('hi', None)
+    """
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, Mapping):
+        extra = set(prompt) - {"prompt_token_ids", "prompt"}
+        if extra:
+            raise InvalidJob(f"prompt dict has unsupported key(s) {sorted(map(str, extra))[:5]}; "
+                             "rollq takes {'prompt_token_ids': [...]} or {'prompt': str}")
+        if "prompt_token_ids" in prompt and "prompt" not in prompt:
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__len__"):
+                raise InvalidJob(f"prompt_token_ids must be a sequence of token ids, got {type(ids).__name__}")
+            return None, ids if isinstance(ids, list) else list(ids)
+        if "prompt" in prompt and "prompt_token_ids" not in prompt and isinstance(prompt["prompt"], str):
+            return prompt["prompt"], None
+        raise InvalidJob("a prompt dict needs exactly one of 'prompt_token_ids' (a list of ints) or 'prompt' (a str)")
+    if isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1):
+        ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+        odd = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), _NO_ODD)
+        if odd is not _NO_ODD:
+            raise InvalidJob(f"a prompt given as a sequence must hold token ids (ints); got a {type(odd).__name__}")
+        return None, ids
+    raise InvalidJob(
+        f"prompt must be a str, a list of token ids or a TokensPrompt dict {{'prompt_token_ids': [...]}}; "
+        f"got {type(prompt).__name__}"
+    )
+
+
+def score_spec(context: Sequence[int], continuation: Sequence[int], **fields: Any) -> dict[str, Any]:
+    """A job spec that scores ``continuation`` after ``context`` (token ids) without sampling
+    it: the replica returns each prompt token's logprob (vLLM's ``prompt_logprobs``), and
+    ``result.prompt_logprobs[len(context):]`` are the continuation's, under the weights the
+    replica serves (``result.version_start``). vLLM generates at least one token, so one
+    greedy token comes with it. Other job fields (``meta``, ``min_version``, ...) pass through.
+
+    >>> score_spec([1, 2], [3, 4])["sampling"]
+    {'max_tokens': 1, 'temperature': 0.0, 'prompt_logprobs': 0}
+    """
+    if not context or not continuation:
+        raise InvalidJob("scoring needs a non-empty context and a non-empty continuation")
+    return {"prompt_token_ids": [*context, *continuation],
+            "sampling": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}, **fields}
+
+
 def job_from_spec(spec: Mapping[str, Any], id: str, reply: str, max_prompt_bytes: int | None = None, tracked: bool = False) -> Job:
     """:func:`make_job` for fields given as a mapping (the producer's hot path; unknown keys
     are the caller's to refuse). Keys: ``prompt``, ``prompt_token_ids``, ``messages``,
@@ -359,10 +426,15 @@ def job_from_spec(spec: Mapping[str, Any], id: str, reply: str, max_prompt_bytes
     now = time.time()
     timeout = get("timeout")
     tokens = get("prompt_token_ids")
+    text = get("prompt")
+    if text is not None and type(text) is not str:
+        if tokens is not None:
+            raise InvalidJob("a job needs exactly one of prompt text, prompt_token_ids or messages")
+        text, tokens = prompt_parts(text)
     job = Job(
         id=id,
         reply=reply,
-        text=get("prompt"),
+        text=text,
         tokens=pack_i32(tokens) if tokens is not None else None,
         messages=msgs,
         sampling=validated_sampling(get("sampling")),
@@ -379,13 +451,25 @@ def job_from_spec(spec: Mapping[str, Any], id: str, reply: str, max_prompt_bytes
 # ----------------------------------------------------------------------------------------
 # Results
 # ----------------------------------------------------------------------------------------
+#: ``Sample.versions`` start index of a version whose first token is not known (the
+#: request was off the device, e.g. preempted, when that version was swapped in).
+UNKNOWN_START = -1
+
+
 class Sample(msgspec.Struct, array_like=True, gc=False):
-    """One of the ``n`` completions of a job."""
+    """One of the ``n`` completions of a job.
+
+    ``versions`` says which policy version generated which tokens when a weight update
+    landed during the generation (update policy ``keep``): ``[(version, first token index),
+    ...]`` in order, starting with ``(version_start, 0)``. None: every token was generated
+    at the result's ``version_start``. See :meth:`token_versions`.
+    """
 
     tokens: bytes  # little-endian int32
     logprobs: bytes | None = None  # little-endian float32, one per generated token
     text: str | None = None
     finish_reason: str | None = None
+    versions: list[tuple[int, int]] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -394,6 +478,33 @@ class Sample(msgspec.Struct, array_like=True, gc=False):
     @property
     def token_logprobs(self) -> list[float] | None:
         return unpack_f32(self.logprobs) if self.logprobs is not None else None
+
+    def token_versions(self, version_start: int) -> list[int]:
+        """The policy version that generated each token (``-1``: not known exactly).
+
+        >>> s = Sample(tokens=pack_i32([5, 6, 7, 8]), versions=[(3, 0), (4, 2)])
+        >>> s.token_versions(3)
+        [3, 3, 4, 4]
+        >>> Sample(tokens=pack_i32([5, 6])).token_versions(2)
+        [2, 2]
+        """
+        n = len(self.tokens) // 4
+        out = [version_start] * n
+        if not self.versions:
+            return out
+        for k, (v, start) in enumerate(self.versions):
+            if start == UNKNOWN_START:  # from the last known start on, either version: ambiguous
+                start = next((st for _, st in reversed(self.versions[:k]) if st != UNKNOWN_START), 0)
+                v = -1
+            for i in range(min(start, n), n):
+                out[i] = v
+        return out
+
+    def single_version(self, version_start: int) -> int | None:
+        """The version that generated every token of this sample, or None if several did
+        (or one is not known): the samples whose logprobs a trainer can recompute exactly."""
+        vs = set(self.token_versions(version_start))
+        return vs.pop() if len(vs) == 1 and -1 not in vs else None
 
 
 class ErrorInfo(msgspec.Struct, array_like=True):
@@ -417,6 +528,12 @@ class Result(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     finished: float = 0.0
     deliveries: int = 1
     meta: Any = None
+    #: The prompt as the replica tokenized it (text and chat prompts; token prompts: None,
+    #: the submitter has them), little-endian int32.
+    prompt_ids: bytes | None = None
+    #: ``sampling.prompt_logprobs``: each prompt token's logprob given the tokens before it,
+    #: little-endian float32 (the first token has none: NaN).
+    prompt_lps: bytes | None = None
 
     @property
     def ok(self) -> bool:
@@ -426,6 +543,24 @@ class Result(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     def policy_version(self) -> tuple[int, int]:
         """``(version at start, version at end)`` of the generation."""
         return (self.version_start, self.version_end)
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        """Token ids of the prompt as the replica tokenized it (None for token prompts)."""
+        return unpack_i32(self.prompt_ids) if self.prompt_ids is not None else None
+
+    @property
+    def prompt_logprobs(self) -> list[float | None] | None:
+        """``sampling.prompt_logprobs``: the logprob of each prompt token given the ones before
+        it (the first token's is None); None when not asked for."""
+        if self.prompt_lps is None:
+            return None
+        return [None if math.isnan(x) else x for x in unpack_f32(self.prompt_lps)]
+
+    def token_versions(self, sample: int = 0) -> list[int]:
+        """The policy version that generated each token of sample ``sample`` (see
+        :meth:`Sample.token_versions`)."""
+        return self.samples[sample].token_versions(self.version_start)
 
     @property
     def queued_s(self) -> float:

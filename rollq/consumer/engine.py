@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -22,10 +23,30 @@ _LOGPROB_BYTES = pack_f32([-0.5] * 4096)
 
 @dataclass
 class EngineOutput:
-    """What an engine returns for one job: ``n`` samples."""
+    """What an engine returns for one job: ``n`` samples.
+
+    ``prompt_ids``: the prompt as the engine tokenized it (int32 bytes; set for text and
+    chat prompts); ``prompt_logprobs``: float32 bytes, one per prompt token (NaN for the
+    first), when the job asked for them.
+    """
 
     samples: list[Sample]
     prompt_tokens: int = 0
+    prompt_ids: bytes | None = None
+    prompt_logprobs: bytes | None = None
+
+
+@dataclass
+class SwapProgress:
+    """How far each running request had got when new weights were swapped in.
+
+    ``tokens``: request id -> {sample index: tokens generated before the swap}.
+    ``complete``: a request (or sample) missing from ``tokens`` had generated nothing yet;
+    otherwise its count is not known.
+    """
+
+    tokens: dict[str, dict[int, int]] = field(default_factory=dict)
+    complete: bool = False
 
 
 @dataclass
@@ -107,6 +128,12 @@ class Engine(abc.ABC):
         """
         return []
 
+    def swap_progress(self, report: Any) -> SwapProgress | None:
+        """Read the progress report a worker returned from a weight swap (its ``progress``
+        entry) into tokens generated per running request. None: this engine cannot tell,
+        and the swap's first token is recorded as unknown for every running request."""
+        return None
+
 
 class EchoEngine(Engine):
     """A deterministic engine for queue tests, the queue demo and benchmarks.
@@ -134,6 +161,7 @@ class EchoEngine(Engine):
         self._generated = 0
         self._paused = False
         self._held: list[tuple[str, Job, DoneCallback]] = []
+        self._lengths: dict[str, dict[int, int]] = {}  # running request -> tokens per sample
 
     @staticmethod
     def _prompt_ids(job: Job) -> list[int]:
@@ -162,7 +190,9 @@ class EchoEngine(Engine):
             toks = base if j == 0 else pack_i32([(t + j) % self.vocab_size for t in unpack_i32(base)])
             samples.append(Sample(tokens=toks, logprobs=lp, text=None, finish_reason="length"))
         self._generated += k * sp.n
-        return EngineOutput(samples=samples, prompt_tokens=n_prompt)
+        plp = pack_f32([math.nan] + [-0.5] * (n_prompt - 1)) if sp.prompt_logprobs is not None else None
+        return EngineOutput(samples=samples, prompt_tokens=n_prompt,
+                            prompt_ids=raw if job.tokens is None else None, prompt_logprobs=plp)
 
     def submit(self, request_id: str, job: Job, done: DoneCallback) -> None:
         if self._paused:
@@ -180,18 +210,25 @@ class EchoEngine(Engine):
 
         def fire() -> None:
             self._timers.pop(request_id, None)
+            self._lengths.pop(request_id, None)
             done(request_id, out)
 
         self._timers[request_id] = loop.call_later(delay, fire)
+        self._lengths[request_id] = {j: len(s.tokens) // 4 for j, s in enumerate(out.samples)}
 
     def abort(self, request_id: str) -> None:
         t = self._timers.pop(request_id, None)
+        self._lengths.pop(request_id, None)
         if t is not None:
             t.cancel()
         self._held = [h for h in self._held if h[0] != request_id]
 
     def stats(self) -> EngineStats:
         return EngineStats(running=len(self._timers), waiting=len(self._held), generated_tokens=self._generated)
+
+    def swap_progress(self, report: Any) -> SwapProgress:
+        """Echo generates every token when a request starts: all of them precede any swap."""
+        return SwapProgress(tokens={rid: dict(n) for rid, n in self._lengths.items()}, complete=True)
 
     async def pause(self, mode: str = "keep") -> None:
         self._paused = True

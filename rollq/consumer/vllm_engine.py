@@ -54,7 +54,7 @@ from typing import Any, Sequence
 
 from ..errors import EngineDead, EngineFailed, InvalidJob, PromptTooLong, RollqError
 from ..protocol import Job, Sample, SamplingParams, pack_f32, pack_i32
-from .engine import DoneCallback, Engine, EngineOutput, EngineStats
+from .engine import DoneCallback, Engine, EngineOutput, EngineStats, SwapProgress
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +293,7 @@ class VllmEngine(Engine):
         self._sink = _StatsSink()
         self._dead: str | None = None
         self._stopping = False
+        self._progress_complete = False
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -340,6 +341,13 @@ class VllmEngine(Engine):
             raise
         self._llm = llm
         self._dead, self._stopping = None, False
+        if self.config.worker_extension_cls:
+            try:  # per-token versions: workers remember requests they let go of
+                got = await llm.collective_rpc("rollq_track_progress", timeout=30)
+                self._progress_complete = bool(got) and all(got)
+            except Exception as e:  # noqa: BLE001 - an extension without the method
+                logger.info("workers do not track request progress (%s); version boundaries of "
+                            "requests that ended just before a swap are recorded as unknown", e)
         self.vllm_version = api.version
         self.device = _device_name(self.config.tensor_parallel_size)
         self.start_seconds = time.perf_counter() - t0
@@ -478,13 +486,15 @@ class VllmEngine(Engine):
         prompt_ids = self._prompt_ids(job)
         max_tokens = self._check_length(len(prompt_ids), sp)
         params = self._sampling_params(sp, max_tokens)
+        if sp.prompt_logprobs is not None and len(prompt_ids) < 2:
+            raise InvalidJob("prompt_logprobs needs a prompt of at least 2 tokens (the first has no logprob)")
         final = None
         # FINAL_ONLY: vLLM yields once, when every one of the n samples has finished.
         async for out in llm.generate(api.prompt(prompt_ids, self.cache_salt), params, rid):
             final = out
         if final is None:
             raise EngineFailed(f"vLLM returned no output for job {job.id}", job_id=job.id)
-        return _to_output(final, sp, len(prompt_ids))
+        return _to_output(final, sp, prompt_ids, job.tokens is None)
 
     def _prompt_ids(self, job: Job) -> list[int]:
         if job.tokens is not None:
@@ -531,6 +541,7 @@ class VllmEngine(Engine):
             stop=list(sp.stop) or None,
             stop_token_ids=list(sp.stop_token_ids) or None,
             logprobs=sp.logprobs,
+            prompt_logprobs=sp.prompt_logprobs,
             ignore_eos=sp.ignore_eos,
             min_tokens=min(sp.min_tokens, max_tokens),
             presence_penalty=sp.presence_penalty,
@@ -540,7 +551,7 @@ class VllmEngine(Engine):
             detokenize=sp.detokenize,
             output_kind=api.FINAL_ONLY,
         )
-        if sp.logprobs is not None and api.has_flat_logprobs:
+        if (sp.logprobs is not None or sp.prompt_logprobs is not None) and api.has_flat_logprobs:
             kw["flat_logprobs"] = True  # a few flat lists instead of a dict per token
         return api.SamplingParams(**kw)
 
@@ -713,6 +724,24 @@ class VllmEngine(Engine):
         n = getattr(sc, "max_num_seqs", None)
         return int(n) if n else None
 
+    def swap_progress(self, report: Any) -> SwapProgress | None:
+        """Map a worker's swap report (``{"tokens": {engine request id: count}, "complete":
+        bool}``, see ``RollqWorkerExtension._rollq_progress``) to this adapter's request ids.
+
+        vLLM names a request ``<our id>-<8 random chars>`` (0.2x+; before: ``<our id>``) and
+        sample ``j`` of an ``n > 1`` request ``<j>_<that>``; ids are matched exactly against
+        the running requests, so an id that itself looks like ``3_x`` is not misread.
+        """
+        if not isinstance(report, dict) or not isinstance(report.get("tokens"), dict):
+            return None
+        running = self._tasks
+        out: dict[str, dict[int, int]] = {}
+        for eid, n in report["tokens"].items():
+            rid, j = _request_of(str(eid), running)
+            if rid is not None:
+                out.setdefault(rid, {})[j] = int(n)
+        return SwapProgress(tokens=out, complete=bool(report.get("complete")) and self._progress_complete)
+
     def _require(self) -> Any:
         if self._llm is None:
             raise RuntimeError("the vLLM engine is not running (start() it first)")
@@ -732,7 +761,22 @@ async def _abort_after(llm: Any, task: asyncio.Task[Any], request_id: str) -> No
         logger.debug("vLLM abort of %s failed", request_id, exc_info=True)
 
 
-def _to_output(final: Any, sp: SamplingParams, n_prompt: int) -> EngineOutput:
+def _request_of(eid: str, running: Any) -> tuple[str | None, int]:
+    """``(our request id, sample index)`` of a vLLM engine-core request id (see
+    :meth:`VllmEngine.swap_progress`); ``(None, 0)`` when it is none of ours."""
+    for cand in (eid, eid[:-9] if len(eid) > 9 and eid[-9] == "-" else None):
+        if cand is None:
+            continue
+        if cand in running:
+            return cand, 0
+        head, sep, rest = cand.partition("_")
+        if sep and head.isdigit() and rest in running:
+            return rest, int(head)
+    return None, 0
+
+
+def _to_output(final: Any, sp: SamplingParams, prompt_ids: Sequence[int], report_prompt: bool) -> EngineOutput:
+    n_prompt = len(prompt_ids)
     outs = final.outputs
     if len(outs) > 1:
         outs = sorted(outs, key=lambda c: c.index)
@@ -748,8 +792,38 @@ def _to_output(final: Any, sp: SamplingParams, n_prompt: int) -> EngineOutput:
                 finish_reason=c.finish_reason,
             )
         )
-    prompt_ids = getattr(final, "prompt_token_ids", None)
-    return EngineOutput(samples=samples, prompt_tokens=len(prompt_ids) if prompt_ids is not None else n_prompt)
+    seen = getattr(final, "prompt_token_ids", None)
+    if seen is not None:
+        prompt_ids = seen
+    plp = None
+    if sp.prompt_logprobs is not None:
+        plp = pack_f32(_prompt_logprobs(getattr(final, "prompt_logprobs", None), prompt_ids))
+    return EngineOutput(
+        samples=samples, prompt_tokens=len(prompt_ids),
+        prompt_ids=pack_i32(list(prompt_ids)) if report_prompt else None, prompt_logprobs=plp,
+    )
+
+
+def _prompt_logprobs(lps: Any, ids: Sequence[int]) -> list[float]:
+    """Each prompt token's logprob given the tokens before it (NaN for the first token and
+    wherever vLLM gave none)."""
+    out = [math.nan] * len(ids)
+    if lps is None:
+        return out
+    starts = getattr(lps, "start_indices", None)
+    if starts is not None:  # FlatLogprobs: a slice of flat lists per position
+        ends, tids, values = lps.end_indices, lps.token_ids, lps.logprobs
+        for i in range(1, min(len(ids), len(starts))):
+            t = ids[i]
+            for k in range(starts[i], ends[i]):
+                if tids[k] == t:
+                    out[i] = values[k]
+                    break
+        return out
+    for i, pos in enumerate(lps):
+        if i and pos and i < len(ids) and ids[i] in pos:
+            out[i] = pos[ids[i]].logprob
+    return out
 
 
 def _sampled_logprobs(lps: Any, ids: Sequence[int]) -> list[float]:

@@ -9,6 +9,9 @@ One row per sample (a job with ``n`` samples gives ``n`` rows, consecutive, shar
 Keys: ``tokens`` [R, L] int64, ``logprobs`` [R, L] float32 (0 where absent), ``mask`` [R, L]
 bool, ``lengths`` [R] int64, ``group`` [R] int64 (index of the job in ``results``),
 ``prompt_lengths`` [R] int64, ``policy_version_start`` / ``policy_version_end`` [R] int64,
+``policy_version`` [R, L] int64 (the version that generated each token, from
+:meth:`~rollq.protocol.Sample.token_versions`: it changes within a row where a ``keep``
+weight update landed mid-generation; -1 where not known and in the padding),
 ``truncated`` [R] bool (finish reason ``length``). Failed jobs are skipped unless
 ``skip_errors=False``, which raises instead.
 """
@@ -44,10 +47,12 @@ def results_to_tensordict(results: Sequence[Result], *, pad_token_id: int = 0, s
     mask = np.zeros((n, width), dtype=bool)
     meta = np.zeros((n, 5), dtype=np.int64)  # lengths, group, prompt len, v_start, v_end
     truncated = np.zeros(n, dtype=bool)
+    versions = np.full((n, width), -1, dtype=np.int64)
     for i, (gi, r, s, ids, lp) in enumerate(rows):
         k = len(ids)
         tokens[i, :k] = ids
         mask[i, :k] = True
+        versions[i, :k] = s.token_versions(r.version_start) if s.versions else r.version_start
         if lp is not None:
             logprobs[i, : len(lp)] = lp
         meta[i] = (k, gi, r.prompt_tokens, r.version_start, r.version_end)
@@ -62,6 +67,7 @@ def results_to_tensordict(results: Sequence[Result], *, pad_token_id: int = 0, s
             "prompt_lengths": torch.from_numpy(meta[:, 2].copy()),
             "policy_version_start": torch.from_numpy(meta[:, 3].copy()),
             "policy_version_end": torch.from_numpy(meta[:, 4].copy()),
+            "policy_version": torch.from_numpy(versions),
             "truncated": torch.from_numpy(truncated),
         },
         batch_size=[n],

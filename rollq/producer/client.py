@@ -43,6 +43,7 @@ from ..protocol import (
     encode_job,
     i32_packer,
     job_from_spec,
+    score_spec,
     validated_sampling,
 )
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
@@ -315,6 +316,19 @@ class Producer:
         job = self.build_job(kw)
         await self.connect()
         return (await self._submit_chunk([job]))[0]
+
+    async def score(self, context: Sequence[int], continuation: Sequence[int], *, timeout: float | None = None, **fields: Any) -> list[float]:
+        """The logprob of each token of ``continuation`` after ``context`` (token ids) under
+        the weights a replica serves, without sampling it (a scoring job: vLLM's
+        ``prompt_logprobs``; see :func:`~rollq.protocol.score_spec`). For many at once,
+        ``submit_many(score_spec(...) for ...)`` and read ``result.prompt_logprobs``.
+
+        >>> await p.score([1, 2, 3], [4, 5])            # doctest: +SKIP
+        [-6.91, -6.87]
+        """
+        r = await (await self.submit(**score_spec(context, continuation, **fields))).result(timeout=timeout)
+        lps = r.prompt_logprobs or []
+        return [float("nan") if x is None else x for x in lps[len(context):]]
 
     async def submit_many(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
         """Submit a batch, pipelined: script calls of ``script_batch`` jobs stream to Redis

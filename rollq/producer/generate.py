@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import InvalidJob
-from ..protocol import Result
+from ..protocol import Result, prompt_parts
 from .sync import SyncProducer
 
 _SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
     "logprobs", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "skip_special_tokens", "detokenize",
+    "repetition_penalty", "skip_special_tokens", "detokenize", "prompt_logprobs",
 )
 
 
@@ -34,6 +34,8 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[float] | None  # logprob of each generated token
     finish_reason: str | None
+    #: The policy version that generated each token (see ``Sample.token_versions``).
+    token_versions: list[int] = field(default_factory=list)
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -52,17 +54,23 @@ class RequestOutput:
     policy_version: tuple[int, int] = (0, 0)
     replica: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    #: ``sampling_params.prompt_logprobs``: each prompt token's logprob (the first: None).
+    prompt_logprobs: list[float | None] | None = None
 
     @classmethod
     def from_result(cls, r: Result, prompt: str | None = None, prompt_token_ids: list[int] | None = None) -> RequestOutput:
+        """``prompt_token_ids``: the caller's token prompt; text and chat prompts take the ids
+        the replica tokenized."""
         return cls(
-            request_id=r.id, prompt=prompt, prompt_token_ids=prompt_token_ids,
+            request_id=r.id, prompt=prompt,
+            prompt_token_ids=prompt_token_ids if prompt_token_ids is not None else r.prompt_token_ids,
             outputs=[
-                CompletionOutput(i, s.text, s.token_ids, s.token_logprobs, s.finish_reason)
+                CompletionOutput(i, s.text, s.token_ids, s.token_logprobs, s.finish_reason, s.token_versions(r.version_start))
                 for i, s in enumerate(r.samples)
             ],
             policy_version=r.policy_version, replica=r.replica,
             metrics={"queued_s": r.queued_s, "run_s": max(0.0, r.finished - r.started)},
+            prompt_logprobs=r.prompt_logprobs,
         )
 
 
@@ -86,9 +94,13 @@ def sampling_to_dict(sp: Any) -> dict[str, Any] | None:
 
 
 def _is_batch(prompts: Any, prompt_token_ids: Any) -> bool:
+    """A batch, or one prompt? A list of ints is one token prompt (as vLLM reads it); a
+    list of anything else is a batch."""
     if prompt_token_ids is not None:
         return bool(prompt_token_ids) and isinstance(prompt_token_ids[0], (list, tuple))
-    return isinstance(prompts, (list, tuple))
+    if isinstance(prompts, (list, tuple)):
+        return not (prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts))
+    return False
 
 
 class RollqLLM:
@@ -111,6 +123,11 @@ class RollqLLM:
     ) -> RequestOutput | list[RequestOutput]:
         """Generate for one prompt or a batch; blocks until every result is in.
 
+        A prompt is a ``str``, a ``TokensPrompt`` dict (``{"prompt_token_ids": [...]}``), a
+        ``TextPrompt`` dict or a list of token ids; a list of prompts is a batch. Any other
+        type raises :class:`~rollq.errors.InvalidJob`. ``sampling_params`` with
+        ``prompt_logprobs`` fills each output's ``prompt_logprobs``.
+
         A failed job raises its :class:`~rollq.errors.JobError`; a timeout cancels what is
         still running (aborting the vLLM requests) and raises ``TimeoutError``.
         """
@@ -123,9 +140,13 @@ class RollqLLM:
             specs = [{"prompt_token_ids": list(ids)} for ids in ids_list]
             texts: list[str | None] = [None] * len(specs)
         else:
-            texts = list(prompts) if batch else [prompts]  # type: ignore[list-item, arg-type]
-            specs = [{"prompt": t} for t in texts]
-            ids_list = [None] * len(specs)
+            given = list(prompts) if batch else [prompts]  # type: ignore[list-item, arg-type]
+            texts, ids_list = [], []
+            for p in given:  # str, TokensPrompt dict, TextPrompt dict or a list of token ids
+                text, ids = prompt_parts(p)
+                texts.append(text)
+                ids_list.append(ids)
+            specs = [{"prompt": t} if t is not None else {"prompt_token_ids": ids} for t, ids in zip(texts, ids_list)]
         for s in specs:
             s["sampling"] = sampling
             if replica:

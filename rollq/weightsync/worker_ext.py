@@ -15,6 +15,7 @@ an RPC that did the work itself would hold the engine's step loop for its whole 
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -28,6 +29,11 @@ log = logging.getLogger(__name__)
 CORRUPT_TAG = "[rollq:CorruptWeights]"
 
 _init_lock = threading.Lock()
+#: Requests that vLLM let go of are remembered (with their token counts) this long, at most
+#: this many: a swap reports them so a request that finished on the old weights, whose
+#: output had not reached the replica yet, is not taken for one that had not started.
+_REMOVED_WINDOW_S = 30.0
+_REMOVED_KEEP = 16384
 
 
 class RollqWorkerExtension:
@@ -163,7 +169,7 @@ class RollqWorkerExtension:
             torch.cuda.synchronize(dev)
         t3 = time.perf_counter()
         self._rollq_version = version
-        return {"read_s": t1 - t0, "copy_verify_s": t2 - t1, "load_s": t3 - t2}
+        return {"read_s": t1 - t0, "copy_verify_s": t2 - t1, "load_s": t3 - t2, "progress": self._rollq_progress()}
 
     def rollq_stage_memmap(self, root: str, slot: str, version: int, checksum: str, chunks_in_flight: int = 3) -> dict[str, Any]:
         """Start reading ``version``, copying it to the device and verifying it, in a thread
@@ -343,7 +349,7 @@ class RollqWorkerExtension:
         elif self._rollq_device().type == "cuda":
             torch.cuda.synchronize(self._rollq_device())
         self._rollq_version = version
-        out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "swap": how}
+        out: dict[str, Any] = {"load_s": time.perf_counter() - t0, "swap": how, "progress": self._rollq_progress()}
         if how != "shadow":
             out["no_shadow"] = getattr(self, "_rollq_shadow_off", None) or "not prepared"
         return out
@@ -420,8 +426,58 @@ class RollqWorkerExtension:
         if ev is not None:
             self._rollq_watch_swap(version, ev)
         self._rollq_version = version
-        return {"swap": "overlap", "parts": len(groups), "wait_parts_s": t_parts, "wait_commit_s": t_commit,
+        return {"swap": "overlap", "progress": self._rollq_progress(), "parts": len(groups), "wait_parts_s": t_parts, "wait_commit_s": t_commit,
                 "load_s": time.perf_counter() - t0, "receive_s": rcv.status.get("receive_s"), "kernel": sh.exchange_kernel}
+
+    # -- per-token versions -------------------------------------------------------------
+    def rollq_track_progress(self) -> bool:
+        """Start remembering how many tokens each request had generated when vLLM let go of
+        it (finished or aborted), so a later swap can tell a request that finished on the old
+        weights from one that had not started. True where this vLLM allows it (its model
+        runner's ``_on_request_state_removed`` hook); the engine calls it once at start."""
+        runner = getattr(self, "model_runner", None)
+        if runner is None or not isinstance(getattr(runner, "requests", None), dict):
+            return False
+        if getattr(runner, "_rollq_removed", None) is not None:
+            return True
+        orig = getattr(runner, "_on_request_state_removed", None)
+        if orig is None:
+            return False
+        removed: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
+
+        def on_removed(req_id: str, req_state: Any, *args: Any, **kwargs: Any) -> Any:
+            if req_state is not None:
+                removed[req_id] = (len(req_state.output_token_ids), time.monotonic())
+                if len(removed) > _REMOVED_KEEP:
+                    removed.popitem(last=False)
+            return orig(req_id, req_state, *args, **kwargs)
+
+        runner._rollq_removed = removed
+        runner._on_request_state_removed = on_removed
+        return True
+
+    def _rollq_progress(self) -> dict[str, Any]:
+        """Tokens generated so far by every request vLLM holds, taken inside a swap (between
+        two engine steps, so each of them was sampled on the weights being replaced; a token
+        of a step still in flight counts too, since the swap's copies run after that step).
+
+        ``{"tokens": {engine request id: count}, "complete": bool}``; ``complete``: a request
+        missing from ``tokens`` had generated nothing yet (requests that ended in the last
+        :data:`_REMOVED_WINDOW_S` seconds are included with their final counts).
+        """
+        runner = getattr(self, "model_runner", None)
+        reqs = getattr(runner, "requests", None)
+        if not isinstance(reqs, dict):
+            return {"tokens": {}, "complete": False}
+        tokens = {rid: len(st.output_token_ids) for rid, st in list(reqs.items())}
+        removed = getattr(runner, "_rollq_removed", None)
+        if removed is not None:
+            horizon = time.monotonic() - _REMOVED_WINDOW_S
+            while removed and next(iter(removed.values()))[1] < horizon:
+                removed.popitem(last=False)
+            for rid, (n, _) in removed.items():
+                tokens.setdefault(rid, n)
+        return {"tokens": tokens, "complete": removed is not None}
 
     def _rollq_watch_swap(self, version: int, event: Any) -> None:
         """Note (wall clock) when the swap's copies of ``version`` finished on the device."""
