@@ -24,15 +24,23 @@ GROUP = "rollq"
 #: Field of a stream entry that holds the msgpack payload.
 FIELD = "d"
 
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
 
 def check_name(kind: str, name: str) -> str:
-    """Queue, replica and producer names are short, printable and tag-safe."""
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(
-            f"invalid {kind} name {name!r}: use 1-128 characters from [A-Za-z0-9_.-]"
-        )
+    r"""Queue, replica and producer names are short, printable and tag-safe (the whole name:
+    a trailing newline is refused too).
+
+    >>> check_name("replica", "b0")
+    'b0'
+    >>> check_name("replica", "b0\n")
+    Traceback (most recent call last):
+    ...
+    ValueError: invalid replica name 'b0\n': use 1-128 characters from [A-Za-z0-9_.-]
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        shown = repr(name[:64]) + (f"... ({len(name)} characters)" if len(name) > 64 else "") if isinstance(name, str) else type(name).__name__
+        raise ValueError(f"invalid {kind} name {shown}: use 1-128 characters from [A-Za-z0-9_.-]")
     return name
 
 
@@ -153,6 +161,18 @@ class QueueKeys:
         return f"{self.tag}:wacksig:{version}"
 
     @cached_property
+    def manifests(self) -> str:
+        """Hash ``replica -> msgpack Manifest``: tensor names, dtypes and shapes of the
+        checkpoint each replica serves (the publisher checks state dicts against it)."""
+        return f"{self.tag}:manifests"
+
+    @cached_property
+    def load_errors(self) -> str:
+        """Hash ``replica -> msgpack LoadError``: why a replica cannot load a committed
+        version (removed once it loads one)."""
+        return f"{self.tag}:loaderr"
+
+    @cached_property
     def admission(self) -> str:
         """Hash of admission-control counters (staleness bound)."""
         return f"{self.tag}:adm"
@@ -166,7 +186,7 @@ class QueueKeys:
         return [
             self.jobs, self.ids, self.dlq, self.consumers, self.stats, self.latency, self.lag,
             self.config, self.version, self.versions_log, self.admission, self.weights_group, self.weights_offer,
-            self.weights_layouts,
+            self.weights_layouts, self.manifests, self.load_errors,
         ]
 
     def pattern(self) -> str:

@@ -37,6 +37,10 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_N = 1024
 MAX_LOGPROBS = 20
 MAX_STOP = 64
+#: ``meta`` may nest this deep (lists and maps) and take this many bytes encoded: decoding
+#: deeper structures recurses, and a consumer must never be made to run out of stack.
+MAX_META_DEPTH = 32
+MAX_META_BYTES = 1 << 20
 
 _LITTLE = sys.byteorder == "little"
 
@@ -262,7 +266,13 @@ def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: boo
     if job.v != SCHEMA_VERSION:
         raise SchemaVersionError(f"job schema version {job.v} is not supported (this build: {SCHEMA_VERSION})")
     if not job.id or len(job.id) > 256:
-        raise InvalidJob("job id must be 1-256 characters")
+        raise InvalidJob(f"job id must be 1-256 characters (got {len(job.id)})")
+    try:
+        check_name("producer", job.reply)
+    except ValueError as e:
+        raise InvalidJob(f"job {short(job.id)} has an impossible reply address: {e}") from e
+    if job.meta is not None:
+        check_meta(job.meta)
     if (job.text is not None) + (job.tokens is not None) + (job.messages is not None) != 1:
         raise InvalidJob("a job needs exactly one of prompt text, prompt_token_ids or messages")
     if job.tokens is not None:
@@ -288,6 +298,57 @@ def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: boo
     elif job.sampling.min_tokens > job.sampling.max_tokens:
         raise InvalidJob("invalid sampling params: min_tokens must be <= max_tokens")
     return job
+
+
+def short(text: Any, limit: int = 80) -> str:
+    """``repr`` of an untrusted string cut to ``limit`` characters, for logs and error
+    messages (a 10 MB job id must not become a 10 MB log line).
+
+    >>> short("x" * 100, 10)
+    "'xxxxxxxxxx'... (100 characters)"
+    """
+    if not isinstance(text, str):
+        return type(text).__name__
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def check_meta(meta: Any) -> None:
+    """Refuse a ``meta`` nested deeper than :data:`MAX_META_DEPTH` or larger than
+    :data:`MAX_META_BYTES` encoded (iteratively: the check itself never recurses).
+
+    >>> check_meta({"a": [1, 2, {"b": None}]})
+    >>> nested = []
+    >>> for _ in range(40): nested = [nested]
+    >>> check_meta(nested)
+    Traceback (most recent call last):
+    ...
+    rollq.errors.InvalidJob: meta nests deeper than 32 levels
+    """
+    if meta is None or isinstance(meta, (str, int, float, bool, bytes)):
+        if isinstance(meta, (str, bytes)) and len(meta) > MAX_META_BYTES:
+            raise InvalidJob(f"meta of {len(meta)} bytes exceeds the limit of {MAX_META_BYTES}")
+        return
+    stack: list[tuple[Any, int]] = [(meta, 1)]
+    seen = 0
+    while stack:
+        obj, depth = stack.pop()
+        if depth > MAX_META_DEPTH:
+            raise InvalidJob(f"meta nests deeper than {MAX_META_DEPTH} levels")
+        children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+        for child in children:
+            seen += 1
+            if seen > MAX_META_BYTES:  # each item takes a byte at least
+                raise InvalidJob(f"meta is larger than {MAX_META_BYTES} bytes")
+            if isinstance(child, (dict, list, tuple)):
+                stack.append((child, depth + 1))
+    try:
+        size = len(_enc.encode(meta))
+    except (TypeError, OverflowError) as e:
+        raise InvalidJob(f"meta must be msgpack-serializable (str, numbers, lists, dicts): {e}") from e
+    if size > MAX_META_BYTES:
+        raise InvalidJob(f"meta of {size} bytes encoded exceeds the limit of {MAX_META_BYTES}")
 
 
 def _explain(e: msgspec.ValidationError, given: dict[str, Any]) -> str:
@@ -415,7 +476,10 @@ def job_from_spec(spec: Mapping[str, Any], id: str, reply: str, max_prompt_bytes
             raise InvalidJob(f"prompt of {4 * len(tokens)} bytes exceeds the limit of {max_prompt_bytes} bytes")
         if tracked and not 0 < len(id) <= 256:
             raise InvalidJob("job id must be 1-256 characters")
-        return Job(id=id, reply=reply, tokens=pack_i32(tokens), sampling=sp, submitted=time.time(), meta=spec.get("meta"), tracked=tracked)
+        meta = spec.get("meta")
+        if meta is not None:
+            check_meta(meta)
+        return Job(id=id, reply=reply, tokens=pack_i32(tokens), sampling=sp, submitted=time.time(), meta=meta, tracked=tracked)
     get = spec.get
     msgs = get("messages")
     if msgs is not None:
@@ -597,24 +661,43 @@ def _diagnose(data: bytes, what: str, err: Exception) -> ProtocolError:
     """Turn a typed-decode failure into the clearest error we can give."""
     try:
         raw = _any_dec.decode(data)
-    except Exception:
+    except RecursionError:
+        return ProtocolError(f"{what} of {len(data)} bytes nests too deep to decode")
+    except Exception:  # noqa: BLE001 - not msgpack at all
         return ProtocolError(f"{what} is not valid msgpack ({len(data)} bytes)")
     if isinstance(raw, list) and raw and isinstance(raw[0], int) and raw[0] != SCHEMA_VERSION:
         return SchemaVersionError(
             f"{what} has schema version {raw[0]}; this build understands version {SCHEMA_VERSION}"
         )
-    return ProtocolError(f"malformed {what}: {err}")
+    return ProtocolError(f"malformed {what}: {_cut(str(err))}")
+
+
+def _cut(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+class _Envelope(msgspec.Struct, array_like=True):
+    """The first three fields of a job (the rest is skipped without being decoded)."""
+
+    v: int
+    id: str
+    reply: str
 
 
 def peek_id(data: bytes) -> tuple[str | None, str | None]:
-    """Best-effort ``(job id, reply)`` of an undecodable job, to tell its submitter."""
+    """Best-effort ``(job id, reply)`` of an undecodable job, to tell its submitter: only a
+    plausible id and a valid producer name are returned (an entry with a 10 MB id or reply
+    must not name a result key, nor fill a log line)."""
     try:
-        raw = _any_dec.decode(data)
-        if isinstance(raw, list) and len(raw) >= 3 and isinstance(raw[1], str) and isinstance(raw[2], str):
-            return raw[1], raw[2]
-    except Exception:
-        pass
-    return None, None
+        raw = msgspec.msgpack.decode(data, type=_Envelope)
+    except Exception:  # noqa: BLE001 - anything undecodable: nobody to tell
+        return None, None
+    jid, reply = raw.id, raw.reply
+    try:
+        check_name("producer", reply)
+    except ValueError:
+        return None, None
+    return (jid if 0 < len(jid) <= 256 else None), reply
 
 
 def encode_job(job: Job) -> bytes:
@@ -622,7 +705,8 @@ def encode_job(job: Job) -> bytes:
 
 
 def decode_job(data: bytes, max_prompt_bytes: int | None = None) -> Job:
-    """Decode and validate a job; raise ProtocolError / SchemaVersionError / InvalidJob.
+    """Decode and validate a job; raise ProtocolError / SchemaVersionError / InvalidJob, and
+    nothing else, whatever the bytes (a structure nested too deep to decode included).
 
     msgspec's decoder enforces types and ranges; the rest of :func:`validate_job` follows.
     """
@@ -630,20 +714,24 @@ def decode_job(data: bytes, max_prompt_bytes: int | None = None) -> Job:
         job = _job_dec.decode(data)
     except msgspec.ValidationError as e:
         if job_like(data):
-            raise InvalidJob(f"invalid job: {e}") from e
+            raise InvalidJob(f"invalid job: {_cut(str(e))}") from e
         raise _diagnose(data, "job", e) from e
     except msgspec.DecodeError as e:
         raise _diagnose(data, "job", e) from e
+    except RecursionError as e:
+        raise ProtocolError(f"job of {len(data)} bytes nests too deep to decode") from e
+    except Exception as e:  # noqa: BLE001 - any other decoder failure is a bad entry too
+        raise ProtocolError(f"job of {len(data)} bytes cannot be decoded: {type(e).__name__}") from e
     return validate_job(job, max_prompt_bytes=max_prompt_bytes, sampling=False)
 
 
 def job_like(data: bytes) -> bool:
     """A well-formed job envelope of our schema version (its contents may still be invalid)."""
     try:
-        raw = _any_dec.decode(data)
-    except Exception:
+        raw = msgspec.msgpack.decode(data, type=_Envelope)
+    except Exception:  # noqa: BLE001 - not one
         return False
-    return isinstance(raw, list) and len(raw) >= 3 and raw[0] == SCHEMA_VERSION and isinstance(raw[1], str)
+    return raw.v == SCHEMA_VERSION
 
 
 def encode_result(result: Result) -> bytes:

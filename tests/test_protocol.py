@@ -26,6 +26,7 @@ from rollq.protocol import (
     encode_dead_letter,
     encode_job,
     encode_result,
+    job_from_spec,
     make_job,
     pack_f32,
     pack_i32,
@@ -407,3 +408,42 @@ def test_token_spec_fast_path_builds_the_same_job():
         job_from_spec({"prompt_token_ids": [1], "sampling": {"temperature": -1}}, "j", "p")
     with pytest.raises(InvalidJob):  # empty prompts take the general path, which refuses them
         job_from_spec({"prompt_token_ids": []}, "j", "p")
+
+
+def _nested(depth: int) -> list:
+    v: list = []
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+@pytest.mark.parametrize("depth", [985, 1000])
+def test_deeply_nested_entries_are_protocol_errors_not_crashes(depth):
+    """A 1 KB entry whose meta nests 1,000 levels used to raise RecursionError out of the
+    decoder (and end the consumer); any decode failure must be a ProtocolError/InvalidJob."""
+    import msgpack
+
+    raw = msgpack.packb([SCHEMA_VERSION, "j", "p", "hi", None, None, {}, None, None, None, 0.0, _nested(depth)])
+    with pytest.raises((ProtocolError, InvalidJob)):
+        decode_job(raw)
+    # Deeper than any encoder writes: one-element arrays, byte by byte.
+    head = msgpack.packb([SCHEMA_VERSION, "j", "p", "hi", None, None, {}, None, None, None, 0.0, None])[:-1]
+    with pytest.raises((ProtocolError, InvalidJob)):
+        decode_job(head + b"\x91" * 100_000 + b"\x90")
+    with pytest.raises(InvalidJob, match="nests deeper"):
+        make_job(id="j", reply="p", prompt="hi", meta=_nested(depth))
+    with pytest.raises(InvalidJob, match="nests deeper"):
+        job_from_spec({"prompt_token_ids": [1, 2], "meta": _nested(depth)}, "j", "p")
+
+
+def test_huge_ids_and_replies_are_refused_briefly():
+    big = "x" * 40_000
+    with pytest.raises(InvalidJob) as ei:
+        decode_job(encode_job(Job(id=big, reply="p", text="hi")))
+    assert len(str(ei.value)) < 300
+    with pytest.raises(InvalidJob, match="impossible reply") as ei:
+        decode_job(encode_job(Job(id="j", reply="r\n" + big, text="hi")))
+    assert len(str(ei.value)) < 400
+    # Nobody to tell for an invalid reply, and no 40 KB id handed on to logs.
+    assert peek_id(encode_job(Job(id="j", reply="bad\n", text="hi"))) == (None, None)
+    assert peek_id(encode_job(Job(id=big, reply="p", text="hi"))) == (None, "p")
