@@ -34,6 +34,9 @@ SCHEMA_VERSION = 1
 
 #: Upper bounds that protect consumers from absurd requests.
 MAX_TOKENS_LIMIT = 1 << 20
+#: Most tokens one job may ask for over all its samples (``n * max_tokens``): a result of
+#: that many tokens with logprobs and text stays well under Redis' 512 MiB bulk limit.
+MAX_JOB_TOKENS = 1 << 23
 MAX_N = 1024
 MAX_LOGPROBS = 20
 MAX_STOP = 64
@@ -191,6 +194,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
         if not 1 <= self.n <= MAX_N:
             raise bad(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.n * self.max_tokens > MAX_JOB_TOKENS:
+            raise bad(f"n x max_tokens = {self.n * self.max_tokens} exceeds {MAX_JOB_TOKENS} tokens per job")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
@@ -297,6 +302,8 @@ def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: boo
         job.sampling.validate()
     elif job.sampling.min_tokens > job.sampling.max_tokens:
         raise InvalidJob("invalid sampling params: min_tokens must be <= max_tokens")
+    elif job.sampling.n * job.sampling.max_tokens > MAX_JOB_TOKENS:
+        raise InvalidJob(f"invalid sampling params: n x max_tokens exceeds {MAX_JOB_TOKENS} tokens per job")
     return job
 
 

@@ -447,3 +447,14 @@ def test_huge_ids_and_replies_are_refused_briefly():
     # Nobody to tell for an invalid reply, and no 40 KB id handed on to logs.
     assert peek_id(encode_job(Job(id="j", reply="bad\n", text="hi"))) == (None, None)
     assert peek_id(encode_job(Job(id=big, reply="p", text="hi"))) == (None, "p")
+
+
+def test_n_times_max_tokens_is_bounded_at_admission_and_at_decode():
+    """n=1024, max_tokens=65535 with logprobs passed every check and made a ~537 MB result
+    Redis refused; the product is bounded where jobs are built and where they are read."""
+    with pytest.raises(InvalidJob, match="n x max_tokens"):
+        SamplingParams.from_dict({"n": 1024, "max_tokens": 65535, "logprobs": 0})
+    job = Job(id="j", reply="p", text="hi", sampling=SamplingParams(n=1024, max_tokens=65535))
+    with pytest.raises(InvalidJob, match="n x max_tokens"):
+        decode_job(encode_job(job))
+    assert SamplingParams.from_dict({"n": 64, "max_tokens": 8192}).n == 64
