@@ -24,6 +24,7 @@ from .errors import (
     RollqError,
     SchemaVersionError,
     StalenessBound,
+    VersionUnavailable,
 )
 from .keys import QueueKeys
 from .producer import JobHandle, Producer, SyncJobHandle, SyncProducer
@@ -45,4 +46,5 @@ __all__ = [
     # errors
     "RollqError", "QueueFull", "StalenessBound", "InvalidJob", "ProtocolError", "SchemaVersionError", "JobError",
     "JobRejected", "JobCancelled", "JobExpired", "DeadLettered", "EngineFailed", "EngineDead", "PromptTooLong",
+    "VersionUnavailable",
 ]

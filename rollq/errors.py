@@ -63,8 +63,20 @@ class EngineFailed(JobError):
     """The engine raised while generating this job."""
 
 
+class VersionUnavailable(JobError):
+    """No policy version the job may run on (``min_version`` or newer) can be reached on the
+    replica that held it: it is beyond the newest committed version for too long, the wait
+    exceeded ``ConsumerSettings.max_version_wait``, or the replica cannot load that version."""
+
+
+class ResultTooLarge(JobError):
+    """The job's result, encoded, is larger than ``ConsumerSettings.max_result_bytes`` (or
+    Redis refused to store it): the job fails instead of holding up every result after it."""
+
+
 _JOB_ERRORS: dict[str, type[JobError]] = {
-    c.__name__: c for c in (JobError, JobRejected, JobCancelled, JobExpired, DeadLettered, EngineFailed)
+    c.__name__: c
+    for c in (JobError, JobRejected, JobCancelled, JobExpired, DeadLettered, EngineFailed, VersionUnavailable, ResultTooLarge)
 }
 
 
@@ -100,5 +112,63 @@ class StaleVersion(WeightSyncError):
     """An announced version is older than (or equal to) what is already loaded."""
 
 
+class WeightMismatch(WeightSyncError, ValueError):
+    """Weights whose names, shapes or dtypes do not match the served model's checkpoint.
+
+    ``mismatch`` (a :class:`rollq.weightsync.manifest.Mismatch`, when known) lists them all;
+    the message names the first few of each kind.
+    """
+
+    def __init__(self, message: str, *, mismatch: object = None):
+        super().__init__(message)
+        self.mismatch = mismatch
+
+
+class WeightLoadFailed(WeightSyncError):
+    """Replicas reported that they cannot load a committed version.
+
+    ``failures`` maps each replica id to its :class:`rollq.weightsync.versions.LoadError`.
+    """
+
+    def __init__(self, message: str, *, failures: dict | None = None):
+        super().__init__(message)
+        self.failures = failures or {}
+
+
 class RedisServerError(RollqError):
     """The embedded redis-server could not be started."""
+
+
+class RedisAuthError(RollqError):
+    """Redis refused our credentials (wrong password or user) or the ACL user lacks a
+    permission. Not retried: backing off would not make the password right."""
+
+
+class SubmitInterrupted(RollqError):
+    """Redis stayed unreachable while a submission was under way (longer than
+    ``RedisSettings.command_timeout`` without progress).
+
+    The batch splits, in order, into ``enqueued`` (handles of jobs Redis acknowledged),
+    ``in_doubt`` (jobs of calls that were sent but whose replies were lost: Redis may or may
+    not have enqueued them) and ``not_sent`` (jobs built but never sent); ``remaining`` is the
+    iterator of specs not read yet (None if all were). ``await err.resume()`` sends the
+    in-doubt calls again under their original call numbers (a call that ran replays its reply,
+    so nothing is enqueued twice), then the rest, and returns their handles. Resending the
+    in-doubt jobs any other way may enqueue them twice.
+    """
+
+    def __init__(self, message: str, *, enqueued: list, in_doubt: list, not_sent: list,
+                 remaining: object = None, resume: object = None):
+        super().__init__(message)
+        self.enqueued = enqueued
+        self.in_doubt = in_doubt
+        self.not_sent = not_sent
+        self.remaining = remaining
+        self._resume = resume
+
+    async def resume(self) -> list:
+        """Handles of the in-doubt, not-sent and remaining jobs, submitted without doubling."""
+        if self._resume is None:
+            raise RuntimeError("this SubmitInterrupted cannot be resumed (its producer is gone)")
+        resume, self._resume = self._resume, None
+        return await resume()

@@ -314,6 +314,8 @@ def short(text: Any, limit: int = 80) -> str:
     >>> short("x" * 100, 10)
     "'xxxxxxxxxx'... (100 characters)"
     """
+    if text is None:
+        return "None"
     if not isinstance(text, str):
         return type(text).__name__
     if len(text) <= limit:
@@ -649,7 +651,15 @@ class DeadLetter(msgspec.Struct, array_like=True, kw_only=True):
     deliveries: int
     at: float
     source: str  # stream the entry came from
-    payload: bytes  # the original entry, untouched (may not be a valid job)
+    #: The original entry (may not be a valid job), cut to the consumer's
+    #: ``ConsumerSettings.dlq_payload_bytes``: a cut one cannot be requeued.
+    payload: bytes
+    #: Size of the original entry (``len(payload)`` unless it was cut).
+    payload_bytes: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.payload_bytes > len(self.payload)
 
 
 # ----------------------------------------------------------------------------------------

@@ -24,6 +24,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 #: Environment variable consulted when no URL is given.
 ENV_URL = "ROLLQ_REDIS_URL"
+#: A file holding the URL (its first line), for a URL with a password: a URL on the command
+#: line shows in ``ps``, and an environment variable in ``/proc/<pid>/environ`` to the same user.
+ENV_URL_FILE = "ROLLQ_REDIS_URL_FILE"
 #: URL used when neither an argument nor the environment gives one.
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 #: Queue used when none is named.
@@ -54,7 +57,7 @@ class RedisSettings:
 
     @classmethod
     def from_url(cls, url: str | None = None, **kw: object) -> RedisSettings:
-        url = url or os.environ.get(ENV_URL) or DEFAULT_URL
+        url = url or os.environ.get(ENV_URL) or read_url_file(os.environ.get(ENV_URL_FILE)) or DEFAULT_URL
         parts = urlsplit(url)
         cluster = False
         scheme = parts.scheme
@@ -65,6 +68,24 @@ class RedisSettings:
             cluster = True
         clean = urlunsplit((scheme, parts.netloc, parts.path, urlencode(query), parts.fragment))
         return cls(url=clean, cluster=cluster, **kw)  # type: ignore[arg-type]
+
+
+def read_url_file(path: str | None) -> str | None:
+    """The Redis URL in the first line of the file at ``path`` (None: no path given).
+
+    >>> read_url_file(None) is None
+    True
+    """
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = f.readline().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the Redis URL file {path!r}: {e.strerror}") from e
+    if not line:
+        raise ValueError(f"the Redis URL file {path!r} is empty")
+    return line
 
 
 @dataclass(frozen=True)
@@ -125,5 +146,21 @@ class ConsumerSettings:
     #: Reconnect backoff: first delay and cap.
     backoff_initial: float = 0.1
     backoff_max: float = 5.0
+    #: A job whose ``min_version`` is above the loaded policy version waits (outside the
+    #: in-flight cap) at most this long in all, then fails with VersionUnavailable.
+    max_version_wait: float = 300.0
+    #: ... and at most this long while its ``min_version`` is beyond the newest committed
+    #: version (raise it if trainers submit jobs for a version long before publishing it).
+    max_uncommitted_wait: float = 60.0
+    #: Jobs that may wait for a policy version at once; at this bound the replica stops
+    #: pulling until some start or fail (the rest wait in Redis for any replica).
+    max_parked: int = 1024
+    #: Largest encoded result a replica records; a larger one fails its job with
+    #: ResultTooLarge (Redis refuses values over 512 MiB, and a huge one delays every result
+    #: recorded after it).
+    max_result_bytes: int = 64 << 20
+    #: Bytes of a dead-lettered entry kept in its dead letter (the rest is cut; a cut entry
+    #: cannot be requeued). ``dlq_maxlen`` bounds how many dead letters are kept.
+    dlq_payload_bytes: int = 64 << 10
     #: Extra fields shown in the replica registry.
     labels: dict[str, str] = field(default_factory=dict)

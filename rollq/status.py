@@ -158,6 +158,10 @@ class DeadLetterView:
     at: float
     source: str
     requeueable: bool
+    #: Bytes of the entry kept in the dead letter, and of the original entry (more when the
+    #: consumer cut it: ``ConsumerSettings.dlq_payload_bytes``).
+    kept_bytes: int = 0
+    payload_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,13 +169,13 @@ class DeadLetterView:
 
 def _view(eid: bytes, d: DeadLetter) -> DeadLetterView:
     try:
-        decode_job(d.payload)
-        ok = True
-    except Exception:
+        ok = not d.truncated and bool(decode_job(d.payload))
+    except Exception:  # noqa: BLE001 - not a valid job: it stays where it is
         ok = False
     return DeadLetterView(
         entry_id=_s(eid), job_id=d.job_id, reason=d.reason, error_type=d.error_type,
         consumer=d.consumer, deliveries=d.deliveries, at=d.at, source=d.source, requeueable=ok,
+        kept_bytes=len(d.payload), payload_bytes=max(d.payload_bytes, len(d.payload)),
     )
 
 

@@ -9,6 +9,10 @@ import pytest
 
 from rollq.server import RedisServer
 
+# The vLLM session fixtures live here, defined once: a fixture imported into several test
+# modules is a fixture of each of them, and each would start an engine of its own (~4 GB).
+from tests.vllm_fixtures import tiny_model_path, vllm_engine  # noqa: E402,F401
+
 
 def pytest_collection_modifyitems(config, items):
     try:

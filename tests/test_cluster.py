@@ -362,7 +362,7 @@ async def test_rollq_status_and_check_through_the_cluster_url(redis_cluster, mak
 
     c = make_consumer(q, consumer_id="st-a")
     make_consumer.start(c)
-    await until(lambda: c.counters.completed == 5 and len(c._held) == 1, 20, "five jobs done, one held")
+    await until(lambda: c.counters.completed == 5 and c.waiting_count() == 1, 20, "five jobs done, one held")
     rc, out, err = await run_cli("status", "--url", redis_cluster.url, "--queue", q, "--json")
     assert rc == 0, err
     st = json.loads(out)

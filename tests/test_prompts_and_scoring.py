@@ -11,7 +11,6 @@ import pytest_asyncio
 
 from rollq import Consumer, ConsumerSettings, InvalidJob, Producer
 from rollq.protocol import make_job, prompt_parts, score_spec
-from tests.vllm_fixtures import tiny_model_path, vllm_engine  # noqa: F401
 
 
 # -- what a prompt may be ------------------------------------------------------------------

@@ -17,7 +17,7 @@ import pytest
 from rollq.consumer.engine import EngineOutput
 from rollq.errors import InvalidJob, PromptTooLong
 from rollq.protocol import Job, Message, SamplingParams, pack_i32
-from tests.vllm_fixtures import TEST_MAX_MODEL_LEN, tiny_model_path, vllm_engine  # noqa: F401
+from tests.vllm_fixtures import TEST_MAX_MODEL_LEN
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 

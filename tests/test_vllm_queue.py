@@ -13,7 +13,7 @@ from rollq import Consumer, ConsumerSettings, Producer
 from rollq.consumer.engine import Engine
 from rollq.errors import EngineDead, JobCancelled, JobExpired
 from rollq.producer.batch import results_to_tensordict
-from tests.vllm_fixtures import TEST_MAX_MODEL_LEN, tiny_model_path, vllm_engine  # noqa: F401
+from tests.vllm_fixtures import TEST_MAX_MODEL_LEN
 
 pytestmark = [pytest.mark.vllm]
 session_loop = pytest.mark.asyncio(loop_scope="session")

@@ -14,7 +14,6 @@ from rollq import Consumer, ConsumerSettings, Producer
 from rollq.errors import CorruptWeights
 from rollq.weightsync import WeightFollower, WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
-from tests.vllm_fixtures import tiny_model_path, vllm_engine  # noqa: F401
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 

@@ -6,9 +6,8 @@ output handler lives::
 
     pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
-Import the fixtures into a test module (until they move to ``tests/conftest.py``)::
-
-    from tests.vllm_fixtures import vllm_engine, tiny_model_path  # noqa: F401
+``tests/conftest.py`` imports them, so every test module shares the one engine; importing
+them into a test module again would make that module start an engine of its own.
 """
 
 from __future__ import annotations

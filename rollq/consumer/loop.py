@@ -16,6 +16,13 @@ The pipeline, one asyncio task each:
 - **reclaim**: finds consumers whose lease expired and takes over their pending jobs; after
   ``max_deliveries`` a job is dead-lettered instead.
 - **control**: pub/sub hints (cancel, hand-back) that make the above react at once.
+- **version wait**: jobs whose ``min_version`` is above the loaded policy version wait here,
+  outside the in-flight cap (at most ``max_parked``; at that bound the replica stops pulling
+  and the rest wait in Redis, where other replicas can take them). They start once the
+  version loads, or fail with :class:`~rollq.errors.VersionUnavailable` when their version is
+  beyond the newest committed one for ``max_uncommitted_wait``, when they waited
+  ``max_version_wait`` in all, or when this replica cannot load the newest committed version
+  (:meth:`Consumer.version_failed`) and that version would have served them.
 """
 
 from __future__ import annotations
@@ -48,22 +55,26 @@ from ..errors import (
     JobExpired,
     JobRejected,
     ProtocolError,
+    ResultTooLarge,
+    VersionUnavailable,
 )
 from ..keys import FIELD, GROUP, QueueKeys, check_name
 from ..protocol import (
     DeadLetter,
     ErrorInfo,
     Job,
+    UNKNOWN_START,
     Result,
     decode_job,
     encode_dead_letter,
     encode_job,
     encode_result,
     peek_id,
+    short,
 )
 from ..settings import DEFAULT_QUEUE, ConsumerSettings, RedisSettings
 from .capacity import CapacityController
-from .engine import Engine, EngineOutput
+from .engine import Engine, EngineOutput, SwapProgress
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +118,21 @@ class _Running:
     deliveries: int
     started: float
     version_start: int
+    #: Versions swapped in while it ran: (version, tokens per sample before the swap, or
+    #: None where not known, and whether a sample missing from them had none).
+    swaps: list[tuple[int, dict[int, int] | None, bool]] | None = None
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A job waiting for the policy version it needs (``job.min_version``)."""
+
+    stream: str
+    eid: bytes
+    job: Job
+    deliveries: int
+    since: float  # monotonic
+    beyond_since: float | None = None  # since when its version is known not to be committed
 
 
 class _Finish(NamedTuple):
@@ -120,6 +146,7 @@ class _Finish(NamedTuple):
     dead_letter: bytes
     counter: str
     latency_ms: float | None = None
+    for_job: str = ""  # the job's id, whether recorded or not (to tell its submitter)
 
 
 @dataclass
@@ -177,7 +204,11 @@ class Consumer:
         self._finish_client: Client | None = None
         self._running: dict[str, _Running] = {}  # request id -> job
         self._by_job: dict[str, str] = {}  # job id -> request id
-        self._held: list[tuple[str, bytes, Job, int]] = []  # waiting for a newer policy version
+        self._held: list[tuple[str, bytes, Job, int]] = []  # read while intake was closed (weight update)
+        self._waiting: list[_Waiting] = []  # waiting for a newer policy version (outside the cap)
+        self._check_waiting_now = asyncio.Event()
+        self._committed = 0  # newest committed policy version, as last read
+        self._load_failure: tuple[int, str] | None = None  # (version, reason) the follower gave up on
         self._finishes: list[_Finish] = []
         self._finish_wakeup = asyncio.Event()
         self._room = asyncio.Event()
@@ -235,6 +266,7 @@ class Consumer:
             asyncio.create_task(self._heartbeat_loop(), name="rollq-heartbeat"),
             asyncio.create_task(self._reclaim_loop(), name="rollq-reclaim"),
             asyncio.create_task(self._control_loop(), name="rollq-control"),
+            asyncio.create_task(self._version_wait_loop(), name="rollq-version-wait"),
         ]
         log.info("consumer %s serving queue %r with engine %s (%s)", self.id, self.queue, self.engine.name, self.engine.model)
         try:
@@ -288,13 +320,16 @@ class Consumer:
         deadline = time.monotonic() + (0 if self._engine_error else self.settings.drain_timeout)
         while (self._running or self._held) and time.monotonic() < deadline and not self._engine_error:
             await asyncio.sleep(0.02)
-        if self._running or self._held:
-            log.warning("consumer %s handing back %d unfinished jobs", self.id, len(self._running) + len(self._held))
+        if self._running or self._held or self._waiting:  # jobs waiting for a version are not waited for
+            log.warning(
+                "consumer %s handing back %d unfinished jobs", self.id, len(self._running) + len(self._held) + len(self._waiting)
+            )
         for rid in list(self._running):
             self.engine.abort(rid)
         self._running.clear()
         self._by_job.clear()
         self._held.clear()
+        self._waiting.clear()
         # Flush recorded outcomes (bounded wait even if Redis is down).
         self._finish_wakeup.set()
         flush_deadline = time.monotonic() + max(5.0, self.settings.drain_timeout / 5)
@@ -331,6 +366,11 @@ class Consumer:
     # pull
     # ==================================================================================
     def free_slots(self) -> int:
+        """Jobs the next read may take: the in-flight cap less what runs (or is held while
+        intake is closed). Jobs waiting for a policy version run nothing and do not count,
+        but at ``max_parked`` of them the replica stops pulling (0) until some start or fail."""
+        if len(self._waiting) >= self.settings.max_parked:
+            return 0
         return self.capacity.cap - len(self._running) - len(self._held)
 
     async def _pull_loop(self) -> None:
@@ -376,7 +416,7 @@ class Consumer:
                 except _RETRYABLE:
                     self._lost_read = True
             if not resp:
-                if self._burst and not self._running and not self._held and not self._finishes:
+                if self._burst and not self._running and not self._held and not self._waiting and not self._finishes:
                     if await self._nothing_left():
                         break
                 continue
@@ -399,6 +439,7 @@ class Consumer:
     def _known_eids(self) -> set[bytes]:
         known = {r.eid for r in self._running.values()}
         known.update(h[1] for h in self._held)
+        known.update(w.eid for w in self._waiting)
         known.update(f[1] for f in self._finishes)
         known.update(p[1] for p in self._parked)
         return known
@@ -478,9 +519,10 @@ class Consumer:
             return
         try:
             job = decode_job(payload, self.settings.max_prompt_bytes)
-        except (ProtocolError, InvalidJob) as e:
+        except Exception as e:  # noqa: BLE001 - whatever an entry does, it is dead-lettered, never fatal
             jid, reply = peek_id(payload)
-            self._fail(stream, eid, jid, reply, payload, JobRejected, str(e), deliveries, dlq=True)
+            why = str(e) if isinstance(e, (ProtocolError, InvalidJob)) else f"undecodable entry: {type(e).__name__}"
+            self._fail(stream, eid, jid, reply, payload, JobRejected, short_message(why), deliveries, dlq=True)
             return
         if deliveries > self.settings.max_deliveries:
             self._fail(
@@ -497,9 +539,16 @@ class Consumer:
             self._fail(stream, eid, job.id, job.reply, b"", JobExpired, "deadline passed while queued", deliveries, job=job)
             return
         if job.min_version is not None and job.min_version > self.version:
-            self._held.append((stream, eid, job, deliveries))
+            self._wait_for_version(stream, eid, job, deliveries)
             return
         self._submit(stream, eid, job, deliveries)
+
+    def _wait_for_version(self, stream: str, eid: bytes, job: Job, deliveries: int) -> None:
+        now = time.monotonic()
+        beyond = now if job.min_version > self._committed else None  # refined by the next check
+        self._waiting.append(_Waiting(stream, eid, job, deliveries, now, beyond))
+        if beyond is not None or self._load_failure is not None:
+            self._check_waiting_now.set()
 
     def _submit(self, stream: str, eid: bytes, job: Job, deliveries: int) -> None:
         if not self.intake_gate.is_set():
@@ -514,6 +563,26 @@ class Consumer:
             self.engine.submit(rid, job, self._on_done)
         except Exception as e:  # an engine must report through done; be safe anyway
             self._on_done(rid, e)
+
+    def set_version(self, version: int, progress: SwapProgress | None = None) -> None:
+        """The engine now serves ``version`` (weight sync calls this once the new weights are
+        in). ``progress`` says how many tokens each running request had generated before the
+        swap: every sample's result then records where each version began
+        (:attr:`~rollq.protocol.Sample.versions`); without it those starts are unknown."""
+        if version != self.version:
+            for rid, run in self._running.items():
+                if progress is None:
+                    counts, complete = None, False
+                else:
+                    counts = progress.tokens.get(rid)
+                    complete = progress.complete
+                    if counts is None and complete:
+                        counts = {}
+                if run.swaps is None:
+                    run.swaps = []
+                run.swaps.append((version, counts, complete))
+        self.version = version
+        self.release_held()
 
     def running_count(self) -> int:
         return len(self._running)
@@ -539,13 +608,112 @@ class Consumer:
             self._submit(stream, eid, job, deliveries)
 
     def release_held(self) -> None:
-        """Start jobs that were waiting for the policy version now loaded."""
+        """Start jobs held while intake was closed and those waiting for the policy version
+        now loaded (the weight follower calls it after every update)."""
+        if self._load_failure is not None and self.version >= self._load_failure[0]:
+            self._load_failure = None
         held, self._held = self._held, []
         for stream, eid, job, deliveries in held:
             if job.min_version is not None and job.min_version > self.version:
-                self._held.append((stream, eid, job, deliveries))
+                self._wait_for_version(stream, eid, job, deliveries)
             else:
                 self._submit(stream, eid, job, deliveries)  # re-held while intake is closed
+        if self._waiting:
+            waiting, self._waiting = self._waiting, []
+            for w in waiting:
+                if w.job.min_version > self.version:
+                    self._waiting.append(w)
+                else:
+                    self._submit(w.stream, w.eid, w.job, w.deliveries)
+            if len(self._waiting) < len(waiting):
+                self._room.set()
+
+    # ==================================================================================
+    # jobs waiting for a policy version
+    # ==================================================================================
+    def waiting_count(self) -> int:
+        """Jobs waiting for a policy version newer than the loaded one."""
+        return len(self._waiting)
+
+    def version_failed(self, version: int, reason: str) -> None:
+        """This replica cannot load committed policy ``version`` and will not retry it until a
+        newer one is committed (the weight follower calls it). Jobs waiting for a version it
+        would have served (``min_version <= version``) fail with
+        :class:`~rollq.errors.VersionUnavailable` naming ``reason``, once Redis confirms that
+        no newer version is committed; later versions are waited for as usual.
+
+        >>> consumer.version_failed(7, "WeightMismatch: 1 shape mismatch ...")   # doctest: +SKIP
+        """
+        self._load_failure = (version, reason[:500])
+        self._check_waiting_now.set()
+
+    async def announce(self) -> None:
+        """Write this replica's registry entry now, not at the next heartbeat (the weight
+        follower calls it after an update, so ``wait_for_replicas`` sees it at once)."""
+        if self._client is None or self._closed or self.state in ("starting", "stopped"):
+            return
+        try:
+            await self._client.hset(self.keys.consumers, self.id, msgspec.msgpack.encode(self.info()))
+        except _RETRYABLE as e:
+            log.debug("registry update failed: %s", e)
+
+    async def _version_wait_loop(self) -> None:
+        while not self._closed:
+            await self._wait_any(self._check_waiting_now.wait(), timeout=self.settings.heartbeat_interval)
+            self._check_waiting_now.clear()
+            if not self._waiting:
+                continue
+            try:
+                await self._check_waiting()
+            except _RETRYABLE as e:
+                log.debug("version check failed: %s", e)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("version check error")
+
+    async def _check_waiting(self) -> None:
+        """Fail waiting jobs whose version cannot be reached (see the module docstring)."""
+        v = await self._client.hget(self.keys.version, "v")
+        committed = self._committed = int(v) if v is not None else 0
+        s = self.settings
+        now = time.monotonic()
+        lf = self._load_failure
+        keep: list[_Waiting] = []
+        failed = 0
+        last = ""
+        for w in self._waiting:  # no await below: release_held cannot interleave
+            m = w.job.min_version
+            why = None
+            if m <= self.version:
+                keep.append(w)  # released by the next release_held
+                continue
+            if lf is not None and committed <= lf[0] and m <= lf[0]:
+                why = (f"min_version {m}: replica {self.id} cannot load policy version {lf[0]}, the newest committed "
+                       f"({lf[1]}); it serves version {self.version}")
+            elif m > committed:
+                if w.beyond_since is None:
+                    w.beyond_since = now
+                elif now - w.beyond_since > s.max_uncommitted_wait:
+                    why = (f"min_version {m} is beyond the newest committed version {committed}: waited "
+                           f"{now - w.beyond_since:.1f}s for it to be published (ConsumerSettings.max_uncommitted_wait="
+                           f"{s.max_uncommitted_wait})")
+            else:
+                w.beyond_since = None
+            if why is None and now - w.since > s.max_version_wait:
+                why = (f"waiting for policy version {m} timed out after {now - w.since:.1f}s on replica {self.id} "
+                       f"(serving {self.version}, newest committed {committed}; ConsumerSettings.max_version_wait="
+                       f"{s.max_version_wait})")
+            if why is None:
+                keep.append(w)
+                continue
+            failed += 1
+            last = why
+            self._fail(w.stream, w.eid, w.job.id, w.job.reply, b"", VersionUnavailable, why, w.deliveries, job=w.job)
+        if failed:
+            self._waiting = keep
+            log.warning("consumer %s: %d job(s) failed waiting for a policy version (last: %s)", self.id, failed, last[:300])
+            self._room.set()
 
     # ==================================================================================
     # outcomes
@@ -558,13 +726,25 @@ class Consumer:
         job = run.job
         now = time.time()
         if isinstance(out, EngineOutput):
+            if run.swaps:
+                _mark_versions(out.samples, run.version_start, run.swaps)
             res = Result(
                 id=job.id, samples=out.samples, prompt_tokens=out.prompt_tokens,
                 version_start=run.version_start, version_end=self.version, replica=self.id,
                 submitted=job.submitted, started=run.started, finished=now,
                 deliveries=run.deliveries, meta=job.meta,
+                prompt_ids=out.prompt_ids, prompt_lps=out.prompt_logprobs,
             )
-            self._queue_finish(run.stream, run.eid, job.id if job.tracked else "", job.reply, encode_result(res), b"", "completed", now - job.submitted)
+            data = encode_result(res)
+            if len(data) > self.settings.max_result_bytes:
+                n_tok = sum(len(s.tokens) // 4 for s in out.samples)
+                self._fail(run.stream, run.eid, job.id, job.reply, b"", ResultTooLarge,
+                           f"the result ({len(out.samples)} samples, {n_tok} tokens) is {len(data)} bytes encoded, over "
+                           f"ConsumerSettings.max_result_bytes={self.settings.max_result_bytes}; lower n, max_tokens or logprobs",
+                           run.deliveries, job=job, started=run.started)
+                self._room.set()
+                return
+            self._queue_finish(run.stream, run.eid, job.id if job.tracked else "", job.reply, data, b"", "completed", now - job.submitted, job.id)
             lag = self.version - run.version_start
             self.counters.lag[lag] = self.counters.lag.get(lag, 0) + 1
         elif isinstance(out, EngineDead):
@@ -599,18 +779,21 @@ class Consumer:
             )
         dead = b""
         if dlq:
+            keep = self.settings.dlq_payload_bytes
             dead = encode_dead_letter(
                 DeadLetter(
                     job_id=job_id, reason=message, error_type=err.__name__, consumer=self.id,
-                    deliveries=deliveries, at=now, source=stream, payload=payload,
+                    deliveries=deliveries, at=now, source=stream, payload=payload[:keep], payload_bytes=len(payload),
                 )
             )
-            log.warning("dead-lettered entry %s of %s (job %s): %s", eid, stream, job_id, message)
+            log.warning("dead-lettered entry %s of %s (job %s): %s", eid, stream, short(job_id), short_message(message))
         tracked = job.tracked if job is not None else True  # unknown: forget the id if recorded
-        self._queue_finish(stream, eid, (job_id or "") if tracked else "", reply, result, dead, "failed", None)
+        self._queue_finish(stream, eid, (job_id or "") if tracked else "", reply, result, dead, "failed", None, job_id or "")
 
-    def _queue_finish(self, stream: str, eid: bytes, job_id: str, reply: str | None, result: bytes, dead: bytes, counter: str, latency_s: float | None) -> None:
-        self._finishes.append(_Finish(stream, eid, job_id, reply, result, dead, counter, None if latency_s is None else latency_s * 1000))
+    def _queue_finish(self, stream: str, eid: bytes, job_id: str, reply: str | None, result: bytes, dead: bytes, counter: str,
+                      latency_s: float | None, for_job: str = "") -> None:
+        self._finishes.append(_Finish(stream, eid, job_id, reply, result, dead, counter,
+                                      None if latency_s is None else latency_s * 1000, for_job))
         self._finish_wakeup.set()
 
     async def _finisher(self) -> None:
@@ -621,7 +804,7 @@ class Consumer:
             await self._finish_wakeup.wait()
             self._finish_wakeup.clear()
             while self._finishes:
-                batch = self._finishes[: max(s.batch, 256)]
+                batch = self._next_batch()
                 try:
                     flags = await asyncio.shield(self._finish_batch(batch))
                     backoff = s.backoff_initial
@@ -631,9 +814,64 @@ class Consumer:
                     await asyncio.sleep(backoff * (0.5 + random.random()))
                     backoff = min(backoff * 2, s.backoff_max)
                     continue
+                except ResponseError as e:
+                    # Redis refused the call (a value over its limits, out of memory): record
+                    # the rows one at a time, so only the one it refuses fails.
+                    n = len(batch)
+                    batch, flags = await self._finish_one_by_one(batch, e)
+                    del self._finishes[:n]
+                    self._account(batch, flags)
+                    self._room.set()
+                    continue
                 del self._finishes[: len(batch)]
                 self._account(batch, flags)
                 self._room.set()
+
+    def _next_batch(self) -> list[_Finish]:
+        n = batch_rows([len(f.result) + len(f.dead_letter) for f in self._finishes[: max(self.settings.batch, 256)]],
+                       FINISH_BATCH_BYTES)
+        return self._finishes[:n]
+
+    async def _finish_one_by_one(self, batch: list[_Finish], error: Exception) -> tuple[list[_Finish], list[int]]:
+        """Record ``batch`` row by row after Redis refused it whole. A row it refuses alone
+        is recorded as an error result instead (``ResultTooLarge``, with Redis' reply), so
+        no result waits behind it. Returns the rows as recorded and their FINISH flags."""
+        rows, flags = [], []
+        for f in batch:
+            row, flag = await self._finish_row(f)
+            rows.append(row)
+            flags.append(flag)
+        log.warning("recorded %d of %d results one by one after Redis refused them together: %s",
+                    sum(flags), len(batch), short_message(str(error)))
+        return rows, flags
+
+    async def _finish_row(self, f: _Finish) -> tuple[_Finish, int]:
+        backoff = self.settings.backoff_initial
+        for attempt in range(2):
+            while True:
+                try:
+                    return f, (await asyncio.shield(self._finish_batch([f])))[0]
+                except _RETRYABLE:
+                    if self._closed:
+                        return f, 0
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, self.settings.backoff_max)
+                except ResponseError as e:
+                    refused = e
+                    break
+            if attempt:
+                log.error("Redis refused to finish entry %s even with an error result (%s); it stays pending",
+                          f.eid, short_message(str(refused)))
+                return f, 0
+            log.warning("Redis refused the result of job %s (%d bytes): %s", short(f.for_job), len(f.result),
+                        short_message(str(refused)))
+            err = encode_result(Result(
+                id=f.for_job, error=ErrorInfo(type=ResultTooLarge.__name__, message=short_message(
+                    f"Redis refused to store the result ({len(f.result)} bytes): {refused}")),
+                replica=self.id, version_start=self.version, version_end=self.version, finished=time.time(),
+            )) if f.result and f.for_job else b""
+            f = f._replace(result=err, dead_letter=b"", counter="failed", latency_ms=None)
+        return f, 0
 
     def _result_key(self, reply: str) -> str:
         k = self._result_keys.get(reply)
@@ -650,7 +888,7 @@ class Consumer:
         index: dict[str, int] = {}
         packs: dict[int, list[bytes]] = {}
         rows = []
-        for stream, eid, job_id, reply, result, dead, counter, _ in batch:
+        for stream, eid, job_id, reply, result, dead, counter, _, _ in batch:
             si = index.get(stream)
             if si is None:
                 keys.append(stream)
@@ -783,6 +1021,7 @@ class Consumer:
                 self._by_job.pop(run.job.id, None)
                 self.engine.abort(rid)
                 log.info("job %s is owned by another replica now; aborted our copy", run.job.id)
+        self._waiting = [w for w in self._waiting if w.eid in owned]
 
     async def _heartbeat_loop(self) -> None:
         while not self._closed:
@@ -912,6 +1151,45 @@ class Consumer:
 
 
 _pack = msgpack.Packer(use_bin_type=False).pack
+
+
+#: Most bytes of results and dead letters in one FINISH call (Redis takes values up to
+#: 512 MiB; smaller calls also keep one huge result from delaying many small ones).
+FINISH_BATCH_BYTES = 64 << 20
+
+
+def batch_rows(sizes: list[int], max_bytes: int) -> int:
+    """How many of the next rows (of ``sizes`` bytes) one FINISH call takes: as many as fit in
+    ``max_bytes``, and the first row always.
+
+    >>> batch_rows([10, 10, 10], 25), batch_rows([100, 1], 25), batch_rows([], 25)
+    (2, 1, 0)
+    """
+    total = 0
+    for n, size in enumerate(sizes):
+        total += size
+        if n and total > max_bytes:
+            return n
+    return len(sizes)
+
+
+def short_message(text: str, limit: int = 500) -> str:
+    """An error message cut to ``limit`` characters for logs and dead letters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _mark_versions(samples: list[Any], version_start: int, swaps: list[tuple[int, dict[int, int] | None, bool]]) -> None:
+    """Fill each sample's ``versions`` (see :class:`~rollq.protocol.Sample`) from the swaps
+    that happened while its job ran."""
+    for j, sample in enumerate(samples):
+        n = len(sample.tokens) // 4
+        marks = [(version_start, 0)]
+        for v, counts, complete in swaps:
+            start = counts.get(j) if counts is not None else None
+            if start is None:
+                start = 0 if counts is not None and complete else UNKNOWN_START
+            marks.append((v, min(start, n) if start != UNKNOWN_START else start))
+        sample.versions = marks
 
 
 def _str(name: bytes | str) -> str:

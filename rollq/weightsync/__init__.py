@@ -15,7 +15,8 @@ _EXPORTS = {
     "MemmapStore": "memmap",
     "WeightPublisher": "publisher",
     "TensorMeta": "versions", "VersionRecord": "versions", "commit_version": "versions",
-    "read_version": "versions", "version_log": "versions",
+    "read_version": "versions", "version_log": "versions", "LoadError": "versions", "read_load_errors": "versions",
+    "Manifest": "manifest", "read_manifest": "manifest", "check_state": "manifest",
     "BroadcastSender": "nccl",
 }
 

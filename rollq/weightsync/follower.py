@@ -21,6 +21,16 @@ Applying a version follows the queue's update policy (``config`` hash, ``update_
 - ``drain``: close intake, let in-flight requests finish on the old weights, load, reopen.
 
 The pause (generation stopped) and the whole update time are recorded per replica.
+
+On start the follower publishes the checkpoint manifest of the served model (names, dtypes,
+shapes from the model folder's safetensors headers; :mod:`rollq.weightsync.manifest`), which
+publishers check state dicts against, and checks each memmap version's manifest against it
+before loading. A version that cannot be loaded is recorded in ``QueueKeys.load_errors``
+(:class:`~rollq.weightsync.versions.LoadError`, removed once a version loads) and is not
+retried every second: a corrupt or mismatched version (:class:`~rollq.errors.CorruptWeights`,
+:class:`~rollq.errors.WeightMismatch`) never again, other failures ``load_retries`` times
+with a doubling delay from ``load_retry_delay``; after that the follower waits for a newer
+version and tells the consumer (``Consumer.version_failed``), which fails jobs waiting for it.
 """
 
 from __future__ import annotations
@@ -33,8 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ..connection import RETRYABLE
-from ..errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
-from .versions import VersionRecord, decode_record
+from ..errors import CorruptWeights, WeightMismatch, WeightSyncError, WeightSyncTimeout
+from .manifest import Manifest, diff, encode_manifest, read_manifest
+from .versions import LoadError, TensorMeta, VersionRecord, decode_record, report_load_error
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +71,27 @@ class UpdateStats:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class _Failure:
+    """This replica's failure to load one committed version."""
+
+    version: int
+    attempts: int
+    final: bool  # not retried until a newer version is committed
+    retry_at: float  # monotonic
+
+
+#: Longest delay between two attempts at a version that failed to load.
+MAX_RETRY_DELAY = 60.0
+
+
 class WeightFollower:
-    """Keeps one replica's engine at the newest committed policy version."""
+    """Keeps one replica's engine at the newest committed policy version.
+
+    ``load_retries``: attempts after the first at a version whose load failed for a reason
+    other than corrupt or mismatched data, ``load_retry_delay`` seconds apart at first,
+    doubling (at most 60 s).
+    """
 
     def __init__(
         self,
@@ -78,6 +108,8 @@ class WeightFollower:
         overlap_lead_s: float = 0.035,
         overlap_commit_timeout: float = 0.25,
         overlap_programs: int = 0,
+        load_retries: int = 3,
+        load_retry_delay: float = 2.0,
     ):
         self.consumer = consumer
         self.engine = consumer.engine
@@ -103,6 +135,10 @@ class WeightFollower:
         self.overlap_commit_timeout = overlap_commit_timeout
         #: Cap on the exchange kernel's concurrent blocks (0: none; see rollq_swap_overlapped).
         self.overlap_programs = overlap_programs
+        self.load_retries = load_retries
+        self.load_retry_delay = load_retry_delay
+        #: Checkpoint manifest of the served model (None: the engine has no model folder).
+        self.manifest: Manifest | None = None
         self.history: list[UpdateStats] = []
         #: Overlapped swaps undone (the receive failed, or no commit came in time).
         self.overlap_reverts = 0
@@ -117,6 +153,7 @@ class WeightFollower:
         self._policy: str | None = None  # the queue's update policy as last read
         self._receive_est: float | None = None  # this replica's in-place receive time (EWMA, s)
         self._overlap_task: asyncio.Task | None = None
+        self._failure: _Failure | None = None
         #: NCCL/gloo receiver (rollq.weightsync.nccl) that stages versions while serving.
         self.receiver: Any = None
         if broadcast:
@@ -130,10 +167,13 @@ class WeightFollower:
         from ..connection import connect
 
         self._client = connect(self.consumer.redis_settings)
+        await self._publish_manifest()
         self.consumer.add_control_handler(self._on_control)
         self.consumer.intake_gate.clear()  # a restarted replica loads the current version first
         try:
             await self._reconcile_with_retry()
+            if self._failure is None:  # an entry left by an earlier run under this id
+                await self._clear_failure()
         finally:
             self.consumer.intake_gate.set()
         self._task = asyncio.create_task(self._loop(), name="rollq-weight-follower")
@@ -150,7 +190,33 @@ class WeightFollower:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self._client is not None:
+            try:  # a stopped replica serves nothing: its manifest and load error go with it
+                pipe = self._client.pipeline(transaction=False)
+                pipe.hdel(self.consumer.keys.manifests, self.consumer.id)
+                pipe.hdel(self.consumer.keys.load_errors, self.consumer.id)
+                await pipe.execute()
+            except RETRYABLE as e:
+                log.debug("could not remove this replica's manifest (%s)", e)
             await self._client.aclose()
+
+    async def _publish_manifest(self) -> None:
+        """Read the served checkpoint's manifest (headers only) and publish it for publishers."""
+        model = getattr(self.engine, "model", "") or ""
+        dtype = getattr(getattr(self.engine, "config", None), "dtype", None)
+        try:
+            self.manifest = await asyncio.to_thread(read_manifest, model, dtype if isinstance(dtype, str) else None)
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("cannot read the checkpoint manifest of %s (%s); publishers will not check weights against it", model[:200], e)
+            self.manifest = None
+        if self.manifest is None:
+            log.debug("engine model %r has no safetensors checkpoint folder: no manifest published", model[:200])
+            return
+        try:
+            await self._client.hset(self.consumer.keys.manifests, self.consumer.id, encode_manifest(self.manifest))
+        except RETRYABLE as e:
+            log.warning("could not publish the checkpoint manifest (%s); publishers will not check weights against it", e)
+            return
+        log.info("replica %s published the manifest of %s (%d tensors)", self.consumer.id, model[:200], len(self.manifest.tensors))
 
     def _on_control(self, verb: str, arg: str) -> None:
         if verb == "woffer" and self._can_overlap():
@@ -182,13 +248,20 @@ class WeightFollower:
 
     async def _loop(self) -> None:
         while True:
+            wait = self.reconcile_interval
+            f = self._failure
+            if f is not None and not f.final:  # wake for the retry
+                wait = max(0.0, min(wait, f.retry_at - time.monotonic()))
             try:
-                await asyncio.wait_for(self._kick.wait(), self.reconcile_interval)
+                await asyncio.wait_for(self._kick.wait(), wait)
             except asyncio.TimeoutError:
                 pass
             self._kick.clear()
             try:
-                await self.reconcile()
+                await self._reconcile(from_loop=True)
+                f = self._failure
+                if f is not None and self.consumer.version >= f.version:  # loaded meanwhile (overlapped swap)
+                    await self._clear_failure()
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -198,7 +271,16 @@ class WeightFollower:
 
     # -- applying versions ---------------------------------------------------------------
     async def reconcile(self) -> UpdateStats | None:
-        """Apply the committed version if it is newer than the loaded one."""
+        """Apply the committed version if it is newer than the loaded one.
+
+        A load that fails is recorded (see the module docstring) and raised; an explicit call
+        tries again even a version the follower gave up on.
+        """
+        return await self._reconcile(from_loop=False)
+
+    async def _reconcile(self, from_loop: bool) -> UpdateStats | None:
+        """The loop's reconcile skips a version that failed until its retry is due (or for
+        good, once final) and does not raise load failures (they are recorded)."""
         async with self._lock:
             t0 = time.perf_counter()
             # One round trip: the record, the policy and (for an announced broadcast version)
@@ -214,16 +296,81 @@ class WeightFollower:
             rec = decode_record(got[0]) if got[0] else None
             if rec is None or rec.version <= self.consumer.version:
                 return None
+            f = self._failure
+            if from_loop and f is not None and f.version == rec.version and (f.final or time.monotonic() < f.retry_at):
+                return None
             p = got[1].decode() if isinstance(got[1], bytes) else got[1]
             policy = self._policy = p if p in POLICIES else self.default_policy
             acks = got[2] if hinted and hinted == rec.version else None
             self._note_receive(acks)
             read_s = time.perf_counter() - t0
-            st = await self.apply(rec, policy, acks=acks)
+            try:
+                self._check_slot(rec)
+                st = await self.apply(rec, policy, acks=acks)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                await self._load_failed(rec.version, e)
+                if from_loop:
+                    return None
+                raise
             st.timings.update(read_s=read_s, hinted_at=self._hinted_at if self._hinted == rec.version else 0.0)
             self.history.append(st)
             self.failures = 0
+            if self._failure is not None:
+                await self._clear_failure()
+            await self.consumer.announce()  # waiters (wait_for_replicas) see the version now
             return st
+
+    # -- load failures ------------------------------------------------------------------------
+    def _check_slot(self, rec: VersionRecord) -> None:
+        """Refuse a memmap version whose tensors do not match the served checkpoint before
+        the engine sees any of it (the publisher checks too, unless told not to)."""
+        if self.manifest is None or rec.memmap_slot is None or self.root is None:
+            return
+        from .memmap import MemmapStore
+
+        marker = MemmapStore(self.root).marker(rec.memmap_slot)
+        if not marker or marker.get("version") != rec.version:
+            return  # the load itself refuses it (CorruptWeights)
+        problems = diff([TensorMeta(n, d, list(sh)) for n, d, sh in marker.get("manifest", [])], self.manifest)
+        if problems:
+            raise WeightMismatch(problems.describe(f"policy version {rec.version} ({rec.memmap_slot})", self.manifest.model), mismatch=problems)
+
+    async def _load_failed(self, version: int, e: Exception) -> None:
+        """Record why ``version`` did not load, here and in Redis; decide whether to retry it."""
+        c = self.consumer
+        f = self._failure
+        attempts = f.attempts + 1 if f is not None and f.version == version else 1
+        final = isinstance(e, (CorruptWeights, WeightMismatch)) or attempts > self.load_retries
+        delay = min(MAX_RETRY_DELAY, self.load_retry_delay * 2 ** (attempts - 1))
+        self._failure = _Failure(version, attempts, final, time.monotonic() + delay)
+        msg = str(e)[:2000]
+        if final:
+            log.error(
+                "replica %s cannot load policy version %d (%s: %s); it keeps serving version %d and waits for a newer one",
+                c.id, version, type(e).__name__, msg[:500], c.version,
+            )
+        else:
+            log.warning(
+                "replica %s could not load policy version %d (%s: %s); retry %d of %d in %.1fs (WeightFollower load_retries)",
+                c.id, version, type(e).__name__, msg[:500], attempts, self.load_retries, delay,
+            )
+        try:
+            await report_load_error(self._client, c.keys, c.id, LoadError(
+                version=version, error=type(e).__name__, message=msg, attempts=attempts, final=final,
+            ))
+        except RETRYABLE as re:
+            log.warning("could not record the load error of version %d in Redis (%s)", version, re)
+        if final:
+            c.version_failed(version, f"{type(e).__name__}: {msg[:500]}")
+
+    async def _clear_failure(self) -> None:
+        self._failure = None
+        try:
+            await self._client.hdel(self.consumer.keys.load_errors, self.consumer.id)
+        except RETRYABLE as e:
+            log.debug("could not remove this replica's load error (%s)", e)
 
     # -- swap overlapped with the receive ---------------------------------------------------
     def _can_overlap(self) -> bool:
@@ -259,7 +406,7 @@ class WeightFollower:
                     )
                     got = res[0] if res else {}
                     if got.get("swap") == "overlap":
-                        self._set_version(version)
+                        self._set_version(version, got)
                         self.engine.new_cache_salt()
                 pause_s = time.perf_counter() - t0
                 if got.get("swap") != "overlap":
@@ -299,12 +446,12 @@ class WeightFollower:
                     t_pause = time.perf_counter()
                     await self._wait_drained()
                     load = await self._load(rec, staged)
-                    self._set_version(rec.version)
+                    self._set_version(rec.version, load)
                     await self.engine.reset_prefix_cache()
                 elif policy == "keep":
                     t_pause = time.perf_counter()  # generation stops for at most this long
                     load = await self._load(rec, staged)
-                    self._set_version(rec.version)
+                    self._set_version(rec.version, load)
                     # Requests are running (keep), so vLLM would refuse to drop its cache: new
                     # requests get a fresh salt instead and never reuse a prefix of the old weights.
                     self.engine.new_cache_salt()
@@ -314,7 +461,7 @@ class WeightFollower:
                     await self.engine.pause("abort")
                     try:
                         load = await self._load(rec, staged)
-                        self._set_version(rec.version)
+                        self._set_version(rec.version, load)
                         await self.engine.reset_prefix_cache()
                     finally:
                         await self.engine.resume()
@@ -354,9 +501,11 @@ class WeightFollower:
         )
         return st
 
-    def _set_version(self, v: int) -> None:
-        self.consumer.version = v
-        self.consumer.release_held()
+    def _set_version(self, v: int, load: dict[str, Any] | None = None) -> None:
+        """The engine serves ``v`` now; ``load`` (the swap call's result) carries how far each
+        running request had got, for the per-token versions of their results."""
+        report = load.get("progress") if load else None
+        self.consumer.set_version(v, self.engine.swap_progress(report))
 
     async def _wait_drained(self) -> None:
         deadline = time.monotonic() + self.drain_timeout

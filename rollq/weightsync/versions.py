@@ -89,6 +89,36 @@ async def read_version(client: Client, keys: QueueKeys) -> VersionRecord | None:
     return decode_record(data) if data else None
 
 
+class LoadError(msgspec.Struct, kw_only=True):
+    """Why one replica cannot load a committed version (``QueueKeys.load_errors``)."""
+
+    version: int
+    error: str  # exception class name
+    message: str
+    at: float = msgspec.field(default_factory=time.time)
+    attempts: int = 1
+    #: True: the replica will not try this version again (a newer one is needed).
+    final: bool = False
+
+
+_load_err_dec = msgspec.msgpack.Decoder(LoadError)
+
+
+async def report_load_error(client: Client, keys: QueueKeys, replica: str, err: LoadError) -> None:
+    await client.hset(keys.load_errors, replica, _enc.encode(err))
+
+
+async def read_load_errors(client: Client, keys: QueueKeys) -> dict[str, LoadError]:
+    """Every replica's recorded load error (a replica's entry is removed once it loads a version)."""
+    out = {}
+    for k, v in (await client.hgetall(keys.load_errors)).items():
+        try:
+            out[k.decode() if isinstance(k, bytes) else k] = _load_err_dec.decode(v)
+        except msgspec.DecodeError:
+            continue
+    return out
+
+
 async def version_log(client: Client, keys: QueueKeys, count: int = 100) -> list[dict[str, Any]]:
     """The latest ``count`` committed versions, newest first (for dashboards)."""
     out = []

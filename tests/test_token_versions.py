@@ -1,0 +1,156 @@
+"""Per-token policy versions: where each version began inside a sample when a ``keep``
+weight update landed mid-generation (``Sample.versions``), through ``Result``,
+``results_to_tensordict`` and ``RollqLLM.generate``; checked against a transformers
+recomputation of the logprobs through real vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import pytest_asyncio
+import torch
+
+from rollq import Consumer, ConsumerSettings, Producer
+from rollq.consumer.engine import EchoEngine, SwapProgress
+from rollq.producer.batch import results_to_tensordict
+from rollq.protocol import UNKNOWN_START, Result, Sample, pack_i32
+from rollq.weightsync import WeightFollower, WeightPublisher
+from tests.helpers import FAST, until
+
+
+# -- the record itself ---------------------------------------------------------------------
+def test_token_versions_follow_the_starts_and_mark_unknown_spans():
+    s = Sample(tokens=pack_i32(list(range(6))), versions=[(1, 0), (2, 2), (3, 4)])
+    assert s.token_versions(1) == [1, 1, 2, 2, 3, 3]
+    assert s.single_version(1) is None
+    # A start that is not known: from the last known start on, either version could have
+    # made the tokens; the later known start is exact again.
+    s = Sample(tokens=pack_i32(list(range(6))), versions=[(1, 0), (2, 2), (3, UNKNOWN_START), (4, 5)])
+    assert s.token_versions(1) == [1, 1, -1, -1, -1, 4]
+    # A version that began after the last token made none of them.
+    s = Sample(tokens=pack_i32([7, 8]), versions=[(5, 0), (6, 2)])
+    assert s.token_versions(5) == [5, 5] and s.single_version(5) == 5
+    assert Sample(tokens=pack_i32([7])).single_version(9) == 9
+
+
+def test_tensordict_carries_a_per_token_version():
+    r = Result(id="a", version_start=1, version_end=2, samples=[
+        Sample(tokens=pack_i32([1, 2, 3, 4]), versions=[(1, 0), (2, 3)]),
+        Sample(tokens=pack_i32([5, 6])),
+    ])
+    td = results_to_tensordict([r])
+    assert td["policy_version"].tolist() == [[1, 1, 1, 2], [1, 1, -1, -1]]
+
+
+# -- the consumer's side, echo engine (every token exists when a request starts) -----------
+async def test_swap_while_running_records_boundaries(redis_url, queue):
+    engine = EchoEngine(delay_per_token=0.01)
+    c = Consumer(engine, redis_url, queue, settings=ConsumerSettings(**FAST))
+    task = asyncio.create_task(c.run())
+    try:
+        async with Producer(redis_url, queue) as p:
+            hs = await p.submit_many([{"prompt_token_ids": [1, 2, 3], "sampling": {"max_tokens": 50, "n": 2}}] * 3)
+            await until(lambda: c.running_count() == 3, 10, "3 running jobs")
+            c.set_version(1, engine.swap_progress(None))  # echo: all 50 tokens came before
+            c.set_version(2, None)  # an engine that cannot tell: the start is unknown
+            rs = await p.gather(hs, timeout=20)
+        for r in rs:
+            assert r.policy_version == (0, 2)
+            for s in r.samples:
+                assert s.versions == [(0, 0), (1, 50), (2, UNKNOWN_START)]
+            # Version 1 began after the last token, so version 2 (start unknown) did too.
+            assert r.token_versions(1) == [0] * 50
+        # A job started after the swaps is all on the new version, with no marks.
+        async with Producer(redis_url, queue) as p:
+            r = await (await p.submit(prompt_token_ids=[4], sampling={"max_tokens": 3})).result(timeout=10)
+        assert r.policy_version == (2, 2) and r.samples[0].versions is None
+    finally:
+        c.stop()
+        await asyncio.wait_for(task, 10)
+
+
+def test_missing_requests_count_as_not_started_only_when_the_report_is_complete():
+    from rollq.consumer.loop import _mark_versions
+
+    samples = [Sample(tokens=pack_i32([1] * 8)), Sample(tokens=pack_i32([1] * 8))]
+    _mark_versions(samples, 3, [(4, {0: 5}, True), (5, {}, True), (6, {0: 7}, False)])
+    assert samples[0].versions == [(3, 0), (4, 5), (5, 0), (6, 7)]
+    assert samples[1].versions == [(3, 0), (4, 0), (5, 0), (6, UNKNOWN_START)]
+    assert SwapProgress().complete is False
+
+
+# -- real vLLM ---------------------------------------------------------------------------
+def _checkpoint(model_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            state.update(load_file(os.path.join(model_dir, f)))
+    return state
+
+
+def _recompute(model_dir, state, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The logprob of each of ``tokens`` after ``prompt`` under ``state``, in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.load_state_dict(state, strict=False)
+    model.eval()
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def keep_replica(vllm_engine, redis_url, queue, tmp_path):  # noqa: F811
+    root = str(tmp_path / "w")
+    consumer = Consumer(vllm_engine, redis_url, queue, settings=ConsumerSettings(lease_ttl=5))
+    follower = WeightFollower(consumer, root=root, reconcile_interval=0.5)
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    yield consumer, root
+    consumer.stop()
+    await asyncio.wait_for(task, 30)
+    await follower.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="session")
+async def test_keep_update_mid_generation_marks_the_first_token_of_the_new_version(keep_replica, redis_url, queue, tiny_model_path):  # noqa: F811
+    consumer, root = keep_replica
+    base = _checkpoint(tiny_model_path)
+    g = torch.Generator().manual_seed(7)
+    new = {k: v + torch.randn(v.shape, generator=g) * 0.3 for k, v in base.items()}
+    pub = WeightPublisher(redis_url, queue, root=root)
+    prompt = [9, 8, 7, 11, 42]
+    try:
+        async with Producer(redis_url, queue) as p:
+            await p.set_update_policy("keep")
+            v1 = (await pub.publish_weights(base)).version
+            await until(lambda: consumer.version == v1, 60, "version 1 served")
+            h = await p.submit(prompt_token_ids=prompt, sampling={"max_tokens": 400, "ignore_eos": True, "n": 2, "logprobs": 0})
+            await until(lambda: consumer.running_count() == 1, 30, "the job running")
+            await asyncio.sleep(0.3)  # some tokens on version 1
+            v2 = (await pub.publish_weights(new)).version
+            r = await h.result(timeout=120)
+            assert r.policy_version == (v1, v2)
+            for s in r.samples:
+                (va, start_a), (vb, b) = s.versions
+                assert (va, start_a, vb) == (v1, 0, v2)
+                assert 0 < b < 400, s.versions  # the update landed mid-generation
+                toks, lps = s.token_ids, s.token_logprobs
+                hf_old = _recompute(tiny_model_path, base, prompt, toks[: b + 1])
+                # Every token before the boundary was sampled on version 1 exactly ...
+                assert max(abs(x - y) for x, y in zip(lps[:b], hf_old[:b])) < 1e-3
+                # ... and the first one after it was not (the new weights differ by far).
+                assert abs(lps[b] - hf_old[b]) > 1e-2
+            td = results_to_tensordict([r])
+            assert set(td["policy_version"][0].tolist()) == {v1, v2}
+            await pub.publish_weights(base)  # leave the shared engine as found
+    finally:
+        await pub.close()
