@@ -177,6 +177,12 @@ class QueueKeys:
         """Hash of admission-control counters (staleness bound)."""
         return f"{self.tag}:adm"
 
+    def submit_calls(self, producer: str) -> str:
+        """Hash ``call number -> msgpack reply`` of a producer's recent SUBMIT calls (plus
+        ``inc``, its incarnation, and ``lo``, the lowest number kept): a resent call replays its
+        reply instead of enqueuing again. Holds the calls in flight; expires; deleted on close."""
+        return f"{self.tag}:calls:{producer}"
+
     def submit_keys(self, stream: str) -> list[str]:
         """KEYS of the submit script for ``stream`` (see rollq/lua/submit.lua)."""
         return [stream, self.ids, self.stats, self.config, self.version, self.admission]

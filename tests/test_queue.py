@@ -14,6 +14,7 @@ from rollq.consumer.engine import EchoEngine
 from rollq.errors import JobCancelled, JobExpired, JobRejected, QueueFull
 from rollq.keys import GROUP, QueueKeys
 from rollq.protocol import unpack_i32
+from rollq.settings import ProducerSettings
 from tests.helpers import bounded, collect, make_consumer, make_producer, until  # noqa: F401 (fixtures)
 
 
@@ -157,25 +158,55 @@ async def test_submit_many_reloads_a_flushed_script(queue, make_producer, make_c
     await _check_order_and_results(queue, p, handles, redis_client, make_consumer, 23)
 
 
-async def test_submit_many_releases_room_when_the_connection_fails(queue, make_producer, monkeypatch):
-    """A streamed submission that fails mid-way frees the room of every job whose reply was not read."""
+async def test_submit_many_resends_after_a_failed_read(queue, make_producer, redis_client, monkeypatch):
+    """A read that fails after a reply was read: every call in flight is written again on a new
+    connection (a call that ran replays its reply), the batch completes, nothing doubles."""
     p = await make_producer(queue, chunk_size=20, script_batch=5)
     real_reply = client_mod.Producer._read_replies
     seen = []
 
     async def failing(self, conn, script_calls, reran):
         seen.append(len(script_calls))
-        if len(seen) == 2:  # after a reply was read: not written again, the error is the caller's
+        if len(seen) == 2:  # after a reply was read; the calls in flight ran
             raise RedisConnectionError("dropped")
         return await real_reply(self, conn, script_calls, reran)
 
     monkeypatch.setattr(client_mod.Producer, "_read_replies", failing)
-    with pytest.raises(RedisConnectionError):
-        await p.submit_many([{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}} for i in range(40)])
-    assert p.outstanding == 5, "only the first call's jobs were acknowledged"
-    monkeypatch.setattr(client_mod.Producer, "_read_replies", real_reply)
-    h = await p.submit_many([{"prompt_token_ids": [1], "sampling": {"max_tokens": 1}}])  # the pool is fine
-    assert len(h) == 1 and p.outstanding == 6
+    handles = await p.submit_many([{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}} for i in range(40)])
+    assert len(handles) == 40 and p.outstanding == 40 and p.counters["resends"] == 1
+    assert await redis_client.xlen(QueueKeys(queue).jobs) == 40, "the resent calls replayed their replies"
+
+
+async def test_submit_many_releases_room_when_redis_stays_unreachable(queue, redis_url, monkeypatch):
+    """Reads keep failing past command_timeout: SubmitInterrupted; only the jobs whose replies
+    were read hold room, and the pool is fine afterwards."""
+    import dataclasses
+
+    from rollq.errors import SubmitInterrupted
+    from rollq.settings import ProducerSettings, RedisSettings
+
+    rs = dataclasses.replace(RedisSettings.from_url(redis_url), command_timeout=0.3)
+    p = await client_mod.Producer(rs, queue, settings=ProducerSettings(chunk_size=20, script_batch=5)).connect()
+    real_reply = client_mod.Producer._read_replies
+    seen = []
+
+    async def failing(self, conn, script_calls, reran):
+        seen.append(len(script_calls))
+        if len(seen) >= 2:
+            raise RedisConnectionError("dropped")
+        return await real_reply(self, conn, script_calls, reran)
+
+    monkeypatch.setattr(client_mod.Producer, "_read_replies", failing)
+    try:
+        with pytest.raises(SubmitInterrupted, match="command_timeout=0.3s") as ei:
+            await p.submit_many([{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}} for i in range(40)])
+        assert len(ei.value.enqueued) == 5 and p.outstanding == 5, "only the first call's jobs were acknowledged"
+        assert ei.value.in_doubt
+        monkeypatch.setattr(client_mod.Producer, "_read_replies", real_reply)
+        h = await p.submit_many([{"prompt_token_ids": [1], "sampling": {"max_tokens": 1}}])  # the pool is fine
+        assert len(h) == 1 and p.outstanding == 6
+    finally:
+        await p.close()
 
 
 async def test_build_jobs_matches_build_job(queue, make_producer):
@@ -529,6 +560,12 @@ async def test_memory_does_not_grow_across_cycles(queue, fresh_redis):
                 own.append({key.decode(): await client.memory_usage(key) for key in keys})
                 assert await client.xlen(QueueKeys(queue).jobs) == 0
                 assert not await client.exists(QueueKeys(queue).ids)
+        # The producer's record of its last SUBMIT calls (idempotent resends) holds the replies
+        # of the calls since the last trim: bounded by the calls in flight, whatever the cycle.
+        calls = QueueKeys(queue).submit_calls(p.id)
+        window = max(1, ProducerSettings().chunk_size // ProducerSettings().script_batch) + 1
+        assert all(o.get(calls, 0) <= window * ProducerSettings().script_batch * 40 for o in own), own
+        own = [{k: v for k, v in o.items() if k != calls} for o in own]
         # the queue's own keys: the same after every cycle (a stopped consumer's entry in the
         # group may remain until a peer's reclaim round removes it: a few hundred bytes)
         assert set(own[2]) == set(own[0]), own

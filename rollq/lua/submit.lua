@@ -1,6 +1,7 @@
--- Enqueue jobs, idempotently for caller-chosen ids, under the queue's staleness bound.
+-- Enqueue jobs, idempotently, under the queue's staleness bound.
 -- KEYS[1] job stream, KEYS[2] ids hash, KEYS[3] stats hash, KEYS[4] config hash,
--- KEYS[5] version hash, KEYS[6] admission hash
+-- KEYS[5] version hash, KEYS[6] admission hash,
+-- KEYS[7] (optional) the producer's call records (QueueKeys.submit_calls)
 -- ARGV[1]: msgpack array id1, payload1, id2, payload2, ... where id is '' for producer-generated
 -- ids (unique by construction: nothing to record) and the job id for caller-chosen ids
 -- (recorded while queued or running; a second submission of a recorded id is skipped).
@@ -8,8 +9,31 @@
 -- (max_lag + version + 1) * batch jobs are admitted in total (AReaL's rule): the rest are
 -- refused, all or nothing for this call.
 -- ARGV[2]: the submitting producer's id, recorded as the owner of caller-chosen ids.
+-- With KEYS[7], the call is numbered and a resend of it is a no-op:
+-- ARGV[3]: the producer's incarnation (records of another incarnation are dropped first),
+-- ARGV[4]: the call number, ARGV[5]: the lowest call number whose reply the producer has not
+-- read (records below it are deleted; field 'lo' says where the last deletion stopped, so each
+-- record is deleted once), ARGV[6]: TTL of the records in ms (refreshed by every call).
+-- A call number already recorded returns its recorded reply and changes nothing else. A
+-- refused call did nothing and is not recorded.
 -- Returns {skipped ids, refused (0/1), admission limit or -1, entry ids ('' where skipped),
 -- owners of the skipped ids}.
+local rec, fresh_rec = KEYS[7], false
+if rec then
+  local r = redis.call('HMGET', rec, ARGV[4], 'inc', 'lo')
+  if r[2] == ARGV[3] then
+    if r[1] then return cmsgpack.unpack(r[1]) end
+    local lo, unread = tonumber(r[3]), tonumber(ARGV[5])
+    if unread > lo then
+      for n = lo, unread - 1 do redis.call('HDEL', rec, n) end
+      redis.call('HSET', rec, 'lo', unread)
+    end
+  else
+    -- no records yet, or those of a previous incarnation under this producer id
+    if r[2] then redis.call('DEL', rec) end
+    fresh_rec = true
+  end
+end
 local A = cmsgpack.unpack(ARGV[1])
 local cfg = redis.call('HMGET', KEYS[4], 'max_lag', 'batch')
 local limit = -1
@@ -39,4 +63,13 @@ if n > 0 then
   redis.call('HINCRBY', KEYS[3], 'submitted', n)
   if limit >= 0 then redis.call('HINCRBY', KEYS[6], 'admitted', n) end
 end
-return {dup, 0, limit, eids, owners}
+local reply = {dup, 0, limit, eids, owners}
+if rec then
+  if fresh_rec then
+    redis.call('HSET', rec, ARGV[4], cmsgpack.pack(reply), 'inc', ARGV[3], 'lo', ARGV[5])
+  else
+    redis.call('HSET', rec, ARGV[4], cmsgpack.pack(reply))
+  end
+  redis.call('PEXPIRE', rec, ARGV[6])
+end
+return reply

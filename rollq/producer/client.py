@@ -7,6 +7,10 @@
 ...         result = await h                     # or: async for r in p.results(): ...
 ...         print(result.policy_version, result.samples[0].token_ids)
 
+Submission is idempotent: every SUBMIT call carries a per-producer call number, and Redis keeps
+the reply of each call whose reply the producer has not read yet (``QueueKeys.submit_calls``), so
+a call resent after a cut connection replays its reply instead of enqueuing its jobs again.
+
 Results travel through a per-producer stream (``QueueKeys.results``), read with one
 blocking XREAD; the producer deletes the entries it has taken, so Redis keeps nothing once
 a result is consumed. A producer that restarts with the same ``producer_id`` re-reads
@@ -24,7 +28,7 @@ import time
 import uuid
 import weakref
 from collections import Counter, OrderedDict, deque
-from typing import Any, AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 import msgpack
 import msgspec
@@ -33,7 +37,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect, deadline, raw_replies
 from ..connection import RETRYABLE as _RETRYABLE
-from ..errors import InvalidJob, JobCancelled, JobRejected, QueueFull, StalenessBound, job_error
+from ..errors import InvalidJob, JobCancelled, JobRejected, QueueFull, StalenessBound, SubmitInterrupted, job_error
 from ..keys import GROUP, QueueKeys, check_name
 from ..protocol import (
     ErrorInfo,
@@ -44,6 +48,7 @@ from ..protocol import (
     i32_packer,
     job_from_spec,
     score_spec,
+    short,
     validated_sampling,
 )
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
@@ -52,6 +57,14 @@ log = logging.getLogger(__name__)
 
 #: Seconds a cancellation mark lives (longer than any job should wait or run).
 CANCEL_MARK_TTL = 24 * 3600
+#: Milliseconds a producer's SUBMIT call records live after its last call (a dead producer
+#: leaves nothing; a live one deletes them on close).
+CALL_RECORD_TTL_MS = 3600 * 1000
+#: Results remembered as taken, to drop a second result for the same job id (two generations
+#: of this many ids each).
+DELIVERED_MEMORY = 1 << 16
+#: Backoff between resends while Redis is unreachable: first delay and cap, in seconds.
+RESEND_BACKOFF = (0.005, 0.5)
 
 
 class JobHandle(msgspec.Struct, gc=False, eq=False):
@@ -166,6 +179,13 @@ class Producer:
         self.id = check_name("producer", producer_id or f"p-{uuid.uuid4().hex[:12]}")
         self.settings = settings or ProducerSettings()
         self._result_key = self.keys.results(self.id)
+        self._calls_key = self.keys.submit_calls(self.id)
+        # SUBMIT call numbers: Redis replays the reply of a number it has run (submit.lua).
+        self._incarnation = uuid.uuid4().hex[:12]  # a restart under the same id numbers anew
+        self._call_no = 0
+        self._unread: dict[int, None] = {}  # numbers sent (or about to be), reply not read; ordered
+        self._pinned: set[int] = set()  # ... of calls in doubt, held for SubmitInterrupted.resume()
+        self._delivered = _RecentIds(DELIVERED_MEMORY)  # ids whose results were taken
         self._seq = 0
         self._prefix = f"{self.id}-{os.getpid():x}-"
         self._client: Client | None = None
@@ -183,8 +203,8 @@ class Producer:
         self._arrived: asyncio.Event | None = None
         self._closed = False
         self._reader_error: BaseException | None = None
-        #: Cumulative counters (submitted, duplicates, results).
-        self.counters = {"submitted": 0, "duplicates": 0, "results": 0}
+        #: Cumulative counters (submitted, duplicates, results, second results dropped, resends).
+        self.counters = {"submitted": 0, "duplicates": 0, "results": 0, "duplicate_results": 0, "resends": 0}
 
     # -- lifecycle -----------------------------------------------------------------------
     async def connect(self) -> Producer:
@@ -219,6 +239,12 @@ class Producer:
             try:  # nothing more can arrive for us: leave no empty stream behind
                 async with self._deadline("removing the empty result stream"):
                     await DROP_EMPTY(self._client, [self._result_key], [])
+            except _RETRYABLE:
+                pass
+        if self._client is not None and self._call_no and self._pinned.issuperset(self._unread):
+            try:  # no call in flight: its records can go (else they expire: CALL_RECORD_TTL_MS)
+                async with self._deadline("removing the submit call records"):
+                    await self._client.delete(self._calls_key)
             except _RETRYABLE:
                 pass
         if self._reader is not None:
@@ -310,7 +336,11 @@ class Producer:
         return jobs
 
     async def submit(self, prompt: str | None = None, /, **kw: Any) -> JobHandle:
-        """Submit one job; returns immediately with its handle."""
+        """Submit one job; returns immediately with its handle.
+
+        A resend after a connection error is idempotent (see :meth:`submit_many`); Redis
+        unreachable for ``RedisSettings.command_timeout`` raises SubmitInterrupted (the job in
+        ``in_doubt``; ``resume()`` sends it again without doubling it)."""
         if prompt is not None:
             kw["prompt"] = prompt
         job = self.build_job(kw)
@@ -340,6 +370,13 @@ class Producer:
         double up to ``chunk_size``, one pipelined round trip each. Everything is validated
         before its call is sent; a spec that fails validation raises and is not sent (the
         jobs before it were).
+
+        Resends are idempotent (every call is numbered; Redis replays the reply of a number it
+        has run), so a connection that fails is replaced and every call whose reply was not
+        read is written again, in order, with backoff. If Redis stays unreachable for
+        ``RedisSettings.command_timeout`` seconds, :class:`~rollq.errors.SubmitInterrupted`
+        says which jobs are enqueued (their handles), which are in doubt and which were never
+        sent; its ``resume()`` finishes the batch without doubling any job.
         """
         await self.connect()
         if self.redis_settings.cluster:
@@ -359,35 +396,32 @@ class Producer:
         pool = self._client.connection_pool
         conn = await pool.get_connection()
         sha = SUBMIT.sha
-        replied = False
-        attempts = 0
+        outage = _Outage(self.redis_settings.command_timeout)
 
-        async def rewrite(error: BaseException) -> None:
-            # A pooled connection that a Redis restart closed fails on first use (before any
-            # reply: nothing it carried ran). Write every call in flight again on a new one,
-            # as redis-py's retry would; after a reply was read, the error is the caller's.
-            nonlocal attempts
-            if replied or attempts >= 3:
-                raise error
-            attempts += 1
-            await conn.disconnect()
-            await asyncio.sleep(0.05 * 2 ** (attempts - 1))
-            try:
-                for _, _, packed in inflight:
-                    await conn.send_packed_command(packed, check_health=False)
-            except RedisConnectionError as e:
-                await rewrite(e)
+        async def resend(error: BaseException) -> None:
+            # The connection failed: which calls in flight ran is not known. A call that ran
+            # replays its reply (call numbers), so write them all again, in order, on a new
+            # connection, until Redis has been unreachable for command_timeout (_GaveUp).
+            while True:
+                await conn.disconnect()
+                await outage.wait(error, f"submitting {sum(len(j) for j, _, _ in inflight)} jobs")
+                self.counters["resends"] += 1
+                try:
+                    for _, _, packed in inflight:
+                        await conn.send_packed_command(packed, check_health=False)
+                    return
+                except _RETRYABLE as e:
+                    error = e
 
         async def take() -> None:
-            nonlocal replied
             jobs, calls, _ = inflight[0]
             while True:
                 try:
                     results = await self._read_replies(conn, calls, reran)
                     break
-                except RedisConnectionError as e:
-                    await rewrite(e)
-            replied = True
+                except _RETRYABLE as e:
+                    await resend(e)
+            outage.reset()
             inflight.popleft()
             handles.extend(await self._finish_chunk(jobs, calls, results))
 
@@ -402,6 +436,8 @@ class Producer:
                             while inflight:
                                 await take()
                         await self._reserve(len(jobs))
+                except (SubmitInterrupted, _GaveUp):
+                    raise
                 except Exception:
                     # A spec failed validation, or QueueFull: the jobs before were sent, their
                     # handles are made (the caller gets the error, the jobs run as submitted).
@@ -420,8 +456,8 @@ class Producer:
                 inflight.append((jobs, calls, packed))
                 try:
                     await conn.send_packed_command(packed, check_health=False)
-                except RedisConnectionError as e:
-                    await rewrite(e)
+                except _RETRYABLE as e:
+                    await resend(e)
                 await asyncio.sleep(0)  # the loop flushes what the socket did not take at once
                 if len(inflight) >= window:
                     await take()
@@ -431,10 +467,20 @@ class Producer:
             while inflight:
                 await take()
             return handles
+        except _GaveUp as e:
+            doubt = [(jobs, calls) for jobs, calls, _ in inflight]
+            raise self._interrupted(str(e), handles, doubt, [], it) from e.__cause__
+        except SubmitInterrupted as e:  # a rerun of refused calls in take() gave up
+            e._unpin.detach()  # the new error holds its calls
+            doubt = [*e._doubt, *((jobs, calls) for jobs, calls, _ in inflight)]
+            raise self._interrupted(str(e), handles + e.enqueued, doubt, e.not_sent, it) from e.__cause__
         finally:
             if inflight:
-                for jobs, _, _ in inflight:  # no reply read: whether Redis ran them is not known
+                for jobs, calls, _ in inflight:  # no reply read: whether Redis ran them is not known
                     self._release(len(jobs))
+                    for _, args, _ in calls:
+                        if args[3] not in self._pinned:  # nobody resends it: its record may go
+                            self._unread.pop(args[3], None)
                 await conn.disconnect()  # replies may be left unread: start clean
             await pool.release(conn)
 
@@ -445,7 +491,7 @@ class Producer:
         says so, for the caller to read every reply in flight before it writes more (the calls
         written after it met NOSCRIPT too, and their reruns keep the submission order)."""
         results = []
-        async with self._deadline(f"submitting {sum(len(c[2]) for c in calls)} jobs"):
+        async with self._deadline(f"reading the replies of {sum(len(c[2]) for c in calls)} submitted jobs"):
             for keys, args, _ in calls:
                 try:
                     results.append(await conn.read_response())
@@ -460,6 +506,7 @@ class Producer:
         it = iter(specs)
         build = self.build_jobs
         inflight: asyncio.Task | None = None
+        batch: list[Job] = []
         try:
             while True:
                 batch = build(itertools.islice(it, chunk))
@@ -469,11 +516,16 @@ class Producer:
                 if not batch:
                     return handles
                 if len(batch) < chunk and not handles:  # the only chunk: no overlap to gain
-                    handles.extend(await self._submit_chunk(batch))
+                    only, batch = batch, []
+                    handles.extend(await self._submit_chunk(only))
                     return handles
                 inflight = asyncio.ensure_future(self._submit_chunk(batch))
+                batch = []
                 await asyncio.sleep(0)  # let it write its pipeline before we build the next chunk
                 chunk = min(2 * chunk, self.settings.chunk_size)
+        except SubmitInterrupted as e:  # the chunk in flight gave up; ``batch`` was built, not sent
+            e._unpin.detach()  # the new error holds its calls
+            raise self._interrupted(str(e), handles + e.enqueued, e._doubt, e.not_sent + batch, it) from e.__cause__
         finally:
             if inflight is not None and not inflight.done():
                 await asyncio.shield(inflight)
@@ -505,28 +557,44 @@ class Producer:
         if self._room_waiters and self._room is not None:
             self._room.set()
 
+    def _number(self, args: list[Any]) -> None:
+        """Give a SUBMIT call (its ``args``) the next call number and the lowest unread one."""
+        self._call_no += 1
+        unread = self._unread
+        unread[self._call_no] = None
+        args[3] = self._call_no
+        args[4] = next(iter(unread))  # numbers are inserted in order: the first is the lowest
+
     def _submit_calls(self, jobs: list[Job]) -> list[tuple[list[str], list[Any], list[int] | range]]:
-        """SUBMIT calls for ``jobs``: (keys, args, positions of their jobs in ``jobs``)."""
+        """SUBMIT calls for ``jobs``: (keys, args, positions of their jobs in ``jobs``), each
+        numbered (see submit.lua: args are payloads, producer, incarnation, call number,
+        lowest unread call number, TTL of the records)."""
         step = self.settings.script_batch
+        number, rec, inc = self._number, self._calls_key, self._incarnation
         if all(job.replica is None and not job.tracked for job in jobs):  # the common case
-            keys = self.keys.submit_keys(self.keys.jobs)
+            keys = [*self.keys.submit_keys(self.keys.jobs), rec]
             payloads = list(map(encode_job, jobs))
             calls = []
             for i in range(0, len(jobs), step):
                 part = payloads[i : i + step]
                 args: list[Any] = [""] * (2 * len(part))  # '': a generated id, nothing to record
                 args[1::2] = part
-                calls.append((keys, [_pack(args), self.id], range(i, i + len(part))))
+                call_args = [_pack(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS]
+                number(call_args)
+                calls.append((keys, call_args, range(i, i + len(part))))
             return calls
         by_stream: dict[str | None, list[int]] = {}
+        delivered = self._delivered
         for i, job in enumerate(jobs):
             pos = by_stream.get(job.replica)
             if pos is None:
                 pos = by_stream[job.replica] = []
             pos.append(i)
+            if job.tracked and delivered:  # a caller-chosen id may run again: its next result counts
+                delivered.discard(job.id)
         calls = []
         for replica, positions in by_stream.items():
-            keys = self.keys.submit_keys(self.keys.job_stream(replica))
+            keys = [*self.keys.submit_keys(self.keys.job_stream(replica)), rec]
             for i in range(0, len(positions), step):
                 part = positions[i : i + step]
                 args: list[Any] = []
@@ -535,7 +603,9 @@ class Producer:
                     args.append(job.id if job.tracked else "")
                     args.append(encode_job(job))
                 # One msgpack argument per call: far cheaper to send than 2 arguments per job.
-                calls.append((keys, [_pack(args), self.id], part))
+                call_args = [_pack(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS]
+                number(call_args)
+                calls.append((keys, call_args, part))
         return calls
 
     async def _submit_chunk(self, jobs: list[Job]) -> list[JobHandle]:
@@ -550,8 +620,12 @@ class Producer:
     async def _finish_chunk(self, jobs: list[Job], pending: list[Any], results: list[Any] | None) -> list[JobHandle]:
         """Run the SUBMIT calls of ``jobs`` (``results``: the replies of a first round already
         sent), again for calls the staleness bound refused, and make the handles. The
-        ``len(jobs)`` reserved places are released for jobs that are not sent."""
+        ``len(jobs)`` reserved places are released for jobs that are not sent.
+
+        Raises SubmitInterrupted if Redis stays unreachable (see :meth:`_run_scripts`)."""
+        unread = self._unread
         if results is not None and len(pending) == 1 and not self._orphans:
+            unread.pop(pending[0][1][3], None)
             skipped, was_refused, _, eids, _ = results[0]
             if not skipped and not was_refused and len(eids) == len(jobs):
                 # The common reply: one call (its jobs in order), every job enqueued.
@@ -564,14 +638,16 @@ class Producer:
         entries: list[tuple[str, bytes, bool] | None] = [None] * len(jobs)
         dups: list[bytes] = []
         foreign: dict[str, str] = {}  # duplicate ids queued by another producer -> its id
-        sent = 0
+        read: list[int] = []  # positions of the jobs whose calls' replies were read (not refused)
         try:
             while pending:
                 if results is None:
                     results = await self._run_scripts(pending)
                 refused = []
                 for call, (skipped, was_refused, limit, eids, owners) in zip(pending, results):
-                    keys, _, part = call
+                    keys, args, part = call
+                    unread.pop(args[3], None)
+                    self._pinned.discard(args[3])
                     if was_refused:
                         refused.append(call)
                         continue
@@ -580,7 +656,7 @@ class Producer:
                         for jid, owner in zip(skipped, owners):
                             if owner is not None and owner.decode() != self.id:
                                 foreign[jid.decode()] = owner.decode()
-                    sent += len(part)
+                    read.extend(part)
                     stream = keys[0]
                     for k, eid in zip(part, eids):
                         if eid:
@@ -588,10 +664,24 @@ class Producer:
                 results = None
                 if refused:
                     await self._wait_for_admission(sum(len(c[2]) for c in refused), limit)
+                    for _, args, _ in refused:  # a refusal is not recorded: a new number
+                        self._number(args)
                 pending = refused
+        except _GaveUp as e:
+            self._release(len(jobs) - len(read))  # what was enqueued runs; the rest is in doubt
+            read.sort()
+            done = self._make_handles([jobs[k] for k in read], [entries[k] for k in read], dups, foreign)
+            raise self._interrupted(str(e), done, [_subset(jobs, pending)], [], None) from e.__cause__
         except BaseException:
-            self._release(len(jobs) - sent)  # what was enqueued runs; the rest was not sent
+            self._release(len(jobs) - len(read))  # what was enqueued runs; the rest was not sent
+            for _, args, _ in pending:
+                unread.pop(args[3], None)
             raise
+        return self._make_handles(jobs, entries, dups, foreign)
+
+    def _make_handles(
+        self, jobs: list[Job], entries: list[tuple[str, bytes, bool] | None], dups: list[bytes], foreign: dict[str, str],
+    ) -> list[JobHandle]:
         known = self._handles
         if not dups:  # the common case: every job was enqueued
             handles = [JobHandle(job.id, self._ref, entry) for job, entry in zip(jobs, entries)]
@@ -604,6 +694,57 @@ class Producer:
             self.counters["submitted"] += len(jobs)
             return handles
         return self._handles_with_duplicates(jobs, entries, dups, foreign)
+
+    def _interrupted(
+        self, message: str, enqueued: list[JobHandle], doubt: list[tuple[list[Job], list[Any]]],
+        not_sent: list[Job], remaining: Iterator[Any] | None,
+    ) -> SubmitInterrupted:
+        """A SubmitInterrupted whose resume() resends the ``doubt`` calls under their numbers
+        (held unread until then, so their records stay), then submits the rest."""
+        doubt = [(jobs, calls) for jobs, calls in doubt if jobs]
+        numbers = [args[3] for _, calls in doubt for _, args, _ in calls]
+        self._pinned.update(numbers)
+        ref = self._ref
+        unpin: list[weakref.finalize] = []
+
+        async def resume() -> list[JobHandle]:
+            producer = ref()
+            if producer is None:
+                raise RuntimeError("cannot resume the submission: its producer is gone")
+            unpin[0].detach()  # from here on, what is not read is held by the next error, if any
+            out: list[JobHandle] = []
+            for i, (jobs, calls) in enumerate(doubt):
+                await producer._reserve(len(jobs))
+                try:
+                    out += await producer._finish_chunk(jobs, calls, None)
+                except SubmitInterrupted as e:
+                    e._unpin.detach()
+                    rest = [*e._doubt, *doubt[i + 1 :]]
+                    raise producer._interrupted(str(e), out + e.enqueued, rest, not_sent, remaining) from e.__cause__
+            if not_sent or remaining is not None:
+                rest_specs = itertools.chain(not_sent, remaining or ())
+                try:
+                    out += await producer.submit_many(rest_specs)
+                except SubmitInterrupted as e:
+                    e.enqueued[:0] = out
+                    raise
+            return out
+
+        err = SubmitInterrupted(
+            message + "; jobs enqueued: {}, in doubt (sent, reply lost): {}, not sent: {}{}; "
+            "resume() finishes the batch without doubling any job".format(
+                len(enqueued), sum(len(j) for j, _ in doubt), len(not_sent),
+                " (and the specs not read yet)" if remaining is not None else "",
+            ),
+            enqueued=enqueued, in_doubt=[job for jobs, _ in doubt for job in jobs], not_sent=not_sent,
+            remaining=remaining, resume=resume,
+        )
+        err._doubt = doubt
+        # The records of the calls in doubt are kept until resume() reads them, or until the
+        # error is gone (then nothing can resend them).
+        err._unpin = weakref.finalize(err, _unpin, ref, numbers)
+        unpin.append(err._unpin)
+        return err
 
     def _handles_with_duplicates(
         self, jobs: list[Job], entries: list[tuple[str, bytes, bool] | None], dups: list[bytes], foreign: dict[str, str],
@@ -648,9 +789,21 @@ class Producer:
         return deadline(self.redis_settings.command_timeout, what)
 
     async def _run_scripts(self, calls: list[tuple[list[str], list[Any], list[int]]]) -> list[Any]:
-        """Run SUBMIT calls in one pipeline (one round trip), loading the script if needed."""
-        async with self._deadline(f"submitting {sum(len(c[2]) for c in calls)} jobs"):
-            return await self._run_scripts_now(calls)
+        """Run SUBMIT calls in one pipeline (one round trip), loading the script if needed.
+
+        A connection error sends them again (a call that ran replays its reply) with backoff,
+        until Redis has been unreachable for ``RedisSettings.command_timeout`` (_GaveUp)."""
+        what = f"submitting {sum(len(c[2]) for c in calls)} jobs"
+        outage = None
+        while True:
+            try:
+                async with self._deadline(what):
+                    return await self._run_scripts_now(calls)
+            except _RETRYABLE as e:
+                if outage is None:
+                    outage = _Outage(self.redis_settings.command_timeout)
+                await outage.wait(e, what)
+                self.counters["resends"] += 1
 
     async def _run_scripts_now(self, calls: list[tuple[list[str], list[Any], list[int]]]) -> list[Any]:
         if len(calls) == 1:  # one call: no pipeline machinery
@@ -819,6 +972,8 @@ class Producer:
         return taken[-1] if taken else None
 
     def _deliver(self, res: Result) -> None:
+        """Resolve the handle of ``res``; a second result for a job id is dropped (held, or
+        taken not long ago: ``DELIVERED_MEMORY``), so the trainer never sees one id twice."""
         self.counters["results"] += 1
         jid = res.id
         if self._cancelled and jid in self._cancelled:  # its handle already holds JobCancelled
@@ -826,6 +981,10 @@ class Producer:
             return
         h = self._handles.get(jid)
         if h is None:
+            if jid in self._delivered:  # its result was taken: this one is a second
+                self.counters["duplicate_results"] += 1
+                log.warning("dropping a second result for job %s", short(jid))
+                return
             # A result of a previous incarnation of this producer, or one read before the
             # reply of its own submission was handled (its handle adopts it: _register).
             h = self._handles[jid] = JobHandle(jid, self._ref)
@@ -834,7 +993,8 @@ class Producer:
                 self._orphans.clear()
             self._orphans[jid] = res
         elif h.done():
-            return  # a duplicate of what we already hold (cannot happen with one finisher)
+            self.counters["duplicate_results"] += 1  # a second result for what we hold
+            return
         h._entry = None
         h._set(res)
         self._completed[jid] = res
@@ -859,6 +1019,7 @@ class Producer:
         if h is None or h._result is not res:
             return  # already taken
         del self._handles[job_id]
+        self._delivered.add(job_id)
         if self._completed.get(job_id) is res:
             del self._completed[job_id]
         self._release(1)
@@ -914,6 +1075,85 @@ class Producer:
 
 
 _pack = msgpack.Packer(use_bin_type=False).pack  # Redis' Lua cmsgpack reads str, not bin
+
+
+class _RecentIds:
+    """A bounded set of recent ids: two generations of at most ``cap`` each (O(1) all)."""
+
+    __slots__ = ("cap", "new", "old")
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.new: set[str] = set()
+        self.old: set[str] = set()
+
+    def add(self, x: str) -> None:
+        self.new.add(x)
+        if len(self.new) >= self.cap:
+            self.old, self.new = self.new, set()
+
+    def discard(self, x: str) -> None:
+        self.new.discard(x)
+        self.old.discard(x)
+
+    def __contains__(self, x: str) -> bool:
+        return x in self.new or x in self.old
+
+    def __bool__(self) -> bool:
+        return bool(self.new or self.old)
+
+
+class _GaveUp(Exception):
+    """Redis stayed unreachable past the retry budget (turned into SubmitInterrupted)."""
+
+
+class _Outage:
+    """Backoff between resends, and the limit: ``limit`` seconds since the first failure."""
+
+    __slots__ = ("limit", "since", "delay")
+
+    def __init__(self, limit: float | None):
+        self.limit = limit
+        self.since: float | None = None
+        self.delay = RESEND_BACKOFF[0]
+
+    def reset(self) -> None:
+        if self.since is not None:
+            self.since = None
+            self.delay = RESEND_BACKOFF[0]
+
+    async def wait(self, error: BaseException, what: str) -> None:
+        now = time.monotonic()
+        if self.since is None:
+            self.since = now
+        elif self.limit is not None and now - self.since >= self.limit:
+            raise _GaveUp(
+                f"{what}: Redis unreachable for {now - self.since:.1f}s, longer than "
+                f"RedisSettings.command_timeout={self.limit}s (last error: {type(error).__name__}: {error})"
+            ) from error
+        log.info("%s: %s; sending again in %.3fs", what, error, self.delay)
+        await asyncio.sleep(self.delay)
+        self.delay = min(2 * self.delay, RESEND_BACKOFF[1])
+
+
+def _subset(jobs: list[Job], calls: list[Any]) -> tuple[list[Job], list[Any]]:
+    """The jobs of ``calls`` (a part of ``jobs``'s calls) and the calls with positions in them."""
+    sub: list[Job] = []
+    out = []
+    for keys, args, part in calls:
+        out.append((keys, args, range(len(sub), len(sub) + len(part))))
+        sub.extend(jobs[k] for k in part)
+    return sub, out
+
+
+def _unpin(ref: Any, numbers: list[int]) -> None:
+    """A SubmitInterrupted is gone: nobody can resend its calls; their records may go."""
+    producer = ref()
+    if producer is not None:
+        for n in numbers:
+            if n in producer._pinned:
+                producer._pinned.discard(n)
+                producer._unread.pop(n, None)
 
 _NOTHING = object()
 #: Jobs in the first script call of a streamed submit_many (then doubling to script_batch).
