@@ -8,7 +8,7 @@
     rollq check --id REPLICA                     liveness probe: exit 0 if its lease is live
     rollq dashboard [--port P]                   live web dashboard, JSON API, /metrics
     rollq top                                    live terminal view
-    rollq demo [--json]                          the end-to-end demo (embedded Redis, engine, producer)
+    rollq demo [--json]                          an async GRPO run that learns (embedded Redis, vLLM, trainer)
 
 ``--url`` defaults to ``$ROLLQ_REDIS_URL``; ``--queue`` to ``default``.
 """
@@ -24,19 +24,38 @@ import sys
 import time
 from typing import Any
 
-from .settings import DEFAULT_QUEUE, ENV_URL, ConsumerSettings, RedisSettings
+from .connection import RETRYABLE
+from .errors import RedisAuthError
+from .settings import DEFAULT_QUEUE, ENV_URL, ENV_URL_FILE, ConsumerSettings, RedisSettings, read_url_file
 
 log = logging.getLogger("rollq.cli")
 
 
+#: Longest log message the CLI prints; the rest is cut (messages carry untrusted job fields).
+MAX_LOG_CHARS = 2000
+
+
+class _CutLongMessages(logging.Filter):
+    """Cut log messages to :data:`MAX_LOG_CHARS` before any handler formats them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if len(msg) > MAX_LOG_CHARS:
+            record.msg, record.args = f"{msg[:MAX_LOG_CHARS]}... ({len(msg)} characters)", None
+        return True
+
+
 def _setup_logging(level: str) -> None:
+    from rich.highlighter import NullHighlighter
     from rich.logging import RichHandler
 
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(name)s: %(message)s",
-        handlers=[RichHandler(console=_err_console(), show_path=False, rich_tracebacks=True)],
-    )
+    # Log lines carry untrusted strings (job ids, error messages): no markup, and no
+    # highlighting either (rich's highlighter took seconds on a 40,000-character id).
+    handler = RichHandler(console=_err_console(), show_path=False, rich_tracebacks=True, markup=False,
+                          highlighter=NullHighlighter())
+    handler.addFilter(_CutLongMessages())
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format="%(name)s: %(message)s",
+                        handlers=[handler])
 
 
 def _err_console() -> Any:
@@ -46,7 +65,10 @@ def _err_console() -> Any:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", default=None, help=f"Redis URL (default: ${ENV_URL} or redis://127.0.0.1:6379/0)")
+    p.add_argument("--url", default=None, help=f"Redis URL (default: ${ENV_URL} or redis://127.0.0.1:6379/0; "
+                   "a password given here shows in ps: use --url-file or the environment)")
+    p.add_argument("--url-file", default=None, metavar="PATH",
+                   help=f"read the Redis URL from the first line of PATH (also ${ENV_URL_FILE})")
     p.add_argument("--queue", "-q", default=DEFAULT_QUEUE, help="queue name (default: %(default)s)")
 
 
@@ -157,23 +179,33 @@ def cmd_consume(a: argparse.Namespace) -> int:
 def _read_specs(path: str) -> list[dict[str, Any]]:
     from .errors import InvalidJob
 
-    fh = sys.stdin if path == "-" else open(path, encoding="utf-8")
+    try:
+        fh = sys.stdin.buffer if path == "-" else open(path, "rb")
+    except OSError as e:
+        raise InvalidJob(f"cannot read {path}: {e.strerror}") from e
     specs = []
     try:
-        for n, line in enumerate(fh, 1):
-            line = line.strip()
+        for n, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise InvalidJob(f"line {n}: not UTF-8 ({e.reason} at byte {e.start})") from None
             if not line:
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
-                raise InvalidJob(f"line {n}: not JSON: {e}") from e
+                raise InvalidJob(f"line {n}: not JSON: {e}") from None
+            except RecursionError:
+                raise InvalidJob(f"line {n}: JSON nested too deep") from None
             if not isinstance(obj, dict):
                 raise InvalidJob(f"line {n}: expected a JSON object")
             specs.append(obj)
     finally:
-        if fh is not sys.stdin:
+        if fh is not sys.stdin.buffer:
             fh.close()
+    if not specs:
+        raise InvalidJob(f"{path}: no jobs (one JSON object per line)")
     return specs
 
 
@@ -199,8 +231,9 @@ async def _submit(a: argparse.Namespace) -> int:
     from .producer.client import Producer
 
     specs = _read_specs(a.file)
-    async with Producer(a.url, a.queue) as p:
-        jobs = [p.build_job(s) for s in specs]  # validate everything before sending anything
+    p = Producer(a.url, a.queue)
+    jobs = [p.build_job(s) for s in specs]  # validate everything before connecting or sending
+    async with p:
         handles = await p.submit_many(jobs)
         if not a.wait:
             for h in handles:
@@ -231,7 +264,7 @@ def cmd_submit(a: argparse.Namespace) -> int:
     try:
         return asyncio.run(_submit(a))
     except InvalidJob as e:
-        log.error("%s", e)
+        _err_console().print(f"rollq submit: {e}", markup=False, highlight=False, soft_wrap=True)
         return 2
 
 
@@ -327,12 +360,16 @@ async def _dlq(a: argparse.Namespace) -> int:
             else:
                 from rich.console import Console
                 from rich.table import Table
+                from rich.text import Text
 
-                t = Table(title=f"dead letters of {a.queue} (newest first)")
-                for col in ("entry", "job", "error", "reason", "deliveries", "requeueable"):
+                t = Table(title=f"dead letters of {a.queue} (newest first; entries over "
+                                "ConsumerSettings.dlq_payload_bytes are kept cut, and cannot be requeued)")
+                for col in ("entry", "job", "error", "reason", "deliveries", "kept / entry bytes", "requeueable"):
                     t.add_column(col)
-                for i in items:
-                    t.add_row(i.entry_id, str(i.job_id), i.error_type, i.reason[:80], str(i.deliveries), "yes" if i.requeueable else "no")
+                for i in items:  # every field may be untrusted: Text, never markup
+                    t.add_row(*(Text(str(v)) for v in (
+                        i.entry_id, str(i.job_id)[:64], i.error_type[:40], i.reason[:80], i.deliveries,
+                        f"{i.kept_bytes} / {i.payload_bytes}", "yes" if i.requeueable else "no")))
                 Console().print(t)
         elif a.action == "requeue":
             n, skipped = await dlq_requeue(client, keys, a.ids or None)
@@ -364,7 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("redis", help="run an embedded redis-server and print its URL")
     s.add_argument("--port", type=int, default=0, help="port (default: a free one)")
     s.add_argument("--dir", default=None, help="data directory (default: a temporary one)")
-    s.add_argument("--appendfsync", default="everysec", choices=["always", "everysec", "no"])
+    s.add_argument("--appendfsync", default="everysec", choices=["always", "everysec", "no"],
+                   help="AOF fsync policy (default: %(default)s). always: nothing acknowledged is lost "
+                        "even if the machine crashes, every write waits for the disk; everysec: a killed "
+                        "redis-server loses nothing the kernel has, a machine crash up to ~2 s of writes; "
+                        "no: a machine crash loses what the kernel had not flushed (~30 s). README: Durability")
     s.add_argument("--cluster", type=int, default=0, metavar="N",
                    help="a local Redis Cluster of N masters instead (prints its redis+cluster:// URL)")
     s.add_argument("--json", action="store_true")
@@ -421,12 +462,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("ids", nargs="*", help="requeue: entry ids (default: all)")
     s.set_defaults(fn=cmd_dlq)
 
-    s = sub.add_parser("demo", help="end-to-end demo: embedded Redis, engine replicas, producer, summary")
-    s.add_argument("--engine", choices=["echo", "vllm"], default="vllm")
+    s = sub.add_parser("demo", help="end-to-end demo: an async GRPO run through rollq (embedded Redis, vLLM replicas, trainer)")
+    s.add_argument("--engine", choices=["echo", "vllm"], default="vllm",
+                   help="vllm: train the tiny model; echo: queue only (no weights, nothing trained)")
     s.add_argument("--replicas", type=int, default=2)
-    s.add_argument("--prompts", type=int, default=200, help="prompts (jobs); each is a GRPO group")
-    s.add_argument("--group-size", type=int, default=4, help="samples per prompt (n)")
-    s.add_argument("--max-tokens", type=int, default=32)
+    s.add_argument("--steps", type=int, default=40, help="trainer steps (policy versions published)")
+    s.add_argument("--groups", type=int, default=16, help="GRPO groups (jobs) per step")
+    s.add_argument("--group-size", type=int, default=8, help="samples per group (sampling n)")
+    s.add_argument("--max-lag", type=int, default=1, help="staleness bound in policy versions")
+    s.add_argument("--transport", choices=["memmap", "gloo", "nccl"], default="memmap",
+                   help="weight sync: memmap files, or a gloo (CPU) / NCCL (GPU) broadcast")
+    s.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--trainer-threads", type=int, default=1, help="CPU: torch threads of the trainer")
+    s.add_argument("--plot", default="rollq-demo.png", help="PNG of reward and policy lag (a .json beside it)")
     s.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     s.set_defaults(fn=cmd_demo)
 
@@ -440,9 +489,17 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     _setup_logging(a.log_level)
     try:
+        if getattr(a, "url_file", None) and not getattr(a, "url", None):
+            a.url = read_url_file(a.url_file)
         return a.fn(a) or 0
     except KeyboardInterrupt:
         return 130
+    except (RedisAuthError, ValueError) as e:  # a wrong password, an unreadable URL file
+        _err_console().print(f"rollq: {e}", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    except RETRYABLE as e:  # commands that need Redis once (submit, status, dlq) and cannot reach it
+        _err_console().print(f"rollq: cannot reach Redis: {e}", markup=False, highlight=False, soft_wrap=True)
+        return 3
 
 
 if __name__ == "__main__":

@@ -62,7 +62,39 @@ def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Cl
     # The version redis-py reports with CLIENT SETINFO: given, it is not looked up in the
     # package metadata for every new connection (milliseconds each).
     kw.setdefault("lib_version", _REDIS_PY_VERSION)
-    return aredis.Redis.from_url(settings.url, **kw)
+    client = aredis.Redis.from_url(settings.url, **kw)
+    pool = client.connection_pool
+    pool.connection_class = _auth_fails_fast(pool.connection_class)
+    return client
+
+
+@lru_cache(maxsize=None)
+def _auth_fails_fast(base: type) -> type:
+    """``base`` (redis-py's connection class the URL chose: TCP, TLS or unix socket) whose
+    handshake raises :class:`~rollq.errors.RedisAuthError` when Redis refuses the credentials.
+
+    redis-py reports a wrong password as ``AuthenticationError``, a kind of
+    ``ConnectionError``, which every retry loop here (and redis-py's own retry) takes for an
+    outage and retries forever."""
+    from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError
+
+    from .errors import RedisAuthError
+
+    class FailFastAuth(base):  # type: ignore[misc, valid-type]
+        async def on_connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                await super().on_connect_check_health(*args, **kwargs)
+            except (AuthenticationError, AuthorizationError, NoPermissionError) as e:
+                await self.disconnect()
+                user = self.username or "default"
+                raise RedisAuthError(
+                    f"Redis at {self.host}:{self.port} refused user {user!r}: {e} "
+                    "(check the password in the URL, $ROLLQ_REDIS_URL or --url-file)"
+                    if hasattr(self, "host") else f"Redis refused user {user!r}: {e}"
+                ) from None
+
+    FailFastAuth.__name__ = FailFastAuth.__qualname__ = f"FailFastAuth{base.__name__}"
+    return FailFastAuth
 
 
 class deadline:

@@ -71,14 +71,16 @@ def test_submit_wait_status_and_dlq_through_the_cli(redis_url, queue):
     assert json.loads(rollq("dlq", "purge", "--queue", queue, "--json", url=redis_url).stdout) == {"purged": 1}
 
 
-def test_demo_with_the_echo_engine_prints_its_summary():
-    r = rollq("demo", "--engine", "echo", "--prompts", "40", "--json", timeout=300)
+def test_demo_with_the_echo_engine_prints_its_summary(tmp_path):
+    r = rollq("demo", "--engine", "echo", "--steps", "5", "--json", "--plot", str(tmp_path / "d.png"), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout.splitlines()[-1])
-    for key in ("jobs", "tokens_per_s", "p50_ms", "p99_ms", "replicas", "versions", "weight_update_s", "pause_s"):
+    for key in ("reward_by_step", "reward_first", "reward_last", "random_policy_reward", "versions", "lag_histogram",
+                "weight_update_s", "pause_s", "rollout_tokens_per_s", "logprob_abs_diff_mean", "logprob_abs_diff_max",
+                "wall_s", "plot"):
         assert key in s
-    assert s["jobs"] == 40 and s["ok"] == 40 and s["versions"] == [0, 1]
-    assert sum(s["replicas"].values()) == 40
+    assert s["steps"] == 5 and s["jobs"] == 80 and s["failed_jobs"] == 0
+    assert (tmp_path / "d.png").stat().st_size > 0 and (tmp_path / "d.json").exists()
 
 
 def test_quickstart_example_runs():
@@ -89,12 +91,16 @@ def test_quickstart_example_runs():
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_demo_with_vllm_publishes_a_new_version_mid_run():
+def test_demo_trains_through_vllm_replicas(tmp_path):
+    """The main job, as a user runs it (shortened): 2 vLLM replicas, a trainer, a version per
+    step; the replicas' logprobs agree with the trainer's at each version."""
     pytest.importorskip("vllm")
-    r = rollq("demo", "--prompts", "40", "--group-size", "2", "--max-tokens", "16", "--json", timeout=900)
+    r = rollq("demo", "--steps", "12", "--json", "--plot", str(tmp_path / "d.png"), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout.splitlines()[-1])
-    assert s["jobs"] == s["ok"] == 40
-    assert s["versions"] == [0, 1] and s["greedy_changed"]
-    assert s["weight_update_s"] > 0 and 0 <= s["pause_s"] <= s["weight_update_s"]
-    assert set(s["replicas"]) == {"replica-0", "replica-1"}
+    assert s["versions"] == 12 and s["failed_jobs"] == 0 and len(s["reward_by_step"]) == 12
+    assert all(0.0 <= x <= 1.0 for x in s["reward_by_step"]) and s["random_policy_reward"] == 0.25
+    assert s["logprob_tokens_compared"] > 0 and s["logprob_abs_diff_mean"] <= 1e-3
+    assert set(s["lag_histogram"]) <= {"0", "1"}
+    assert 0 <= s["pause_s"] <= s["weight_update_s_max"]
+    assert (tmp_path / "d.png").stat().st_size > 0

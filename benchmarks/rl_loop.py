@@ -1,0 +1,221 @@
+"""RL loop: synchronous generate/stop/update against rollq's async loop, same trainer and task.
+
+    python benchmarks/rl_loop.py [--steps 40] [--lags 1 2] [--replicas 1] [--seed 0]
+                                 [--model-size tiny|small|medium] [--out benchmarks/results/rl_loop]
+
+One process, one embedded Redis, the same replicas for every run (each run gets a fresh
+queue; the replicas are reset to the initial weights by publishing them as the run's first
+version). Runs, each from the same initial weights and prompt seed:
+
+- ``sync``: submit a batch that needs the current version, wait for all of it, train, publish,
+  repeat (the pattern of TorchRL AsyncVLLM users: generation stops while the trainer works);
+- ``async-lag1``, ``async-lag2``: rollq's loop (``rollq.rl.loop``) under a staleness bound.
+
+Reported, as ratios to ``sync``: time to reach reward 0.8 (trailing mean of 3 steps), rollout
+tokens/s, the fraction of wall time the replicas sat idle (no job running), final reward
+(mean of the last 5 steps). The JSON also has every step's generate wait / train / publish.
+
+Cores: on vLLM's CPU backend the trainer and the replicas compete for cores. By default each
+replica ``i`` gets ``VLLM_CPU_OMP_THREADS_BIND=<i + 1>`` (its own core) and, once the engines
+are up, this process (trainer, event loop, vLLM's front end) is pinned to core 0 with one
+torch thread, where the machine has the cores for it (``--no-pin``: leave placement to the OS).
+
+``--model-size small|medium`` builds a larger random Qwen2-shaped model (vocab 1024) with
+``rollq.testing.tiny_model.build_tiny_model``; meant for a GPU (the trainer then runs on CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+log = logging.getLogger("rl_loop")
+
+#: --model-size -> build_tiny_model arguments (None: the cached tiny model).
+SIZES = {
+    "tiny": None,
+    "small": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4},
+    "medium": {"hidden": 1024, "layers": 16, "heads": 16, "kv_heads": 8},
+}
+
+
+def model_dir(size: str) -> str:
+    from rollq.testing.tiny_model import build_tiny_model, default_model_dir, ensure_tiny_model
+
+    if SIZES[size] is None:
+        return str(ensure_tiny_model())
+    return str(build_tiny_model(default_model_dir().parent / f"random-qwen2-{size}", **SIZES[size]))
+
+
+def pin_trainer(core: int) -> bool:
+    """Pin this process's threads (trainer, event loop) to ``core``; one torch thread."""
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        os.sched_setaffinity(0, {core})
+    except (AttributeError, OSError) as e:
+        log.warning("could not pin the trainer to core %d: %s", core, e)
+        return False
+    return True
+
+
+async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv_url: str, replicas, model: str,
+                  tokenizer, device: str) -> dict:
+    import torch
+
+    from rollq.rl import BucketTask, GrpoConfig, GrpoTrainer, LoopConfig, run_loop
+    from rollq.weightsync.publisher import WeightPublisher
+
+    queue = f"rl-{name}"
+    root = tempfile.mkdtemp(prefix=f"rollq-rl-{name}-")
+    await replicas.attach(queue, weights_root=root)
+    torch.manual_seed(a.seed)
+    trainer = GrpoTrainer.from_pretrained(model, GrpoConfig(lr=a.lr), seed=a.seed)
+    trainer.model.to(device)
+    pub = WeightPublisher(srv_url, queue, root=root, keep=4, trainer_id=f"trainer-{name}")
+    # Every run starts from the initial weights: publish them as version 1 to the replicas.
+    rec = await pub.publish_weights(trainer.state_dict())
+    trainer.rebase(rec.version)
+    await replicas.wait_version(rec.version)
+    task = BucketTask(vocab_size=len(tokenizer))
+    cfg = LoopConfig(steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode=mode, max_lag=max_lag, seed=a.seed)
+
+    def on_step(r) -> None:
+        if r.step % 10 == 0 or r.step == a.steps - 1:
+            log.info("%s step %d reward %.3f wait %.3fs train %.3fs publish %.3fs", name, r.step, r.reward, r.wait_s, r.train_s, r.publish_s)
+
+    report = await run_loop(srv_url, queue, trainer, task, tokenizer, pub, cfg, on_step=on_step, producer_id=f"trainer-{name}")
+    report.updates = [u for u in replicas.update_history() if u.version > rec.version]  # not the reset
+    await pub.close()
+    s = report.summary()
+    s["name"] = name
+    s["per_step"] = [
+        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items() if k in
+         ("step", "version", "reward", "wait_s", "train_s", "publish_s", "elapsed_s", "tokens", "lags")}
+        for d in report.per_step()
+    ]
+    return s
+
+
+def ratios(runs: list[dict]) -> list[dict]:
+    base = runs[0]
+
+    def ratio(x, y):
+        return None if x is None or y in (None, 0) else round(x / y, 3)
+
+    out = []
+    for r in runs:
+        out.append({
+            "run": r["name"],
+            "time_to_reward_0.8": ratio(r["time_to_reward_0.8_s"], base["time_to_reward_0.8_s"]),
+            "rollout_tokens_per_s": ratio(r["rollout_tokens_per_s"], base["rollout_tokens_per_s"]),
+            "replica_idle_fraction": ratio(r["replica_idle_fraction"], base["replica_idle_fraction"]),
+            "final_reward": ratio(r["reward_last"], base["reward_last"]),
+        })
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = [
+        f"# RL loop: sync vs rollq async ({res['model_size']} model, {res['replicas']} replica(s), {res['steps']} steps)",
+        "",
+        f"`{res['command']}` on {res['machine']}; cores: {res['cores']}.",
+        "",
+        "| run | time to reward 0.8 | rollout tokens/s | replica idle | final reward | wall | lag histogram | generate wait / train / publish (s, all steps) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in res["runs"]:
+        t = r["time_to_reward_0.8_s"]
+        lines.append(
+            f"| {r['name']} | {'not reached' if t is None else f'{t:.1f} s'} | {r['rollout_tokens_per_s']:.0f} | "
+            f"{r['replica_idle_fraction']:.2f} | {r['reward_last']:.3f} | {r['wall_s']:.1f} s | {r['lag_histogram']} | "
+            f"{r['step_wait_s']:.1f} / {r['step_train_s']:.1f} / {r['step_publish_s']:.1f} |"
+        )
+    lines += ["", "Ratios to sync:", "", "| run | time to 0.8 | tokens/s | idle fraction | final reward |", "| --- | --- | --- | --- | --- |"]
+    for q in res["ratios"]:
+        lines.append(f"| {q['run']} | {q['time_to_reward_0.8']} | {q['rollout_tokens_per_s']} | {q['replica_idle_fraction']} | {q['final_reward']} |")
+    return "\n".join(lines) + "\n"
+
+
+async def main_async(a: argparse.Namespace) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from rollq.rl import Replicas
+    from rollq.server import RedisServer
+
+    model = model_dir(a.model_size)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    pin = a.pin and device == "cpu" and ncpu >= a.replicas + 1
+    binds = [str(i + 1) for i in range(a.replicas)] if pin else None
+    cores = (f"trainer + event loop pinned to core 0 (1 torch thread); replica i on core i+1 (VLLM_CPU_OMP_THREADS_BIND)"
+             if pin else f"no pinning ({ncpu} cores{'' if a.pin else ', --no-pin'}; device {device})")
+    with RedisServer() as srv:
+        replicas = Replicas(srv.url, "rl-start", weights_root=None, count=a.replicas, model=model,
+                            max_model_len=256, cpu_binds=binds, reconcile_interval=1.0)
+        await replicas.start()
+        try:
+            log.info("%d replica(s) up in %.1fs (%s)", a.replicas, replicas.start_s, cores)
+            if pin:
+                pin_trainer(0)
+            runs = [await one_run("sync", "sync", 0, a, srv.url, replicas, model, tokenizer, device)]
+            for lag in a.lags:
+                runs.append(await one_run(f"async-lag{lag}", "async", lag, a, srv.url, replicas, model, tokenizer, device))
+        finally:
+            await replicas.stop()
+    return {
+        "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.machine()}, {ncpu} cores, {device}",
+        "cores": cores,
+        "model_size": a.model_size,
+        "replicas": a.replicas,
+        "steps": a.steps,
+        "groups_per_step": a.groups,
+        "group_size": a.group_size,
+        "lr": a.lr,
+        "seed": a.seed,
+        "engine_start_s": round(replicas.start_s, 1),
+        "runs": runs,
+        "ratios": ratios(runs),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--lags", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument("--no-pin", dest="pin", action="store_false", help="no core pinning")
+    ap.add_argument("--out", default="benchmarks/results/rl_loop")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    res = asyncio.run(main_async(a))
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
+    md = markdown(res)
+    Path(a.out + ".md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":  # AsyncLLM starts processes: this guard is needed
+    main()

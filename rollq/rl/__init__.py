@@ -1,0 +1,44 @@
+"""GRPO through rollq: a toy task, a trainer, the async loop, its plot.
+
+>>> from rollq.rl import BucketTask, GrpoTrainer, LoopConfig, run_loop   # doctest: +SKIP
+
+``rollq demo`` and ``benchmarks/rl_loop.py`` are built from these parts.
+"""
+
+from .grpo import (
+    GrpoConfig,
+    GrpoTrainer,
+    StepStats,
+    group_advantages,
+    grpo_loss,
+    logprob_agreement,
+    single_version,
+    token_logprobs,
+)
+from .loop import LoopConfig, LoopReport, StepRecord, busy_fraction, run_loop
+from .plot import plot_run
+from .replicas import Replicas
+from .task import BucketTask
+
+__all__ = [
+    # task
+    "BucketTask",
+    # trainer
+    "GrpoConfig",
+    "GrpoTrainer",
+    "StepStats",
+    "group_advantages",
+    "grpo_loss",
+    "logprob_agreement",
+    "single_version",
+    "token_logprobs",
+    # loop
+    "LoopConfig",
+    "LoopReport",
+    "StepRecord",
+    "busy_fraction",
+    "run_loop",
+    "Replicas",
+    # output
+    "plot_run",
+]

@@ -1,0 +1,372 @@
+"""GRPO on the trainer: advantages, the clipped loss, logprob recomputation, version snapshots.
+
+One job is one GRPO group: the ``n`` samples of one prompt. Each sample's advantage is its
+reward normalised within its group (``(r - mean) / std``; 0 when the group agrees), and the
+loss is PPO's clipped surrogate on the importance ratio between the trainer's current
+policy and the *behavior* policy, whose per-token logprobs the replica returned with the
+sample (``sampling.logprobs=0``; vLLM reports the raw ``log_softmax`` of the logits, so
+samples must be drawn at temperature 1 for the ratio to mean anything).
+
+>>> import torch
+>>> group_advantages(torch.tensor([[0.0, 1.0], [0.5, 0.5]]))
+tensor([[-0.7071,  0.7071],
+        [ 0.0000,  0.0000]])
+
+:func:`logprob_agreement` is the end-to-end check of weight sync: the replica's behavior
+logprobs of samples generated entirely at version ``v`` must equal the trainer's logprobs at
+``v`` to float tolerance; a mis-loaded tensor shows up there first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "GrpoConfig",
+    "GrpoTrainer",
+    "StepStats",
+    "group_advantages",
+    "grpo_loss",
+    "logprob_agreement",
+    "single_version",
+    "token_logprobs",
+]
+
+
+# ----------------------------------------------------------------------------------------
+# Versions of samples
+# ----------------------------------------------------------------------------------------
+def single_version(result: Any) -> int | None:
+    """The policy version that generated every token of ``result``, or None if several did.
+
+    The one place that decides "entirely at version v": from the per-token versions of its
+    samples (:meth:`rollq.protocol.Sample.single_version`), so a result whose span is
+    ``(3, 4)`` but whose every token came before version 4 was swapped in counts as version 3.
+
+    >>> from rollq.protocol import Result, Sample, pack_i32
+    >>> one = Sample(tokens=pack_i32([5, 6]), versions=[(3, 0), (4, 2)])   # 4 began after the last token
+    >>> two = Sample(tokens=pack_i32([5, 6]), versions=[(3, 0), (4, 1)])
+    >>> single_version(Result(id="j", version_start=3, version_end=4, samples=[one]))
+    3
+    >>> single_version(Result(id="j", version_start=3, version_end=4, samples=[one, two])) is None
+    True
+    """
+    if result.version_start == result.version_end:
+        return result.version_start
+    if not result.samples or any(s.versions is None for s in result.samples):
+        return None  # a span without per-token marks: which tokens came from which is unknown
+    got = {s.single_version(result.version_start) for s in result.samples}
+    return got.pop() if len(got) == 1 else None
+
+
+# ----------------------------------------------------------------------------------------
+# Pure functions: advantages and loss
+# ----------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised advantages of a ``[groups, n]`` reward tensor: ``(r - mean) / std``
+    per row (population std), 0 for a row whose rewards are all equal (no signal)."""
+    mean = rewards.mean(dim=-1, keepdim=True)
+    std = rewards.std(dim=-1, keepdim=True, unbiased=False)
+    adv = (rewards - mean) / (std + eps)
+    return torch.where(std > eps, adv, torch.zeros_like(adv))
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    behavior_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clipped GRPO surrogate, averaged over the tokens where ``mask`` is set.
+
+    ``logp`` (with grad) and ``behavior_logp`` are ``[samples, tokens]``; ``advantages`` is
+    ``[samples]`` (one per sample, broadcast over its tokens). Returns the loss and stats
+    (``clip_frac``: tokens whose ratio left ``[1 - eps, 1 + eps]``; ``ratio_mean``).
+
+    >>> z = torch.zeros(2, 3)
+    >>> loss, st = grpo_loss(z.requires_grad_(), torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3))
+    >>> float(loss), st["clip_frac"]
+    (0.0, 0.0)
+    """
+    mask = mask.to(logp.dtype)
+    ratio = torch.exp(logp - behavior_logp)
+    adv = advantages.unsqueeze(-1)
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
+    n = mask.sum().clamp(min=1)
+    loss = -(surrogate * mask).sum() / n
+    with torch.no_grad():
+        clipped = ((ratio - 1).abs() > clip_eps).to(mask.dtype)
+        stats = {"clip_frac": float((clipped * mask).sum() / n), "ratio_mean": float((ratio * mask).sum() / n)}
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------
+# Logprobs of given tokens
+# ----------------------------------------------------------------------------------------
+class _PickedLogprobs(torch.nn.Module):
+    """Logprobs of chosen tokens at chosen positions: the decoder runs on the whole batch, the
+    LM head only on the positions that predict completion tokens (the head's matmul and its
+    backward are most of the cost otherwise). A module, so ``functional_call`` can swap in
+    the weights of another version (parameter names: ``lm.`` + the model's)."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+        decoder = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
+        hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
+        h = hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        logits = self.lm.get_output_embeddings()(h).float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    state: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of each completion's tokens after its prompt, in one right-padded batch.
+
+    Returns ``(logp, mask)``, both ``[len(completions), longest completion]`` (float32).
+    With ``state`` the model is evaluated at those weights (``torch.func.functional_call``)
+    instead of its own. Gradients flow unless called under ``torch.no_grad()``.
+
+    >>> logp, mask = token_logprobs(model, [[5, 6, 7]], [[100, 200]])   # doctest: +SKIP
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts for {len(completions)} completions")
+    if any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    n = len(prompts)
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    longest = max((len(c) for c in completions), default=0)
+    ids = torch.zeros(n, width, dtype=torch.long)
+    attn = torch.zeros(n, width, dtype=torch.long)
+    pos = torch.zeros(n, max(1, longest), dtype=torch.long)
+    tok = torch.zeros(n, max(1, longest), dtype=torch.long)
+    mask = torch.zeros(n, max(1, longest), dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        seq = list(p) + list(c)
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[i, : len(seq)] = 1
+        # The position predicting completion token j is len(prompt) + j - 1 (padding: any valid one).
+        pos[i] = len(p) - 1
+        pos[i, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
+        tok[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
+        mask[i, : len(c)] = True
+    dev = next(model.parameters()).device
+    picker = _PickedLogprobs(model)
+    args = (ids.to(dev), attn.to(dev), pos.to(dev), tok.to(dev))
+    if state is None:
+        logp = picker(*args)
+    else:
+        logp = torch.func.functional_call(picker, {f"lm.{k}": v for k, v in state.items()}, args)
+    mask = mask.to(dev)
+    logp = torch.where(mask, logp, torch.zeros_like(logp))
+    return logp[:, :longest], mask[:, :longest]
+
+
+def _behavior(results: Sequence[Any]) -> list[list[float]]:
+    out = []
+    for r in results:
+        for s in r.samples:
+            lp = s.token_logprobs
+            if lp is None or len(lp) != len(s.tokens) // 4:
+                raise ValueError(f"job {r.id!r}: samples need per-token logprobs (submit with sampling logprobs=0)")
+            out.append(lp)
+    return out
+
+
+def logprob_agreement(
+    model: torch.nn.Module,
+    results: Sequence[Any],
+    prompts: Sequence[Sequence[int]],
+    state: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[float, float, int]:
+    """Mean and max absolute difference between the replica's behavior logprobs and the
+    trainer's logprobs of the same tokens, and the number of tokens compared.
+
+    ``results[i]`` was generated from ``prompts[i]`` at the version whose weights are the
+    model's (or ``state``). Callers pass only results generated entirely at that version
+    (:func:`single_version`). Float32 on CPU agrees to ~1e-6 per token on the tiny model; a
+    stale or mis-loaded tensor gives differences of order 0.1 or more.
+
+    >>> mean, worst, n = logprob_agreement(model, results, prompts)   # doctest: +SKIP
+    """
+    rows = [(prompts[i], s.token_ids) for i, r in enumerate(results) for s in r.samples]
+    if not rows:
+        return 0.0, 0.0, 0
+    behavior = _behavior(results)
+    with torch.no_grad():
+        logp, mask = token_logprobs(model, [p for p, _ in rows], [c for _, c in rows], state)
+    return _diff(logp, mask, behavior)
+
+
+def _padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(like.shape, dtype=like.dtype)
+    for i, lp in enumerate(rows):
+        out[i, : len(lp)] = torch.tensor(lp, dtype=like.dtype)
+    return out.to(like.device)
+
+
+def _diff(logp: torch.Tensor, mask: torch.Tensor, behavior: list[list[float]]) -> tuple[float, float, int]:
+    b = _padded(behavior, logp)
+    d = (logp.detach() - b).abs()[mask]
+    if d.numel() == 0:
+        return 0.0, 0.0, 0
+    return float(d.mean()), float(d.max()), int(d.numel())
+
+
+# ----------------------------------------------------------------------------------------
+# The trainer
+# ----------------------------------------------------------------------------------------
+@dataclass
+class GrpoConfig:
+    """Hyperparameters of :class:`GrpoTrainer`."""
+
+    #: Adam learning rate.
+    lr: float = 3e-3
+    #: PPO clip range of the importance ratio.
+    clip_eps: float = 0.2
+    #: Gradient-norm clip (0: off).
+    max_grad_norm: float = 1.0
+    #: State dicts of the last versions kept to recompute logprobs of older samples.
+    snapshots: int = 3
+
+
+@dataclass
+class StepStats:
+    """What one :meth:`GrpoTrainer.step` did."""
+
+    #: Trainer version the gradient was computed at (the weights before the step).
+    version: int
+    reward_mean: float
+    loss: float
+    clip_frac: float
+    #: Policy lag of each group trained on: ``version - result.version_start``.
+    lags: list[int]
+    #: Sum and max of |behavior - trainer| logprob differences, tokens compared (single-version samples).
+    diff_sum: float = 0.0
+    diff_max: float = 0.0
+    diff_tokens: int = 0
+    train_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class GrpoTrainer:
+    """A Hugging Face causal LM trained with GRPO on groups that come back from the queue.
+
+    ``step(batch)`` takes ``(prompt_ids, result)`` pairs (one GRPO group each) with their
+    rewards, makes one Adam step, and advances :attr:`version` (the caller publishes the new
+    weights as that version). Along the way it measures the logprob agreement of every group
+    generated entirely at a version it still has weights for: the current one (from the
+    training forward pass itself) or one of the last ``snapshots`` versions.
+
+    >>> trainer = GrpoTrainer.from_pretrained(model_dir, GrpoConfig(lr=3e-3))   # doctest: +SKIP
+    >>> stats = trainer.step(batch, rewards)                                   # doctest: +SKIP
+    >>> await publisher.publish_weights(trainer.state_dict())                  # doctest: +SKIP
+    """
+
+    def __init__(self, model: torch.nn.Module, config: GrpoConfig | None = None, version: int = 0):
+        self.model = model
+        self.config = config or GrpoConfig()
+        self.version = version
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=self.config.lr)
+        self._snapshots: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self._snapshot()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str, config: GrpoConfig | None = None, seed: int = 0) -> GrpoTrainer:
+        """Load ``model_dir`` with transformers in float32 (the weights the replicas start from: version 0)."""
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model.train()
+        return cls(model, config)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights to publish, under the checkpoint's (Hugging Face) names."""
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def rebase(self, version: int) -> None:
+        """Call the current weights ``version`` (e.g. after publishing them to replicas that
+        had other weights); older snapshots are dropped."""
+        self.version = version
+        self._snapshots.clear()
+        self._snapshot()
+
+    def advance(self) -> None:
+        """A new version with the same weights: a step that had nothing to train on (every job
+        of its batch failed) still publishes, so the loop's version schedule holds."""
+        self.version += 1
+        self._snapshot()
+
+    def weights_at(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The state dict of ``version`` if it is still kept."""
+        return self._snapshots.get(version)
+
+    def _snapshot(self) -> None:
+        self._snapshots[self.version] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        while len(self._snapshots) > max(1, self.config.snapshots):
+            self._snapshots.popitem(last=False)
+
+    def step(self, batch: Sequence[tuple[Sequence[int], Any]], rewards: Sequence[Sequence[float]]) -> StepStats:
+        """One GRPO update on ``batch`` (``(prompt_ids, result)`` per group) with per-sample ``rewards``."""
+        t0 = time.perf_counter()
+        prompts, comps, owner = [], [], []
+        for g, (prompt, res) in enumerate(batch):
+            for s in res.samples:
+                prompts.append(prompt)
+                comps.append(s.token_ids)
+                owner.append(g)
+        behavior = _behavior([r for _, r in batch])
+        widths = {len(r) for r in rewards}
+        if len(widths) == 1:
+            adv_g = group_advantages(torch.tensor([list(r) for r in rewards], dtype=torch.float32))
+            adv = adv_g.reshape(-1)
+        else:  # groups of different sizes (a failed sample): normalise each on its own
+            adv = torch.cat([group_advantages(torch.tensor([list(r)], dtype=torch.float32))[0] for r in rewards])
+        logp, mask = token_logprobs(self.model, prompts, comps)
+        b = _padded(behavior, logp)
+        loss, st = grpo_loss(logp, b, adv.to(logp.device), mask, self.config.clip_eps)
+        # Agreement: groups generated entirely at the current version use this forward pass.
+        lags = [self.version - res.version_start for _, res in batch]
+        dsum, dmax, dn = 0.0, 0.0, 0
+        cur = [i for i, g in enumerate(owner) if single_version(batch[g][1]) == self.version]
+        if cur:
+            d = (logp.detach()[cur] - b[cur]).abs()[mask[cur]]
+            dsum, dmax, dn = float(d.sum()), float(d.max()), int(d.numel())
+        older: dict[int, list[int]] = {}
+        for g, (_, res) in enumerate(batch):
+            v = single_version(res)
+            if v is not None and v != self.version and v in self._snapshots:
+                older.setdefault(v, []).append(g)
+        for v, groups in older.items():
+            m, mx, n = logprob_agreement(self.model, [batch[g][1] for g in groups], [batch[g][0] for g in groups], self._snapshots[v])
+            dsum, dmax, dn = dsum + m * n, max(dmax, mx), dn + n
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.config.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        trained_at = self.version
+        self.version += 1
+        self._snapshot()
+        flat = [x for r in rewards for x in r]
+        return StepStats(
+            version=trained_at, reward_mean=sum(flat) / max(1, len(flat)), loss=float(loss.detach()),
+            clip_frac=st["clip_frac"], lags=lags, diff_sum=dsum, diff_max=dmax, diff_tokens=dn,
+            train_s=time.perf_counter() - t0, extra={"ratio_mean": st["ratio_mean"]},
+        )

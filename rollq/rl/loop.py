@@ -1,0 +1,358 @@
+"""The RL loop: keep the queue full, take batches of groups, train, publish the next version.
+
+Two modes share everything but the schedule:
+
+- ``async`` (rollq's): a submitter task keeps the next steps' jobs queued ahead of the
+  trainer, fire-and-forget, under the queue's staleness bound
+  (:meth:`~rollq.producer.client.Producer.set_staleness_bound`: at most
+  ``(max_lag + version + 1) * groups_per_step`` jobs ever admitted). Replicas keep generating
+  while the trainer trains and publishes; in-flight jobs continue across a new version
+  (update policy ``keep``).
+- ``sync`` (the baseline of a generate / stop / update loop): submit one batch that needs the
+  current version (``min_version``), wait for all of it, train, publish, repeat.
+
+Step ``s`` trains on the groups of batch ``s`` (results of later batches that finish first
+wait in a buffer). Batch ``k`` is admitted once version ``k - max_lag`` is published and
+carries ``min_version = k - max_lag``, so no replica starts it on older weights (a replica
+still loading a version does not count): every group trained on has a policy lag (trainer
+version minus the version its generation started at) of at most ``max_lag``.
+
+Why the async loop cannot deadlock on its bound: the submitter submits one call of
+``groups_per_step`` jobs per batch; the step that makes version ``v + 1`` needs batch ``v``,
+i.e. ``(v + 1) * groups_per_step`` admitted jobs, and at version ``v`` the bound admits
+``(max_lag + v + 1) * groups_per_step >=`` that for any ``max_lag >= 0``; batch ``v``'s
+``min_version`` is at most ``v``, which is published. Failed jobs count toward their batch
+and are left out of the loss. (The bound counts jobs since the queue's first admission and
+versions from 0: for a run that starts at ``trainer.version = v0`` on a fresh queue the loop
+sets ``max_lag - v0``, exact while ``v0 <= max_lag``; beyond that the bound is looser and
+``min_version``, which replicas honour without holding capacity, keeps the lag.)
+
+>>> report = await run_loop(url, "grpo", trainer, task, tokenizer, publisher, LoopConfig(steps=40))  # doctest: +SKIP
+>>> report.summary()["reward_last"]                                                               # doctest: +SKIP
+0.99
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LoopConfig", "LoopReport", "StepRecord", "run_loop", "busy_fraction"]
+
+
+@dataclass
+class LoopConfig:
+    """One RL run's schedule."""
+
+    #: Trainer steps (= policy versions published).
+    steps: int = 40
+    #: GRPO groups (jobs) per step.
+    groups_per_step: int = 16
+    #: Samples per group (``sampling.n``).
+    group_size: int = 8
+    #: ``async`` or ``sync`` (see the module doc).
+    mode: str = "async"
+    #: Staleness bound of the async mode, in versions.
+    max_lag: int = 1
+    #: ``memmap`` or ``broadcast`` (gloo on CPU, NCCL on GPU: the publisher's sender).
+    transport: str = "memmap"
+    #: Seeds the prompts' buckets.
+    seed: int = 0
+    #: Seconds without any result before the loop gives up (TimeoutError).
+    result_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("async", "sync"):
+            raise ValueError(f"mode must be 'async' or 'sync', got {self.mode!r}")
+        if self.transport not in ("memmap", "broadcast"):
+            raise ValueError(f"transport must be 'memmap' or 'broadcast', got {self.transport!r}")
+        if self.max_lag < 0 or self.steps < 1 or self.groups_per_step < 1 or self.group_size < 1:
+            raise ValueError("LoopConfig needs steps, groups_per_step, group_size >= 1 and max_lag >= 0")
+
+
+@dataclass
+class StepRecord:
+    """One step of the loop (times in seconds)."""
+
+    step: int
+    #: Trainer version the step's gradient was computed at.
+    version: int
+    reward: float
+    #: Policy lag of each group trained on (trainer version minus the group's version_start).
+    lags: list[int]
+    #: Waiting for the batch's results (the trainer stood still).
+    wait_s: float
+    train_s: float
+    publish_s: float
+    #: Seconds since the loop started, at the end of the step.
+    elapsed_s: float
+    tokens: int
+    #: Distinct version_start of the groups trained on.
+    sample_versions: list[int] = field(default_factory=list)
+    failed: int = 0
+    loss: float = 0.0
+    clip_frac: float = 0.0
+    diff_sum: float = 0.0
+    diff_max: float = 0.0
+    diff_tokens: int = 0
+
+
+@dataclass
+class LoopReport:
+    """Everything a run measured; :meth:`summary` makes the figures of ``rollq demo``."""
+
+    config: LoopConfig
+    steps: list[StepRecord]
+    wall_s: float
+    random_policy_reward: float
+    #: Wall-clock window of the loop (unix seconds) and (replica, started, finished) of each job.
+    window: tuple[float, float] = (0.0, 0.0)
+    jobs: list[tuple[str, float, float]] = field(default_factory=list)
+    #: The followers' UpdateStats (filled by the caller that owns the replicas).
+    updates: list[Any] = field(default_factory=list)
+    #: The trainer's version at the end (= versions published after the initial one).
+    final_version: int = 0
+
+    def reward_by_step(self) -> list[float]:
+        return [s.reward for s in self.steps]
+
+    def time_to_reward(self, target: float, window: int = 3) -> float | None:
+        """Seconds until the trailing mean of ``window`` step rewards first reached ``target``."""
+        r = self.reward_by_step()
+        for i in range(len(r)):
+            seg = r[max(0, i - window + 1) : i + 1]
+            if len(seg) == min(window, len(r)) and sum(seg) / len(seg) >= target:
+                return self.steps[i].elapsed_s
+        return None
+
+    def summary(self) -> dict[str, Any]:
+        r = self.reward_by_step()
+        lags = Counter(lag for s in self.steps for lag in s.lags)
+        dn = sum(s.diff_tokens for s in self.steps)
+        tokens = sum(s.tokens for s in self.steps)
+        upd = [u.update_s for u in self.updates]
+        pause = [u.pause_s for u in self.updates]
+        return {
+            "mode": self.config.mode,
+            "max_lag": self.config.max_lag if self.config.mode == "async" else 0,
+            "steps": len(self.steps),
+            "groups_per_step": self.config.groups_per_step,
+            "group_size": self.config.group_size,
+            "reward_by_step": [round(x, 4) for x in r],
+            "reward_first": round(_mean(r[:3]), 4),
+            "reward_last": round(_mean(r[-5:]), 4),
+            "random_policy_reward": self.random_policy_reward,
+            "versions": self.final_version,
+            "versions_sampled": sorted({v for s in self.steps for v in s.sample_versions}),
+            "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
+            "weight_update_s": round(_mean(upd), 4),
+            "weight_update_s_max": round(max(upd, default=0.0), 4),
+            "pause_s": round(_mean(pause), 4),
+            "pause_s_max": round(max(pause, default=0.0), 4),
+            "update_transports": dict(Counter(u.transport for u in self.updates)),
+            "rollout_tokens": tokens,
+            "rollout_tokens_per_s": round(tokens / self.wall_s, 1) if self.wall_s else 0.0,
+            "replica_idle_fraction": round(1.0 - busy_fraction(self.jobs, self.window), 4),
+            "logprob_abs_diff_mean": sum(s.diff_sum for s in self.steps) / dn if dn else None,
+            "logprob_abs_diff_max": max((s.diff_max for s in self.steps), default=0.0) if dn else None,
+            "logprob_tokens_compared": dn,
+            "time_to_reward_0.8_s": _round(self.time_to_reward(0.8)),
+            "failed_jobs": sum(s.failed for s in self.steps),
+            "step_wait_s": round(sum(s.wait_s for s in self.steps), 3),
+            "step_train_s": round(sum(s.train_s for s in self.steps), 3),
+            "step_publish_s": round(sum(s.publish_s for s in self.steps), 3),
+            "wall_s": round(self.wall_s, 3),
+        }
+
+    def per_step(self) -> list[dict[str, Any]]:
+        """The per-step records as plain dicts (JSON)."""
+        return [asdict(s) for s in self.steps]
+
+
+def busy_fraction(jobs: Sequence[tuple[str, float, float]], window: tuple[float, float]) -> float:
+    """Mean over replicas of the share of ``window`` in which the replica ran at least one job.
+
+    >>> busy_fraction([("a", 0, 2), ("a", 1, 3), ("b", 0, 1)], (0, 4))
+    0.5
+    """
+    t0, t1 = window
+    if t1 <= t0 or not jobs:
+        return 0.0
+    by: dict[str, list[tuple[float, float]]] = {}
+    for rep, s, e in jobs:
+        by.setdefault(rep, []).append((max(s, t0), min(e, t1)))
+    shares = []
+    for spans in by.values():
+        spans.sort()
+        busy, end = 0.0, t0
+        for s, e in spans:
+            s = max(s, end)
+            if e > s:
+                busy += e - s
+                end = e
+        shares.append(busy / (t1 - t0))
+    return sum(shares) / len(shares)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+# ----------------------------------------------------------------------------------------
+async def run_loop(
+    url: str,
+    queue: str,
+    trainer: Any,
+    task: Any,
+    tokenizer: Any,
+    publisher: Any,
+    config: LoopConfig,
+    *,
+    on_step: Callable[[StepRecord], None] | None = None,
+    producer_id: str = "rl-trainer",
+) -> LoopReport:
+    """Run ``config.steps`` steps of GRPO through the queue (see the module doc).
+
+    ``trainer`` is a :class:`~rollq.rl.grpo.GrpoTrainer` (None: queue only, nothing trained or
+    published, e.g. on the echo engine), ``task`` a :class:`~rollq.rl.task.BucketTask`,
+    ``publisher`` a :class:`~rollq.weightsync.publisher.WeightPublisher` (with a broadcast
+    ``sender`` for ``transport="broadcast"``). ``on_step`` is called after every step.
+    """
+    from ..producer.client import Producer
+
+    rng = random.Random(config.seed)
+    B = config.groups_per_step
+    prompts = {b: task.prompt_ids(tokenizer, b) for b in range(task.buckets)}
+    steps: list[StepRecord] = []
+    jobs: list[tuple[str, float, float]] = []
+    publish_transport = "nccl" if config.transport == "broadcast" else "memmap"
+    async with Producer(url, queue, producer_id=producer_id) as p:
+        await p.set_update_policy("keep")
+        bounded = config.mode == "async" and trainer is not None
+        # The bound counts versions from 0: a run starting at version v0 (its weights published
+        # to replicas that held others) is bounded with max_lag - v0 (see the module doc).
+        bound = max(0, config.max_lag - trainer.version) if bounded else None
+        await p.set_staleness_bound(bound, B)
+        t_start, w_start = time.perf_counter(), time.time()
+        submitter: asyncio.Task | None = None
+        batch_of: dict[str, int] = {}  # job id -> batch index
+        buffered: dict[int, list[Any]] = {}
+        if config.mode == "async":
+            # Batch k needs version v0 + k - max_lag (no trainer: no versions to wait for).
+            base = trainer.version - config.max_lag if trainer is not None else None
+            submitter = asyncio.create_task(_submit_all(p, task, tokenizer, rng, config, batch_of, base), name="rl-submitter")
+        results = p.results(timeout=config.result_timeout).__aiter__()
+        try:
+            for step in range(config.steps):
+                version = trainer.version if trainer is not None else 0
+                t0 = time.perf_counter()
+                if submitter is None:  # sync: this batch runs on the current version
+                    specs = task.job_specs(tokenizer, rng, B, config.group_size)
+                    hs = await p.submit_many([_with(s, step, version) for s in specs])
+                    batch_of.update((h.id, step) for h in hs)
+                while len(buffered.get(step, ())) < B:
+                    r = await _next(results, submitter, config.result_timeout)
+                    k = batch_of.pop(r.id, None)
+                    if k is None:  # arrived before submit_many returned: the job's meta says
+                        k = r.meta.get("batch", step) if isinstance(r.meta, dict) else step
+                    buffered.setdefault(k, []).append(r)
+                batch = buffered.pop(step)
+                wait_s = time.perf_counter() - t0
+                ok = [r for r in batch if r.error is None]
+                for r in batch:
+                    if r.error is not None:
+                        log.warning("job %s failed (%s: %s); left out of step %d", r.id, r.error.type, r.error.message, step)
+                jobs.extend((r.replica, r.started, r.finished) for r in ok)
+                rewards = [task.rewards(r) for r in ok]
+                tokens = sum(len(s.tokens) // 4 for r in ok for s in r.samples)
+                rec = StepRecord(
+                    step=step, version=version, reward=_mean([x for rw in rewards for x in rw]),
+                    lags=[version - r.version_start for r in ok], wait_s=wait_s, train_s=0.0, publish_s=0.0,
+                    elapsed_s=0.0, tokens=tokens, failed=len(batch) - len(ok),
+                    sample_versions=sorted({r.version_start for r in ok}),
+                )
+                if trainer is not None:
+                    t1 = time.perf_counter()
+                    if ok:  # in a thread: the event loop keeps serving the replicas meanwhile
+                        st = await asyncio.to_thread(trainer.step, [(prompts[int(r.meta["bucket"])], r) for r in ok], rewards)
+                        rec.loss, rec.clip_frac = st.loss, st.clip_frac
+                        rec.diff_sum, rec.diff_max, rec.diff_tokens = st.diff_sum, st.diff_max, st.diff_tokens
+                    else:  # nothing to learn from; the next version is published all the same
+                        trainer.advance()
+                    t2 = time.perf_counter()
+                    await publisher.publish_weights(trainer.state_dict(), version=trainer.version, transport=publish_transport)
+                    rec.train_s, rec.publish_s = t2 - t1, time.perf_counter() - t2
+                rec.elapsed_s = time.perf_counter() - t_start
+                steps.append(rec)
+                log.debug("step %d v%d reward %.3f lags %s wait %.3fs train %.3fs publish %.3fs",
+                          step, version, rec.reward, Counter(rec.lags), wait_s, rec.train_s, rec.publish_s)
+                if on_step is not None:
+                    on_step(rec)
+        finally:
+            if submitter is not None:
+                submitter.cancel()
+                try:
+                    await submitter
+                except (asyncio.CancelledError, Exception):  # its error, if any, was raised by _next
+                    pass
+            await p.set_staleness_bound(None)
+        wall = time.perf_counter() - t_start
+    return LoopReport(
+        config=config, steps=steps, wall_s=wall, random_policy_reward=task.random_policy_reward,
+        window=(w_start, time.time()), jobs=jobs, final_version=trainer.version if trainer is not None else 0,
+    )
+
+
+async def _submit_all(
+    p: Any, task: Any, tokenizer: Any, rng: random.Random, config: LoopConfig, batch_of: dict[str, int],
+    base: int | None,
+) -> None:
+    """Submit every step's groups, one call per batch; the staleness bound holds calls back.
+    Batch ``k`` needs version ``base + k`` (see the module doc; None: no version needed)."""
+    for k in range(config.steps):
+        specs = task.job_specs(tokenizer, rng, config.groups_per_step, config.group_size)
+        floor = None if base is None else max(0, base + k)
+        hs = await p.submit_many([_with(s, k, floor) for s in specs])
+        batch_of.update((h.id, k) for h in hs)
+
+
+def _with(spec: dict[str, Any], batch: int, min_version: int | None) -> dict[str, Any]:
+    """``spec`` tagged with its batch (in ``meta``) and, if given, the version it needs."""
+    out = dict(spec, meta={**spec.get("meta", {}), "batch": batch})
+    if min_version:
+        out["min_version"] = min_version
+    return out
+
+
+async def _next(results: Any, submitter: asyncio.Task | None, timeout: float) -> Any:
+    """The next result; raises the submitter's error if it failed first, TimeoutError after ``timeout``."""
+    nxt = asyncio.ensure_future(results.__anext__())
+    waiting = {nxt} if submitter is None or submitter.done() else {nxt, submitter}
+    if submitter is not None and submitter.done() and submitter.exception() is not None:
+        nxt.cancel()
+        raise submitter.exception()  # type: ignore[misc]
+    while True:
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if nxt in done:
+            try:
+                return nxt.result()
+            except StopAsyncIteration:
+                raise TimeoutError(
+                    f"no result for {timeout:.0f}s (LoopConfig.result_timeout): are the replicas running?"
+                ) from None
+        if submitter is not None and submitter in done:
+            if submitter.exception() is not None:
+                nxt.cancel()
+                raise submitter.exception()  # type: ignore[misc]
+            waiting = {nxt}

@@ -1,0 +1,182 @@
+"""Start and stop the replicas of an RL run in this process: engine, consumer, weight follower.
+
+Used by ``rollq demo`` and ``benchmarks/rl_loop.py`` (the trainer shares the process and its
+event loop; every replica's engine core runs in its own vLLM process).
+
+>>> async with Replicas(url, "grpo", weights_root=root, count=2) as rs:   # doctest: +SKIP
+...     print(rs.model, [c.id for c in rs.consumers])
+
+``cpu_binds`` gives replica ``i`` its own ``VLLM_CPU_OMP_THREADS_BIND`` (``"1"``: core 1) on
+vLLM's CPU backend. The variable is read when the engine-core process starts, so replicas
+with binds start one after the other (the variable is set around each start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import Any, Sequence
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Replicas", "WORKER_EXTENSION"]
+
+#: The worker extension that lets followers swap weights into vLLM.
+WORKER_EXTENSION = "rollq.weightsync.worker_ext.RollqWorkerExtension"
+_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+class Replicas:
+    """``count`` replicas of one queue (``engine="vllm"`` on ``model``, or ``"echo"``)."""
+
+    def __init__(
+        self,
+        url: str,
+        queue: str,
+        *,
+        weights_root: str | None,
+        count: int = 2,
+        engine: str = "vllm",
+        model: str | None = None,
+        max_model_len: int = 256,
+        kv_cache_memory_bytes: int | None = 64 << 20,
+        broadcast: bool = False,
+        cpu_binds: Sequence[str | None] | None = None,
+        reconcile_interval: float = 1.0,
+        gpu_memory_utilization: float = 0.3,
+    ):
+        if engine not in ("vllm", "echo"):
+            raise ValueError(f"engine must be 'vllm' or 'echo', got {engine!r}")
+        self.url, self.queue, self.count, self.kind = url, queue, count, engine
+        self.weights_root = weights_root
+        self.model = model
+        self.max_model_len = max_model_len
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.broadcast = broadcast
+        self.cpu_binds = list(cpu_binds) if cpu_binds else []
+        self.reconcile_interval = reconcile_interval
+        #: GPU: each replica's share of device memory (the trainer and the other replicas share it).
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.engines: list[Any] = []
+        self.consumers: list[Any] = []
+        self.followers: list[Any] = []
+        self._tasks: list[asyncio.Task] = []
+        #: Seconds the engines took to start.
+        self.start_s = 0.0
+
+    def _make_engines(self) -> list[Any]:
+        from ..consumer.engine import EchoEngine
+
+        if self.kind == "echo":
+            return [EchoEngine(delay_per_token=0.0005) for _ in range(self.count)]
+        from ..consumer.vllm_engine import VllmEngine, VllmEngineConfig
+        from ..testing.tiny_model import ensure_tiny_model
+
+        self.model = self.model or str(ensure_tiny_model())
+        return [
+            VllmEngine(VllmEngineConfig(
+                model=self.model, seed=i, max_model_len=self.max_model_len,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes, worker_extension_cls=WORKER_EXTENSION,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+            ))
+            for i in range(self.count)
+        ]
+
+    async def _start_engines(self) -> None:
+        binds = self.cpu_binds + [None] * (self.count - len(self.cpu_binds))
+        if not any(binds):
+            await asyncio.gather(*(e.start() for e in self.engines))
+            return
+        for e, bind in zip(self.engines, binds):
+            with _env(_BIND, bind):
+                await e.start()
+
+    async def start(self) -> Replicas:
+        """Start the engines, then serve :attr:`queue` (:meth:`attach`)."""
+        t0 = time.perf_counter()
+        self.engines = self._make_engines()
+        await self._start_engines()
+        self.start_s = time.perf_counter() - t0
+        self.model = self.model or getattr(self.engines[0], "model", "echo")
+        log.info("%d %s replica(s) up in %.1fs", self.count, self.kind, self.start_s)
+        await self.attach(self.queue)
+        return self
+
+    async def attach(self, queue: str, weights_root: str | None = None) -> None:
+        """Serve ``queue`` (a consumer and a weight follower per engine), leaving the previous
+        one. The engines keep the weights they hold; a follower loads the queue's committed
+        version, if it has one, before its consumer pulls."""
+        from ..consumer.loop import Consumer
+        from ..settings import ConsumerSettings
+        from ..weightsync.follower import WeightFollower
+
+        await self.detach()
+        self.queue = queue
+        if weights_root is not None:
+            self.weights_root = weights_root
+        self.consumers = [
+            Consumer(e, self.url, queue, consumer_id=f"replica-{i}", settings=ConsumerSettings(lease_ttl=10.0))
+            for i, e in enumerate(self.engines)
+        ]
+        if self.kind == "vllm":
+            self.followers = [
+                WeightFollower(c, root=self.weights_root, reconcile_interval=self.reconcile_interval, broadcast=self.broadcast)
+                for c in self.consumers
+            ]
+            for f in self.followers:
+                await f.start()
+        self._tasks = [asyncio.create_task(c.run(), name=f"rollq-{c.id}") for c in self.consumers]
+
+    async def detach(self) -> None:
+        """Stop serving the current queue (consumers drain, followers stop); engines stay up."""
+        for c in self.consumers:
+            c.stop()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=30)
+        for f in self.followers:
+            await f.stop()
+        self._tasks, self.followers, self.consumers = [], [], []
+
+    async def stop(self) -> None:
+        await self.detach()
+        await asyncio.gather(*(e.stop() for e in self.engines), return_exceptions=True)
+        self.engines = []
+
+    async def wait_version(self, version: int, timeout: float = 120.0) -> None:
+        """Until every replica serves ``version`` or newer (TimeoutError after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while any(c.version < version for c in self.consumers):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"replicas did not reach policy version {version} within {timeout:.0f}s")
+            await asyncio.sleep(0.02)
+
+    def update_history(self) -> list[Any]:
+        """Every follower's :class:`~rollq.weightsync.follower.UpdateStats`, all replicas."""
+        return [st for f in self.followers for st in f.history]
+
+    async def __aenter__(self) -> Replicas:
+        try:
+            return await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old

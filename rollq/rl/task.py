@@ -1,0 +1,97 @@
+"""The toy task of ``rollq demo``: write tokens from the vocabulary bucket the prompt names.
+
+The vocabulary is cut into ``buckets`` equal contiguous ranges (vocab 1024, 4 buckets: ids
+``[0, 256)``, ``[256, 512)``, ...). A prompt names one bucket in plain text ("Write 4
+tokens from bucket 2 of 4:"); the policy generates ``length`` tokens (``ignore_eos``, so
+every sample has exactly that many) and earns the fraction of them that fall in the named
+bucket. The reward is dense: a uniform random policy scores ``1 / buckets`` (0.25) on every
+sample, so every GRPO group has spread from the first step, and the perfect score is 1.
+
+Where the reward runs: on the trainer, on each :class:`~rollq.protocol.Result` it takes
+from the queue (:meth:`BucketTask.rewards`). Replicas only generate; the bucket travels
+with the job in ``meta`` and comes back on the result, so the reward needs nothing but the
+result, costs microseconds, and changing the task never touches a replica.
+
+>>> task = BucketTask()
+>>> task.bucket_of(300), task.reward(1, [256, 511, 0, 1023])
+(1, 0.5)
+>>> task.random_policy_reward
+0.25
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+__all__ = ["BucketTask"]
+
+
+@dataclass(frozen=True)
+class BucketTask:
+    """Generate ``length`` tokens from the bucket named in the prompt (see the module doc)."""
+
+    #: The model's vocabulary size (ids ``0 .. vocab_size - 1`` can be sampled).
+    vocab_size: int = 1024
+    #: Equal contiguous ranges the vocabulary is cut into.
+    buckets: int = 4
+    #: Tokens generated per sample.
+    length: int = 4
+
+    def __post_init__(self) -> None:
+        if self.buckets < 2 or self.vocab_size < self.buckets or self.length < 1:
+            raise ValueError("BucketTask needs buckets >= 2, vocab_size >= buckets and length >= 1")
+
+    def bucket_of(self, token_id: int) -> int:
+        """The bucket a token id belongs to."""
+        return token_id * self.buckets // self.vocab_size
+
+    def reward(self, bucket: int, token_ids: Sequence[int]) -> float:
+        """Fraction of ``token_ids`` in ``bucket`` (0 for an empty sample)."""
+        if not token_ids:
+            return 0.0
+        return sum(self.bucket_of(t) == bucket for t in token_ids) / len(token_ids)
+
+    @property
+    def random_policy_reward(self) -> float:
+        """Expected reward of a uniform policy over the vocabulary, buckets drawn uniformly:
+        exactly ``1 / buckets`` (the buckets' sizes sum to the vocabulary)."""
+        return 1.0 / self.buckets
+
+    #: Times the bucket's digit is repeated in the prompt. A sentence that names the bucket
+    #: once ("from bucket 2 of 4:") is one token in sixteen that differs between prompts: a
+    #: random-init 2-layer model then took 40+ steps to get past 0.5; with the digit alone,
+    #: repeated, it reached 0.9 in 12-25 steps (lr 5e-3..1e-2, measured in pure torch).
+    repeat: int = 8
+
+    def prompt_text(self, bucket: int) -> str:
+        """The prompt naming ``bucket`` (``"2222..."``; buckets >= 10 use their decimal form)."""
+        return str(bucket) * self.repeat
+
+    def prompt_ids(self, tokenizer: Any, bucket: int) -> list[int]:
+        """Token ids of the prompt for ``bucket`` (the tokenizer's encoding of :meth:`prompt_text`)."""
+        return list(tokenizer.encode(self.prompt_text(bucket), add_special_tokens=False))
+
+    def sampling(self, group_size: int) -> dict[str, Any]:
+        """Sampling params of one job: a GRPO group of ``group_size`` samples at temperature 1
+        (vLLM's logprobs are those of the unscaled logits), the sampled tokens' logprobs."""
+        return {
+            "max_tokens": self.length, "n": group_size, "temperature": 1.0, "logprobs": 0,
+            "ignore_eos": True, "detokenize": False,
+        }
+
+    def job_specs(self, tokenizer: Any, rng: random.Random, count: int, group_size: int) -> list[dict[str, Any]]:
+        """``count`` jobs (one GRPO group each) for buckets drawn from ``rng``; the bucket rides in ``meta``."""
+        prompts = [self.prompt_ids(tokenizer, b) for b in range(self.buckets)]
+        sp = self.sampling(group_size)
+        out = []
+        for _ in range(count):
+            b = rng.randrange(self.buckets)
+            out.append({"prompt_token_ids": prompts[b], "sampling": sp, "meta": {"bucket": b}})
+        return out
+
+    def rewards(self, result: Any) -> list[float]:
+        """Rewards of a result's samples (trainer side; see the module doc)."""
+        bucket = int(result.meta["bucket"])
+        return [self.reward(bucket, s.token_ids) for s in result.samples]

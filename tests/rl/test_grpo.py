@@ -1,0 +1,141 @@
+"""Advantages, the clipped loss, logprob recomputation and the trainer step (pure torch)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rollq.protocol import Result, Sample, pack_f32, pack_i32
+from rollq.rl import (
+    GrpoConfig,
+    GrpoTrainer,
+    busy_fraction,
+    group_advantages,
+    grpo_loss,
+    logprob_agreement,
+    plot_run,
+    single_version,
+    token_logprobs,
+)
+
+
+def test_group_advantages_are_normalised_per_group_and_zero_without_spread():
+    r = torch.tensor([[0.0, 0.25, 0.5, 1.0], [0.5, 0.5, 0.5, 0.5]])
+    a = group_advantages(r)
+    assert torch.allclose(a[0].mean(), torch.tensor(0.0), atol=1e-6)
+    assert torch.allclose(a[0].std(unbiased=False), torch.tensor(1.0), atol=1e-4)
+    assert torch.equal(a[1], torch.zeros(4))
+    assert a[0].argsort().tolist() == [0, 1, 2, 3]
+
+
+def test_loss_gradient_raises_logprobs_of_good_samples_and_lowers_bad_ones():
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, st = grpo_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3))
+    loss.backward()
+    assert (logp.grad[0] < 0).all() and (logp.grad[1] > 0).all()  # descent raises row 0, lowers row 1
+    assert torch.allclose(logp.grad.abs(), torch.full((2, 3), 1 / 6))
+    assert st["clip_frac"] == 0.0 and st["ratio_mean"] == pytest.approx(1.0)
+
+
+def test_loss_clips_the_ratio_and_ignores_masked_tokens():
+    # ratio e^0.5 > 1.2 with a positive advantage: clipped, no gradient; masked tokens: none either.
+    logp = torch.full((1, 2), 0.5, requires_grad=True)
+    loss, st = grpo_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.tensor([[True, False]]), clip_eps=0.2)
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 2))
+    assert loss.item() == pytest.approx(-1.2) and st["clip_frac"] == 1.0
+    # the same ratio with a negative advantage is not clipped (pessimistic bound): gradient flows
+    logp = torch.full((1, 1), 0.5, requires_grad=True)
+    grpo_loss(logp, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1))[0].backward()
+    assert logp.grad.item() == pytest.approx(torch.exp(torch.tensor(0.5)).item())
+
+
+def test_single_version_is_the_span_when_it_is_one_version():
+    assert single_version(Result(id="a", version_start=2, version_end=2)) == 2
+    assert single_version(Result(id="a", version_start=2, version_end=3)) is None
+
+
+def test_single_version_reads_per_token_versions():
+    from rollq.protocol import UNKNOWN_START, Sample, pack_i32
+
+    before = Sample(tokens=pack_i32([1, 2, 3]), versions=[(2, 0), (3, 3)])  # 3 came after the last token
+    across = Sample(tokens=pack_i32([1, 2, 3]), versions=[(2, 0), (3, 1)])
+    unknown = Sample(tokens=pack_i32([1, 2, 3]), versions=[(2, 0), (3, UNKNOWN_START)])
+    assert single_version(Result(id="a", version_start=2, version_end=3, samples=[before, before])) == 2
+    assert single_version(Result(id="a", version_start=2, version_end=3, samples=[before, across])) is None
+    assert single_version(Result(id="a", version_start=2, version_end=3, samples=[unknown])) is None
+
+
+def test_busy_fraction_unions_overlapping_jobs_per_replica():
+    assert busy_fraction([("a", 0, 2), ("a", 1, 3), ("b", 0, 1)], (0, 4)) == 0.5
+    assert busy_fraction([], (0, 1)) == 0.0
+
+
+# -- with the tiny Hugging Face model ---------------------------------------------------
+@pytest.fixture(scope="module")
+def trainer(tiny_model_path):
+    torch.set_num_threads(1)
+    return GrpoTrainer.from_pretrained(str(tiny_model_path), GrpoConfig(lr=5e-3), seed=0)
+
+
+def _sample(model, prompt, n, length, gen):
+    """Sample ``n`` completions from ``model`` itself at temperature 1, with their logprobs."""
+    ids = torch.tensor([prompt] * n)
+    lps = []
+    with torch.no_grad():
+        for _ in range(length):
+            lp = torch.log_softmax(model(input_ids=ids).logits[:, -1].float(), -1)
+            t = torch.multinomial(lp.exp(), 1, generator=gen)
+            lps.append(lp.gather(-1, t))
+            ids = torch.cat([ids, t], 1)
+    toks, lps = ids[:, len(prompt):], torch.cat(lps, 1)
+    return [Sample(tokens=pack_i32(toks[i].tolist()), logprobs=pack_f32(lps[i].tolist())) for i in range(n)]
+
+
+def test_token_logprobs_of_a_padded_batch_equal_one_sequence_at_a_time(trainer):
+    m = trainer.model
+    prompts, comps = [[5, 6, 7], [9] * 8], [[100, 200], [300, 400, 500, 600]]
+    with torch.no_grad():
+        logp, mask = token_logprobs(m, prompts, comps)
+        for i, (p, c) in enumerate(zip(prompts, comps)):
+            one, _ = token_logprobs(m, [p], [c])
+            assert torch.allclose(logp[i, : len(c)], one[0], atol=1e-5)
+    assert mask.tolist() == [[True, True, False, False], [True] * 4]
+
+
+def test_trainer_step_measures_agreement_lags_and_keeps_snapshots(trainer):
+    gen = torch.Generator().manual_seed(0)
+    v0 = trainer.version
+    batch, rewards = [], []
+    for b in range(4):
+        prompt = [20 + b] * 8
+        res = Result(id=f"j{b}", samples=_sample(trainer.model, prompt, 4, 4, gen), version_start=v0, version_end=v0, meta={"bucket": b})
+        batch.append((prompt, res))
+        rewards.append([float(i) / 3 for i in range(4)])
+    before = {k: v.clone() for k, v in trainer.state_dict().items()}
+    st = trainer.step(batch, rewards)
+    assert st.version == v0 and trainer.version == v0 + 1 and st.lags == [0, 0, 0, 0]
+    assert st.diff_tokens == 64 and st.diff_max < 1e-4  # same weights, same tokens
+    assert any(not torch.equal(before[k], v) for k, v in trainer.state_dict().items())
+    # The old version's weights are kept: agreement of the old samples is still exact there,
+    # and clearly off at the new weights.
+    old = trainer.weights_at(v0)
+    assert old is not None and torch.equal(old["lm_head.weight"], before["lm_head.weight"])
+    results, prompts = [r for _, r in batch], [p for p, _ in batch]
+    mean, worst, n = logprob_agreement(trainer.model, results, prompts, state=old)
+    assert n == 64 and worst < 1e-4
+    mean_new, _, _ = logprob_agreement(trainer.model, results, prompts)
+    assert mean_new > 10 * max(mean, 1e-6)
+    # A second step on the same (now one version old) samples: lag 1, agreement from the snapshot.
+    st2 = trainer.step(batch, rewards)
+    assert st2.lags == [1, 1, 1, 1] and st2.diff_tokens == 64 and st2.diff_max < 1e-4
+
+
+def test_plot_writes_a_png_and_its_data(tmp_path):
+    steps = [{"step": i, "reward": 0.25 + i / 10, "lags": [0, 1]} for i in range(5)]
+    png = plot_run(steps, tmp_path / "run.png", random_policy_reward=0.25)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((tmp_path / "run.json").read_text())
+    assert data["reward"][-1] == pytest.approx(0.65) and data["lag_mean"] == [0.5] * 5

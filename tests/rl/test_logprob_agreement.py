@@ -1,0 +1,102 @@
+"""Weight sync, end to end: after an update the replica's behavior logprobs equal the
+trainer's at that version (memmap and gloo broadcast); a mis-loaded version (stale
+``lm_head``) breaks the equality by orders of magnitude."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_asyncio
+import torch
+
+from rollq import Consumer, ConsumerSettings, Producer
+from rollq.rl import logprob_agreement, single_version
+from rollq.weightsync import WeightFollower, WeightPublisher
+from rollq.weightsync.nccl import BroadcastSender
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
+
+#: What float32 on CPU must reach (measured: ~3e-7 mean, ~3e-6 max on the tiny model).
+AGREEMENT_MEAN = 1e-3
+AGREEMENT_MAX = 1e-2
+PROMPTS = [[5, 17, 99, 3, 250, 7], [300] * 8, [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
+SAMPLING = {"max_tokens": 24, "n": 4, "temperature": 1.0, "logprobs": 0, "ignore_eos": True, "detokenize": False}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
+
+
+def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.02) -> dict[str, torch.Tensor]:
+    """A new "trainer version": every tensor moved by noise of the init's scale."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + torch.randn(v.shape, generator=g) * scale for k, v in state.items()}
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def replica(vllm_engine, redis_url, queue, tmp_path):
+    root = str(tmp_path / "w")
+    consumer = Consumer(vllm_engine, redis_url, queue, settings=ConsumerSettings(lease_ttl=5))
+    follower = WeightFollower(consumer, root=root, reconcile_interval=0.5, broadcast=True)
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    yield consumer, root
+    consumer.stop()
+    await asyncio.wait_for(task, 30)
+    await follower.stop()
+
+
+async def _serving(consumer, version: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while consumer.version < version:
+        assert time.monotonic() < deadline, f"replica did not reach version {version}"
+        await asyncio.sleep(0.02)
+
+
+async def _agreement(p: Producer, model, state, version: int) -> tuple[float, float, int]:
+    hs = await p.submit_many([{"prompt_token_ids": pr, "sampling": SAMPLING, "min_version": version} for pr in PROMPTS])
+    results = await p.gather(hs, timeout=120)
+    assert all(r.ok for r in results), [r.error for r in results]
+    assert all(single_version(r) == version for r in results), [r.policy_version for r in results]
+    return logprob_agreement(model, results, PROMPTS, state=state)
+
+
+async def test_replica_logprobs_match_the_trainer_after_memmap_and_gloo_updates(replica, model, redis_url, queue):
+    consumer, root = replica
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    sender = BroadcastSender(num_workers=1, backend="gloo", timeout=60, bucket_bytes=1 << 20)
+    pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
+    try:
+        async with Producer(redis_url, queue) as p:
+            v1 = perturbed(base, 1)
+            rec = await pub.publish_weights(v1, transport="memmap")
+            await _serving(consumer, rec.version)
+            mean, worst, n = await _agreement(p, model, v1, rec.version)
+            assert n == 3 * 4 * 24 and mean <= AGREEMENT_MEAN and worst <= AGREEMENT_MAX, (mean, worst)
+
+            v2 = perturbed(base, 2)
+            rec = await pub.publish_weights(v2, transport="nccl")  # the gloo broadcast
+            assert rec.transport == "nccl", rec.timings
+            await _serving(consumer, rec.version)
+            mean, worst, n = await _agreement(p, model, v2, rec.version)
+            assert n == 3 * 4 * 24 and mean <= AGREEMENT_MEAN and worst <= AGREEMENT_MAX, (mean, worst)
+
+            # Mis-loaded: the replica gets v3 with v2's lm_head, the trainer holds all of v3.
+            v3 = perturbed(base, 3)
+            rec = await pub.publish_weights(dict(v3, **{"lm_head.weight": v2["lm_head.weight"]}), transport="memmap")
+            await _serving(consumer, rec.version)
+            mean, worst, _ = await _agreement(p, model, v3, rec.version)
+            assert mean > 100 * AGREEMENT_MEAN and worst > AGREEMENT_MAX, (mean, worst)
+
+            rec = await pub.publish_weights(base, transport="memmap")  # leave the shared engine as found
+            await _serving(consumer, rec.version)
+            mean, worst, _ = await _agreement(p, model, None, rec.version)
+            assert mean <= AGREEMENT_MEAN
+    finally:
+        await pub.close()

@@ -1,0 +1,97 @@
+"""The command line and the clients on bad input and bad credentials: a clear message and a
+quick exit, never a traceback, a wait for the whole timeout, or retries forever."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollq import Consumer, EchoEngine, Producer
+from rollq.connection import connect
+from rollq.errors import RedisAuthError
+from rollq.server import RedisServer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rollq(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rollq.cli", "--log-level", "WARNING", *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=ROOT,
+    )
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"", "no jobs"),
+    (b"\n\n", "no jobs"),
+    (b'{"prompt": "x", "meta": ' + b"[" * 5000 + b"]" * 5000 + b"}\n", "nested too deep"),
+    (b'{"prompt": "x", "meta": ' + b"[" * 100 + b"]" * 100 + b"}\n", "meta nests deeper"),
+    (b'{"prompt": "\xff\xfe"}\n', "not UTF-8"),
+], ids=["empty", "blank-lines", "deep-json", "deep-meta", "bad-utf8"])
+def test_submit_refuses_bad_files_at_once(tmp_path, redis_url, queue, content, says):
+    f = tmp_path / "jobs.jsonl"
+    f.write_bytes(content)
+    t0 = time.monotonic()
+    r = rollq("submit", "--url", redis_url, "--queue", queue, str(f), "--wait", "--timeout", "60")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert says in r.stderr and "Traceback" not in r.stderr
+    assert time.monotonic() - t0 < 30  # not the --wait timeout
+
+
+def test_unreachable_redis_and_unreadable_url_file_are_one_line(tmp_path):
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"prompt": "x"}\n')
+    r = rollq("submit", "--url", "redis://127.0.0.1:1/0", str(ok))
+    assert r.returncode == 3 and "cannot reach Redis" in r.stderr and "Traceback" not in r.stderr
+    r = rollq("status", "--url-file", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "cannot read the Redis URL file" in r.stderr
+
+
+@pytest.fixture
+def password_redis():
+    srv = RedisServer(extra_args=["--requirepass", "s3cret"]).start()
+    yield srv
+    srv.cleanup()
+
+
+async def test_wrong_password_fails_fast_everywhere(password_redis, queue, tmp_path):
+    """A wrong password made consumers retry forever (redis-py reports it as a kind of
+    ConnectionError, which every retry loop took for an outage)."""
+    port = password_redis.port
+    wrong, right = f"redis://:nope@127.0.0.1:{port}/0", f"redis://:s3cret@127.0.0.1:{port}/0"
+    with pytest.raises(RedisAuthError, match="refused user 'default'"):
+        await connect(wrong).ping()
+    c = Consumer(EchoEngine(), wrong, queue)
+    with pytest.raises(RedisAuthError):
+        await asyncio.wait_for(c.run(), 20)
+    with pytest.raises(RedisAuthError):
+        async with Producer(wrong, queue):
+            pass
+    good = connect(right)
+    assert await good.ping()
+    await good.aclose()
+    # The CLI says so in one line and exits non-zero; the URL may come from a file (no
+    # password in ps) or from the environment.
+    url_file = tmp_path / "url"
+    url_file.write_text(wrong + "\n")
+    r = rollq("consume", "--url-file", str(url_file), "--queue", queue, "--engine", "echo", "--burst")
+    assert r.returncode == 2 and "refused user" in r.stderr and "Traceback" not in r.stderr
+    url_file.write_text(right + "\n")
+    r = rollq("status", "--queue", queue, "--json", env={"ROLLQ_REDIS_URL_FILE": str(url_file)})
+    assert r.returncode == 0, r.stderr
+
+
+def test_cli_log_lines_are_cut_and_not_highlighted():
+    import logging
+
+    from rollq.cli import MAX_LOG_CHARS, _CutLongMessages
+
+    rec = logging.LogRecord("rollq", logging.WARNING, __file__, 1, "dead-lettered job %s", ("x" * 40_000,), None)
+    assert _CutLongMessages().filter(rec)
+    assert len(rec.getMessage()) < MAX_LOG_CHARS + 40 and rec.getMessage().endswith("(40018 characters)")
