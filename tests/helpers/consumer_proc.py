@@ -16,6 +16,7 @@ import sys
 from rollq.consumer.engine import EchoEngine
 from rollq.consumer.loop import Consumer
 from rollq.settings import ConsumerSettings
+from rollq.testing.chaos import HistoryLog
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -31,7 +32,26 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=25.0)
     p.add_argument("--max-deliveries", type=int, default=3)
     p.add_argument("--max-inflight", type=int, default=256)
+    p.add_argument("--history", default=None, help="append deliver/finish events to this JSON-lines file")
     return p.parse_args(argv)
+
+
+class LoggedEcho(EchoEngine):
+    """The echo engine, writing a ``deliver`` event when a job reaches it and a ``finish``
+    event when it is done with one (rollq.testing.chaos.HistoryLog)."""
+
+    def __init__(self, history: HistoryLog, **kw: object):
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.history = history
+
+    def submit(self, request_id: str, job, done) -> None:  # noqa: ANN001
+        self.history.event("deliver", [job.id])
+
+        def logged(rid: str, out: object) -> None:
+            self.history.event("finish", [job.id])
+            done(rid, out)
+
+        super().submit(request_id, job, logged)
 
 
 async def main(a: argparse.Namespace) -> int:
@@ -40,9 +60,9 @@ async def main(a: argparse.Namespace) -> int:
         drain_timeout=a.drain_timeout, max_deliveries=a.max_deliveries, max_inflight=a.max_inflight,
         initial_inflight=a.max_inflight, backoff_max=0.5,
     )
-    consumer = Consumer(
-        EchoEngine(delay_per_token=a.delay_ms / 1000.0), a.url, a.queue, consumer_id=a.id, settings=settings
-    )
+    delay = a.delay_ms / 1000.0
+    engine = LoggedEcho(HistoryLog(a.history, a.id), delay_per_token=delay) if a.history else EchoEngine(delay_per_token=delay)
+    consumer = Consumer(engine, a.url, a.queue, consumer_id=a.id, settings=settings)
     return await consumer.run(install_signal_handlers=True)
 
 
