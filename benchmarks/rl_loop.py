@@ -32,9 +32,9 @@ import json
 import logging
 import os
 import platform
+import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -78,7 +78,7 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     from rollq.weightsync.publisher import WeightPublisher
 
     queue = f"rl-{name}"
-    root = tempfile.mkdtemp(prefix=f"rollq-rl-{name}-")
+    root = tempfile.mkdtemp(prefix=f"rollq-rl-{name}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     await replicas.attach(queue, weights_root=root)
     torch.manual_seed(a.seed)
     trainer = GrpoTrainer.from_pretrained(model, GrpoConfig(lr=a.lr), seed=a.seed)
@@ -95,9 +95,12 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
         if r.step % 10 == 0 or r.step == a.steps - 1:
             log.info("%s step %d reward %.3f wait %.3fs train %.3fs publish %.3fs", name, r.step, r.reward, r.wait_s, r.train_s, r.publish_s)
 
-    report = await run_loop(srv_url, queue, trainer, task, tokenizer, pub, cfg, on_step=on_step, producer_id=f"trainer-{name}")
-    report.updates = [u for u in replicas.update_history() if u.version > rec.version]  # not the reset
-    await pub.close()
+    try:
+        report = await run_loop(srv_url, queue, trainer, task, tokenizer, pub, cfg, on_step=on_step, producer_id=f"trainer-{name}")
+        report.updates = [u for u in replicas.update_history() if u.version > rec.version]  # not the reset
+    finally:
+        await pub.close()
+        ROOTS.append(root)  # removed once the replicas stopped (they may still read its slots)
     s = report.summary()
     s["name"] = name
     s["per_step"] = [
@@ -106,6 +109,10 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
         for d in report.per_step()
     ]
     return s
+
+
+#: Weight roots of the runs (in /dev/shm where there is one: RAM), removed at the end.
+ROOTS: list[str] = []
 
 
 def ratios(runs: list[dict]) -> list[dict]:
@@ -161,7 +168,7 @@ async def main_async(a: argparse.Namespace) -> dict:
     ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     pin = a.pin and device == "cpu" and ncpu >= a.replicas + 1
     binds = [str(i + 1) for i in range(a.replicas)] if pin else None
-    cores = (f"trainer + event loop pinned to core 0 (1 torch thread); replica i on core i+1 (VLLM_CPU_OMP_THREADS_BIND)"
+    cores = ("trainer + event loop pinned to core 0 (1 torch thread); replica i on core i+1 (VLLM_CPU_OMP_THREADS_BIND)"
              if pin else f"no pinning ({ncpu} cores{'' if a.pin else ', --no-pin'}; device {device})")
     with RedisServer() as srv:
         replicas = Replicas(srv.url, "rl-start", weights_root=None, count=a.replicas, model=model,
@@ -176,6 +183,8 @@ async def main_async(a: argparse.Namespace) -> dict:
                 runs.append(await one_run(f"async-lag{lag}", "async", lag, a, srv.url, replicas, model, tokenizer, device))
         finally:
             await replicas.stop()
+            for root in ROOTS:
+                shutil.rmtree(root, ignore_errors=True)
     return {
         "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
         "machine": f"{platform.machine()}, {ncpu} cores, {device}",

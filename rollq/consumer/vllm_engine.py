@@ -48,6 +48,7 @@ import inspect
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -316,6 +317,7 @@ class VllmEngine(Engine):
         if self._llm is not None:
             return
         t0 = time.perf_counter()
+        _spawn_if_cuda_in_use()
         api = self._api = await asyncio.to_thread(_vllm)  # `import vllm` alone takes ~10 s
         args = self._engine_args(api)
         factory = _stat_logger_factory(self._sink)
@@ -706,9 +708,6 @@ class VllmEngine(Engine):
         """
         return await self._require().collective_rpc(method_name, timeout=timeout, args=tuple(args), kwargs=kwargs)
 
-    async def call_workers(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        """Engine hook used by weight sync: one ``collective_rpc`` for all workers."""
-        return await self.collective_rpc(method, args=args, timeout=timeout)
 
     @property
     def num_workers(self) -> int:
@@ -717,12 +716,6 @@ class VllmEngine(Engine):
         if pc is not None:
             return int(getattr(pc, "world_size", self.config.tensor_parallel_size))
         return self.config.tensor_parallel_size
-
-    def capacity_hint(self) -> int | None:
-        """vLLM's scheduler limit (``max_num_seqs``): the consumer sizes its pull to it."""
-        sc = getattr(getattr(self._llm, "vllm_config", None), "scheduler_config", None)
-        n = getattr(sc, "max_num_seqs", None)
-        return int(n) if n else None
 
     def swap_progress(self, report: Any) -> SwapProgress | None:
         """Map a worker's swap report (``{"tokens": {engine request id: count}, "complete":
@@ -746,6 +739,15 @@ class VllmEngine(Engine):
         if self._llm is None:
             raise RuntimeError("the vLLM engine is not running (start() it first)")
         return self._llm
+
+
+def _spawn_if_cuda_in_use() -> None:
+    """Start vLLM's processes with ``spawn`` when this process uses CUDA (a trainer beside
+    the engine, a test): a forked child cannot use CUDA its parent initialized. The caller's
+    ``__main__`` must then be import-safe (guarded), as scripts that start AsyncLLM are."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 def _shutdown_when_built(build: asyncio.Future[Any]) -> None:
@@ -776,7 +778,6 @@ def _request_of(eid: str, running: Any) -> tuple[str | None, int]:
 
 
 def _to_output(final: Any, sp: SamplingParams, prompt_ids: Sequence[int], report_prompt: bool) -> EngineOutput:
-    n_prompt = len(prompt_ids)
     outs = final.outputs
     if len(outs) > 1:
         outs = sorted(outs, key=lambda c: c.index)

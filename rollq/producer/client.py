@@ -32,7 +32,6 @@ from typing import Any, AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 import msgpack
 import msgspec
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from ..connection import CANCEL, DROP_EMPTY, SUBMIT, Client, connect, deadline, raw_replies

@@ -72,11 +72,25 @@ def pinned_file(path: str | os.PathLike) -> torch.Tensor | None:
         if int(rc) != 0:
             _unsupported = f"cudaHostRegister failed ({rc}) on {path}"
             log.warning("%s; memmap copies fall back to pageable memory", _unsupported)
+            _clear_cuda_error()
             del view
             mm.close()
             return None
         _maps[path] = _Mapping(key, mm, view)
         return view
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last error after a failed registration: left set, the next kernel launch
+    of any code in the process reads it and fails ("CUDA error: invalid argument")."""
+    get_last = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if get_last is not None:
+        get_last()
+        return
+    try:  # a launch check reads the last error, and reading it resets it
+        torch.zeros(1, device="cuda").add_(1)
+    except Exception as e:  # noqa: BLE001 - that was the error being cleared
+        log.debug("cleared CUDA error: %s", e)
 
 
 def flush(paths: list[str]) -> None:

@@ -433,27 +433,48 @@ class RollqWorkerExtension:
     def rollq_track_progress(self) -> bool:
         """Start remembering how many tokens each request had generated when vLLM let go of
         it (finished or aborted), so a later swap can tell a request that finished on the old
-        weights from one that had not started. True where this vLLM allows it (its model
-        runner's ``_on_request_state_removed`` hook); the engine calls it once at start."""
+        weights from one that had not started. True where this vLLM allows it; the engine
+        calls it once at start.
+
+        Two model runners are read: vLLM's first GPU runner (also the CPU backend's; one
+        ``CachedRequestState`` per request in ``requests``, removal through
+        ``_on_request_state_removed``) and the second (``vllm.v1.worker.gpu``, default on
+        GPUs in 0.26: ``req_states`` arrays, removal through ``req_states.remove_request``).
+        """
         runner = getattr(self, "model_runner", None)
-        if runner is None or not isinstance(getattr(runner, "requests", None), dict):
+        if runner is None or _runner_counts(runner) is None:
             return False
         if getattr(runner, "_rollq_removed", None) is not None:
             return True
-        orig = getattr(runner, "_on_request_state_removed", None)
-        if orig is None:
-            return False
         removed: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
 
-        def on_removed(req_id: str, req_state: Any, *args: Any, **kwargs: Any) -> Any:
-            if req_state is not None:
-                removed[req_id] = (len(req_state.output_token_ids), time.monotonic())
+        def remember(req_id: str, n: int | None) -> None:
+            if n is not None:
+                removed[req_id] = (n, time.monotonic())
                 if len(removed) > _REMOVED_KEEP:
                     removed.popitem(last=False)
-            return orig(req_id, req_state, *args, **kwargs)
 
+        if isinstance(getattr(runner, "requests", None), dict):
+            orig = getattr(runner, "_on_request_state_removed", None)
+            if orig is None:
+                return False
+
+            def on_removed(req_id: str, req_state: Any, *args: Any, **kwargs: Any) -> Any:
+                remember(req_id, len(req_state.output_token_ids) if req_state is not None else None)
+                return orig(req_id, req_state, *args, **kwargs)
+
+            runner._on_request_state_removed = on_removed
+        else:
+            states = runner.req_states
+            orig_remove = states.remove_request
+
+            def on_remove(req_id: str, *args: Any, **kwargs: Any) -> Any:
+                i = states.req_id_to_index.get(req_id)
+                remember(req_id, _v2_count(states, i) if i is not None else None)
+                return orig_remove(req_id, *args, **kwargs)
+
+            states.remove_request = on_remove
         runner._rollq_removed = removed
-        runner._on_request_state_removed = on_removed
         return True
 
     def _rollq_progress(self) -> dict[str, Any]:
@@ -466,10 +487,9 @@ class RollqWorkerExtension:
         :data:`_REMOVED_WINDOW_S` seconds are included with their final counts).
         """
         runner = getattr(self, "model_runner", None)
-        reqs = getattr(runner, "requests", None)
-        if not isinstance(reqs, dict):
+        tokens = _runner_counts(runner) if runner is not None else None
+        if tokens is None:
             return {"tokens": {}, "complete": False}
-        tokens = {rid: len(st.output_token_ids) for rid, st in list(reqs.items())}
         removed = getattr(runner, "_rollq_removed", None)
         if removed is not None:
             horizon = time.monotonic() - _REMOVED_WINDOW_S
@@ -504,6 +524,28 @@ class RollqWorkerExtension:
             if name_contains in name and p.numel() > 0:
                 return p.detach().reshape(-1)[offset : offset + 4].float().cpu().tolist()
         return []
+
+
+def _runner_counts(runner: Any) -> dict[str, int] | None:
+    """Output tokens so far of every request a model runner holds (None: a runner this code
+    cannot read)."""
+    reqs = getattr(runner, "requests", None)
+    if isinstance(reqs, dict):
+        return {rid: len(st.output_token_ids) for rid, st in list(reqs.items())}
+    states = getattr(runner, "req_states", None)
+    index = getattr(states, "req_id_to_index", None)
+    if isinstance(index, dict) and hasattr(states, "num_computed_tokens_np") and hasattr(states, "prompt_len"):
+        return {rid: _v2_count(states, i) for rid, i in list(index.items())}
+    return None
+
+
+def _v2_count(states: Any, i: int) -> int:
+    """Output tokens of row ``i`` of the second model runner's ``req_states``: the prompt is
+    computed, then each step computes one more token and samples the next, so a request
+    with ``c >= prompt`` computed tokens has sampled ``c - prompt + 1``."""
+    computed = int(states.num_computed_tokens_np[i])
+    prompt = int(states.prompt_len.np[i])
+    return max(0, computed - prompt + 1) if computed >= prompt else 0
 
 
 class _DirectTarget:
