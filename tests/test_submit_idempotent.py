@@ -20,6 +20,7 @@ import time
 from collections import Counter
 
 import msgpack
+from redis.exceptions import ConnectionError as RedisConnectionError
 import pytest
 
 from rollq.connection import SUBMIT
@@ -248,7 +249,7 @@ async def test_lost_reply_resend_is_idempotent(queue, redis_url, redis_client, m
         out = await real(self, calls)
         if len(lost) < 2:  # the first two rounds ran, their replies are lost
             lost.append(out)
-            raise client_mod.RedisConnectionError("reply lost")
+            raise RedisConnectionError("reply lost")
         return out
 
     monkeypatch.setattr(client_mod.Producer, "_run_scripts_now", lose_replies)
