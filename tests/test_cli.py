@@ -13,8 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def rollq(*args: str, url: str | None = None, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def rollq(*args: str, url: str | None = None, stdin: str | None = None, timeout: float = 120,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {})}
     if url:
         env["ROLLQ_REDIS_URL"] = url
     return subprocess.run(

@@ -4,11 +4,7 @@ quick exit, never a traceback, a wait for the whole timeout, or retries forever.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -16,15 +12,7 @@ from rollq import Consumer, EchoEngine, Producer
 from rollq.connection import connect
 from rollq.errors import RedisAuthError
 from rollq.server import RedisServer
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def rollq(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rollq.cli", "--log-level", "WARNING", *args],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=ROOT,
-    )
+from tests.test_cli import rollq
 
 
 @pytest.mark.parametrize("content, says", [

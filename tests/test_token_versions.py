@@ -6,7 +6,6 @@ recomputation of the logprobs through real vLLM."""
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 import pytest_asyncio
@@ -16,8 +15,9 @@ from rollq import Consumer, ConsumerSettings, Producer
 from rollq.consumer.engine import EchoEngine, SwapProgress
 from rollq.producer.batch import results_to_tensordict
 from rollq.protocol import UNKNOWN_START, Result, Sample, pack_i32
-from rollq.weightsync import WeightFollower, WeightPublisher
+from rollq.weightsync import WeightPublisher
 from tests.helpers import FAST, until
+from tests.vllm_fixtures import checkpoint_state, serving_replica
 
 
 # -- the record itself ---------------------------------------------------------------------
@@ -82,16 +82,6 @@ def test_missing_requests_count_as_not_started_only_when_the_report_is_complete(
 
 
 # -- real vLLM ---------------------------------------------------------------------------
-def _checkpoint(model_dir) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(os.listdir(model_dir)):
-        if f.endswith(".safetensors"):
-            state.update(load_file(os.path.join(model_dir, f)))
-    return state
-
-
 def _recompute(model_dir, state, prompt: list[int], tokens: list[int]) -> list[float]:
     """The logprob of each of ``tokens`` after ``prompt`` under ``state``, in transformers."""
     from transformers import AutoModelForCausalLM
@@ -108,14 +98,8 @@ def _recompute(model_dir, state, prompt: list[int], tokens: list[int]) -> list[f
 @pytest_asyncio.fixture(loop_scope="session")
 async def keep_replica(vllm_engine, redis_url, queue, tmp_path):  # noqa: F811
     root = str(tmp_path / "w")
-    consumer = Consumer(vllm_engine, redis_url, queue, settings=ConsumerSettings(lease_ttl=5))
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.5)
-    await follower.start()
-    task = asyncio.create_task(consumer.run())
-    yield consumer, root
-    consumer.stop()
-    await asyncio.wait_for(task, 30)
-    await follower.stop()
+    async with serving_replica(vllm_engine, redis_url, queue, root) as (consumer, _):
+        yield consumer, root
 
 
 @pytest.mark.vllm
@@ -123,7 +107,7 @@ async def keep_replica(vllm_engine, redis_url, queue, tmp_path):  # noqa: F811
 @pytest.mark.asyncio(loop_scope="session")
 async def test_keep_update_mid_generation_marks_the_first_token_of_the_new_version(keep_replica, redis_url, queue, tiny_model_path):  # noqa: F811
     consumer, root = keep_replica
-    base = _checkpoint(tiny_model_path)
+    base = checkpoint_state(tiny_model_path)
     g = torch.Generator().manual_seed(7)
     new = {k: v + torch.randn(v.shape, generator=g) * 0.3 for k, v in base.items()}
     pub = WeightPublisher(redis_url, queue, root=root)

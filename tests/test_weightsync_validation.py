@@ -21,7 +21,8 @@ from rollq.weightsync import VersionRecord, WeightFollower, WeightPublisher, com
 from rollq.weightsync.manifest import Manifest, check_state, read_manifest
 from rollq.weightsync.versions import LoadError, read_load_errors
 from tests.helpers import until
-from tests.test_weightsync_vllm import PROMPT, greedy, original_state, perturbed
+from tests.test_weightsync_vllm import PROMPT, greedy, perturbed
+from tests.vllm_fixtures import checkpoint_state, serving_replica
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 
@@ -33,7 +34,7 @@ def slots(root: str) -> list[str]:
 # -- the check itself (pure functions) ---------------------------------------------------------
 def test_manifest_from_safetensors_headers_and_the_accepted_forms(tiny_model_path):  # noqa: F811
     m = read_manifest(str(tiny_model_path))
-    base = original_state(tiny_model_path)
+    base = checkpoint_state(tiny_model_path)
     assert {t.name for t in m.tensors} == set(base) and len(m.tensors) == len(base)
     assert all(t.dtype == "float32" for t in m.tensors)
     assert read_manifest("echo") is None
@@ -68,7 +69,7 @@ def test_manifest_from_safetensors_headers_and_the_accepted_forms(tiny_model_pat
 async def test_expected_manifest_refuses_a_mismatch_before_writing_anything(redis_url, queue, tmp_path, tiny_model_path):  # noqa: F811
     root = str(tmp_path / "w")
     pub = WeightPublisher(redis_url, queue, root=root, expected=str(tiny_model_path))
-    base = original_state(tiny_model_path)
+    base = checkpoint_state(tiny_model_path)
     with pytest.raises(WeightMismatch, match="model.norm.weight: sent"):
         await pub.publish_weights(dict(base, **{"model.norm.weight": torch.zeros(3)}))
     assert slots(root) == [] and await read_version(await pub._c(), pub.keys) is None
@@ -130,17 +131,11 @@ async def test_transient_load_failure_is_retried_a_bounded_number_of_times_and_r
 async def replica(vllm_engine, redis_url, queue, tmp_path):  # noqa: F811
     root = str(tmp_path / "w")
     settings = ConsumerSettings(lease_ttl=5, heartbeat_interval=0.2, block=0.2, max_uncommitted_wait=0.5)
-    consumer = Consumer(vllm_engine, redis_url, queue, consumer_id="vllm-0", settings=settings)
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.5)
-    await follower.start()
-    task = asyncio.create_task(consumer.run())
-    c = consumer.keys
-    client = follower._client
-    await until(lambda: client.exists(c.heartbeat(consumer.id)), 10, "the replica's lease")
-    yield consumer, follower, root
-    consumer.stop()
-    await asyncio.wait_for(task, 30)
-    await follower.stop()
+    async with serving_replica(vllm_engine, redis_url, queue, root, settings=settings, consumer_id="vllm-0") as (consumer, follower):
+        c = consumer.keys
+        client = follower._client
+        await until(lambda: client.exists(c.heartbeat(consumer.id)), 10, "the replica's lease")
+        yield consumer, follower, root
 
 
 @pytest.mark.vllm
@@ -149,7 +144,7 @@ async def replica(vllm_engine, redis_url, queue, tmp_path):  # noqa: F811
 async def test_mismatched_state_dicts_are_refused_before_any_replica_is_touched(replica, redis_url, queue, tiny_model_path):  # noqa: F811
     consumer, follower, root = replica
     keys = QueueKeys(queue)
-    base = original_state(tiny_model_path)
+    base = checkpoint_state(tiny_model_path)
     pub = WeightPublisher(redis_url, queue, root=root)
     client = await pub._c()
     published = msgspec.msgpack.decode(await client.hget(keys.manifests, "vllm-0"), type=Manifest)
@@ -190,7 +185,7 @@ async def test_mismatched_state_dicts_are_refused_before_any_replica_is_touched(
 async def test_a_version_that_fails_to_load_is_reported_once_and_the_replica_keeps_serving(replica, redis_url, queue, tiny_model_path):  # noqa: F811
     consumer, follower, root = replica
     keys = QueueKeys(queue)
-    base = original_state(tiny_model_path)
+    base = checkpoint_state(tiny_model_path)
     pub = WeightPublisher(redis_url, queue, root=root)
     unchecked = WeightPublisher(redis_url, queue, root=root, validate=False)
     client = await pub._c()

@@ -10,24 +10,15 @@ import pytest
 import pytest_asyncio
 import torch
 
-from rollq import Consumer, ConsumerSettings, Producer
+from rollq import Consumer, Producer
 from rollq.errors import CorruptWeights
-from rollq.weightsync import WeightFollower, WeightPublisher
+from rollq.weightsync import WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
+from tests.vllm_fixtures import checkpoint_state, serving_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
 PROMPT = {"prompt_token_ids": [5, 17, 99, 3, 250, 7, 7, 300], "sampling": {"max_tokens": 12, "temperature": 0.0}}
-
-
-def original_state(model_dir) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state = {}
-    for f in sorted(os.listdir(model_dir)):
-        if f.endswith(".safetensors"):
-            state.update(load_file(os.path.join(model_dir, f)))
-    return state
 
 
 def perturbed(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -50,19 +41,13 @@ async def wait_version(consumer: Consumer, v: int, timeout: float = 60) -> None:
 @pytest_asyncio.fixture(loop_scope="session")
 async def replica(vllm_engine, redis_url, queue, tmp_path):  # noqa: F811
     root = str(tmp_path / "w")
-    consumer = Consumer(vllm_engine, redis_url, queue, settings=ConsumerSettings(lease_ttl=5))
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.5, broadcast=True)
-    await follower.start()
-    task = asyncio.create_task(consumer.run())
-    yield consumer, follower, root
-    consumer.stop()
-    await asyncio.wait_for(task, 30)
-    await follower.stop()
+    async with serving_replica(vllm_engine, redis_url, queue, root, broadcast=True) as (consumer, follower):
+        yield consumer, follower, root
 
 
 async def test_memmap_and_gloo_updates_change_generation_and_restore_exactly(replica, redis_url, queue, tiny_model_path):  # noqa: F811
     consumer, follower, root = replica
-    base = original_state(tiny_model_path)
+    base = checkpoint_state(tiny_model_path)
     sender = BroadcastSender(num_workers=1, backend="gloo", timeout=60, bucket_bytes=1 << 20)
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
     async with Producer(redis_url, queue) as p:
@@ -92,7 +77,7 @@ async def test_memmap_and_gloo_updates_change_generation_and_restore_exactly(rep
 
 async def test_keep_policy_spans_and_corrupt_version_refused(replica, redis_url, queue, tiny_model_path):  # noqa: F811
     consumer, follower, root = replica
-    base = original_state(tiny_model_path)
+    base = checkpoint_state(tiny_model_path)
     pub = WeightPublisher(redis_url, queue, root=root)
     async with Producer(redis_url, queue) as p:
         await p.set_update_policy("keep")

@@ -12,6 +12,8 @@ them into a test module again would make that module start an engine of its own.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -71,3 +73,39 @@ async def vllm_engine(tiny_model_path: Path) -> AsyncIterator[Any]:
         yield engine
     finally:
         await engine.stop()
+
+
+def checkpoint_state(model_dir: str | Path) -> dict[str, Any]:
+    """The tensors of a model folder's safetensors files, by checkpoint name (the weights a
+    replica of that folder starts with)."""
+    import os
+
+    from safetensors.torch import load_file
+
+    state: dict[str, Any] = {}
+    for f in sorted(os.listdir(model_dir)):
+        if f.endswith(".safetensors"):
+            state.update(load_file(os.path.join(model_dir, f)))
+    return state
+
+
+@contextlib.asynccontextmanager
+async def serving_replica(
+    engine: Any, url: str, queue: str, root: str, *, settings: Any = None, consumer_id: str | None = None,
+    broadcast: bool = False,
+) -> AsyncIterator[tuple[Any, Any]]:
+    """A consumer of ``queue`` on ``engine`` with its weight follower (memmap store ``root``,
+    broadcasts too with ``broadcast``), serving until the block ends: ``(consumer, follower)``."""
+    from rollq import Consumer, ConsumerSettings
+    from rollq.weightsync import WeightFollower
+
+    consumer = Consumer(engine, url, queue, consumer_id=consumer_id, settings=settings or ConsumerSettings(lease_ttl=5))
+    follower = WeightFollower(consumer, root=root, reconcile_interval=0.5, broadcast=broadcast)
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    try:
+        yield consumer, follower
+    finally:
+        consumer.stop()
+        await asyncio.wait_for(task, 30)
+        await follower.stop()

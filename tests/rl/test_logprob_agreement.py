@@ -4,17 +4,16 @@ trainer's at that version (memmap and gloo broadcast); a mis-loaded version (sta
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 import pytest_asyncio
 import torch
 
-from rollq import Consumer, ConsumerSettings, Producer
+from rollq import Producer
 from rollq.rl import logprob_agreement, single_version
-from rollq.weightsync import WeightFollower, WeightPublisher
+from rollq.weightsync import WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
+from tests.helpers import until
+from tests.vllm_fixtures import serving_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -42,21 +41,12 @@ def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.02) ->
 @pytest_asyncio.fixture(loop_scope="session")
 async def replica(vllm_engine, redis_url, queue, tmp_path):
     root = str(tmp_path / "w")
-    consumer = Consumer(vllm_engine, redis_url, queue, settings=ConsumerSettings(lease_ttl=5))
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.5, broadcast=True)
-    await follower.start()
-    task = asyncio.create_task(consumer.run())
-    yield consumer, root
-    consumer.stop()
-    await asyncio.wait_for(task, 30)
-    await follower.stop()
+    async with serving_replica(vllm_engine, redis_url, queue, root, broadcast=True) as (consumer, _):
+        yield consumer, root
 
 
-async def _serving(consumer, version: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while consumer.version < version:
-        assert time.monotonic() < deadline, f"replica did not reach version {version}"
-        await asyncio.sleep(0.02)
+async def _serving(consumer, version: int) -> None:
+    await until(lambda: consumer.version >= version, 60, f"the replica to serve version {version}")
 
 
 async def _agreement(p: Producer, model, state, version: int) -> tuple[float, float, int]:
