@@ -41,7 +41,9 @@ class _CutLongMessages(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
         if len(msg) > MAX_LOG_CHARS:
-            record.msg, record.args = f"{msg[:MAX_LOG_CHARS]}... ({len(msg)} characters)", None
+            from .protocol import cut
+
+            record.msg, record.args = cut(msg, MAX_LOG_CHARS), None
         return True
 
 

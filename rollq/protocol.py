@@ -262,11 +262,13 @@ class Job(msgspec.Struct, array_like=True, kw_only=True, gc=False):
         return "text" if self.text is not None else "tokens" if self.tokens is not None else "messages"
 
 
-def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: bool = True) -> Job:
+def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: bool = True,
+                 entry_bytes: int | None = None) -> Job:
     """Structural checks a consumer repeats on every job it pulls (the producer does too).
 
     ``sampling=False`` skips re-validating the sampling params (already checked by msgspec's
-    decoder, or validated once for a shared object).
+    decoder, or validated once for a shared object). ``entry_bytes``: the size of the
+    encoded job it was decoded from, which bounds the size of its ``meta``.
     """
     if job.v != SCHEMA_VERSION:
         raise SchemaVersionError(f"job schema version {job.v} is not supported (this build: {SCHEMA_VERSION})")
@@ -277,7 +279,7 @@ def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: boo
     except ValueError as e:
         raise InvalidJob(f"job {short(job.id)} has an impossible reply address: {e}") from e
     if job.meta is not None:
-        check_meta(job.meta)
+        check_meta(job.meta, entry_bytes)
     if (job.text is not None) + (job.tokens is not None) + (job.messages is not None) != 1:
         raise InvalidJob("a job needs exactly one of prompt text, prompt_token_ids or messages")
     if job.tokens is not None:
@@ -307,6 +309,15 @@ def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: boo
     return job
 
 
+def cut(text: str, limit: int = 500) -> str:
+    """An untrusted message cut to ``limit`` characters, for logs, errors and dead letters.
+
+    >>> cut("x" * 12, 5)
+    'xxxxx... (12 characters)'
+    """
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def short(text: Any, limit: int = 80) -> str:
     """``repr`` of an untrusted string cut to ``limit`` characters, for logs and error
     messages (a 10 MB job id must not become a 10 MB log line).
@@ -323,9 +334,11 @@ def short(text: Any, limit: int = 80) -> str:
     return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
-def check_meta(meta: Any) -> None:
+def check_meta(meta: Any, encoded_within: int | None = None) -> None:
     """Refuse a ``meta`` nested deeper than :data:`MAX_META_DEPTH` or larger than
     :data:`MAX_META_BYTES` encoded (iteratively: the check itself never recurses).
+    ``encoded_within``: the size of an encoded message that holds ``meta`` (a decoded job):
+    at most :data:`MAX_META_BYTES` of it, and ``meta`` is not encoded again to be measured.
 
     >>> check_meta({"a": [1, 2, {"b": None}]})
     >>> nested = []
@@ -352,6 +365,8 @@ def check_meta(meta: Any) -> None:
                 raise InvalidJob(f"meta is larger than {MAX_META_BYTES} bytes")
             if isinstance(child, (dict, list, tuple)):
                 stack.append((child, depth + 1))
+    if encoded_within is not None and encoded_within <= MAX_META_BYTES:
+        return
     try:
         size = len(_enc.encode(meta))
     except (TypeError, OverflowError) as e:
@@ -686,11 +701,9 @@ def _diagnose(data: bytes, what: str, err: Exception) -> ProtocolError:
         return SchemaVersionError(
             f"{what} has schema version {raw[0]}; this build understands version {SCHEMA_VERSION}"
         )
-    return ProtocolError(f"malformed {what}: {_cut(str(err))}")
+    return ProtocolError(f"malformed {what}: {cut(str(err), 300)}")
 
 
-def _cut(text: str, limit: int = 300) -> str:
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 class _Envelope(msgspec.Struct, array_like=True):
@@ -731,7 +744,7 @@ def decode_job(data: bytes, max_prompt_bytes: int | None = None) -> Job:
         job = _job_dec.decode(data)
     except msgspec.ValidationError as e:
         if job_like(data):
-            raise InvalidJob(f"invalid job: {_cut(str(e))}") from e
+            raise InvalidJob(f"invalid job: {cut(str(e), 300)}") from e
         raise _diagnose(data, "job", e) from e
     except msgspec.DecodeError as e:
         raise _diagnose(data, "job", e) from e
@@ -739,7 +752,7 @@ def decode_job(data: bytes, max_prompt_bytes: int | None = None) -> Job:
         raise ProtocolError(f"job of {len(data)} bytes nests too deep to decode") from e
     except Exception as e:  # noqa: BLE001 - any other decoder failure is a bad entry too
         raise ProtocolError(f"job of {len(data)} bytes cannot be decoded: {type(e).__name__}") from e
-    return validate_job(job, max_prompt_bytes=max_prompt_bytes, sampling=False)
+    return validate_job(job, max_prompt_bytes=max_prompt_bytes, sampling=False, entry_bytes=len(data))
 
 
 def job_like(data: bytes) -> bool:

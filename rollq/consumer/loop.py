@@ -65,6 +65,7 @@ from ..protocol import (
     Job,
     UNKNOWN_START,
     Result,
+    cut,
     decode_job,
     encode_dead_letter,
     encode_job,
@@ -522,7 +523,7 @@ class Consumer:
         except Exception as e:  # noqa: BLE001 - whatever an entry does, it is dead-lettered, never fatal
             jid, reply = peek_id(payload)
             why = str(e) if isinstance(e, (ProtocolError, InvalidJob)) else f"undecodable entry: {type(e).__name__}"
-            self._fail(stream, eid, jid, reply, payload, JobRejected, short_message(why), deliveries, dlq=True)
+            self._fail(stream, eid, jid, reply, payload, JobRejected, cut(why), deliveries, dlq=True)
             return
         if deliveries > self.settings.max_deliveries:
             self._fail(
@@ -786,7 +787,7 @@ class Consumer:
                     deliveries=deliveries, at=now, source=stream, payload=payload[:keep], payload_bytes=len(payload),
                 )
             )
-            log.warning("dead-lettered entry %s of %s (job %s): %s", eid, stream, short(job_id), short_message(message))
+            log.warning("dead-lettered entry %s of %s (job %s): %s", eid, stream, short(job_id), cut(message))
         tracked = job.tracked if job is not None else True  # unknown: forget the id if recorded
         self._queue_finish(stream, eid, (job_id or "") if tracked else "", reply, result, dead, "failed", None, job_id or "")
 
@@ -842,7 +843,7 @@ class Consumer:
             rows.append(row)
             flags.append(flag)
         log.warning("recorded %d of %d results one by one after Redis refused them together: %s",
-                    sum(flags), len(batch), short_message(str(error)))
+                    sum(flags), len(batch), cut(str(error)))
         return rows, flags
 
     async def _finish_row(self, f: _Finish) -> tuple[_Finish, int]:
@@ -861,12 +862,12 @@ class Consumer:
                     break
             if attempt:
                 log.error("Redis refused to finish entry %s even with an error result (%s); it stays pending",
-                          f.eid, short_message(str(refused)))
+                          f.eid, cut(str(refused)))
                 return f, 0
             log.warning("Redis refused the result of job %s (%d bytes): %s", short(f.for_job), len(f.result),
-                        short_message(str(refused)))
+                        cut(str(refused)))
             err = encode_result(Result(
-                id=f.for_job, error=ErrorInfo(type=ResultTooLarge.__name__, message=short_message(
+                id=f.for_job, error=ErrorInfo(type=ResultTooLarge.__name__, message=cut(
                     f"Redis refused to store the result ({len(f.result)} bytes): {refused}")),
                 replica=self.id, version_start=self.version, version_end=self.version, finished=time.time(),
             )) if f.result and f.for_job else b""
@@ -1171,11 +1172,6 @@ def batch_rows(sizes: list[int], max_bytes: int) -> int:
         if n and total > max_bytes:
             return n
     return len(sizes)
-
-
-def short_message(text: str, limit: int = 500) -> str:
-    """An error message cut to ``limit`` characters for logs and dead letters."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _mark_versions(samples: list[Any], version_start: int, swaps: list[tuple[int, dict[int, int] | None, bool]]) -> None:
