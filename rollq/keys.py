@@ -1,8 +1,9 @@
 """Every Redis key and channel name rollq uses, in one place.
 
 All keys of one queue share the hash tag ``{rollq:<queue>}`` so that, on Redis Cluster, they
-land in one slot and every Lua script of that queue can touch them atomically. Nothing in
-rollq builds a key name anywhere else.
+land in one slot and every Lua script of that queue can touch them atomically. One key is
+global, :data:`QUEUES` (the names of the queues in use). Nothing in rollq builds a key name
+anywhere else.
 
 >>> k = QueueKeys("grpo")
 >>> k.jobs
@@ -23,6 +24,11 @@ PREFIX = "rollq"
 GROUP = "rollq"
 #: Field of a stream entry that holds the msgpack payload.
 FIELD = "d"
+#: Sorted set ``queue name -> last-seen UNIX time`` of the queues in use, kept by producers
+#: and consumers (rollq/registry.py) so that ``rollq status`` and the dashboard list every
+#: queue without a scan. The one key outside every queue's hash tag: on Redis Cluster it lives
+#: on a single node, and an ACL user limited to ``~rollq:{<queue>}:*`` cannot register.
+QUEUES = f"{PREFIX}:queues"
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 

@@ -7,7 +7,7 @@ import pytest
 from rollq.consumer.engine import EchoEngine
 from rollq.consumer.loop import Consumer
 from rollq.errors import InvalidJob
-from rollq.keys import PREFIX, QueueKeys, check_name
+from rollq.keys import PREFIX, QUEUES, QueueKeys, check_name
 from rollq.producer.client import Producer
 
 SLOTS = 16384
@@ -85,6 +85,15 @@ def test_queues_are_separate():
     ab = QueueKeys("alpha-b")
     assert not any(fnmatch.fnmatchcase(key, a.pattern()) for key in every_key(ab) if key != ab.pattern())
     assert all(fnmatch.fnmatchcase(key, a.pattern()) for key in every_key(a) if key != a.pattern())
+
+
+def test_the_registry_of_queues_is_the_one_global_key():
+    import fnmatch
+
+    assert QUEUES.startswith(f"{PREFIX}:") and hash_tag(QUEUES) == QUEUES  # no tag: one slot of its own
+    for queue in ("queues", "default", "rollq"):
+        k = QueueKeys(queue)
+        assert QUEUES not in every_key(k) and not fnmatch.fnmatchcase(QUEUES, k.pattern())
 
 
 BAD_NAMES = ["", "a b", "a{b", "a}b", "{x}", "a:b", "a*", "new\nline", "x" * 129, "ünï", None, 7, b"bytes"]

@@ -1,7 +1,7 @@
 """The web dashboard: a page, a JSON API and ``/metrics``, all served from the sampler's memory.
 
     GET  /                                  the page (rollq/dashboard/static/, nothing from a CDN)
-    GET  /api/queues                        the watched queues (from the command line), headlines
+    GET  /api/queues                        the watched queues (--queue, else every queue in use), headlines
     GET  /api/queues/{queue}[?since=T]      one document, every section; history newer than T
     GET  /metrics                           Prometheus text format
     GET  /healthz                           200 while every queue's last sample succeeded
@@ -139,6 +139,7 @@ def create_app(sampler: Sampler, *, token: str | None = None) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await sampler.open()
+        await sampler.discover()  # the first page load lists the queues in use
         sampler.start()
         try:
             yield

@@ -3,6 +3,8 @@
     rollq dashboard [--queue Q ...] [--host H] [--port P] [--token T]   web page, JSON API, /metrics
     rollq top [--queue Q ...] [--once] [--json]                         live terminal view
 
+Without ``--queue`` both watch every queue in use (rollq/registry.py), a queue used later too.
+
 ``rollq/cli.py`` calls ``register(sub)`` with its subparsers; ``python -m rollq.dashboard.cli``
 runs the two commands on their own. Heavy imports (starlette, uvicorn) happen only when a
 command runs.
@@ -17,7 +19,7 @@ import logging
 import sys
 from typing import Any
 
-from ..settings import DEFAULT_QUEUE, ENV_URL
+from ..settings import ENV_URL
 from . import DEFAULT_PORT, ENV_TOKEN
 
 log = logging.getLogger("rollq.dashboard")
@@ -26,14 +28,14 @@ log = logging.getLogger("rollq.dashboard")
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help=f"Redis URL (default: ${ENV_URL} or redis://127.0.0.1:6379/0)")
     p.add_argument("--queue", "-q", action="append", default=None, dest="queues", metavar="QUEUE",
-                   help=f"queue to watch; repeat for several (default: {DEFAULT_QUEUE})")
+                   help="queue to watch; repeat for several (default: every queue in use)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between samples (default: %(default)s)")
 
 
 def _sampler(a: argparse.Namespace, **settings: Any) -> Any:
     from .sampler import DashboardSettings, Sampler
 
-    return Sampler(a.url, a.queues or [DEFAULT_QUEUE], DashboardSettings(interval=a.interval, **settings))
+    return Sampler(a.url, a.queues, DashboardSettings(interval=a.interval, **settings))  # None: every queue
 
 
 def cmd_dashboard(a: argparse.Namespace) -> int:
@@ -46,7 +48,8 @@ def cmd_dashboard(a: argparse.Namespace) -> int:
     app = create_app(sampler, token=token)
     log.info(
         "dashboard of %s on http://%s:%d/ (JSON: /api/queues, Prometheus: /metrics; writes %s)",
-        ", ".join(sampler.queues), a.host, a.port, "need the bearer token" if token else "disabled",
+        "every queue in use" if sampler.discovering else ", ".join(sampler.queues), a.host, a.port,
+        "need the bearer token" if token else "disabled",
     )
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning", access_log=False)
     return 0

@@ -12,7 +12,9 @@ cost Redis what one sample costs:
   version or the dead-letter figures changed, and every ``refresh_lists`` seconds.
 
 So 9 + 3·R commands (10 + 3·R while jobs wait) in 4 + R round trips, however many jobs there are
-(tests/test_dashboard.py counts them with ``INFO commandstats``).
+(tests/test_dashboard.py counts them with ``INFO commandstats``). Watching every queue in use
+(no ``--queue``) adds, once per round, the read of the registry of queue names
+(:func:`rollq.registry.queues_in_use`: 2 commands, 1 once ``default`` is registered).
 
 Rates come from deltas of the queue's counters between samples, latency quantiles from deltas
 of the latency histogram, so nothing is counted twice and a dashboard restart loses nothing
@@ -41,7 +43,8 @@ from ..connection import Client, connect
 from ..consumer.loop import LATENCY_BUCKETS_MS
 from ..keys import QueueKeys
 from ..protocol import SCHEMA_VERSION
-from ..settings import RedisSettings
+from ..registry import queues_in_use
+from ..settings import DEFAULT_QUEUE, RedisSettings
 from ..status import QueueStatus, dlq_list, histogram_quantile, queue_status
 
 log = logging.getLogger(__name__)
@@ -188,17 +191,23 @@ class Sampler:
 
     Args:
         url: Redis URL (``$ROLLQ_REDIS_URL`` if None).
-        queues: names of the queues to watch (the dashboard shows only these).
+        queues: names of the queues to watch (the dashboard shows only these); None: every
+            queue in use (:func:`rollq.registry.queues_in_use`), re-read every round, so a
+            queue used later joins (one seen once stays while the sampler runs).
         settings: :class:`DashboardSettings`.
     """
 
-    def __init__(self, url: str | RedisSettings | None, queues: list[str], settings: DashboardSettings | None = None):
-        if not queues:
-            raise ValueError("the dashboard needs at least one queue (--queue)")
+    def __init__(self, url: str | RedisSettings | None, queues: list[str] | None = None,
+                 settings: DashboardSettings | None = None):
+        if queues is not None and not queues:
+            raise ValueError("the dashboard needs at least one queue (--queue), or None: every queue in use")
         self.redis_settings = url if isinstance(url, RedisSettings) else RedisSettings.from_url(url)
         self.settings = s = settings or DashboardSettings()
-        maxlen = max(2, int(math.ceil(s.history / s.interval)) + 1)
-        self._queues = {q: _Queue(q, maxlen) for q in dict.fromkeys(queues)}
+        #: True when the sampler watches every queue in use (no queues given).
+        self.discovering = queues is None
+        self._maxlen = max(2, int(math.ceil(s.history / s.interval)) + 1)
+        self._queues = {q: _Queue(q, self._maxlen) for q in dict.fromkeys(queues or [])}
+        self._discover_error: str | None = None
         self._client: Client | None = None
         self._task: asyncio.Task | None = None
 
@@ -255,8 +264,31 @@ class Sampler:
             await asyncio.sleep(delay)
 
     # -- sampling ------------------------------------------------------------------------
+    async def discover(self) -> None:
+        """Watch the queues in use that are not watched yet (only without a queue list).
+
+        Reads the registry, writes nothing. Unreadable: the queues stay as they are (the
+        ``default`` queue if none yet, whose samples then report the error); never raises.
+        """
+        if not self.discovering:
+            return
+        await self.open()
+        try:
+            names = await queues_in_use(self._client)
+        except (RedisError, OSError) as e:
+            if self._discover_error is None:
+                log.warning("dashboard: cannot read the registry of queues: %s: %s", type(e).__name__, e)
+            self._discover_error = f"{type(e).__name__}: {e}"
+            names = [] if self._queues else [DEFAULT_QUEUE]
+        else:
+            self._discover_error = None
+        new = [n for n in names if n not in self._queues]
+        if new:  # a new dict, in name order: readers iterating the old one are not disturbed
+            self._queues = dict(sorted({**self._queues, **{n: _Queue(n, self._maxlen) for n in new}}.items()))
+
     async def sample_all(self) -> None:
-        """One sample of every queue, concurrently."""
+        """One sample of every queue, concurrently (first, without a queue list, the registry)."""
+        await self.discover()
         await asyncio.gather(*(self.sample(q) for q in self._queues))
 
     async def sample(self, queue: str) -> None:

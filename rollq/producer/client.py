@@ -50,6 +50,7 @@ from ..protocol import (
     short,
     validated_sampling,
 )
+from ..registry import register_queue
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
 
 log = logging.getLogger(__name__)
@@ -216,11 +217,13 @@ class Producer:
             self._room = asyncio.Event()
             self._arrived = asyncio.Event()
             raw_replies(self._reader_client, "XREAD")
-            # The reader connects while the PING waits: two handshakes in the time of one.
+            # The reader connects while the first round trip waits: two handshakes in the
+            # time of one. That round trip registers the queue (rollq status and the
+            # dashboard list it), once per connect, never on the submit path.
             self._reader = asyncio.create_task(self._read_results(), name=f"rollq-results-{self.id}")
             try:
-                async with self._deadline("PING"):
-                    await self._client.ping()
+                async with self._deadline("connecting (registering the queue)"):
+                    await register_queue(self._client, self.queue)
             except BaseException:  # unreachable: leave nothing behind, a later connect() retries
                 self._reader.cancel()
                 for c in (self._client, self._reader_client):

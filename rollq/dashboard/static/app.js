@@ -1,4 +1,5 @@
-// rollq dashboard: polls /api/queues/{queue} once per sampler interval and redraws.
+// rollq dashboard: polls /api/queues/{queue} once per sampler interval and redraws; re-reads
+// the queue list (/api/queues) every QUEUES_EVERY_MS, so a queue used later gets its button.
 // Plain DOM + inline SVG; every value from the API is set with textContent (dead-letter
 // reasons are arbitrary text).
 "use strict";
@@ -7,6 +8,7 @@ const SVGNS = "http://www.w3.org/2000/svg";
 // SVG presentation attributes take plain colours (mirrors the palette in style.css)
 const C = { blue: "#2f6fdf", green: "#1a9a5a", orange: "#e07b16", red: "#d23c3c", violet: "#7b4fd6" };
 const state = { queue: null, queues: [], interval: 1, history: 600, since: null, hist: null, timer: null };
+const QUEUES_EVERY_MS = 10000;
 
 // ---- formatting ---------------------------------------------------------------------------
 const dash = "–";
@@ -267,18 +269,29 @@ function select(q) {
   state.timer = setInterval(poll, Math.max(500, state.interval * 1000));
 }
 
-async function main() {
+async function loadQueues() {
   const resp = await fetch("/api/queues", { cache: "no-store" });
+  if (!resp.ok) throw new Error(`${resp.status} ${resp.statusText}`);
   const data = await resp.json();
-  state.queues = data.queues.map((q) => q.name);
+  const names = data.queues.map((q) => q.name);
   state.interval = data.interval_s; state.history = data.history_s;
-  document.getElementById("queues").replaceChildren(...state.queues.map((name) => {
+  if (names.join("\n") === state.queues.join("\n")) return;
+  state.queues = names;
+  document.getElementById("queues").replaceChildren(...names.map((name) => {
     const b = el("button", { type: "button" }, name); b.dataset.queue = name;
+    b.classList.toggle("active", name === state.queue);
     b.addEventListener("click", () => select(name));
     return b;
   }));
-  const wanted = decodeURIComponent(location.hash.slice(1));
-  select(state.queues.includes(wanted) ? wanted : state.queues[0]);
+  if (state.queue === null && names.length) {
+    const wanted = decodeURIComponent(location.hash.slice(1));
+    select(names.includes(wanted) ? wanted : names[0]);
+  }
+}
+
+async function main() {
+  await loadQueues();
+  setInterval(() => loadQueues().catch(() => {}), QUEUES_EVERY_MS); // poll() reports an unreachable dashboard
 }
 
 main().catch((e) => {
