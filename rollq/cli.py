@@ -3,14 +3,15 @@
     rollq redis [--cluster N]                    embedded redis-server (or N-master cluster); prints its URL
     rollq consume --engine echo|vllm ...         run one replica
     rollq submit FILE.jsonl [--wait]             submit jobs (one JSON object per line)
-    rollq status [--json] [--watch S]            queue depth, in flight, replicas
+    rollq status [--json] [--watch S]            queue depth, in flight, replicas (every queue in use)
     rollq dlq list|requeue|purge [--json]        dead letters
     rollq check --id REPLICA                     liveness probe: exit 0 if its lease is live
     rollq dashboard [--port P]                   live web dashboard, JSON API, /metrics
     rollq top                                    live terminal view
     rollq demo [--json]                          an async GRPO run that learns (embedded Redis, vLLM, trainer)
 
-``--url`` defaults to ``$ROLLQ_REDIS_URL``; ``--queue`` to ``default``.
+``--url`` defaults to ``$ROLLQ_REDIS_URL``; ``--queue`` to ``default`` (``status``, ``dashboard``
+and ``top``: every queue in use, from the registry producers and consumers keep).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def make_engine(a: argparse.Namespace) -> Any:
         VllmEngineConfig(
             model=model, tensor_parallel_size=a.tensor_parallel_size, dtype=a.dtype,
             max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
+            kv_cache_memory_bytes=a.kv_cache_memory_bytes,
             # Following weight versions needs rollq's worker extension inside vLLM's workers.
             worker_extension_cls=a.worker_extension
             or ("rollq.weightsync.worker_ext.RollqWorkerExtension" if (a.weights_root or a.broadcast) else None),
@@ -303,21 +305,32 @@ def render_status(st: Any) -> Any:
     return Group(t, r)
 
 
+def _every_queue_by_default(p: argparse.ArgumentParser) -> None:
+    """``--queue`` of ``p`` defaults to every queue in use (rollq/registry.py)."""
+    for action in p._actions:
+        if action.dest == "queue":
+            action.default = None
+            action.help = "queue name (default: every queue in use)"
+
+
 async def _status(a: argparse.Namespace) -> int:
     from .connection import connect
     from .keys import QueueKeys
+    from .registry import queues_in_use
     from .status import queue_status
 
     client = connect(RedisSettings.from_url(a.url))
     try:
         while True:
-            st = await queue_status(client, QueueKeys(a.queue))
-            if a.json:
-                _out(st.to_dict())
-            else:
-                from rich.console import Console
+            # no --queue: every queue in use, one JSON line (or table) each, sorted by name
+            for name in [a.queue] if a.queue is not None else await queues_in_use(client):
+                st = await queue_status(client, QueueKeys(name))
+                if a.json:
+                    _out(st.to_dict())
+                else:
+                    from rich.console import Console
 
-                Console().print(render_status(st))
+                    Console().print(render_status(st))
             if not a.watch:
                 return 0
             await asyncio.sleep(a.watch)
@@ -423,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="auto")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="vllm: KV cache size in bytes (instead of a share of device memory)")
     s.add_argument("--worker-extension", default=None, help="vllm worker_extension_cls (weight sync)")
     s.add_argument("--weights-root", default=None, help="follow policy versions published under this memmap root")
     s.add_argument("--broadcast", action="store_true", help="also join the trainer's NCCL/gloo weight broadcasts")
@@ -447,7 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="queue depth, in flight, replicas")
     _common(s)
-    s.add_argument("--json", action="store_true")
+    _every_queue_by_default(s)
+    s.add_argument("--json", action="store_true", help="one JSON object per queue and line")
     s.add_argument("--watch", type=float, default=0.0, help="refresh every N seconds")
     s.set_defaults(fn=cmd_status)
 

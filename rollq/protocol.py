@@ -152,6 +152,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=T
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=1e6)] = 1.0
     skip_special_tokens: bool = True
     detokenize: bool = True
+    #: Keep the matched stop string at the end of the text (vLLM's field of that name).
+    include_stop_str_in_output: bool = False
     #: Logprobs of the prompt's own tokens (vLLM's ``prompt_logprobs``): the logprob of each
     #: prompt token given the ones before it (the first has none). With a prompt made of
     #: context + continuation this scores the continuation (a scoring job, see

@@ -83,6 +83,8 @@ class Engine(abc.ABC):
     model: str = ""
     #: Device description shown in status views.
     device: str = "cpu"
+    #: Devices (tensor-parallel ranks) the engine spans; each is one weight-broadcast receiver.
+    tp_size: int = 1
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Bring the engine up (load the model)."""

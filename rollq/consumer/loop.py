@@ -73,6 +73,7 @@ from ..protocol import (
     peek_id,
     short,
 )
+from ..registry import add_registration, register_queue
 from ..settings import DEFAULT_QUEUE, ConsumerSettings, RedisSettings
 from .capacity import CapacityController
 from .engine import Engine, EngineOutput, SwapProgress
@@ -109,6 +110,8 @@ class ReplicaInfo(msgspec.Struct, kw_only=True):
     last_update_s: float | None = None  # last weight update: noticed -> serving the new version
     last_pause_s: float | None = None  # last weight update: generation stopped
     updates: int = 0
+    #: Devices per replica (vLLM ``tensor_parallel_size``): the workers a weight broadcast reaches.
+    tp_size: int = 1
 
 
 @dataclass(slots=True)
@@ -228,7 +231,9 @@ class Consumer:
         self.intake_gate.set()
         self._paused_total = 0.0
         self._control_handlers: list[Callable[[str, str], Any]] = []
+        self._control_tasks: set[asyncio.Task] = set()
         self._leased = False
+        self._registered = False  # the queue is in the registry of queues (refreshed each heartbeat)
         self._lost_read = False
         self._closed = False
         self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # entries recover_own took back
@@ -302,6 +307,7 @@ class Consumer:
                 await load_scripts(self._client)
                 for stream in self._streams:
                     await self._ensure_group(stream)
+                self._registered = await register_queue(self._client, self.queue)  # prunes stale names too
                 await self._heartbeat_once()
                 return
             except _RETRYABLE as e:
@@ -949,6 +955,7 @@ class Consumer:
             tokens_per_s=round(self._tokens_per_s, 1), completed=self.counters.completed,
             failed=self.counters.failed, started_at=self._started_at, heartbeat_at=time.time(),
             state=self.state, labels=dict(self.settings.labels), paused_s_total=round(self._paused_total, 4),
+            tp_size=self.engine.tp_size,
             **self.update_info,
         )
 
@@ -963,6 +970,8 @@ class Consumer:
         pipe = self._client.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(self.id), b"1", px=int(self.settings.lease_ttl * 1000), get=True)
         pipe.hset(self.keys.consumers, self.id, msgspec.msgpack.encode(self.info()))
+        if self._registered:  # refreshed here, so a long-lived queue stays listed
+            add_registration(pipe, self.queue, prune=False)
         self._queue_stats(pipe)
         job_ids = list(self._by_job)
         if job_ids:
@@ -1081,6 +1090,10 @@ class Consumer:
             self._cancel_running(arg, "cancelled while running")
         elif verb == "handback" and arg != self.id:
             self._reclaim_now.set()
+        elif verb == "reset-prefix-cache":  # a trainer asked (rollq.torchrl); every weight load resets it too
+            task = asyncio.create_task(self.engine.reset_prefix_cache(), name="rollq-reset-prefix-cache")
+            self._control_tasks.add(task)
+            task.add_done_callback(self._control_tasks.discard)
         for cb in list(self._control_handlers):
             cb(verb, arg)
 

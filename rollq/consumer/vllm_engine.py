@@ -352,6 +352,7 @@ class VllmEngine(Engine):
                             "requests that ended just before a swap are recorded as unknown", e)
         self.vllm_version = api.version
         self.device = _device_name(self.config.tensor_parallel_size)
+        self.tp_size = self.config.tensor_parallel_size
         self.start_seconds = time.perf_counter() - t0
         logger.info(
             "vLLM %s up in %.1fs: model=%s device=%s max_model_len=%d",
@@ -551,6 +552,7 @@ class VllmEngine(Engine):
             repetition_penalty=sp.repetition_penalty,
             skip_special_tokens=sp.skip_special_tokens,
             detokenize=sp.detokenize,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
             output_kind=api.FINAL_ONLY,
         )
         if (sp.logprobs is not None or sp.prompt_logprobs is not None) and api.has_flat_logprobs:

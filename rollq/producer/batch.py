@@ -18,7 +18,7 @@ weight update landed mid-generation; -1 where not known and in the padding),
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -26,7 +26,18 @@ from ..errors import job_error
 from ..protocol import Result
 
 
-def results_to_tensordict(results: Sequence[Result], *, pad_token_id: int = 0, skip_errors: bool = True):  # noqa: ANN201
+def results_to_tensordict(
+    results: Sequence[Result], *, pad_token_id: int = 0, skip_errors: bool = True, layout: str = "rollq", **torchrl_kw: Any,
+):  # noqa: ANN201
+    """The layout above; ``layout="torchrl"``: TorchRL's LLM layout instead (``tokens.*``,
+    ``log_probs.*``, ``masks.*``; :func:`rollq.torchrl.results_to_llm_tensordict`, which
+    takes ``prompts=`` for token prompts)."""
+    if layout == "torchrl":
+        from ..torchrl.layout import results_to_llm_tensordict
+
+        return results_to_llm_tensordict(results, skip_errors=skip_errors, **torchrl_kw)
+    if layout != "rollq" or torchrl_kw:
+        raise ValueError(f"layout must be 'rollq' or 'torchrl' (keyword arguments {sorted(torchrl_kw)} go with 'torchrl'), got {layout!r}")
     import torch
     from tensordict import TensorDict
 

@@ -11,19 +11,21 @@ its vLLM request on the replica; each output also carries ``policy_version``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import InvalidJob
-from ..protocol import Result, prompt_parts
+from ..protocol import Result, SamplingParams, cut, prompt_parts
 from .sync import SyncProducer
 
-_SAMPLING_FIELDS = (
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
-    "logprobs", "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "skip_special_tokens", "detokenize", "prompt_logprobs",
-)
-
+#: Fields of ``vllm.SamplingParams`` that do not change what a replica returns here: how
+#: vLLM streams or lays out its outputs (rollq returns each job once, finished), and
+#: values vLLM derives from other fields.
+_NO_EFFECT = frozenset({"output_kind", "stream_interval", "skip_clone", "flat_logprobs", "output_text_buffer_length"})
+#: vLLM returns the top-k alternatives for ``logprobs=k``; a rollq result carries the logprob
+#: of the sampled (or given) token only, which is what ``logprobs`` 0 and 1 ask for.
+_MAX_VLLM_LOGPROBS = 1
 
 @dataclass
 class CompletionOutput:
@@ -75,21 +77,49 @@ class RequestOutput:
 
 
 def sampling_to_dict(sp: Any) -> dict[str, Any] | None:
-    """Accept a dict, a rollq SamplingParams, or a ``vllm.SamplingParams`` object."""
+    """A job's ``sampling`` from a dict, a rollq :class:`~rollq.protocol.SamplingParams` or a
+    ``vllm.SamplingParams``.
+
+    Every field of a ``vllm.SamplingParams`` that differs from vLLM's default is carried to
+    the replica, or refused with :class:`~rollq.errors.InvalidJob` naming it: never dropped.
+
+    >>> sampling_to_dict({"max_tokens": 4})
+    {'max_tokens': 4}
+    """
     if sp is None or isinstance(sp, dict):
         return sp
-    if hasattr(sp, "to_dict"):
+    if isinstance(sp, SamplingParams):
         return sp.to_dict()
+    fields = getattr(type(sp), "__struct_fields__", None)
+    if fields is None:
+        raise InvalidJob(f"sampling params must be a dict, rollq.SamplingParams or vllm.SamplingParams, got {type(sp).__name__}")
+    default = type(sp)()
     out: dict[str, Any] = {}
-    for name in _SAMPLING_FIELDS:
+    for name in SamplingParams.__struct_fields__:
         v = getattr(sp, name, None)
-        if v is None:
-            continue
-        if name == "top_k" and v == -1:
-            v = 0
-        if name in ("stop", "stop_token_ids"):
-            v = list(v)
-        out[name] = v
+        if name in fields and v != getattr(default, name):
+            if name in ("logprobs", "prompt_logprobs") and v is not None and v > _MAX_VLLM_LOGPROBS:
+                raise InvalidJob(
+                    f"sampling_params.{name}={v}: rollq returns the logprob of the sampled (or given) token "
+                    f"only, not the top-{v} alternatives; use {name}=0 or 1"
+                )
+            out[name] = list(v) if isinstance(v, (list, tuple, set)) else v
+    # What vLLM derives from the carried fields (it derives the same on the replica); any
+    # other difference is a field rollq does not carry.
+    derived = type(sp)(**out)
+    refused = [
+        f"{name}={cut(repr(getattr(sp, name)), 60)}"
+        for name in fields
+        if not name.startswith("_") and name not in _NO_EFFECT and name not in out
+        and getattr(sp, name) != getattr(derived, name)
+    ]
+    if out.get("top_k") == -1:
+        out["top_k"] = 0
+    if refused:
+        raise InvalidJob(
+            f"sampling_params field(s) rollq replicas do not apply: {', '.join(refused)} "
+            f"(supported: {', '.join(sorted(SamplingParams.__struct_fields__))})"
+        )
     return out
 
 
@@ -119,18 +149,35 @@ class RollqLLM:
         timeout_seconds: float | None = None,
         replica: str | None = None,
         min_version: int | None = None,
-        **_ignored: Any,
     ) -> RequestOutput | list[RequestOutput]:
         """Generate for one prompt or a batch; blocks until every result is in.
 
         A prompt is a ``str``, a ``TokensPrompt`` dict (``{"prompt_token_ids": [...]}``), a
         ``TextPrompt`` dict or a list of token ids; a list of prompts is a batch. Any other
-        type raises :class:`~rollq.errors.InvalidJob`. ``sampling_params`` with
-        ``prompt_logprobs`` fills each output's ``prompt_logprobs``.
+        type raises :class:`~rollq.errors.InvalidJob`, and so does a ``vllm.SamplingParams``
+        field that replicas would not apply (see :func:`sampling_to_dict`).
+        ``sampling_params`` with ``prompt_logprobs`` fills each output's ``prompt_logprobs``.
 
         A failed job raises its :class:`~rollq.errors.JobError`; a timeout cancels what is
         still running (aborting the vLLM requests) and raises ``TimeoutError``.
         """
+        batch, done = self.run(prompts, sampling_params, prompt_token_ids=prompt_token_ids,
+                               timeout_seconds=timeout_seconds, replica=replica, min_version=min_version)
+        outs = [RequestOutput.from_result(r, text, ids) for r, text, ids in done]
+        return outs if batch else outs[0]
+
+    def run(
+        self,
+        prompts: Any,
+        sampling_params: Any,
+        *,
+        prompt_token_ids: Any = None,
+        timeout_seconds: float | None = None,
+        replica: str | None = None,
+        min_version: int | None = None,
+    ) -> tuple[bool, list[tuple[Result, str | None, list[int] | None]]]:
+        """What :meth:`generate` does, returning ``(batch?, [(result, text prompt, token
+        prompt), ...])`` in prompt order, for adapters that build their own output types."""
         if prompts is None and prompt_token_ids is None:
             raise InvalidJob("generate() needs prompts or prompt_token_ids")
         batch = _is_batch(prompts, prompt_token_ids)
@@ -140,7 +187,7 @@ class RollqLLM:
             specs = [{"prompt_token_ids": list(ids)} for ids in ids_list]
             texts: list[str | None] = [None] * len(specs)
         else:
-            given = list(prompts) if batch else [prompts]  # type: ignore[list-item, arg-type]
+            given = list(prompts) if batch else [prompts]
             texts, ids_list = [], []
             for p in given:  # str, TokensPrompt dict, TextPrompt dict or a list of token ids
                 text, ids = prompt_parts(p)
@@ -154,11 +201,12 @@ class RollqLLM:
             if min_version is not None:
                 s["min_version"] = min_version
         handles = self._p.submit_many(specs)
-        outs = []
+        done = []
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         try:
             for h, text, ids in zip(handles, texts, ids_list):
-                r = h.result(timeout=timeout_seconds)
-                outs.append(RequestOutput.from_result(r, text, list(ids) if ids is not None else None))
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done.append((h.result(timeout=left), text, list(ids) if ids is not None else None))
         except TimeoutError:
             for h in handles:
                 if not h.done():
@@ -166,7 +214,7 @@ class RollqLLM:
             raise TimeoutError(
                 f"generate() timed out after {timeout_seconds}s (timeout_seconds); unfinished jobs were cancelled"
             ) from None
-        return outs if batch else outs[0]
+        return batch, done
 
     def close(self) -> None:
         self._p.close()
