@@ -28,6 +28,7 @@ The pipeline, one asyncio task each:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import bisect
 import logging
 import os
@@ -38,7 +39,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import msgpack
 import msgspec
@@ -613,6 +614,37 @@ class Consumer:
         self._parked = []
         for stream, eid, job, deliveries in jobs:
             self._submit(stream, eid, job, deliveries)
+
+    # -- the seam weight sync drives (rollq.weightsync.follower) ---------------------------
+    def close_intake(self) -> None:
+        """Stop starting jobs: reads that arrive are held until :meth:`open_intake`."""
+        self.intake_gate.clear()
+
+    def open_intake(self) -> None:
+        """Start jobs again, first those held meanwhile (:meth:`release_held`)."""
+        self.intake_gate.set()
+        self.release_held()
+
+    @contextlib.contextmanager
+    def paused_for_update(self) -> Iterator[None]:
+        """Intake closed and the replica shown ``paused`` while a weight update is swapped
+        in; the previous state and intake come back after."""
+        self.close_intake()
+        state_before, self.state = self.state, "paused"
+        try:
+            yield
+        finally:
+            self.state = state_before if state_before != "paused" else "serving"
+            self.open_intake()
+
+    def record_update(self, update_s: float, pause_s: float) -> None:
+        """Account for an applied weight update in the registry entry (last update and
+        pause, count, total paused)."""
+        self._paused_total += pause_s
+        self.update_info = {
+            "last_update_s": round(update_s, 4), "last_pause_s": round(pause_s, 4),
+            "updates": self.update_info.get("updates", 0) + 1,
+        }
 
     def release_held(self) -> None:
         """Start jobs held while intake was closed and those waiting for the policy version

@@ -36,11 +36,10 @@ version and tells the consumer (``Consumer.version_failed``), which fails jobs w
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from ..connection import RETRYABLE
 from ..errors import CorruptWeights, WeightMismatch, WeightSyncError, WeightSyncTimeout
@@ -169,13 +168,13 @@ class WeightFollower:
         self._client = connect(self.consumer.redis_settings)
         await self._publish_manifest()
         self.consumer.add_control_handler(self._on_control)
-        self.consumer.intake_gate.clear()  # a restarted replica loads the current version first
+        self.consumer.close_intake()  # a restarted replica loads the current version first
         try:
             await self._reconcile_with_retry()
             if self._failure is None:  # an entry left by an earlier run under this id
                 await self._clear_failure()
         finally:
-            self.consumer.intake_gate.set()
+            self.consumer.open_intake()
         self._task = asyncio.create_task(self._loop(), name="rollq-weight-follower")
         if self.receiver is not None:
             await self.receiver.start(self._client)
@@ -398,7 +397,7 @@ class WeightFollower:
                 if c.version >= version or not self._can_overlap():
                     return
                 t0 = time.perf_counter()
-                with self._intake_closed():
+                with self.consumer.paused_for_update():
                     res = await asyncio.wait_for(
                         self.engine.call_workers("rollq_swap_overlapped", version, self.overlap_commit_timeout,
                                                  5.0, 0.05, self.overlap_programs),
@@ -440,7 +439,7 @@ class WeightFollower:
             # Read, copy and verify while still serving; the pause below only swaps it in.
             staged = await self._stage_memmap(rec)
         aborted: list[Any] = []
-        with self._intake_closed():
+        with self.consumer.paused_for_update():
             try:
                 if policy == "drain":
                     t_pause = time.perf_counter()
@@ -472,28 +471,10 @@ class WeightFollower:
         return self._updated(UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load,
                                          timings={"load_call_s": self._load_call_s}))
 
-    @contextlib.contextmanager
-    def _intake_closed(self) -> Iterator[None]:
-        """rollq's own intake closed (vLLM would still accept) and the replica shown paused
-        while an update is swapped in; reads that arrived meanwhile are released after."""
-        c = self.consumer
-        c.intake_gate.clear()
-        state_before, c.state = c.state, "paused"
-        try:
-            yield
-        finally:
-            c.state = state_before if state_before != "paused" else "serving"
-            c.intake_gate.set()
-            c.release_held()
-
     def _updated(self, st: UpdateStats) -> UpdateStats:
         """Account for an applied update on the consumer (status, paused total) and log it."""
         c = self.consumer
-        c._paused_total += st.pause_s
-        c.update_info = {
-            "last_update_s": round(st.update_s, 4), "last_pause_s": round(st.pause_s, 4),
-            "updates": c.update_info.get("updates", 0) + 1,
-        }
+        c.record_update(st.update_s, st.pause_s)
         log.info(
             "replica %s now at policy version %d (%s, %s%s): update %.3fs, paused %.3fs",
             c.id, st.version, st.policy, st.transport, ", swapped in while arriving" if st.load.get("swap") == "overlap" else "",
