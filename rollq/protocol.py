@@ -15,6 +15,7 @@ as raw little-endian arrays (``int32`` / ``float32``) with their dtype implied b
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 import re
@@ -789,3 +790,46 @@ def decode_dead_letter(data: bytes) -> DeadLetter:
         return _dl_dec.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise _diagnose(data, "dead letter", e) from e
+
+
+# ----------------------------------------------------------------------------------------
+# Control channel (pub/sub hints; the durable state is in Redis keys)
+# ----------------------------------------------------------------------------------------
+class Control(str, enum.Enum):
+    """Verbs of a queue's control channel (``keys.control``): messages are ``"<verb> <arg>"``.
+    They are hints: a replica that misses one catches up from the durable state.
+
+    >>> control_message(Control.CANCEL, "job-1")
+    'cancel job-1'
+    >>> parse_control("version 7")
+    (<Control.VERSION: 'version'>, '7')
+    >>> parse_control("no-such-verb x")
+    (None, 'x')
+    """
+
+    #: A job was cancelled (arg: job id; ``lua/cancel.lua`` publishes it).
+    CANCEL = "cancel"
+    #: A replica stopped and handed its jobs back (arg: replica id): peers reclaim now.
+    HANDBACK = "handback"
+    #: A policy version was committed (arg: version; ``lua/publish_version.lua``).
+    VERSION = "version"
+    #: A version is offered over the broadcast group (arg: version).
+    WOFFER = "woffer"
+    #: A broadcast group is forming (arg: group id): replicas join it.
+    WGROUP = "wgroup"
+    #: Drop the prefix cache (no arg; loading a version drops it anyway).
+    RESET_PREFIX_CACHE = "reset-prefix-cache"
+
+
+_CONTROL = {c.value: c for c in Control}
+
+
+def control_message(verb: Control, arg: str | int = "") -> str:
+    """The text of a control message."""
+    return f"{verb.value} {arg}" if arg != "" else verb.value
+
+
+def parse_control(text: str) -> tuple[Control | None, str]:
+    """``(verb, arg)`` of a control message; an unknown verb gives ``None`` (newer peers)."""
+    verb, _, arg = text.partition(" ")
+    return _CONTROL.get(verb), arg

@@ -61,16 +61,19 @@ from ..errors import (
 )
 from ..keys import FIELD, GROUP, QueueKeys, check_name
 from ..protocol import (
+    Control,
     DeadLetter,
     ErrorInfo,
     Job,
     UNKNOWN_START,
     Result,
+    control_message,
     cut,
     decode_job,
     encode_dead_letter,
     encode_job,
     encode_result,
+    parse_control,
     peek_id,
     short,
 )
@@ -231,7 +234,7 @@ class Consumer:
         self.intake_gate: asyncio.Event = asyncio.Event()
         self.intake_gate.set()
         self._paused_total = 0.0
-        self._control_handlers: list[Callable[[str, str], Any]] = []
+        self._control_handlers: list[Callable[[Control, str], Any]] = []
         self._control_tasks: set[asyncio.Task] = set()
         self._leased = False
         self._registered = False  # the queue is in the registry of queues (refreshed each heartbeat)
@@ -362,7 +365,7 @@ class Consumer:
                 except ResponseError:
                     pass
             await self._client.hdel(self.keys.consumers, self.id)
-            await self._client.publish(self.keys.control, f"handback {self.id}")
+            await self._client.publish(self.keys.control, control_message(Control.HANDBACK, self.id))
         except _RETRYABLE:
             pass
         for c in (self._client, self._block_client, self._finish_client):
@@ -1116,21 +1119,23 @@ class Consumer:
                     pass
 
     def _on_control(self, text: str) -> None:
-        verb, _, arg = text.partition(" ")
-        if verb == "cancel":
+        verb, arg = parse_control(text)
+        if verb is None:
+            return
+        if verb is Control.CANCEL:
             self._recent_cancels[arg] = time.time()
             self._cancel_running(arg, "cancelled while running")
-        elif verb == "handback" and arg != self.id:
+        elif verb is Control.HANDBACK and arg != self.id:
             self._reclaim_now.set()
-        elif verb == "reset-prefix-cache":  # a trainer asked (rollq.torchrl); every weight load resets it too
+        elif verb is Control.RESET_PREFIX_CACHE:  # a trainer asked (rollq.torchrl); every weight load resets it too
             task = asyncio.create_task(self.engine.reset_prefix_cache(), name="rollq-reset-prefix-cache")
             self._control_tasks.add(task)
             task.add_done_callback(self._control_tasks.discard)
         for cb in list(self._control_handlers):
             cb(verb, arg)
 
-    def add_control_handler(self, cb: Callable[[str, str], Any]) -> None:
-        """Call ``cb(verb, arg)`` for every control message (weight sync uses it)."""
+    def add_control_handler(self, cb: Callable[[Control, str], Any]) -> None:
+        """Call ``cb(verb, arg)`` for every control message of a known verb (weight sync uses it)."""
         self._control_handlers.append(cb)
 
     # ==================================================================================

@@ -39,6 +39,7 @@ import torch
 from torchrl.modules.llm.backends.vllm import RLvLLMEngine
 
 from ..errors import InvalidJob, WeightSyncError
+from ..protocol import Control, control_message
 from ..producer.generate import RollqLLM
 from ..producer.sync import _LoopThread
 from ..keys import QueueKeys
@@ -361,7 +362,7 @@ class AsyncVLLM(RLvLLMEngine):
         drops it anyway, so results never mix prefixes of two versions). Returns how many
         replica connections received the hint."""
         async def publish() -> int:
-            return int(await (await self._redis()).publish(self._keys.control, "reset-prefix-cache"))
+            return int(await (await self._redis()).publish(self._keys.control, control_message(Control.RESET_PREFIX_CACHE)))
 
         return self._run(publish())
 

@@ -43,6 +43,7 @@ from typing import Any
 
 from ..connection import RETRYABLE
 from ..errors import CorruptWeights, WeightMismatch, WeightSyncError, WeightSyncTimeout
+from ..protocol import Control
 from .manifest import Manifest, diff, encode_manifest, read_manifest
 from .versions import LoadError, TensorMeta, VersionRecord, decode_record, report_load_error
 
@@ -217,15 +218,15 @@ class WeightFollower:
             return
         log.info("replica %s published the manifest of %s (%d tensors)", self.consumer.id, model[:200], len(self.manifest.tensors))
 
-    def _on_control(self, verb: str, arg: str) -> None:
-        if verb == "woffer" and self._can_overlap():
+    def _on_control(self, verb: Control, arg: str) -> None:
+        if verb is Control.WOFFER and self._can_overlap():
             try:
                 v = int(arg.split()[0])
             except (ValueError, IndexError):
                 return
             if v > self.consumer.version and (self._overlap_task is None or self._overlap_task.done()):
                 self._overlap_task = asyncio.create_task(self._overlap(v, time.monotonic()), name="rollq-overlapped-swap")
-        elif verb == "version":
+        elif verb is Control.VERSION:
             try:
                 v = int(arg.split()[0])
                 if v > self._hinted:

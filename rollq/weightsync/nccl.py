@@ -50,6 +50,7 @@ import msgspec
 import torch
 
 from ..errors import WeightSyncError, WeightSyncTimeout
+from ..protocol import Control, control_message, parse_control
 from .checksum import state_checksum
 from .versions import TensorMeta, VersionRecord
 
@@ -448,7 +449,7 @@ class BroadcastSender:
         )
         await client.delete(keys.weights_group, keys.weights_layouts)  # new ranks report anew
         await client.hset(keys.weights_group, mapping={"d": msgspec.msgpack.encode(info), "next_rank": 1})
-        await client.publish(keys.control, f"wgroup {info.id}")
+        await client.publish(keys.control, control_message(Control.WGROUP, info.id))
         try:
             self.pg = await asyncio.wait_for(in_daemon_thread(self._form, info), self.timeout + 5)
         except (asyncio.TimeoutError, RuntimeError) as e:
@@ -493,7 +494,7 @@ class BroadcastSender:
         pipe = client.pipeline(transaction=False)
         pipe.delete(acks_key, signal)
         pipe.hset(keys.weights_offer, mapping={"v": version, "d": msgspec.msgpack.encode(offer)})
-        pipe.execute_command("PUBLISH", keys.control, f"woffer {version}")  # cluster pipelines refuse pipe.publish
+        pipe.execute_command("PUBLISH", keys.control, control_message(Control.WOFFER, version))  # cluster pipelines refuse pipe.publish
         await pipe.execute()
         t1 = time.perf_counter()
         if mode == "direct":
@@ -785,9 +786,10 @@ class WorkerReceiver:
     # -- what a swap overlapped with the receive waits for ---------------------------------
     def _note(self, data: str) -> None:
         """A control message: ``version <v>`` says ``v`` was committed."""
-        if data.startswith("version "):
+        verb, arg = parse_control(data)
+        if verb is Control.VERSION:
             try:
-                v = int(data.split()[1])
+                v = int(arg.split()[0])
             except (ValueError, IndexError):
                 return
             with self._events:
@@ -847,7 +849,7 @@ class WorkerReceiver:
                     self.poll(client, listen, loaded)
                     delay = 0.2
                     msg = pubsub.get_message(timeout=listen.poll)
-                    while msg is not None and not str(msg.get("data", b""), "latin-1").startswith("woffer"):
+                    while msg is not None and parse_control(str(msg.get("data", b""), "latin-1"))[0] is not Control.WOFFER:
                         self._note(str(msg.get("data", b""), "latin-1"))
                         msg = pubsub.get_message(timeout=0)  # other control traffic: drain it
             except Exception as e:  # Redis down or restarting: back off and resubscribe
@@ -1083,8 +1085,8 @@ class ReplicaReceiver:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.engine.call_workers("rollq_leave_group"), 30)
 
-    def _on_control(self, verb: str, arg: str) -> None:
-        if verb == "wgroup":
+    def _on_control(self, verb: Control, arg: str) -> None:
+        if verb is Control.WGROUP:
             self._kick.set()
 
     async def _loop(self) -> None:
