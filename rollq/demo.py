@@ -23,6 +23,8 @@ import sys
 import tempfile
 from typing import Any
 
+from ._torch_extras import hide_broken_torch_extras
+
 log = logging.getLogger("rollq.demo")
 
 QUEUE = "demo"
@@ -37,6 +39,7 @@ def _device(transport: str) -> str:
 
 
 async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
+    hide_broken_torch_extras()  # before transformers imports torchvision
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from transformers import AutoTokenizer
 
@@ -93,9 +96,13 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     summary = report.summary()
     summary.update(jobs=a.steps * a.groups, engine=a.engine, replicas=a.replicas, transport=a.transport if learn else "none",
                    seed=a.seed, lr=a.lr if learn else None, engine_start_s=round(replicas.start_s, 1))
-    png = plot_run(report.per_step(), a.plot, random_policy_reward=task.random_policy_reward,
-                   title=f"rollq demo: {a.engine}, {a.replicas} replicas, max lag {a.max_lag}, seed {a.seed}")
-    summary["plot"] = str(png)
+    try:
+        png = plot_run(report.per_step(), a.plot, random_policy_reward=task.random_policy_reward,
+                       title=f"rollq demo: {a.engine}, {a.replicas} replicas, max lag {a.max_lag}, seed {a.seed}")
+        summary["plot"] = str(png)
+    except ModuleNotFoundError as e:  # matplotlib comes with the rl extra
+        log.warning("no plot (%s); pip install 'rollq[rl]' for the reward plot", e)
+        summary["plot"] = None
     return summary
 
 

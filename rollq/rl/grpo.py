@@ -27,6 +27,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .._torch_extras import hide_broken_torch_extras
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -289,6 +291,7 @@ class GrpoTrainer:
     @classmethod
     def from_pretrained(cls, model_dir: str, config: GrpoConfig | None = None, seed: int = 0) -> GrpoTrainer:
         """Load ``model_dir`` with transformers in float32 (the weights the replicas start from: version 0)."""
+        hide_broken_torch_extras()  # before transformers imports torchvision
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)

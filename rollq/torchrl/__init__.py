@@ -13,10 +13,14 @@ replicas (extra ``rollq[torchrl]``, TorchRL 0.14.1).
 - :class:`LocalReplicas`: the replica processes ``AsyncVLLM.from_pretrained`` starts.
 """
 
-from .engine import WRAPPER_MODULE, AsyncVLLM, EngineConfig
-from .layout import results_to_llm_tensordict
-from .local import LocalReplicaFailed, LocalReplicas
-from .outputs import request_output
+from .._torch_extras import hide_broken_torch_extras
+
+hide_broken_torch_extras()  # before TorchRL imports vLLM and transformers (see rollq._torch_extras)
+
+from .engine import WRAPPER_MODULE, AsyncVLLM, EngineConfig  # noqa: E402
+from .layout import results_to_llm_tensordict  # noqa: E402
+from .local import LocalReplicaFailed, LocalReplicas  # noqa: E402
+from .outputs import request_output  # noqa: E402
 
 __all__ = [
     # engine
