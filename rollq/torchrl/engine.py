@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 import torch
@@ -110,9 +110,9 @@ class AsyncVLLM(RLvLLMEngine):
     ):
         tok_path = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else None
         if transport in ("nccl", "gloo") and not broadcast_port:
-            from ..weightsync.nccl import _free_port
+            from ..weightsync.transport import free_port
 
-            broadcast_port = _free_port(broadcast_host)  # vLLMUpdaterV2 asks for it before init
+            broadcast_port = free_port(broadcast_host)  # vLLMUpdaterV2 asks for it before init
         self._init(EngineConfig(
             url=RedisSettings.from_url(url).full_url, queue=queue, weights_root=weights_root, transport=transport,
             tokenizer=str(tok_path) if tok_path else None, update_timeout=update_timeout,
@@ -131,6 +131,7 @@ class AsyncVLLM(RLvLLMEngine):
         self._group_open = False
         self._client: Any = None
         self._keys = QueueKeys(config.queue)
+        self._output_hooks: list[Callable[[list[Any]], Any]] = []
         #: The policy version the last ``update_weights`` published (0: none yet).
         self.version = 0
 
@@ -239,7 +240,20 @@ class AsyncVLLM(RLvLLMEngine):
         batch, done = self.llm.run(prompts, sampling_params, prompt_token_ids=prompt_token_ids,
                                    timeout_seconds=timeout_seconds, replica=replica, min_version=min_version)
         outs = [request_output(r, text, ids) for r, text, ids in done]
+        for hook in self._output_hooks:
+            hook(outs)
         return outs if batch else outs[0]
+
+    def add_output_hook(self, hook: Callable[[list[Any]], Any]) -> None:
+        """Call ``hook(outputs)`` with every ``generate`` call's ``RequestOutput`` list, in this
+        process: ``vLLMWrapper`` keeps tokens and logprobs and drops rollq's
+        ``policy_version`` and ``replica``, which a hook can keep (copies made by pickling
+        start without hooks).
+
+        >>> versions = []                                                              # doctest: +SKIP
+        >>> engine.add_output_hook(lambda outs: versions.append([o.policy_version for o in outs]))  # doctest: +SKIP
+        """
+        self._output_hooks.append(hook)
 
     def get_tokenizer(self) -> Any:
         """The replicas' tokenizer (``tokenizer=`` given at construction, else the model

@@ -124,7 +124,10 @@ async def test_outputs_are_vllms_own_with_versions_and_replica(served):
 
     engine, _ = served
     sp = SamplingParams(max_tokens=4, n=2, logprobs=1, prompt_logprobs=1, include_stop_str_in_output=True)
+    seen = []
+    engine.add_output_hook(lambda outs: seen.append([(o.request_id, o.policy_version) for o in outs]))
     outs = await asyncio.to_thread(engine.generate, PROMPTS, sp)
+    assert seen == [[(o.request_id, o.policy_version) for o in outs]]
     for o in outs:
         assert isinstance(o, RequestOutput) and o.replica == "replica-0"
         assert o.prompt_token_ids and o.prompt_logprobs[0] is None
