@@ -1,0 +1,360 @@
+"""Submission: batches of jobs to SUBMIT calls of ``ProducerSettings.script_batch`` jobs
+each (one msgpack argument per call), streamed on one server, pipelined in chunks on a
+cluster; refusals of the staleness bound; :class:`~rollq.errors.SubmitInterrupted` and its
+``resume()``. The calls themselves are :mod:`rollq.producer.calls`'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import weakref
+from typing import Any, Iterable, Iterator, Mapping
+
+from redis.exceptions import NoScriptError
+
+from ..connection import RETRYABLE, SUBMIT
+from ..errors import StalenessBound, SubmitInterrupted
+from ..protocol import Job, JobEncoder
+from .calls import CALL_RECORD_TTL_MS, Call, CallStream, GaveUp, Outage, pack_args
+from .handles import Entry, JobHandle
+
+#: Jobs in the first script call of a streamed submit_many (then doubling to script_batch).
+FIRST_CALL = 64
+
+#: A job's fields as the user gives them (see :meth:`Producer.build_job`).
+JobSpec = Mapping[str, Any]
+
+
+class Submission:
+    """The submission half of :class:`~rollq.producer.client.Producer`: ``submit_many``'s
+    streamed (one server) and chunked (cluster) paths, SUBMIT calls, resends, refusals of the
+    staleness bound, and :class:`~rollq.errors.SubmitInterrupted`.
+
+    It works on the producer's ``settings``, ``redis_settings``, ``keys``, ``id``,
+    ``counters``, ``_client``, ``_ledger`` (room and handles), ``_numbers``
+    (:class:`~rollq.producer.calls.CallNumbers`), ``_calls_key`` and ``_ref``, and calls ``build_jobs`` and
+    ``submit_many``.
+    """
+
+    async def _submit_many_stream(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
+        """One server: script calls written on one pooled connection as soon as they are
+        built, at most ``chunk_size // script_batch`` unanswered, replies read in order."""
+        step = max(1, self.settings.script_batch)
+        window = max(1, self.settings.chunk_size // step)  # calls whose replies are not read yet
+        size = min(step, FIRST_CALL)  # small first calls: Redis starts while the rest is built
+        it = iter(specs)
+        ledger = self._ledger
+        pool = self._client.connection_pool
+        stream = CallStream(self, await pool.get_connection())
+        try:
+            while True:
+                try:
+                    jobs = self.build_jobs(itertools.islice(it, size))
+                    if jobs:
+                        if stream.inflight and ledger.outstanding + len(jobs) > self.settings.max_outstanding:
+                            # Room comes back as results are consumed, which counts only for
+                            # jobs whose replies were read: read them all before waiting.
+                            await stream.take_all()
+                        await ledger.reserve(len(jobs))
+                except (SubmitInterrupted, GaveUp):
+                    raise
+                except Exception:
+                    # A spec failed validation, or QueueFull: the jobs before were sent, their
+                    # handles are made (the caller gets the error, the jobs run as submitted).
+                    await stream.take_all()
+                    raise
+                if not jobs:
+                    break
+                size = min(2 * size, step)
+                try:
+                    calls = self._submit_calls(jobs)
+                    packed = stream.pack(calls)
+                except BaseException:
+                    ledger.release(len(jobs))
+                    raise
+                await stream.write(jobs, calls, packed)
+                if len(stream.inflight) >= window:
+                    await stream.take_window()
+            await stream.take_all()
+            return stream.handles
+        except GaveUp as e:
+            raise self._interrupted(str(e), stream.handles, stream.in_doubt(), [], it) from e.__cause__
+        except SubmitInterrupted as e:  # a rerun of refused calls in take() gave up
+            e._unpin.detach()  # the new error holds its calls
+            doubt = [*e._doubt, *stream.in_doubt()]
+            raise self._interrupted(str(e), stream.handles + e.enqueued, doubt, e.not_sent, it) from e.__cause__
+        finally:
+            await stream.close(pool)
+
+    async def _read_replies(self, conn: Any, calls: list[Call], reran: list[bool]) -> list[Any]:
+        """The replies of ``calls``, written on ``conn`` (in order).
+
+        A call that met NOSCRIPT did nothing: it runs again (loading the script) and ``reran``
+        says so, for the caller to read every reply in flight before it writes more (the calls
+        written after it met NOSCRIPT too, and their reruns keep the submission order)."""
+        results = []
+        async with self._deadline(f"reading the replies of {sum(len(c[2]) for c in calls)} submitted jobs"):
+            for keys, args, _ in calls:
+                try:
+                    results.append(await conn.read_response())
+                except NoScriptError:
+                    results.append(await SUBMIT(self._client, keys, args))
+                    reran.append(True)
+        return results
+
+    async def _submit_many_chunks(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
+        """A cluster: chunks from ``script_batch`` jobs doubling up to ``chunk_size``, one
+        pipelined round trip each, the next chunk built while one is in flight."""
+        handles: list[JobHandle] = []
+        chunk = min(self.settings.script_batch, self.settings.chunk_size)
+        it = iter(specs)
+        build = self.build_jobs
+        inflight: asyncio.Task | None = None
+        batch: list[Job] = []
+        try:
+            while True:
+                batch = build(itertools.islice(it, chunk))
+                if inflight is not None:
+                    handles.extend(await inflight)
+                    inflight = None
+                if not batch:
+                    return handles
+                if len(batch) < chunk and not handles:  # the only chunk: no overlap to gain
+                    only, batch = batch, []
+                    handles.extend(await self._submit_chunk(only))
+                    return handles
+                inflight = asyncio.ensure_future(self._submit_chunk(batch))
+                batch = []
+                await asyncio.sleep(0)  # let it write its pipeline before we build the next chunk
+                chunk = min(2 * chunk, self.settings.chunk_size)
+        except SubmitInterrupted as e:  # the chunk in flight gave up; ``batch`` was built, not sent
+            e._unpin.detach()  # the new error holds its calls
+            raise self._interrupted(str(e), handles + e.enqueued, e._doubt, e.not_sent + batch, it) from e.__cause__
+        finally:
+            if inflight is not None and not inflight.done():
+                await asyncio.shield(inflight)
+
+    def _submit_calls(self, jobs: list[Job]) -> list[Call]:
+        """SUBMIT calls for ``jobs``, each numbered, ``script_batch`` jobs per call and one
+        stream per call (the queue's, or a replica's for targeted jobs)."""
+        step = self.settings.script_batch
+        number, rec, inc = self._numbers.number, self._calls_key, self._numbers.incarnation
+        encode = JobEncoder()
+        if all(job.replica is None and not job.tracked for job in jobs):  # the common case
+            keys = [*self.keys.submit_keys(self.keys.jobs), rec]
+            payloads = list(map(encode, jobs))
+            calls = []
+            for i in range(0, len(jobs), step):
+                part = payloads[i : i + step]
+                args: list[Any] = [""] * (2 * len(part))  # '': a generated id, nothing to record
+                args[1::2] = part
+                call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS]
+                number(call_args)
+                calls.append((keys, call_args, range(i, i + len(part))))
+            return calls
+        by_stream: dict[str | None, list[int]] = {}
+        delivered = self._ledger.delivered
+        for i, job in enumerate(jobs):
+            pos = by_stream.get(job.replica)
+            if pos is None:
+                pos = by_stream[job.replica] = []
+            pos.append(i)
+            if job.tracked and delivered:  # a caller-chosen id may run again: its next result counts
+                delivered.discard(job.id)
+        calls = []
+        for replica, positions in by_stream.items():
+            keys = [*self.keys.submit_keys(self.keys.job_stream(replica)), rec]
+            for i in range(0, len(positions), step):
+                part = positions[i : i + step]
+                args: list[Any] = []
+                for k in part:
+                    job = jobs[k]
+                    args.append(job.id if job.tracked else "")
+                    args.append(encode(job))
+                # One msgpack argument per call, not two per job (see benchmarks/README.md).
+                call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS]
+                number(call_args)
+                calls.append((keys, call_args, part))
+        return calls
+
+    async def _submit_chunk(self, jobs: list[Job]) -> list[JobHandle]:
+        await self._ledger.reserve(len(jobs))
+        try:
+            calls = self._submit_calls(jobs)
+        except BaseException:
+            self._ledger.release(len(jobs))
+            raise
+        return await self._finish_chunk(jobs, calls, None)
+
+    async def _finish_chunk(self, jobs: list[Job], pending: list[Call], results: list[Any] | None) -> list[JobHandle]:
+        """Run the SUBMIT calls of ``jobs`` (``results``: the replies of a first round already
+        sent), again for calls the staleness bound refused, and make the handles. The
+        ``len(jobs)`` reserved places are released for jobs that are not sent.
+
+        Raises SubmitInterrupted if Redis stays unreachable (see :meth:`_run_scripts`)."""
+        numbers, ledger = self._numbers, self._ledger
+        if results is not None and len(pending) == 1 and not ledger.orphans:
+            numbers.read(pending[0][1][3])
+            skipped, was_refused, _, eids, _ = results[0]
+            if not skipped and not was_refused and len(eids) == len(jobs):
+                # The common reply: one call (its jobs in order), every job enqueued.
+                return ledger.add_enqueued(jobs, pending[0][0][0], eids)
+        entries: list[Entry | None] = [None] * len(jobs)
+        dups: list[bytes] = []
+        foreign: dict[str, str] = {}  # duplicate ids queued by another producer -> its id
+        read: list[int] = []  # positions of the jobs whose calls' replies were read (not refused)
+        try:
+            while pending:
+                if results is None:
+                    results = await self._run_scripts(pending)
+                refused = []
+                for call, (skipped, was_refused, limit, eids, owners) in zip(pending, results):
+                    keys, args, part = call
+                    numbers.read(args[3])
+                    if was_refused:
+                        refused.append(call)
+                        continue
+                    if skipped:
+                        dups.extend(skipped)
+                        for jid, owner in zip(skipped, owners):
+                            if owner is not None and owner.decode() != self.id:
+                                foreign[jid.decode()] = owner.decode()
+                    read.extend(part)
+                    stream = keys[0]
+                    for k, eid in zip(part, eids):
+                        if eid:
+                            entries[k] = (stream, eid, jobs[k].tracked)
+                results = None
+                if refused:
+                    await self._wait_for_admission(sum(len(c[2]) for c in refused), limit)
+                    for _, args, _ in refused:  # a refusal is not recorded: a new number
+                        numbers.number(args)
+                pending = refused
+        except GaveUp as e:
+            ledger.release(len(jobs) - len(read))  # what was enqueued runs; the rest is in doubt
+            read.sort()
+            done = ledger.add([jobs[k] for k in read], [entries[k] for k in read], dups, foreign)
+            raise self._interrupted(str(e), done, [_subset(jobs, pending)], [], None) from e.__cause__
+        except BaseException:
+            ledger.release(len(jobs) - len(read))  # what was enqueued runs; the rest was not sent
+            for _, args, _ in pending:
+                numbers.drop(args[3])
+            raise
+        return ledger.add(jobs, entries, dups, foreign)
+
+    def _interrupted(
+        self, message: str, enqueued: list[JobHandle], doubt: list[tuple[list[Job], list[Call]]],
+        not_sent: list[Job], remaining: Iterator[Any] | None,
+    ) -> SubmitInterrupted:
+        """A SubmitInterrupted whose resume() resends the ``doubt`` calls under their numbers
+        (held unread until then, so their records stay), then submits the rest."""
+        doubt = [(jobs, calls) for jobs, calls in doubt if jobs]
+        numbers = [args[3] for _, calls in doubt for _, args, _ in calls]
+        self._numbers.pin(numbers)
+        resume = _Resume(self._ref, doubt, not_sent, remaining)
+        err = SubmitInterrupted(
+            message + "; jobs enqueued: {}, in doubt (sent, reply lost): {}, not sent: {}{}; "
+            "resume() finishes the batch without doubling any job".format(
+                len(enqueued), sum(len(j) for j, _ in doubt), len(not_sent),
+                " (and the specs not read yet)" if remaining is not None else "",
+            ),
+            enqueued=enqueued, in_doubt=[job for jobs, _ in doubt for job in jobs], not_sent=not_sent,
+            remaining=remaining, resume=resume,
+        )
+        err._doubt = doubt
+        # The records of the calls in doubt are kept until resume() reads them, or until the
+        # error is gone (then nothing can resend them).
+        err._unpin = resume.unpin = weakref.finalize(err, self._numbers.unpin, numbers)
+        return err
+
+    async def _run_scripts(self, calls: list[Call]) -> list[Any]:
+        """Run SUBMIT calls in one pipeline (one round trip), loading the script if needed.
+
+        A connection error sends them again (a call that ran replays its reply) with backoff,
+        until Redis has been unreachable for ``RedisSettings.command_timeout`` (GaveUp)."""
+        what = f"submitting {sum(len(c[2]) for c in calls)} jobs"
+        outage = None
+        while True:
+            try:
+                async with self._deadline(what):
+                    return await self._run_scripts_now(calls)
+            except RETRYABLE as e:
+                if outage is None:
+                    outage = Outage(self.redis_settings.command_timeout)
+                await outage.wait(e, what)
+                self.counters["resends"] += 1
+
+    async def _run_scripts_now(self, calls: list[Call]) -> list[Any]:
+        if len(calls) == 1:  # one call: no pipeline machinery
+            keys, args, _ = calls[0]
+            return [await SUBMIT(self._client, keys, args)]
+        for attempt in (0, 1):
+            pipe = self._client.pipeline(transaction=False)
+            for keys, args, _ in calls:
+                # execute_command: redis-py's cluster pipeline refuses pipe.evalsha
+                pipe.execute_command("EVALSHA", SUBMIT.sha, len(keys), *keys, *args)
+            results = await pipe.execute(raise_on_error=False)
+            if not any(isinstance(r, NoScriptError) for r in results):
+                break
+            # A missing script fails every call before it runs: load it and send them again.
+            await SUBMIT.ensure_loaded(self._client)
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return results
+
+    async def _wait_for_admission(self, n: int, limit: int) -> None:
+        """The staleness bound refused ``n`` jobs: wait for a newer policy version, or raise."""
+        if not self.settings.block_when_full:
+            raise StalenessBound(
+                f"admitting {n} more jobs would exceed the staleness bound ({limit} jobs at the current "
+                "policy version; see Producer.set_staleness_bound); publish a newer version or wait"
+            )
+        await asyncio.sleep(self.settings.admission_poll)
+
+
+class _Resume:
+    """:meth:`SubmitInterrupted.resume`: the calls in doubt again, under their numbers, then
+    the jobs not sent and the specs not read. Holds the producer weakly."""
+
+    def __init__(self, ref: Any, doubt: list[tuple[list[Job], list[Call]]], not_sent: list[Job],
+                 remaining: Iterator[Any] | None):
+        self.ref = ref
+        self.doubt = doubt
+        self.not_sent = not_sent
+        self.remaining = remaining
+        self.unpin: weakref.finalize | None = None
+
+    async def __call__(self) -> list[JobHandle]:
+        producer = self.ref()
+        if producer is None:
+            raise RuntimeError("cannot resume the submission: its producer is gone")
+        self.unpin.detach()  # from here on, what is not read is held by the next error, if any
+        out: list[JobHandle] = []
+        for i, (jobs, calls) in enumerate(self.doubt):
+            await producer._ledger.reserve(len(jobs))
+            try:
+                out += await producer._finish_chunk(jobs, calls, None)
+            except SubmitInterrupted as e:
+                e._unpin.detach()
+                rest = [*e._doubt, *self.doubt[i + 1 :]]
+                raise producer._interrupted(str(e), out + e.enqueued, rest, self.not_sent, self.remaining) from e.__cause__
+        if self.not_sent or self.remaining is not None:
+            rest_specs = itertools.chain(self.not_sent, self.remaining or ())
+            try:
+                out += await producer.submit_many(rest_specs)
+            except SubmitInterrupted as e:
+                e.enqueued[:0] = out
+                raise
+        return out
+
+
+def _subset(jobs: list[Job], calls: list[Call]) -> tuple[list[Job], list[Call]]:
+    """The jobs of ``calls`` (a part of ``jobs``'s calls) and the calls with positions in them."""
+    sub: list[Job] = []
+    out = []
+    for keys, args, part in calls:
+        out.append((keys, args, range(len(sub), len(sub) + len(part))))
+        sub.extend(jobs[k] for k in part)
+    return sub, out

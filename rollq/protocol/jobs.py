@@ -1,0 +1,269 @@
+"""Jobs: what a producer asks for, built and checked from user-facing fields.
+
+:func:`job_from_spec` builds a job from a mapping of fields; :func:`token_jobs` is its fast
+path for the common shape (a list of token ids, sampling params, optional ``meta``), the loop
+``Producer.build_jobs`` runs for batches.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+import msgspec
+
+from ..errors import InvalidJob, SchemaVersionError
+from ..keys import check_name
+from .arrays import pack_i32, unpack_i32
+from .limits import MAX_JOB_TOKENS, MAX_META_BYTES, MAX_META_DEPTH, SCHEMA_VERSION
+from .prompts import prompt_parts
+from .sampling import SamplingParams, validated_sampling
+from .text import short
+
+
+class Message(msgspec.Struct, array_like=True, frozen=True):
+    """One chat message (the tokenizer's chat template is applied by the consumer)."""
+
+    role: str
+    content: str
+
+
+class Job(msgspec.Struct, array_like=True, kw_only=True, gc=False):
+    """A generation request: one prompt, ``sampling.n`` samples.
+
+    Exactly one of ``text``, ``tokens`` (little-endian int32 bytes) or ``messages`` is set.
+    Jobs, results and samples are values that never refer back to what holds them, so they
+    are not tracked by the garbage collector (``gc=False``): large batches of them would
+    otherwise make every collection traverse them.
+    """
+
+    v: int = SCHEMA_VERSION
+    id: str
+    reply: str  # producer id; results go to QueueKeys.results(reply)
+    text: str | None = None
+    tokens: bytes | None = None
+    messages: list[Message] | None = None
+    sampling: SamplingParams = SamplingParams()
+    replica: str | None = None
+    min_version: int | None = None
+    deadline: float | None = None  # unix seconds
+    submitted: float = 0.0  # unix seconds, set by the producer
+    meta: Any = None
+    #: The caller chose the id: it is recorded while queued or running (idempotency).
+    tracked: bool = False
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        return unpack_i32(self.tokens) if self.tokens is not None else None
+
+    def kind(self) -> str:
+        return "text" if self.text is not None else "tokens" if self.tokens is not None else "messages"
+
+
+def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: bool = True,
+                 entry_bytes: int | None = None) -> Job:
+    """Structural checks a consumer repeats on every job it pulls (the producer does too).
+
+    ``sampling=False`` skips re-validating the sampling params (already checked by msgspec's
+    decoder, or validated once for a shared object). ``entry_bytes``: the size of the
+    encoded job it was decoded from, which bounds the size of its ``meta``.
+    """
+    if job.v != SCHEMA_VERSION:
+        raise SchemaVersionError(f"job schema version {job.v} is not supported (this build: {SCHEMA_VERSION})")
+    if not job.id or len(job.id) > 256:
+        raise InvalidJob(f"job id must be 1-256 characters (got {len(job.id)})")
+    try:
+        check_name("producer", job.reply)
+    except ValueError as e:
+        raise InvalidJob(f"job {short(job.id)} has an impossible reply address: {e}") from e
+    if job.meta is not None:
+        check_meta(job.meta, entry_bytes)
+    if (job.text is not None) + (job.tokens is not None) + (job.messages is not None) != 1:
+        raise InvalidJob("a job needs exactly one of prompt text, prompt_token_ids or messages")
+    if job.tokens is not None:
+        if len(job.tokens) % 4 or not job.tokens:
+            raise InvalidJob("prompt_token_ids must be a non-empty int32 array")
+    if job.text is not None and not job.text:
+        raise InvalidJob("prompt text is empty")
+    if job.replica is not None:
+        try:
+            check_name("replica", job.replica)
+        except ValueError as e:
+            raise InvalidJob(f"job {job.id!r} targets an impossible replica: {e}") from e
+    if job.messages is not None and not job.messages:
+        raise InvalidJob("messages is empty")
+    if max_prompt_bytes is not None:
+        size = len(job.text.encode()) if job.text is not None else (
+            len(job.tokens) if job.tokens is not None else sum(len(m.content.encode()) for m in job.messages or ())
+        )
+        if size > max_prompt_bytes:
+            raise InvalidJob(f"prompt of {size} bytes exceeds the limit of {max_prompt_bytes} bytes")
+    if sampling:
+        job.sampling.validate()
+    elif job.sampling.min_tokens > job.sampling.max_tokens:
+        raise InvalidJob("invalid sampling params: min_tokens must be <= max_tokens")
+    elif job.sampling.n * job.sampling.max_tokens > MAX_JOB_TOKENS:
+        raise InvalidJob(f"invalid sampling params: n x max_tokens exceeds {MAX_JOB_TOKENS} tokens per job")
+    return job
+
+
+_meta_enc = msgspec.msgpack.Encoder()
+
+
+def check_meta(meta: Any, encoded_within: int | None = None) -> None:
+    """Refuse a ``meta`` nested deeper than :data:`MAX_META_DEPTH` or larger than
+    :data:`MAX_META_BYTES` encoded (iteratively: the check itself never recurses).
+    ``encoded_within``: the size of an encoded message that holds ``meta`` (a decoded job):
+    at most :data:`MAX_META_BYTES` of it, and ``meta`` is not encoded again to be measured.
+
+    >>> check_meta({"a": [1, 2, {"b": None}]})
+    >>> nested = []
+    >>> for _ in range(40): nested = [nested]
+    >>> check_meta(nested)
+    Traceback (most recent call last):
+    ...
+    rollq.errors.InvalidJob: meta nests deeper than 32 levels
+    """
+    if meta is None or isinstance(meta, (str, int, float, bool, bytes)):
+        if isinstance(meta, (str, bytes)) and len(meta) > MAX_META_BYTES:
+            raise InvalidJob(f"meta of {len(meta)} bytes exceeds the limit of {MAX_META_BYTES}")
+        return
+    stack: list[tuple[Any, int]] = [(meta, 1)]
+    seen = 0
+    while stack:
+        obj, depth = stack.pop()
+        if depth > MAX_META_DEPTH:
+            raise InvalidJob(f"meta nests deeper than {MAX_META_DEPTH} levels")
+        children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+        for child in children:
+            seen += 1
+            if seen > MAX_META_BYTES:  # each item takes a byte at least
+                raise InvalidJob(f"meta is larger than {MAX_META_BYTES} bytes")
+            if isinstance(child, (dict, list, tuple)):
+                stack.append((child, depth + 1))
+    if encoded_within is not None and encoded_within <= MAX_META_BYTES:
+        return
+    try:
+        size = len(_meta_enc.encode(meta))
+    except (TypeError, OverflowError) as e:
+        raise InvalidJob(f"meta must be msgpack-serializable (str, numbers, lists, dicts): {e}") from e
+    if size > MAX_META_BYTES:
+        raise InvalidJob(f"meta of {size} bytes encoded exceeds the limit of {MAX_META_BYTES}")
+
+
+def make_job(
+    *,
+    id: str,
+    reply: str,
+    prompt: str | None = None,
+    prompt_token_ids: Sequence[int] | bytes | None = None,
+    messages: Sequence[dict[str, str] | Message] | None = None,
+    sampling: SamplingParams | dict[str, Any] | None = None,
+    replica: str | None = None,
+    min_version: int | None = None,
+    deadline: float | None = None,
+    timeout: float | None = None,
+    meta: Any = None,
+    max_prompt_bytes: int | None = None,
+    tracked: bool = False,
+) -> Job:
+    """Build and validate a :class:`Job` from user-facing arguments."""
+    spec = {
+        "prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages, "sampling": sampling,
+        "replica": replica, "min_version": min_version, "deadline": deadline, "timeout": timeout, "meta": meta,
+    }
+    return job_from_spec(spec, id, reply, max_prompt_bytes, tracked)
+
+
+#: Keys of the specs :func:`token_jobs` builds (the common shape).
+TOKEN_SPEC_KEYS = frozenset({"prompt_token_ids", "sampling", "meta"})
+#: What :func:`token_jobs` returns when its specs ran out.
+SPECS_END = object()
+
+
+def token_jobs(specs: Iterator[Any], out: list[Job], reply: str, max_prompt_bytes: int | None = None, *,
+               prefix: str = "", seq: int = 0, ids: Iterator[str] | None = None, tracked: bool = False) -> Any:
+    """The fast path of :func:`job_from_spec`, for batches: builds into ``out`` a job for
+    each spec of the common shape (a dict of ``prompt_token_ids``, a non-empty list, and
+    optionally ``sampling`` and ``meta``), until a spec of another shape, which it returns
+    (:data:`SPECS_END` when ``specs`` ran out). Job ids are taken from ``ids``, or else
+    numbered ``f"{prefix}{n:x}"`` from ``n = seq + 1`` on (``seq + len(out)`` afterwards).
+
+    Each job is the one :func:`job_from_spec`'s general path makes of the same fields, and
+    only what can be wrong with this shape is checked, in the same order: sampling params
+    (validated once per distinct value), prompt size, job id, ``meta``, token ids.
+
+    >>> out = []
+    >>> token_jobs(iter([{"prompt_token_ids": [1, 2]}, {"prompt": "hi"}]), out, "p1", prefix="p1-")
+    {'prompt': 'hi'}
+    >>> out[0].id, out[0].prompt_token_ids
+    ('p1-1', [1, 2])
+    """
+    append, keys, now = out.append, TOKEN_SPEC_KEYS, time.time
+    last_in: Any = SPECS_END  # the sampling params of the last spec
+    sp = None
+    for s in specs:
+        if type(s) is not dict or not s.keys() <= keys:
+            return s
+        tokens = s.get("prompt_token_ids")
+        if type(tokens) is not list or not tokens:
+            return s
+        sampling = s.get("sampling")
+        if sampling is not last_in:
+            sp = validated_sampling(sampling)
+            # Frozen params (or none) are the same for the next spec that holds them; a dict may change.
+            last_in = sampling if sampling is None or isinstance(sampling, SamplingParams) else SPECS_END
+        if max_prompt_bytes is not None and 4 * len(tokens) > max_prompt_bytes:
+            raise InvalidJob(f"prompt of {4 * len(tokens)} bytes exceeds the limit of {max_prompt_bytes} bytes")
+        if ids is None:
+            seq += 1
+            jid = f"{prefix}{seq:x}"
+        else:
+            jid = next(ids)
+        if tracked and not 0 < len(jid) <= 256:
+            raise InvalidJob("job id must be 1-256 characters")
+        meta = s.get("meta")
+        if meta is not None:
+            check_meta(meta)
+        append(Job(id=jid, reply=reply, tokens=pack_i32(tokens), sampling=sp, submitted=now(), meta=meta, tracked=tracked))
+    return SPECS_END
+
+
+def job_from_spec(spec: Mapping[str, Any], id: str, reply: str, max_prompt_bytes: int | None = None, tracked: bool = False) -> Job:
+    """:func:`make_job` for fields given as a mapping (the producer's hot path; unknown keys
+    are the caller's to refuse). Keys: ``prompt``, ``prompt_token_ids``, ``messages``,
+    ``sampling``, ``replica``, ``min_version``, ``deadline`` or ``timeout``, ``meta``."""
+    out: list[Job] = []
+    one = spec if type(spec) is dict else dict(spec)
+    if token_jobs(iter((one,)), out, reply, max_prompt_bytes, ids=iter((id,)), tracked=tracked) is SPECS_END:
+        return out[0]
+    get = spec.get
+    tokens = get("prompt_token_ids")
+    msgs = get("messages")
+    if msgs is not None:
+        try:
+            msgs = [m if isinstance(m, Message) else Message(role=str(m["role"]), content=str(m["content"])) for m in msgs]
+        except (KeyError, TypeError) as e:
+            raise InvalidJob(f"each message needs 'role' and 'content': {e}") from e
+    now = time.time()
+    timeout = get("timeout")
+    text = get("prompt")
+    if text is not None and type(text) is not str:
+        if tokens is not None:
+            raise InvalidJob("a job needs exactly one of prompt text, prompt_token_ids or messages")
+        text, tokens = prompt_parts(text)
+    job = Job(
+        id=id,
+        reply=reply,
+        text=text,
+        tokens=pack_i32(tokens) if tokens is not None else None,
+        messages=msgs,
+        sampling=validated_sampling(get("sampling")),
+        replica=get("replica"),
+        min_version=get("min_version"),
+        deadline=now + timeout if timeout is not None else get("deadline"),
+        submitted=now,
+        meta=get("meta"),
+        tracked=tracked,
+    )
+    return validate_job(job, max_prompt_bytes=max_prompt_bytes, sampling=False)

@@ -1,0 +1,66 @@
+"""Prompts in the forms vLLM accepts, and scoring specs."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Mapping, Sequence
+
+from ..errors import InvalidJob
+
+_NO_ODD = object()
+
+
+def prompt_parts(prompt: Any) -> tuple[str | None, Any]:
+    """``(text, token ids)`` of a prompt given in one of the forms vLLM accepts: a ``str``, a
+    ``TokensPrompt`` dict (``{"prompt_token_ids": [...]}``), a ``TextPrompt`` dict
+    (``{"prompt": "..."}``), or a bare sequence of token ids (a list, tuple, 1-D numpy array
+    or tensor); anything else is refused with :class:`~rollq.errors.InvalidJob`.
+
+    >>> prompt_parts({"prompt_token_ids": [1, 2, 3]})
+    (None, [1, 2, 3])
+    >>> prompt_parts([4, 5])
+    (None, [4, 5])
+    >>> prompt_parts({"prompt": "hi"})
+    ('hi', None)
+    """
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, Mapping):
+        extra = set(prompt) - {"prompt_token_ids", "prompt"}
+        if extra:
+            raise InvalidJob(f"prompt dict has unsupported key(s) {sorted(map(str, extra))[:5]}; "
+                             "rollq takes {'prompt_token_ids': [...]} or {'prompt': str}")
+        if "prompt_token_ids" in prompt and "prompt" not in prompt:
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__len__"):
+                raise InvalidJob(f"prompt_token_ids must be a sequence of token ids, got {type(ids).__name__}")
+            return None, ids if isinstance(ids, list) else list(ids)
+        if "prompt" in prompt and "prompt_token_ids" not in prompt and isinstance(prompt["prompt"], str):
+            return prompt["prompt"], None
+        raise InvalidJob("a prompt dict needs exactly one of 'prompt_token_ids' (a list of ints) or 'prompt' (a str)")
+    if isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist") and getattr(prompt, "ndim", None) == 1):
+        ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+        odd = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)), _NO_ODD)
+        if odd is not _NO_ODD:
+            raise InvalidJob(f"a prompt given as a sequence must hold token ids (ints); got a {type(odd).__name__}")
+        return None, ids
+    raise InvalidJob(
+        f"prompt must be a str, a list of token ids or a TokensPrompt dict {{'prompt_token_ids': [...]}}; "
+        f"got {type(prompt).__name__}"
+    )
+
+
+def score_spec(context: Sequence[int], continuation: Sequence[int], **fields: Any) -> dict[str, Any]:
+    """A job spec that scores ``continuation`` after ``context`` (token ids) without sampling
+    it: the replica returns each prompt token's logprob (vLLM's ``prompt_logprobs``), and
+    ``result.prompt_logprobs[len(context):]`` are the continuation's, under the weights the
+    replica serves (``result.version_start``). vLLM generates at least one token, so one
+    greedy token comes with it. Other job fields (``meta``, ``min_version``, ...) pass through.
+
+    >>> score_spec([1, 2], [3, 4])["sampling"]
+    {'max_tokens': 1, 'temperature': 0.0, 'prompt_logprobs': 0}
+    """
+    if not context or not continuation:
+        raise InvalidJob("scoring needs a non-empty context and a non-empty continuation")
+    return {"prompt_token_ids": [*context, *continuation],
+            "sampling": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}, **fields}

@@ -1,0 +1,55 @@
+"""Wire format of what replicas publish: the registry entry and the latency histogram.
+
+Every heartbeat a replica writes a :class:`ReplicaInfo` (msgpack) into the queue's registry
+hash (``QueueKeys.consumers``), and adds the latencies of the results it recorded into the
+queue's latency hash (``QueueKeys.latency``: bucket index -> count, buckets of
+:data:`LATENCY_BUCKETS_MS`). Status views, the dashboard and the trainer read both.
+
+>>> latency_bucket(0.3), latency_bucket(1.0), latency_bucket(1e9) == len(LATENCY_BUCKETS_MS)
+(0, 1, True)
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import msgspec
+
+__all__ = ["LATENCY_BUCKETS_MS", "ReplicaInfo", "latency_bucket"]
+
+#: Latency histogram bucket upper bounds, milliseconds (last bucket: +inf).
+LATENCY_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000, 120000, 300000)
+
+
+def latency_bucket(ms: float) -> int:
+    """Index of the bucket of :data:`LATENCY_BUCKETS_MS` that holds ``ms`` (upper bounds
+    inclusive; ``len(LATENCY_BUCKETS_MS)`` is the +inf bucket)."""
+    return bisect.bisect_left(LATENCY_BUCKETS_MS, ms)
+
+
+class ReplicaInfo(msgspec.Struct, kw_only=True):
+    """What a replica publishes in the registry every heartbeat."""
+
+    id: str
+    host: str
+    pid: int
+    engine: str
+    model: str
+    device: str
+    version: int
+    inflight: int
+    cap: int
+    kv_usage: float | None
+    tokens_per_s: float
+    completed: int
+    failed: int
+    started_at: float
+    heartbeat_at: float
+    state: str  # serving | paused | draining | stopped
+    labels: dict[str, str] = {}
+    paused_s_total: float = 0.0
+    last_update_s: float | None = None  # last weight update: noticed -> serving the new version
+    last_pause_s: float | None = None  # last weight update: generation stopped
+    updates: int = 0
+    #: Devices per replica (vLLM ``tensor_parallel_size``): the workers a weight broadcast reaches.
+    tp_size: int = 1

@@ -1,0 +1,149 @@
+"""Results, their samples, and dead letters: what comes back from a replica."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+from .arrays import unpack_f32, unpack_i32
+from .limits import SCHEMA_VERSION
+
+#: ``Sample.versions`` start index of a version whose first token is not known (the
+#: request was off the device, e.g. preempted, when that version was swapped in).
+UNKNOWN_START = -1
+
+
+class Sample(msgspec.Struct, array_like=True, gc=False):
+    """One of the ``n`` completions of a job.
+
+    ``versions`` says which policy version generated which tokens when a weight update
+    landed during the generation (update policy ``keep``): ``[(version, first token index),
+    ...]`` in order, starting with ``(version_start, 0)``. None: every token was generated
+    at the result's ``version_start``. See :meth:`token_versions`.
+    """
+
+    tokens: bytes  # little-endian int32
+    logprobs: bytes | None = None  # little-endian float32, one per generated token
+    text: str | None = None
+    finish_reason: str | None = None
+    versions: list[tuple[int, int]] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return unpack_i32(self.tokens)
+
+    @property
+    def token_logprobs(self) -> list[float] | None:
+        return unpack_f32(self.logprobs) if self.logprobs is not None else None
+
+    def token_versions(self, version_start: int) -> list[int]:
+        """The policy version that generated each token (``-1``: not known exactly).
+
+        >>> from rollq.protocol import pack_i32
+        >>> s = Sample(tokens=pack_i32([5, 6, 7, 8]), versions=[(3, 0), (4, 2)])
+        >>> s.token_versions(3)
+        [3, 3, 4, 4]
+        >>> Sample(tokens=pack_i32([5, 6])).token_versions(2)
+        [2, 2]
+        """
+        n = len(self.tokens) // 4
+        out = [version_start] * n
+        if not self.versions:
+            return out
+        for k, (v, start) in enumerate(self.versions):
+            if start == UNKNOWN_START:  # from the last known start on, either version: ambiguous
+                start = next((st for _, st in reversed(self.versions[:k]) if st != UNKNOWN_START), 0)
+                v = -1
+            for i in range(min(start, n), n):
+                out[i] = v
+        return out
+
+    def single_version(self, version_start: int) -> int | None:
+        """The version that generated every token of this sample, or None if several did
+        (or one is not known): the samples whose logprobs a trainer can recompute exactly."""
+        vs = set(self.token_versions(version_start))
+        return vs.pop() if len(vs) == 1 and -1 not in vs else None
+
+
+class ErrorInfo(msgspec.Struct, array_like=True):
+    type: str
+    message: str
+
+
+class Result(msgspec.Struct, array_like=True, kw_only=True, gc=False):
+    """The outcome of a job: samples or an error, tagged with the policy version span."""
+
+    v: int = SCHEMA_VERSION
+    id: str
+    samples: list[Sample] = []
+    error: ErrorInfo | None = None
+    prompt_tokens: int = 0
+    version_start: int = 0
+    version_end: int = 0
+    replica: str = ""
+    submitted: float = 0.0
+    started: float = 0.0
+    finished: float = 0.0
+    deliveries: int = 1
+    meta: Any = None
+    #: The prompt as the replica tokenized it (text and chat prompts; token prompts: None,
+    #: the submitter has them), little-endian int32.
+    prompt_ids: bytes | None = None
+    #: ``sampling.prompt_logprobs``: each prompt token's logprob given the tokens before it,
+    #: little-endian float32 (the first token has none: NaN).
+    prompt_lps: bytes | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def policy_version(self) -> tuple[int, int]:
+        """``(version at start, version at end)`` of the generation."""
+        return (self.version_start, self.version_end)
+
+    @property
+    def prompt_token_ids(self) -> list[int] | None:
+        """Token ids of the prompt as the replica tokenized it (None for token prompts)."""
+        return unpack_i32(self.prompt_ids) if self.prompt_ids is not None else None
+
+    @property
+    def prompt_logprobs(self) -> list[float | None] | None:
+        """``sampling.prompt_logprobs``: the logprob of each prompt token given the ones before
+        it (the first token's is None); None when not asked for."""
+        if self.prompt_lps is None:
+            return None
+        return [None if math.isnan(x) else x for x in unpack_f32(self.prompt_lps)]
+
+    def token_versions(self, sample: int = 0) -> list[int]:
+        """The policy version that generated each token of sample ``sample`` (see
+        :meth:`Sample.token_versions`)."""
+        return self.samples[sample].token_versions(self.version_start)
+
+    @property
+    def queued_s(self) -> float:
+        return max(0.0, self.started - self.submitted) if self.started else 0.0
+
+
+class DeadLetter(msgspec.Struct, array_like=True, kw_only=True):
+    """An entry of the dead-letter stream."""
+
+    v: int = SCHEMA_VERSION
+    job_id: str | None
+    reason: str
+    error_type: str
+    consumer: str
+    deliveries: int
+    at: float
+    source: str  # stream the entry came from
+    #: The original entry (may not be a valid job), cut to the consumer's
+    #: ``ConsumerSettings.dlq_payload_bytes``: a cut one cannot be requeued.
+    payload: bytes
+    #: Size of the original entry (``len(payload)`` unless it was cut).
+    payload_bytes: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.payload_bytes > len(self.payload)
