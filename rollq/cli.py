@@ -444,12 +444,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--swap-overlap", action="store_true",
                    help="with --broadcast and the keep policy: swap a version in part by part while its last parts "
                         "arrive (shorter end to end, longer pause; see WeightFollower(swap_overlap=True))")
-    s.add_argument("--max-inflight", type=int, default=None, help="cap on running jobs (default: from the engine)")
-    s.add_argument("--initial-inflight", type=int, default=None)
-    s.add_argument("--batch", type=int, default=512)
-    s.add_argument("--lease-ttl", type=float, default=5.0, help="seconds before a silent replica's jobs are reclaimed")
-    s.add_argument("--max-deliveries", type=int, default=3)
-    s.add_argument("--drain-timeout", type=float, default=25.0, help="SIGTERM: seconds to finish running jobs")
+    d = ConsumerSettings()  # the defaults below are the settings' own
+    s.add_argument("--max-inflight", type=int, default=d.max_inflight, help="cap on running jobs (default: from the engine)")
+    s.add_argument("--initial-inflight", type=int, default=d.initial_inflight)
+    s.add_argument("--batch", type=int, default=d.batch, help="most jobs taken in one read (default: %(default)s)")
+    s.add_argument("--lease-ttl", type=float, default=d.lease_ttl,
+                   help="seconds before a silent replica's jobs are reclaimed (default: %(default)s)")
+    s.add_argument("--max-deliveries", type=int, default=d.max_deliveries)
+    s.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="SIGTERM: seconds to finish running jobs (default: %(default)s)")
     s.add_argument("--burst", action="store_true", help="drain the queue, then exit")
     s.set_defaults(fn=cmd_consume)
 

@@ -18,9 +18,8 @@ import msgpack
 import msgspec
 
 from .connection import SUBMIT, Client
-from .consumer.loop import LATENCY_BUCKETS_MS, ReplicaInfo
 from .keys import FIELD, GROUP, QueueKeys
-from .protocol import DeadLetter, decode_dead_letter, decode_job, encode_job
+from .protocol import LATENCY_BUCKETS_MS, DeadLetter, ReplicaInfo, decode_dead_letter, decode_job, encode_job
 
 _FIELD = FIELD.encode()
 

@@ -19,15 +19,7 @@ from rollq.consumer.loop import Consumer
 from rollq.errors import DeadLettered, JobRejected
 from rollq.keys import GROUP, QueueKeys
 from rollq.protocol import SamplingParams, decode_dead_letter, decode_job, encode_job
-from tests.helpers import (  # noqa: F401 (fixtures)
-    bounded,
-    collect,
-    make_consumer,
-    make_producer,
-    pending_of,
-    spawn,
-    until,
-)
+from tests.helpers import bounded, collect, pending_of, until
 
 pytestmark = pytest.mark.chaos
 
@@ -542,7 +534,7 @@ async def test_stop_is_bounded_when_a_task_swallows_a_cancel(queue, make_consume
             pass  # what the 3.11 wait_for race does: the cancel is lost
         return 0
 
-    monkeypatch.setattr(Consumer, "reclaim_once", reclaim_once)
+    monkeypatch.setattr("rollq.consumer.reclaimer.Reclaimer.reclaim_once", reclaim_once)
     before = asyncio.all_tasks()
     c = make_consumer(queue, reclaim_interval=0.05)
     task = make_consumer.start(c)

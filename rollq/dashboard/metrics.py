@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..consumer.loop import LATENCY_BUCKETS_MS
+from ..protocol import LATENCY_BUCKETS_MS
 from .sampler import COUNTERS, STATES, Sampler
 
 #: Content type of :func:`render`: the classic text format every Prometheus version reads

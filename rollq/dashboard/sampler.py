@@ -40,9 +40,8 @@ import msgspec
 from redis.exceptions import RedisError
 
 from ..connection import Client, connect
-from ..consumer.loop import LATENCY_BUCKETS_MS
 from ..keys import QueueKeys
-from ..protocol import SCHEMA_VERSION
+from ..protocol import LATENCY_BUCKETS_MS, SCHEMA_VERSION
 from ..registry import queues_in_use
 from ..settings import DEFAULT_QUEUE, RedisSettings
 from ..status import QueueStatus, dlq_list, histogram_quantile, queue_status

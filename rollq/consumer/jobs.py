@@ -1,0 +1,309 @@
+"""The jobs a replica holds, from the read that took them until their outcome is queued.
+
+A stream entry is admitted (:meth:`Jobs.admit`: decoded and checked), then it is one of:
+
+- **held**: read while intake was closed (a weight update); it starts when intake opens;
+- **waiting** for the policy version it needs (:mod:`rollq.consumer.versions`);
+- **running** in the engine, under the request id ``<job id>@<entry id>``;
+- **parked**: aborted for a weight update (the ``abort`` policy), to run again from scratch.
+
+Each is one :class:`JobInHand`. A running job ends with the engine's ``done`` callback, a
+cancellation or its deadline; its outcome goes to the :class:`~rollq.consumer.finisher.Finisher`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
+
+from ..errors import (
+    DeadLettered,
+    EngineDead,
+    EngineFailed,
+    InvalidJob,
+    JobCancelled,
+    JobExpired,
+    JobRejected,
+    ProtocolError,
+)
+from ..protocol import UNKNOWN_START, Job, cut, decode_job, encode_job, peek_id
+from .context import ReplicaContext
+from .engine import EngineOutput, SwapProgress
+
+if TYPE_CHECKING:
+    from .finisher import Finisher
+    from .versions import VersionWait
+
+log = logging.getLogger(__name__)
+
+#: Versions swapped in while a job ran: (version, tokens per sample before the swap, or None
+#: where not known, and whether a sample missing from them had none).
+Swaps = list[tuple[int, "dict[int, int] | None", bool]]
+
+
+@dataclass(slots=True, eq=False)
+class JobInHand:
+    """One job this replica holds: read from ``stream`` as entry ``eid``, delivered
+    ``deliveries`` times (held, waiting, parked or running; see the module docstring)."""
+
+    stream: str
+    eid: bytes
+    job: Job
+    deliveries: int
+    #: Running: when it was handed to the engine (wall clock; 0 before) and the policy
+    #: version then.
+    started: float = 0.0
+    version_start: int = 0
+    swaps: Swaps | None = None
+    #: Waiting: since when (monotonic), and since when its version is known not to be committed.
+    since: float = 0.0
+    beyond_since: float | None = None
+
+
+class Failure(NamedTuple):
+    """Why a job, or an entry that holds none, ends without a result."""
+
+    #: Its name is the error type the submitter sees (``ErrorInfo.type``).
+    error: type[BaseException]
+    message: str
+    #: Also write a dead letter, keeping ``payload`` (the entry as read, or the job re-encoded).
+    dead_letter: bool = False
+    payload: bytes = b""
+
+
+class Jobs:
+    """The jobs in hand and their moves: admit, hold, start, cancel, abort, restart, end."""
+
+    def __init__(self, ctx: ReplicaContext, finisher: Finisher, versions: VersionWait) -> None:
+        self._ctx = ctx
+        self._finisher = finisher
+        self._versions = versions
+        self.running: dict[str, JobInHand] = {}  # request id -> job
+        self.by_job: dict[str, str] = {}  # job id -> request id
+        self.held: list[JobInHand] = []
+        self.parked: list[JobInHand] = []
+        #: Job ids cancelled on the control channel lately (job id -> when, unix seconds).
+        self.recent_cancels: dict[str, float] = {}
+
+    def free_slots(self) -> int:
+        """Jobs the next read may take: the in-flight cap less what runs or is held. Jobs
+        waiting for a policy version do not count, but at ``max_parked`` of them it is 0."""
+        if len(self._versions.waiting) >= self._ctx.settings.max_parked:
+            return 0
+        return self._ctx.capacity.cap - len(self.running) - len(self.held)
+
+    def idle(self) -> bool:
+        """Nothing held, waiting, running or waiting to be recorded."""
+        return not self.running and not self.held and not self._versions.waiting and not len(self._finisher)
+
+    def known_eids(self) -> set[bytes]:
+        """Entries this replica has in hand, or whose outcome it has not recorded yet."""
+        known = {r.eid for r in self.running.values()}
+        known.update(h.eid for h in self.held)
+        known.update(w.eid for w in self._versions.waiting)
+        known.update(self._finisher.eids())
+        known.update(p.eid for p in self.parked)
+        return known
+
+    # -- in ------------------------------------------------------------------------------------
+    def admit(self, stream: str, eid: bytes, payload: bytes | None, deliveries: int) -> None:
+        """Decode, validate and start one stream entry (or finish it with an error).
+
+        ``payload`` is the entry's ``d`` field (None if it has none: dead-lettered).
+        """
+        ctx = self._ctx
+        s = ctx.settings
+        ctx.counters.pulled += 1
+        if payload is None:
+            self._finisher.fail_entry(stream, eid, deliveries, Failure(DeadLettered, "stream entry has no 'd' field", True))
+            return
+        try:
+            job = decode_job(payload, s.max_prompt_bytes)
+        except Exception as e:  # noqa: BLE001 - whatever an entry does, it is dead-lettered, never fatal
+            jid, reply = peek_id(payload)
+            why = str(e) if isinstance(e, (ProtocolError, InvalidJob)) else f"undecodable entry: {type(e).__name__}"
+            self._finisher.fail_entry(stream, eid, deliveries, Failure(JobRejected, cut(why), True, payload), jid, reply)
+            return
+        held = JobInHand(stream, eid, job, deliveries)
+        if deliveries > s.max_deliveries:
+            self._finisher.fail(held, Failure(
+                DeadLettered, f"delivered {deliveries} times (max_deliveries={s.max_deliveries}); "
+                "the replicas running it died or timed out each time", True, payload))
+            return
+        if self.recent_cancels and job.id in self.recent_cancels:
+            self._finisher.fail(held, Failure(JobCancelled, "cancelled before it started"))
+            return
+        if job.deadline is not None and time.time() > job.deadline:
+            self._finisher.fail(held, Failure(JobExpired, "deadline passed while queued"))
+            return
+        if job.min_version is not None and job.min_version > ctx.version:
+            self._versions.park(held)
+            return
+        self.submit(held)
+
+    def submit(self, held: JobInHand) -> None:
+        """Start ``held`` in the engine; while intake is closed, hold it instead."""
+        ctx = self._ctx
+        if not ctx.intake.is_set():
+            # A read that was in flight when intake closed (weight update): hold it until the
+            # gate reopens, so it runs on the new version.
+            self.held.append(held)
+            return
+        job = held.job
+        rid = f"{job.id}@{held.eid.decode()}"
+        held.started, held.version_start, held.swaps = time.time(), ctx.version, None
+        self.running[rid] = held
+        self.by_job[job.id] = rid
+        try:
+            ctx.engine.submit(rid, job, self._on_done)
+        except Exception as e:  # an engine must report through done; be safe anyway
+            self._on_done(rid, e)
+
+    def release(self) -> None:
+        """Start the jobs held while intake was closed and those waiting for the policy
+        version now loaded."""
+        ctx = self._ctx
+        version = ctx.version
+        self._versions.loaded(version)
+        held, self.held = self.held, []
+        for h in held:
+            if h.job.min_version is not None and h.job.min_version > version:
+                self._versions.park(h)
+            else:
+                self.submit(h)  # held again while intake is closed
+        ready = self._versions.ready(version)
+        for w in ready:
+            self.submit(w)
+        if ready:
+            ctx.room.set()
+
+    # -- out -----------------------------------------------------------------------------------
+    def _on_done(self, rid: str, out: EngineOutput | BaseException) -> None:
+        run = self.running.pop(rid, None)
+        if run is None:
+            return  # aborted or already finished
+        self.by_job.pop(run.job.id, None)
+        if isinstance(out, EngineOutput):
+            self._finisher.complete(run, out)
+        elif isinstance(out, EngineDead):
+            # Leave the job pending: a live replica will reclaim it.
+            ctx = self._ctx
+            ctx.engine_error = out
+            log.error("engine died: %s; consumer %s stops pulling and exits", out, ctx.id)
+            ctx.stop(len(self.running))
+            return
+        elif isinstance(out, InvalidJob):
+            self._finisher.fail(run, Failure(JobRejected, str(out), True, _encode_job_safe(run.job)))
+        else:
+            self._finisher.fail(run, Failure(EngineFailed, f"{type(out).__name__}: {out}"))
+        self._ctx.room.set()
+
+    def cancel(self, job_id: str, why: str, error: type[BaseException] = JobCancelled) -> None:
+        """Abort a running job and finish it with ``error``; nothing if it is not running."""
+        rid = self.by_job.get(job_id)
+        if rid is None:
+            return
+        run = self.running.get(rid)
+        if run is None:
+            return
+        self._ctx.engine.abort(rid)
+        del self.running[rid]
+        del self.by_job[job_id]
+        self._finisher.fail(run, Failure(error, why))
+        self._ctx.room.set()
+
+    def cancelled(self, job_id: str) -> None:
+        """The control channel says ``job_id`` was cancelled: end it if it runs, refuse it if
+        it is read within the next ten minutes."""
+        self.recent_cancels[job_id] = time.time()
+        self.cancel(job_id, "cancelled while running")
+
+    def heartbeat_checks(self, cancel_marks: Iterable[tuple[str, Any]]) -> None:
+        """Once per heartbeat: end jobs whose cancel key is set (``(job id, mark)`` pairs) or
+        whose deadline passed while they ran; forget cancellations older than ten minutes."""
+        for jid, mark in cancel_marks:
+            if mark is not None:
+                self.cancel(jid, "cancelled while running")
+        now = time.time()
+        for run in list(self.running.values()):  # a deadline passing mid-generation aborts it
+            if run.job.deadline is not None and now > run.job.deadline:
+                self.cancel(run.job.id, "deadline passed while running", JobExpired)
+        now = time.time()
+        self.recent_cancels = {k: v for k, v in self.recent_cancels.items() if now - v < 600}
+
+    def mark_swap(self, version: int, progress: SwapProgress | None) -> None:
+        """Record on every running job that ``version`` was swapped in, and how far each of its
+        samples had got (``progress``; None: not known)."""
+        for rid, run in self.running.items():
+            if progress is None:
+                counts, complete = None, False
+            else:
+                counts = progress.tokens.get(rid)
+                complete = progress.complete
+                if counts is None and complete:
+                    counts = {}
+            if run.swaps is None:
+                run.swaps = []
+            run.swaps.append((version, counts, complete))
+
+    def abort_running(self) -> list[JobInHand]:
+        """Abort every running request in the engine; the jobs stay leased to this replica
+        and are returned (and kept as parked) for :meth:`restart`."""
+        out = []
+        for rid, run in list(self.running.items()):
+            self._ctx.engine.abort(rid)
+            out.append(run)
+        self.running.clear()
+        self.by_job.clear()
+        self.parked = list(out)
+        return out
+
+    def restart(self, jobs: list[JobInHand]) -> None:
+        """Run jobs returned by :meth:`abort_running` again, from scratch."""
+        self.parked = []
+        for held in jobs:
+            self.submit(held)
+
+    def drop_not_owned(self, owned: set[bytes]) -> None:
+        """Abort our copy of running jobs whose entries are no longer pending under this
+        consumer (a peer took them over), and forget such waiting ones."""
+        for rid, run in list(self.running.items()):
+            if run.eid not in owned:
+                del self.running[rid]
+                self.by_job.pop(run.job.id, None)
+                self._ctx.engine.abort(rid)
+                log.info("job %s is owned by another replica now; aborted our copy", run.job.id)
+        self._versions.keep_only(owned)
+
+    def hand_back(self) -> None:
+        """Shutdown: abort what runs and let go of every job in hand (they stay pending in
+        Redis; peers reclaim them once the lease is released)."""
+        for rid in list(self.running):
+            self._ctx.engine.abort(rid)
+        self.running.clear()
+        self.by_job.clear()
+        self.held.clear()
+        self._versions.waiting.clear()
+
+
+def mark_versions(samples: list[Any], version_start: int, swaps: Swaps) -> None:
+    """Fill each sample's ``versions`` (see :class:`~rollq.protocol.Sample`) from the swaps
+    that happened while its job ran."""
+    for j, sample in enumerate(samples):
+        n = len(sample.tokens) // 4
+        marks = [(version_start, 0)]
+        for v, counts, complete in swaps:
+            start = counts.get(j) if counts is not None else None
+            if start is None:
+                start = 0 if counts is not None and complete else UNKNOWN_START
+            marks.append((v, min(start, n) if start != UNKNOWN_START else start))
+        sample.versions = marks
+
+
+def _encode_job_safe(job: Job) -> bytes:
+    try:
+        return encode_job(job)
+    except Exception:
+        return b""

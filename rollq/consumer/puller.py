@@ -1,0 +1,172 @@
+"""Pull: ``XREADGROUP COUNT=free`` over this replica's targeted stream and the shared stream.
+
+A read takes at most ``min(free slots, batch)`` entries, so jobs wait in Redis, not in a busy
+replica. Each entry read is admitted at once (:meth:`~rollq.consumer.jobs.Jobs.admit`).
+
+A read whose reply was lost (a dropped connection, a Redis restart) leaves entries pending
+under this consumer that it never saw; :meth:`Puller.recover_own` takes them back, and a reply
+that arrives late after all is then skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import OrderedDict
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from ..connection import RETRYABLE, deadline
+from ..keys import FIELD, GROUP
+from .context import ReplicaContext
+from .finisher import Finisher
+from .jobs import Jobs
+
+log = logging.getLogger(__name__)
+
+_FIELD = FIELD.encode()
+
+
+class Puller:
+    """The read loop (:meth:`run`) and the recovery of entries it never saw."""
+
+    def __init__(self, ctx: ReplicaContext, jobs: Jobs, finisher: Finisher) -> None:
+        self._ctx = ctx
+        self._jobs = jobs
+        self._finisher = finisher
+        self._names = {k.encode(): k for k in ctx.streams}  # stream names as Redis replies them
+        self._lost_read = False
+        self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # entries recover_own took back
+
+    async def run(self) -> None:
+        """Read until stop (or, in burst mode, until nothing is left); admit what is read."""
+        ctx, jobs = self._ctx, self._jobs
+        s = ctx.settings
+        backoff = s.backoff_initial
+        block_ms = max(1, int(s.block * 1000))
+        read_deadline = deadline(s.block + ctx.redis_settings.command_timeout, "a blocking read of the job streams")
+        while not ctx.stopping.is_set():
+            if not ctx.intake.is_set():
+                await ctx.wait_any(ctx.intake.wait())
+                continue
+            free = jobs.free_slots()
+            if free <= 0 or len(self._finisher) > 4 * s.batch:
+                ctx.room.clear()
+                await ctx.wait_any(ctx.room.wait(), timeout=1.0)
+                continue
+            try:
+                async with read_deadline:
+                    resp = await ctx.block_redis.xreadgroup(
+                        GROUP, ctx.id, {k: ">" for k in ctx.streams}, count=min(free, s.batch),
+                        block=50 if ctx.burst else block_ms,
+                    )
+                backoff = s.backoff_initial
+            except ResponseError as e:
+                if "NOGROUP" in str(e):  # Redis lost its data (no persistence) or keys were deleted
+                    log.warning("consumer group missing; recreating it")
+                    for stream in ctx.streams:
+                        await ctx.ensure_group(stream)
+                    continue
+                raise
+            except RETRYABLE as e:
+                ctx.counters.reconnects += 1
+                log.warning("redis read failed (%s); reconnecting in %.2fs", e, backoff)
+                await ctx.wait_any(ctx.stopping.wait(), timeout=backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, s.backoff_max)
+                self._lost_read = True  # its reply may have been lost after Redis delivered
+                continue
+            if self._lost_read:
+                self._lost_read = False
+                try:
+                    await self.recover_own()
+                except RETRYABLE:
+                    self._lost_read = True
+            if not resp:
+                if ctx.burst and jobs.idle() and await self._nothing_left():
+                    break
+                continue
+            self._admit_reply(resp)
+            if ctx.engine_error is not None:
+                break
+            if len(self._finisher):
+                # Jobs that finished at once (a fast engine, rejected entries): let the
+                # finisher send them before the next read, which may block.
+                await asyncio.sleep(0)
+
+    def _admit_reply(self, resp: Any) -> None:
+        # The block client returns XREADGROUP's reply unparsed (see Consumer._connect): a list
+        # of [stream, [[entry id, [field, value, ...]], ...]] (a dict of streams on RESP3).
+        seen, admit = self._seen, self._jobs.admit
+        for stream, entries in resp.items() if isinstance(resp, dict) else resp:
+            skey = self._names.get(stream) or _str(stream)
+            for eid, fields in entries:
+                if seen and seen.pop((skey, eid), False) is None:
+                    continue  # the late reply of a read whose entries recover_own took back
+                admit(skey, eid, entry_payload(fields), 1)
+
+    async def recover_own(self, min_idle: float | None = None) -> int:
+        """See :meth:`rollq.consumer.loop.Consumer.recover_own`."""
+        ctx = self._ctx
+        if min_idle is None:
+            min_idle = 2 * ctx.settings.block + 2.0
+        known = self._jobs.known_eids()
+        taken = 0
+        for stream in ctx.streams:
+            try:
+                rows = await ctx.redis.xpending_range(
+                    stream, GROUP, min="-", max="+", count=10_000, consumername=ctx.id, idle=int(min_idle * 1000)
+                )
+            except ResponseError:
+                continue
+            lost = [r["message_id"] for r in rows if r["message_id"] not in known]
+            if not lost:
+                continue
+            # XCLAIM to ourselves re-checks the idle time atomically and returns the entries.
+            claimed = await ctx.redis.xclaim(stream, GROUP, ctx.id, int(min_idle * 1000), lost)
+            counts = {r["message_id"]: int(r.get("times_delivered", 1)) for r in rows}
+            for eid, fields in claimed:
+                if eid in self._jobs.known_eids():
+                    continue
+                taken += 1
+                self._seen[(stream, eid)] = None  # its read reply may still arrive: skip it then
+                if len(self._seen) > 100_000:
+                    self._seen.popitem(last=False)
+                self._jobs.admit(stream, eid, entry_payload(fields), counts.get(eid, 1) + 1)
+        if taken:
+            log.warning("consumer %s recovered %d of its own pending jobs it was not running", ctx.id, taken)
+        return taken
+
+    async def _nothing_left(self) -> bool:
+        """Burst mode: True when no stream holds undelivered or reclaimable entries for us."""
+        r = self._ctx.redis
+        try:
+            for stream in self._ctx.streams:
+                for g in await r.xinfo_groups(stream):
+                    name = g.get("name") or g.get(b"name")
+                    if name in (GROUP, GROUP.encode()):
+                        lag = g.get("lag", g.get(b"lag"))
+                        pending = g.get("pending", g.get(b"pending")) or 0
+                        if (lag is None and (await r.xlen(stream))) or (lag or 0) > 0 or pending > 0:
+                            return False
+        except RETRYABLE:
+            return False
+        return True
+
+
+def _str(name: bytes | str) -> str:
+    return name.decode() if isinstance(name, bytes) else name
+
+
+def entry_payload(fields: Any) -> bytes | None:
+    """The ``d`` field of a stream entry, given as a flat [field, value, ...] list (a raw
+    reply) or as a dict; None when it has none."""
+    if type(fields) is list:
+        if len(fields) == 2 and fields[0] == _FIELD:
+            return fields[1]
+        for i in range(0, len(fields) - 1, 2):
+            if fields[i] == _FIELD:
+                return fields[i + 1]
+        return None
+    return fields.get(_FIELD) if fields else None

