@@ -97,9 +97,7 @@ def _worker(rank: int, world: int, port: int, reps: int, bucket_mb: int, q: "mp.
         sender = BroadcastSender(world - 1, backend="nccl", bucket_bytes=bucket_mb << 20, timeout=600, device=dev)
         sender.pg, sender.info = g, info
     else:
-        rcv = WorkerReceiver.__new__(WorkerReceiver)  # reuse the group made above
-        rcv.info, rcv.rank, rcv.device, rcv.pg = info, rank, dev, g
-        rcv.flat, rcv.staged, rcv.status, rcv._thread = None, None, {}, None
+        rcv = WorkerReceiver(info, rank, dev, g)  # on the group made above
     ck = state_checksum(items) if rank == 0 else ""
     for r in range(reps):
         barrier()

@@ -355,11 +355,11 @@ async def engine_main(a: argparse.Namespace) -> None:
                 for i in range(a.sync_reps * len(variants) + 1):
                     variant = variants[(i - 1) % len(variants)] if i else variants[0]
                     await asyncio.to_thread(call, op="configure", shadow_layout=variant != "direct")
-                    follower.swap_overlap = variant.startswith("overlap")
-                    if follower.swap_overlap:  # overlap[:LEAD_MS[:PROGRAMS]]
+                    follower.overlap.enabled = variant.startswith("overlap")
+                    if follower.overlap.enabled:  # overlap[:LEAD_MS[:PROGRAMS]]
                         opts = variant.split(":")[1:]
-                        follower.overlap_lead_s = float(opts[0]) / 1000 if opts else 0.035
-                        follower.overlap_programs = int(opts[1]) if len(opts) > 1 else 0
+                        follower.overlap.lead_s = float(opts[0]) / 1000 if opts else 0.035
+                        follower.overlap.programs = int(opts[1]) if len(opts) > 1 else 0
                     running = await wait_running()
                     m0 = time.monotonic()
                     r = await asyncio.to_thread(call, op="publish", transport="nccl")

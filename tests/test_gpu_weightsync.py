@@ -102,8 +102,8 @@ async def test_nccl_versions_are_received_into_the_shadow_in_coalesced_groups(re
             await until(lambda: consumer.version == rec.version, 60, f"version {rec.version}")
             assert follower.history[-1].load["swap"] == "shadow"
             check(engine, fill)
-            rcv = engine.workers[0]._rollq_receiver
-            assert rcv.status["in_place"] == (fill > 1.0), rcv.status
+            rcv = engine.workers[0].rollq_state.receiver
+            assert rcv.status.in_place == (fill > 1.0), rcv.status
             assert rec.timings["layout_mode"] == float(shadow_layout and fill > 1.0)
     finally:
         await follower.stop()
@@ -145,7 +145,7 @@ async def test_nccl_versions_swapped_in_part_by_part_while_they_arrive(redis_url
 
 
 def test_swap_kernel_swaps_every_width_and_odd_lengths():
-    from rollq.weightsync.shadow import swap_bytes_
+    from rollq.weightsync.swap_kernel import swap_bytes_
 
     for dtype, n in ((torch.bfloat16, 4096 * 3 + 1), (torch.float32, 1000), (torch.uint8, 4097), (torch.int64, 7)):
         a = torch.arange(n, device="cuda:0").to(dtype)

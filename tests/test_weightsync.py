@@ -255,9 +255,9 @@ async def test_broadcast_streams_into_shadow_weights_and_swaps(redis_url, queue,
         assert all(bool((p == fill).all()) for p in live.parameters())
         # the first version loads through load_weights (traced: it records the load plan),
         # the next is received straight into the shadow's bytes, with no staging buffer
-        assert worker._rollq_receiver.status["in_place"] == (fill == 8.0)
-        assert (worker._rollq_receiver.flat is None) == (fill == 8.0)
-    assert worker._rollq_shadow_obj.synced and worker._rollq_shadow_obj.plan is not None
+        assert worker.rollq_state.receiver.status.in_place == (fill == 8.0)
+        assert (worker.rollq_state.receiver.flat is None) == (fill == 8.0)
+    assert worker.rollq_state.shadow.synced and worker.rollq_state.shadow.plan is not None
     # a memmap version also loads into the shadow while staging, then swaps in
     rec = await pub.publish_weights(state(9.0), transport="memmap")
     await until(lambda: consumer.version == rec.version, 10, "memmap version")
@@ -306,7 +306,7 @@ async def test_overlapped_swap_through_a_broadcast_and_its_undo_when_the_commit_
         monkeypatch.setattr(publisher_mod, "commit_version", late_commit)
         rec = await pub.publish_weights(state(5.0), transport="nccl")
         await until(lambda: consumer.version == rec.version, 10, "version 5")
-        assert follower.overlap_reverts == 1 and follower.history[-1].load["swap"] == "shadow"
+        assert follower.overlap.reverts == 1 and follower.history[-1].load["swap"] == "shadow"
         assert all(bool((p == 5.0).all()) for p in live.parameters())
     finally:
         consumer.stop()
@@ -413,15 +413,13 @@ class ScriptedGroup:
 def scripted_receiver(monkeypatch) -> tuple[Any, torch.nn.Module, Any]:
     """A fake worker with shadow weights and a receiver whose group is scripted (not formed):
     ``(worker, its live model, receiver)``; set ``receiver.pg`` to a :class:`ScriptedGroup`."""
-    from rollq.weightsync.nccl import WorkerReceiver
+    from rollq.weightsync.receiver import WorkerReceiver
 
     monkeypatch.setenv("ROLLQ_SHADOW_WEIGHTS", "1")
     worker = FakeWorkerEngine(loadable_model).workers[0]
-    rcv = WorkerReceiver.__new__(WorkerReceiver)
-    rcv.info, rcv.rank, rcv.device = GroupInfo(id="g", host="", port=0, world_size=2, backend="gloo", timeout=5), 1, torch.device("cpu")
-    rcv.sink, rcv.sink_invalidate, rcv.direct, rcv.layout = worker._rollq_prepare, worker._rollq_invalidate, worker._rollq_direct, None
-    rcv._init_state()
-    worker._rollq_receiver = rcv
+    info = GroupInfo(id="g", host="", port=0, world_size=2, backend="gloo", timeout=5)
+    rcv = WorkerReceiver(info, 1, torch.device("cpu"), ScriptedGroup([]), sink=worker.rollq_state)
+    worker.rollq_state.receiver = rcv
     return worker, worker.model_runner.model, rcv
 
 
@@ -429,7 +427,7 @@ def scripted_version(live: torch.nn.Module, fill: float) -> tuple[Any, list[torc
     """The offer of version ``int(fill)`` (every tensor of ``live`` filled with ``fill``,
     one broadcast per tensor) and the tensors rank 0 sends."""
     from rollq.weightsync.memmap import manifest_of
-    from rollq.weightsync.nccl import Offer
+    from rollq.weightsync.wire import Offer
 
     items = [(k, torch.full_like(v, fill)) for k, v in live.state_dict().items()]
     offer = Offer(version=int(fill), group="g", checksum="", bucket_bytes=1 << 20, manifest=manifest_of(items),
@@ -443,26 +441,41 @@ def test_in_place_receive_that_fails_leaves_nothing_to_swap_and_the_next_one_wor
     def receive(fill: float, fail_at: int | None = None) -> None:
         offer, sent = scripted_version(live, fill)
         rcv.pg = ScriptedGroup(sent, fail_at)
-        rcv._receive(offer)
+        rcv.receive(offer)
 
     receive(1.0)  # staged and loaded through load_weights, traced: the plan
-    assert rcv.status["state"] == "staged" and not rcv.status["in_place"]
+    assert rcv.status.state == "staged" and not rcv.status.in_place
     assert worker.rollq_apply_staged(1)["swap"] == "shadow" and all(bool((p == 1.0).all()) for p in live.parameters())
 
     receive(2.0, fail_at=2)  # in place, then the group breaks part way
-    sh = worker._rollq_shadow_obj
-    assert rcv.status["state"] == "failed" and "peer died" in rcv.status["error"]
+    sh = worker.rollq_state.shadow
+    assert rcv.status.state == "failed" and "peer died" in str(rcv.status.error)
     assert sh.version is None and not sh.synced  # half a version: nothing to swap in
-    assert worker._rollq_lock().acquire(blocking=False)  # the target gave the lock back
-    worker._rollq_lock().release()
+    assert worker.rollq_state.lock.acquire(blocking=False)  # the target gave the lock back
+    worker.rollq_state.lock.release()
     with pytest.raises(WeightSyncError, match="not staged"):
         worker.rollq_apply_staged(2)
     assert all(bool((p == 1.0).all()) for p in live.parameters())  # live never saw version 2
 
     receive(3.0)  # in place again (the shadow is synced from live first)
-    assert rcv.status["state"] == "staged" and rcv.status["in_place"]
+    assert rcv.status.state == "staged" and rcv.status.in_place
     worker.rollq_apply_staged(3)
     assert all(bool((p == 3.0).all()) for p in live.parameters())
+
+
+def test_staged_receive_that_breaks_while_the_shadow_loads_it_is_not_taken_for_a_whole_version(monkeypatch):
+    """The shadow weights load a staged version as it arrives; the group breaks part way and
+    the shadow gives up on the version: the receive still fails, nothing is swapped in."""
+    worker, live, rcv = scripted_receiver(monkeypatch)
+    before = [p.detach().clone() for p in live.parameters()]
+    offer, sent = scripted_version(live, 1.0)
+    rcv.pg = ScriptedGroup(sent, fail_at=2)
+    rcv.receive(offer)
+    assert rcv.status.state == "failed" and "peer died" in str(rcv.status.error), rcv.status
+    assert not rcv.status.ack("r/0").ok
+    with pytest.raises(WeightSyncError, match="not staged"):
+        worker.rollq_apply_staged(1)
+    assert all(torch.equal(p, b) for p, b in zip(live.parameters(), before))  # live never saw version 1
 
 
 def test_overlapped_swap_goes_live_part_by_part_and_is_undone_on_failure_or_without_commit(monkeypatch):
@@ -474,7 +487,7 @@ def test_overlapped_swap_goes_live_part_by_part_and_is_undone_on_failure_or_with
     def start(fill: float, **kw) -> tuple[threading.Thread, ScriptedGroup]:
         offer, sent = scripted_version(live, fill)
         rcv.pg = ScriptedGroup(sent, **kw)
-        th = threading.Thread(target=rcv._receive, args=(offer,))
+        th = threading.Thread(target=rcv.receive, args=(offer,))
         th.start()
         return th, rcv.pg
 
@@ -497,7 +510,7 @@ def test_overlapped_swap_goes_live_part_by_part_and_is_undone_on_failure_or_with
 
     # a part that never completes on the device (its event stays pending): the swap gives up
     # after receive_timeout and aborts the group, which ends the transfer behind those events
-    from rollq.weightsync.nccl import ReceiveProgress
+    from rollq.weightsync.receiver import ReceiveProgress
 
     class Pending:
         def query(self) -> bool:
@@ -513,8 +526,8 @@ def test_overlapped_swap_goes_live_part_by_part_and_is_undone_on_failure_or_with
     assert out["swap"] == "reverted" and aborted.is_set() and values() == {1.0}, out
     g.release.set()  # what the abort does to a real transfer: it ends
     th.join()
-    assert rcv.status["state"] == "failed" and "abandoned" in rcv.status["error"], rcv.status
-    assert worker._rollq_shadow_obj.version is None  # nothing to swap in from that receive
+    assert rcv.status.state == "failed" and "abandoned" in str(rcv.status.error), rcv.status
+    assert worker.rollq_state.shadow.version is None  # nothing to swap in from that receive
     monkeypatch.setattr(ReceiveProgress, "add", add)
 
     # received whole, but never committed: undone too, and still staged in the shadow
@@ -522,19 +535,19 @@ def test_overlapped_swap_goes_live_part_by_part_and_is_undone_on_failure_or_with
     th.join()
     out = worker.rollq_swap_overlapped(3, commit_timeout=0.05)
     assert out["swap"] == "reverted" and "not committed" in out["why"], out
-    assert values() == {1.0} and worker._rollq_shadow_obj.version == 3
-    rcv._note("version 3")  # the announcement: the same version now goes live
+    assert values() == {1.0} and worker.rollq_state.shadow.version == 3
+    rcv.on_control("version 3")  # the announcement: the same version now goes live
     out = worker.rollq_swap_overlapped(3, commit_timeout=1.0)
     assert out["swap"] == "overlap" and out["parts"] == 4, out
     assert values() == {3.0} and worker.rollq_version() == 3
-    sh = worker._rollq_shadow_obj
+    sh = worker.rollq_state.shadow
     assert sh.version is None and not sh.synced  # the shadow holds version 1's bytes now
 
     # the next version is written without syncing the shadow first (only the plan's bytes
     # differ), and goes live through the usual swap
     th, _ = start(4.0)
     th.join()
-    assert rcv.status["in_place"] and worker.rollq_apply_staged(4)["swap"] == "shadow"
+    assert rcv.status.in_place and worker.rollq_apply_staged(4)["swap"] == "shadow"
     assert values() == {4.0}
     # no in-place receive of that version: nothing to do here
     assert worker.rollq_swap_overlapped(9, start_timeout=0.01)["swap"] == "none"
@@ -579,7 +592,7 @@ async def test_receivers_report_their_shadow_layout_and_the_trainer_packs_bucket
             assert rec.timings["layout_mode"] == 1.0 and rec.timings["receivers_in_place"] == 1.0, rec.timings
         # a receiver whose shadow is gone (restarted, out of memory) still takes part: it stages
         # the buckets and loads them at the swap
-        workers[2]._rollq_shadow_obj, workers[2]._rollq_shadow_off = None, "test"
+        workers[2].rollq_state.drop_shadow("test")
         rec = await publish(4.0)
         assert rec.timings["layout_mode"] == 1.0 and rec.timings["receivers_in_place"] == 2 / 3, rec.timings
         assert followers[1].history[-1].load["swap"] == "broadcast"

@@ -1,5 +1,18 @@
 """Versioned policy weights: durable records, memmap and NCCL/gloo transports.
 
+Modules by the process that runs them (what crosses between them: :mod:`.wire`; the
+contracts between the parts: :mod:`.base`):
+
+- trainer: :mod:`.publisher`, :mod:`.sender`;
+- replica (the consumer's process): :mod:`.follower`, :mod:`.overlap`, :mod:`.load_failures`,
+  :mod:`.replica`;
+- vLLM worker: :mod:`.worker_ext` (the RPC surface), :mod:`.worker_state`, :mod:`.receiver`,
+  :mod:`.listener`, :mod:`.worker_swap`, :mod:`.worker_memmap`, :mod:`.worker_progress`,
+  :mod:`.shadow`, :mod:`.swap_kernel`;
+- shared: :mod:`.transport`, :mod:`.layout` (the broadcast's plumbing; :mod:`.nccl` tells its
+  protocol), :mod:`.memmap`, :mod:`.pinned`, :mod:`.checksum` (storage), :mod:`.manifest`,
+  :mod:`.versions`.
+
 Submodules import torch; this package imports them lazily, so ``import rollq.weightsync``
 stays cheap for tools that only read version records (dashboards).
 """
@@ -9,18 +22,24 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {
-    "state_checksum": "checksum", "tensor_checksum": "checksum",
-    "UpdateStats": "follower", "WeightFollower": "follower",
-    "MemmapStore": "memmap",
-    "WeightPublisher": "publisher",
-    "TensorMeta": "versions", "VersionRecord": "versions", "commit_version": "versions",
-    "read_version": "versions", "version_log": "versions", "LoadError": "versions", "read_load_errors": "versions",
-    "Manifest": "manifest", "read_manifest": "manifest", "check_state": "manifest",
-    "BroadcastSender": "nccl",
+_GROUPS: dict[str, dict[str, str]] = {
+    "trainer": {"WeightPublisher": "publisher", "BroadcastSender": "sender"},
+    "replica": {"WeightFollower": "follower", "UpdateStats": "follower"},
+    "worker": {"RollqWorkerExtension": "worker_ext", "WorkerState": "worker_state"},
+    "storage": {"MemmapStore": "memmap", "state_checksum": "checksum", "tensor_checksum": "checksum"},
+    "versions": {
+        "TensorMeta": "versions", "VersionRecord": "versions", "commit_version": "versions", "read_version": "versions",
+        "version_log": "versions", "LoadError": "versions", "read_load_errors": "versions",
+    },
+    "manifests": {"Manifest": "manifest", "read_manifest": "manifest", "check_state": "manifest"},
+    "contracts": {
+        "Sender": "base", "Receiver": "base", "Replica": "base",
+        "SwapReport": "wire", "WorkerError": "wire", "Ack": "wire", "Offer": "wire", "GroupInfo": "wire",
+    },
 }
+_EXPORTS = {name: mod for group in _GROUPS.values() for name, mod in group.items()}
 
-__all__ = sorted(_EXPORTS)
+__all__ = [name for group in _GROUPS.values() for name in group]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,9 @@
 """Replica side of weight sync: follow the durable version record and apply new versions.
 
+Runs in the consumer's process, on its event loop, and drives the consumer only through its
+weight-sync seam (:class:`~rollq.weightsync.base.Replica`) and its workers only through
+``engine.call_workers`` (:mod:`rollq.weightsync.worker_ext`).
+
 >>> follower = WeightFollower(consumer, root="/dev/shm/rollq-weights")      # doctest: +SKIP
 >>> await follower.start()      # loads the current version before the consumer pulls
 
@@ -25,12 +29,10 @@ The pause (generation stopped) and the whole update time are recorded per replic
 On start the follower publishes the checkpoint manifest of the served model (names, dtypes,
 shapes from the model folder's safetensors headers; :mod:`rollq.weightsync.manifest`), which
 publishers check state dicts against, and checks each memmap version's manifest against it
-before loading. A version that cannot be loaded is recorded in ``QueueKeys.load_errors``
-(:class:`~rollq.weightsync.versions.LoadError`, removed once a version loads) and is not
-retried every second: a corrupt or mismatched version (:class:`~rollq.errors.CorruptWeights`,
-:class:`~rollq.errors.WeightMismatch`) never again, other failures ``load_retries`` times
-with a doubling delay from ``load_retry_delay``; after that the follower waits for a newer
-version and tells the consumer (``Consumer.version_failed``), which fails jobs waiting for it.
+before loading. A version that cannot be loaded is recorded and retried a few times at most
+(:mod:`rollq.weightsync.load_failures`). Broadcast versions arrive while the replica serves
+(:mod:`rollq.weightsync.replica`); with ``swap_overlap`` they may go live while the last of
+them still arrives (:mod:`rollq.weightsync.overlap`).
 """
 
 from __future__ import annotations
@@ -44,8 +46,12 @@ from typing import Any
 from ..connection import RETRYABLE
 from ..errors import CorruptWeights, WeightMismatch, WeightSyncError, WeightSyncTimeout
 from ..protocol import Control
+from .base import Receiver, Replica
+from .load_failures import LoadFailures
 from .manifest import Manifest, diff, encode_manifest, read_manifest
-from .versions import LoadError, TensorMeta, VersionRecord, decode_record, report_load_error
+from .overlap import OverlappedSwap
+from .versions import TensorMeta, VersionRecord, decode_record
+from .wire import StageStatus, State, SwapReport, from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +65,12 @@ class UpdateStats:
     transport: str
     update_s: float  # from noticing the version to serving it
     #: Intake closed around the swap (keep/abort) or the drain (drain). On GPUs with shadow
-    #: weights the swap call only enqueues the device copies (15.2 GB in ~8 ms on an H200),
-    #: which finish before the engine's next step; generation stops for those copies plus the
-    #: step in flight, not for this whole time.
+    #: weights the swap call only enqueues the device copies, which finish before the
+    #: engine's next step; generation stops for those copies plus the step in flight, not
+    #: for this whole time.
     pause_s: float
+    #: The worker's report (a :class:`~rollq.weightsync.wire.SwapReport` as a map, with the
+    #: memmap staging's timings when the version was staged from memmap).
     load: dict[str, Any] = field(default_factory=dict)
     #: Where the update's time went on this side: ``read_s`` (the record, policy and acks),
     #: ``load_call_s`` (the load or swap call to the engine, as the follower saw it) and
@@ -72,17 +80,13 @@ class UpdateStats:
 
 
 @dataclass
-class _Failure:
-    """This replica's failure to load one committed version."""
+class _Staged:
+    """A version this replica's workers hold, to swap in: received by broadcast, or staged
+    from memmap (``report``: the staging's timings and flags)."""
 
     version: int
-    attempts: int
-    final: bool  # not retried until a newer version is committed
-    retry_at: float  # monotonic
-
-
-#: Longest delay between two attempts at a version that failed to load.
-MAX_RETRY_DELAY = 60.0
+    memmap: bool
+    report: dict[str, Any] = field(default_factory=dict)
 
 
 class WeightFollower:
@@ -90,12 +94,13 @@ class WeightFollower:
 
     ``load_retries``: attempts after the first at a version whose load failed for a reason
     other than corrupt or mismatched data, ``load_retry_delay`` seconds apart at first,
-    doubling (at most 60 s).
+    doubling (at most 60 s). ``swap_overlap`` and the ``overlap_*`` settings: see
+    :class:`~rollq.weightsync.overlap.OverlappedSwap` (:attr:`overlap`).
     """
 
     def __init__(
         self,
-        consumer: Any,
+        consumer: Replica,
         *,
         root: str | None = None,
         reconcile_interval: float = 5.0,
@@ -121,27 +126,9 @@ class WeightFollower:
         #: Memmap reads to the GPU: 256 MiB chunks queued at most this many at a time (0: all
         #: at once, faster but it stalls generation; see rollq.weightsync.memmap.MemmapStore).
         self.memmap_chunks_in_flight = memmap_chunks_in_flight
-        #: ``keep`` policy, broadcast received in place by a one-worker replica: stop
-        #: generation ``overlap_lead_s`` before the receive is expected to end (this replica's
-        #: last in-place receive times) and swap each part in as it completes, instead of
-        #: swapping the whole version after the commit (see ``rollq_swap_overlapped``).
-        #: Generation then stands still for about the lead plus the commit; end to end, the
-        #: swap's copies and the wait for a step boundary leave the update's path. The lead
-        #: should cover one engine step plus exchanging the weights (each byte read and
-        #: written on both sides): 35 ms for 15.2 GB on an H200 (benchmarks/README.md: 59.7 ms
-        #: end to end with 40 ms stopped, against 70-72 ms and 13-15 ms without overlap).
-        self.swap_overlap = swap_overlap
-        self.overlap_lead_s = overlap_lead_s
-        self.overlap_commit_timeout = overlap_commit_timeout
-        #: Cap on the exchange kernel's concurrent blocks (0: none; see rollq_swap_overlapped).
-        self.overlap_programs = overlap_programs
-        self.load_retries = load_retries
-        self.load_retry_delay = load_retry_delay
         #: Checkpoint manifest of the served model (None: the engine has no model folder).
         self.manifest: Manifest | None = None
         self.history: list[UpdateStats] = []
-        #: Overlapped swaps undone (the receive failed, or no commit came in time).
-        self.overlap_reverts = 0
         self.failures = 0
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
@@ -151,15 +138,19 @@ class WeightFollower:
         self._hinted_at = 0.0  # when that announcement arrived (wall clock)
         self._load_call_s = 0.0
         self._policy: str | None = None  # the queue's update policy as last read
-        self._receive_est: float | None = None  # this replica's in-place receive time (EWMA, s)
-        self._overlap_task: asyncio.Task | None = None
-        self._failure: _Failure | None = None
-        #: NCCL/gloo receiver (rollq.weightsync.nccl) that stages versions while serving.
-        self.receiver: Any = None
+        #: The last committed version this replica failed to load, and its retries.
+        self.load_failures = LoadFailures(consumer, load_retries, load_retry_delay)
+        #: Broadcast receiver (rollq.weightsync.replica) whose workers stage versions while serving.
+        self.receiver: Receiver | None = None
         if broadcast:
-            from .nccl import ReplicaReceiver
+            from .replica import ReplicaReceiver
 
-            self.receiver = ReplicaReceiver(self)
+            self.receiver = ReplicaReceiver(consumer)
+        #: Swaps of broadcast versions while they arrive (``keep`` policy, one worker).
+        self.overlap = OverlappedSwap(
+            consumer, self._lock, set_version=self._set_version, applied=self._overlapped, enabled=swap_overlap,
+            lead_s=overlap_lead_s, commit_timeout=overlap_commit_timeout, programs=overlap_programs, load_timeout=load_timeout,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -172,8 +163,8 @@ class WeightFollower:
         self.consumer.close_intake()  # a restarted replica loads the current version first
         try:
             await self._reconcile_with_retry()
-            if self._failure is None:  # an entry left by an earlier run under this id
-                await self._clear_failure()
+            if self.load_failures.current is None:  # an entry left by an earlier run under this id
+                await self.load_failures.clear(self._client)
         finally:
             self.consumer.open_intake()
         self._task = asyncio.create_task(self._loop(), name="rollq-weight-follower")
@@ -181,9 +172,7 @@ class WeightFollower:
             await self.receiver.start(self._client)
 
     async def stop(self) -> None:
-        if self._overlap_task is not None:
-            self._overlap_task.cancel()
-            await asyncio.gather(self._overlap_task, return_exceptions=True)
+        await self.overlap.stop()
         if self.receiver is not None:
             await self.receiver.stop()
         if self._task is not None:
@@ -224,8 +213,7 @@ class WeightFollower:
                 v = int(arg.split()[0])
             except (ValueError, IndexError):
                 return
-            if v > self.consumer.version and (self._overlap_task is None or self._overlap_task.done()):
-                self._overlap_task = asyncio.create_task(self._overlap(v, time.monotonic()), name="rollq-overlapped-swap")
+            self.overlap.offered(v, self._can_overlap)
         elif verb is Control.VERSION:
             try:
                 v = int(arg.split()[0])
@@ -248,10 +236,7 @@ class WeightFollower:
 
     async def _loop(self) -> None:
         while True:
-            wait = self.reconcile_interval
-            f = self._failure
-            if f is not None and not f.final:  # wake for the retry
-                wait = max(0.0, min(wait, f.retry_at - time.monotonic()))
+            wait = self.load_failures.wake_in(self.reconcile_interval)  # wake for a retry
             try:
                 await asyncio.wait_for(self._kick.wait(), wait)
             except asyncio.TimeoutError:
@@ -259,9 +244,9 @@ class WeightFollower:
             self._kick.clear()
             try:
                 await self._reconcile(from_loop=True)
-                f = self._failure
+                f = self.load_failures.current
                 if f is not None and self.consumer.version >= f.version:  # loaded meanwhile (overlapped swap)
-                    await self._clear_failure()
+                    await self.load_failures.clear(self._client)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -296,13 +281,12 @@ class WeightFollower:
             rec = decode_record(got[0]) if got[0] else None
             if rec is None or rec.version <= self.consumer.version:
                 return None
-            f = self._failure
-            if from_loop and f is not None and f.version == rec.version and (f.final or time.monotonic() < f.retry_at):
+            if from_loop and self.load_failures.waiting(rec.version):
                 return None
             p = got[1].decode() if isinstance(got[1], bytes) else got[1]
             policy = self._policy = p if p in POLICIES else self.default_policy
             acks = got[2] if hinted and hinted == rec.version else None
-            self._note_receive(acks)
+            self.overlap.note_acks(acks)
             read_s = time.perf_counter() - t0
             try:
                 self._check_slot(rec)
@@ -310,19 +294,18 @@ class WeightFollower:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                await self._load_failed(rec.version, e)
+                await self.load_failures.record(self._client, rec.version, e)
                 if from_loop:
                     return None
                 raise
             st.timings.update(read_s=read_s, hinted_at=self._hinted_at if self._hinted == rec.version else 0.0)
             self.history.append(st)
             self.failures = 0
-            if self._failure is not None:
-                await self._clear_failure()
+            if self.load_failures.current is not None:
+                await self.load_failures.clear(self._client)
             await self.consumer.announce()  # waiters (wait_for_replicas) see the version now
             return st
 
-    # -- load failures ------------------------------------------------------------------------
     def _check_slot(self, rec: VersionRecord) -> None:
         """Refuse a memmap version whose tensors do not match the served checkpoint before
         the engine sees any of it (the publisher checks too, unless told not to)."""
@@ -337,140 +320,74 @@ class WeightFollower:
         if problems:
             raise WeightMismatch(problems.describe(f"policy version {rec.version} ({rec.memmap_slot})", self.manifest.model), mismatch=problems)
 
-    async def _load_failed(self, version: int, e: Exception) -> None:
-        """Record why ``version`` did not load, here and in Redis; decide whether to retry it."""
-        c = self.consumer
-        f = self._failure
-        attempts = f.attempts + 1 if f is not None and f.version == version else 1
-        final = isinstance(e, (CorruptWeights, WeightMismatch)) or attempts > self.load_retries
-        delay = min(MAX_RETRY_DELAY, self.load_retry_delay * 2 ** (attempts - 1))
-        self._failure = _Failure(version, attempts, final, time.monotonic() + delay)
-        msg = str(e)[:2000]
-        if final:
-            log.error(
-                "replica %s cannot load policy version %d (%s: %s); it keeps serving version %d and waits for a newer one",
-                c.id, version, type(e).__name__, msg[:500], c.version,
-            )
-        else:
-            log.warning(
-                "replica %s could not load policy version %d (%s: %s); retry %d of %d in %.1fs (WeightFollower load_retries)",
-                c.id, version, type(e).__name__, msg[:500], attempts, self.load_retries, delay,
-            )
-        try:
-            await report_load_error(self._client, c.keys, c.id, LoadError(
-                version=version, error=type(e).__name__, message=msg, attempts=attempts, final=final,
-            ))
-        except RETRYABLE as re:
-            log.warning("could not record the load error of version %d in Redis (%s)", version, re)
-        if final:
-            c.version_failed(version, f"{type(e).__name__}: {msg[:500]}")
-
-    async def _clear_failure(self) -> None:
-        self._failure = None
-        try:
-            await self._client.hdel(self.consumer.keys.load_errors, self.consumer.id)
-        except RETRYABLE as e:
-            log.debug("could not remove this replica's load error (%s)", e)
-
     # -- swap overlapped with the receive ---------------------------------------------------
     def _can_overlap(self) -> bool:
-        return (self.swap_overlap and self.receiver is not None and self.receiver.num_workers == 1
-                and self._policy == "keep" and self._receive_est is not None)
+        return self.receiver is not None and self.overlap.possible(self.receiver.num_workers, self._policy)
 
-    def _note_receive(self, acks: list[Any] | None) -> None:
-        """Learn how long this replica's in-place receives take, from its ack
-        (``ok <receive_s> <verify_s> in-place ...``)."""
-        parts = acks[0].split() if acks and len(acks) == 1 and acks[0] else []
-        if len(parts) >= 4 and parts[0] == b"ok" and parts[3] == b"in-place":
-            self._learn_receive(float(parts[1]))
-
-    def _learn_receive(self, t: float) -> None:
-        self._receive_est = t if self._receive_est is None else 0.7 * self._receive_est + 0.3 * t
-
-    async def _overlap(self, version: int, t_offer: float) -> None:
-        """Announced offer ``version``: shortly before its receive should end, stop and swap
-        it in part by part (``rollq_swap_overlapped``); if that does not happen (not received
-        in place, receive failed, no commit in time) the usual path applies it once committed."""
-        c = self.consumer
-        try:
-            await asyncio.sleep(max(0.0, t_offer + (self._receive_est or 0.0) - self.overlap_lead_s - time.monotonic()))
-            async with self._lock:
-                if c.version >= version or not self._can_overlap():
-                    return
-                t0 = time.perf_counter()
-                with self.consumer.paused_for_update():
-                    res = await asyncio.wait_for(
-                        self.engine.call_workers("rollq_swap_overlapped", version, self.overlap_commit_timeout,
-                                                 5.0, 0.05, self.overlap_programs),
-                        self.load_timeout,
-                    )
-                    got = res[0] if res else {}
-                    if got.get("swap") == "overlap":
-                        self._set_version(version, got)
-                        self.engine.new_cache_salt()
-                pause_s = time.perf_counter() - t0
-                if got.get("swap") != "overlap":
-                    self.overlap_reverts += got.get("swap") == "reverted"
-                    log.info("version %d: no overlapped swap (%s); it is applied once committed", version, got.get("why"))
-                    return
-                if got.get("receive_s"):
-                    self._learn_receive(got["receive_s"])
-                self.history.append(self._updated(UpdateStats(
-                    version, "keep", "nccl", time.monotonic() - t_offer, pause_s, got,
-                    timings={"load_call_s": pause_s, "read_s": 0.0, "hinted_at": 0.0},
-                )))
-                self.failures = 0
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # the usual path still applies the version once committed
-            log.warning("overlapped swap of version %d failed: %s: %s", version, type(e).__name__, e)
+    def _overlapped(self, version: int, load: dict[str, Any], update_s: float, pause_s: float) -> None:
+        """An overlapped swap made ``version`` live (under the lock)."""
+        self.history.append(self._updated(UpdateStats(
+            version, "keep", "nccl", update_s, pause_s, load, timings={"load_call_s": pause_s, "read_s": 0.0, "hinted_at": 0.0},
+        )))
+        self.failures = 0
 
     async def apply(self, rec: VersionRecord, policy: str, acks: list[Any] | None = None) -> UpdateStats:
+        """Swap ``rec`` in under ``policy`` (see the module docstring); ``acks``: this
+        replica's acks of a broadcast version, already read."""
         c = self.consumer
         t0 = time.perf_counter()
-        staged = None
-        if self.receiver is not None and rec.transport == "nccl":
-            # received while serving; only the swap is left
-            staged = await self.receiver.staged_for(rec, acks=acks)
-            if staged is None and rec.memmap_slot is None:
-                # Committed before this replica acked (it joined late, or the trainer moved on):
-                # wait briefly for a memmap copy rather than failing.
-                log.info("version %d was broadcast without us; waiting for a memmap copy", rec.version)
-        if staged is None and rec.memmap_slot is not None and self.root is not None:
-            # Read, copy and verify while still serving; the pause below only swaps it in.
-            staged = await self._stage_memmap(rec)
+        staged = await self._staged(rec, acks)
         aborted: list[Any] = []
-        with self.consumer.paused_for_update():
+        with c.paused_for_update():
             try:
-                if policy == "drain":
-                    t_pause = time.perf_counter()
-                    await self._wait_drained()
-                    load = await self._load(rec, staged)
-                    self._set_version(rec.version, load)
-                    await self.engine.reset_prefix_cache()
-                elif policy == "keep":
-                    t_pause = time.perf_counter()  # generation stops for at most this long
-                    load = await self._load(rec, staged)
-                    self._set_version(rec.version, load)
-                    # Requests are running (keep), so vLLM would refuse to drop its cache: new
-                    # requests get a fresh salt instead and never reuse a prefix of the old weights.
-                    self.engine.new_cache_salt()
-                else:
+                if policy not in ("keep", "drain"):
                     aborted = c.abort_running()
-                    t_pause = time.perf_counter()
-                    await self.engine.pause("abort")
-                    try:
-                        load = await self._load(rec, staged)
-                        self._set_version(rec.version, load)
-                        await self.engine.reset_prefix_cache()
-                    finally:
-                        await self.engine.resume()
+                t_pause = time.perf_counter()  # generation stops for at most this long
+                load = await self._swap(rec, staged, policy)
                 pause_s = time.perf_counter() - t_pause
             finally:
                 if aborted:  # before intake reopens
                     c.restart(aborted)
         return self._updated(UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load,
                                          timings={"load_call_s": self._load_call_s}))
+
+    async def _staged(self, rec: VersionRecord, acks: list[Any] | None) -> _Staged | None:
+        """What this replica's workers hold of ``rec`` already (received while serving), or
+        have staged from memmap now; None: the swap loads it."""
+        if self.receiver is not None and rec.transport == "nccl":
+            version = await self.receiver.staged_for(rec, acks=acks)
+            if version is not None:
+                return _Staged(version, memmap=False)
+            if rec.memmap_slot is None:
+                # Committed before this replica acked (it joined late, or the trainer moved on):
+                # wait briefly for a memmap copy rather than failing.
+                log.info("version %d was broadcast without us; waiting for a memmap copy", rec.version)
+        if rec.memmap_slot is not None and self.root is not None:
+            # Read, copy and verify while still serving; the pause only swaps it in.
+            return await self._stage_memmap(rec)
+        return None
+
+    async def _swap(self, rec: VersionRecord, staged: _Staged | None, policy: str) -> dict[str, Any]:
+        """Load ``rec`` (intake is closed): after the running requests finished (``drain``),
+        beside them (``keep``), or with the engine paused after aborting them (``abort``)."""
+        abort = policy not in ("keep", "drain")
+        if policy == "drain":
+            await self._wait_drained()
+        elif abort:
+            await self.engine.pause("abort")
+        try:
+            load = await self._load(rec, staged)
+            self._set_version(rec.version, from_wire(load, SwapReport, "the swap"))
+            if policy == "keep":
+                # Requests are running, so vLLM would refuse to drop its cache: new requests
+                # get a fresh salt instead and never reuse a prefix of the old weights.
+                self.engine.new_cache_salt()
+            else:
+                await self.engine.reset_prefix_cache()
+        finally:
+            if abort:
+                await self.engine.resume()
+        return load
 
     def _updated(self, st: UpdateStats) -> UpdateStats:
         """Account for an applied update on the consumer (status, paused total) and log it."""
@@ -483,18 +400,18 @@ class WeightFollower:
         )
         return st
 
-    def _set_version(self, v: int, load: dict[str, Any] | None = None) -> None:
-        """The engine serves ``v`` now; ``load`` (the swap call's result) carries how far each
+    def _set_version(self, v: int, report: SwapReport) -> None:
+        """The engine serves ``v`` now; ``report`` (the swap call's) carries how far each
         running request had got, for the per-token versions of their results."""
-        report = load.get("progress") if load else None
-        self.consumer.set_version(v, self.engine.swap_progress(report))
+        progress = to_wire(report.progress) if report.progress is not None else None
+        self.consumer.set_version(v, self.engine.swap_progress(progress))
 
     async def _wait_drained(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
         while self.consumer.running_count() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    async def _stage_memmap(self, rec: VersionRecord) -> Any:
+    async def _stage_memmap(self, rec: VersionRecord) -> _Staged | None:
         """Have every worker stage ``rec`` in a thread of its own, polling until all did."""
         started = await asyncio.wait_for(
             self.engine.call_workers(
@@ -507,13 +424,14 @@ class WeightFollower:
         deadline = time.monotonic() + self.load_timeout
         delay = 0.005
         while True:
-            states = await self.engine.call_workers("rollq_staged_status")
-            if all(s.get("state") == "staged" and s.get("version") == rec.version for s in states):
-                return ("memmap", rec.version, {k: v for k, v in states[0].items() if k not in ("state", "version")})
-            bad = [s for s in states if s.get("state") == "failed" or (s.get("version") not in (None, rec.version))]
+            raw = await self.engine.call_workers("rollq_staged_status")
+            states = [from_wire(s, StageStatus, "rollq_staged_status") for s in raw]
+            if all(s.state is State.STAGED and s.version == rec.version for s in states):
+                return _Staged(rec.version, memmap=True, report=states[0].report())
+            bad = [s for s in states if s.state is State.FAILED or s.version not in (0, rec.version)]
             if bad:
-                msg = "; ".join(str(s.get("error", s)) for s in bad)
-                if any(s.get("corrupt") for s in bad):
+                msg = "; ".join(str(s.error or s) for s in bad)
+                if any(s.error is not None and s.error.corrupt for s in bad):
                     raise CorruptWeights(f"version {rec.version} refused: {msg}")
                 raise WeightSyncError(f"staging version {rec.version} failed: {msg}")
             if time.monotonic() > deadline:
@@ -521,22 +439,24 @@ class WeightFollower:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.01)
 
-    async def _load(self, rec: VersionRecord, staged: Any) -> dict[str, Any]:
+    async def _load(self, rec: VersionRecord, staged: _Staged | None) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
             return await self._load_now(rec, staged)
         finally:
             self._load_call_s = time.perf_counter() - t0
 
-    async def _load_now(self, rec: VersionRecord, staged: Any) -> dict[str, Any]:
-        if isinstance(staged, tuple) and staged[0] == "memmap":
+    async def _load_now(self, rec: VersionRecord, staged: _Staged | None) -> dict[str, Any]:
+        """The swap call: a staged version swapped in, else ``rec`` loaded from memmap now."""
+        if staged is not None and staged.memmap:
             try:
-                res = await asyncio.wait_for(self.engine.call_workers("rollq_apply_staged", staged[1]), self.load_timeout)
+                res = await asyncio.wait_for(self.engine.call_workers("rollq_apply_staged", staged.version), self.load_timeout)
             except asyncio.TimeoutError as e:
                 raise WeightSyncTimeout(f"swapping in version {rec.version} took longer than {self.load_timeout}s") from e
-            return dict(staged[2], **(res[0] if res else {}))
+            return dict(staged.report, **(res[0] if res else {}))
         if staged is not None:
-            return await self.receiver.apply_staged(rec, staged, timeout=self.load_timeout)
+            assert self.receiver is not None
+            return await self.receiver.apply_staged(rec, staged.version, timeout=self.load_timeout)
         if rec.memmap_slot is None:
             raise WeightSyncError(
                 f"version {rec.version} was sent over {rec.transport} and this replica did not receive it; "
@@ -553,10 +473,8 @@ class WeightFollower:
             raise WeightSyncTimeout(
                 f"loading version {rec.version} from memmap took longer than {self.load_timeout}s (load_timeout)"
             ) from e
-        except Exception as e:
-            from .worker_ext import CORRUPT_TAG
-
-            if isinstance(e, CorruptWeights) or CORRUPT_TAG in str(e):
-                raise CorruptWeights(f"version {rec.version} refused: {e}") from e
-            raise
+        for r in res:  # refused data comes back as a value, raised here as its own type
+            err = from_wire(r, SwapReport, "rollq_load_memmap").error
+            if err is not None:
+                raise err.exception(f"version {rec.version} refused: ")
         return res[0] if res else {}

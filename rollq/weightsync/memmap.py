@@ -80,8 +80,8 @@ class MemmapStore:
         self.keep = keep
         self.num_threads = num_threads
         #: Host-to-device reads go in chunks of this size, at most ``chunks_in_flight`` queued
-        #: (0: everything at once, about 25% faster on an H200 but it holds back the engine's
-        #: own copies, stopping generation for ~0.1 s; see benchmarks/README.md).
+        #: (0: everything at once: faster, but it holds back the engine's own copies and so
+        #: stops generation meanwhile; benchmarks/README.md has the figures).
         self.chunk_bytes = chunk_bytes
         self.chunks_in_flight = chunks_in_flight
         self.root.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ Redis (durable), then announce it on pub/sub, then append it to the version log 
 three in one Lua script, refused unless the version is newer than the recorded one).
 
 With ``transport="nccl"`` the tensors are broadcast from this process (rank 0) to every
-replica worker that joined the group (:class:`~rollq.weightsync.nccl.BroadcastSender`); on
+replica worker that joined the group (:class:`~rollq.weightsync.sender.BroadcastSender`); on
 any failure or timeout the group is dropped (rebuilt next time) and the same version is
 published through memmap instead.
 """
@@ -38,6 +38,7 @@ from ..connection import connect
 from ..errors import StaleVersion, WeightLoadFailed, WeightSyncError, WeightSyncTimeout
 from ..keys import QueueKeys
 from ..settings import DEFAULT_QUEUE, RedisSettings
+from .base import Sender
 from .manifest import Manifest, check_state, decode_manifest, read_manifest
 from .memmap import MemmapStore, named_tensors
 from .versions import LoadError, TensorMeta, VersionRecord, commit_version, read_load_errors, read_version
@@ -66,7 +67,7 @@ class WeightPublisher:
         *,
         root: str | None = None,
         keep: int = 2,
-        sender: Any = None,
+        sender: Sender | None = None,
         trainer_id: str = "",
         validate: bool = True,
         expected: Manifest | str | Sequence[TensorMeta] | None = None,
@@ -74,7 +75,7 @@ class WeightPublisher:
         self.redis_settings = url if isinstance(url, RedisSettings) else RedisSettings.from_url(url)
         self.keys = QueueKeys(queue)
         self.store = MemmapStore(root, keep=keep) if root else None
-        #: Optional rollq.weightsync.nccl.BroadcastSender for transport="nccl".
+        #: What carries transport="nccl" (a :class:`~rollq.weightsync.sender.BroadcastSender`).
         self.sender = sender
         self.trainer_id = trainer_id
         self.validate = validate

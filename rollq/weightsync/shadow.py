@@ -32,16 +32,16 @@ a loader that defers its copies) keeps ``load_weights`` for the whole version.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import copy
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from .load_trace import LoadTrace, Region, Signature, signature_of
+from .swap_kernel import swap_bytes_, warm_swap_kernel
 
 log = logging.getLogger(__name__)
 
@@ -89,164 +89,10 @@ def shadow_parameter(p: torch.nn.Parameter) -> torch.nn.Parameter:
 
 
 def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for all i, one copy per tensor: on an H200 this moved 15.2 GB
-    in 8.1 ms against 10.8 ms for ``torch._foreach_copy_`` (benchmarks/gpu_copy_paths.py)."""
+    """``dst[i].copy_(src[i])`` for all i, one copy per tensor (faster on a GPU than
+    ``torch._foreach_copy_``: benchmarks/README.md)."""
     for d, s in zip(dst, src):
         d.copy_(s)
-
-
-_SWAP_KERNEL: Any = None  # Triton kernel of swap_bytes_ (False: Triton unusable here)
-
-
-def _swap_kernel() -> Any:
-    global _SWAP_KERNEL
-    if _SWAP_KERNEL is None:
-        try:
-            import triton
-            import triton.language as tl
-
-            @triton.jit
-            def swap(a_ptr, b_ptr, n, BLOCK: tl.constexpr):  # noqa: N803 (Triton's constexpr style)
-                # grid-stride: fewer programs than blocks leave SMs (and memory bandwidth) to
-                # whatever runs beside it (the NCCL receive of the rest of the version)
-                step = tl.num_programs(0).to(tl.int64) * BLOCK
-                for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
-                    offs = start + tl.arange(0, BLOCK)
-                    m = offs < n
-                    x = tl.load(a_ptr + offs, mask=m)
-                    y = tl.load(b_ptr + offs, mask=m)
-                    tl.store(a_ptr + offs, y, mask=m)
-                    tl.store(b_ptr + offs, x, mask=m)
-
-            _SWAP_KERNEL = swap
-        except Exception as e:  # no Triton (or no compiler for it): three copies per byte instead
-            log.info("Triton swap kernel unavailable (%s: %s); exchanges go through a bounce buffer", type(e).__name__, e)
-            _SWAP_KERNEL = False
-    return _SWAP_KERNEL
-
-
-def swap_bytes_(a: torch.Tensor, b: torch.Tensor, programs: int = 0) -> bool:
-    """Swap the contents of two contiguous CUDA tensors of the same size in place, in one
-    pass (each byte read and written once on each side), on the current stream. False when
-    it cannot (no Triton, not CUDA, not contiguous): use three copies through a buffer.
-    ``programs``: at most this many concurrent blocks (0: one per 4096 elements)."""
-    if a.device.type != "cuda" or not (a.is_contiguous() and b.is_contiguous()) or not _swap_kernel():
-        return False
-    ab, bb = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
-    n = ab.numel()
-    for dt, w in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-        if n % w == 0 and ab.data_ptr() % w == 0 and bb.data_ptr() % w == 0:
-            ab, bb = ab.view(dt), bb.view(dt)
-            break
-    _launch_swap(ab, bb, programs)
-    return True
-
-
-def _launch_swap(a: torch.Tensor, b: torch.Tensor, programs: int = 0, block: int = 4096) -> None:
-    n = a.numel()
-    if n:
-        grid = (n + block - 1) // block
-        if programs > 0:
-            grid = min(grid, programs)
-        # Triton launches on the current device's current stream: make that the tensors'
-        # device (a thread whose current device is another GPU would run it there, over
-        # peer access and unordered with this device's stream).
-        with torch.cuda.device(a.device):
-            _swap_kernel()[(grid,)](a, b, n, BLOCK=block, num_warps=8)
-
-
-def warm_swap_kernel(device: torch.device) -> None:
-    """Compile :func:`swap_bytes_`'s kernel now for each element width and for lengths with
-    and without a multiple of 16 (Triton specializes on both), not inside a swap."""
-    if not _swap_kernel():
-        return
-    for dt in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        for n in (4096, 4097):
-            _launch_swap(torch.zeros(n, dtype=dt, device=device), torch.ones(n, dtype=dt, device=device))
-    torch.cuda.synchronize(device)
-
-
-@dataclass(frozen=True)
-class Region:
-    """Where one checkpoint tensor lands: a byte range of a shadow parameter's storage."""
-
-    param: int  # index into ShadowWeights.shadow; -1: scratch bytes (load_weights ignores it)
-    offset: int  # bytes from the parameter's first element
-    nbytes: int
-
-
-Signature = tuple  # ((name, dtype, shape), ...) of a version's tensors, in order
-
-
-def signature_of(metas: Iterable[Any]) -> Signature:
-    """The manifest signature of ``TensorMeta``-like entries (name, dtype, shape)."""
-    return tuple((m.name, str(m.dtype).replace("torch.", ""), tuple(m.shape)) for m in metas)
-
-
-class _LoadTrace(TorchDispatchMode):
-    """Records the writes ``load_weights`` makes into shadow storage, per checkpoint tensor."""
-
-    def __init__(self, params: list[torch.Tensor], live: set[int]):
-        super().__init__()
-        # (first byte, end, index) of every shadow parameter, by address: after a relayout
-        # they share one storage, so a write is matched to the parameter holding its bytes
-        spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), i) for i, p in enumerate(params))
-        self.starts = [a for a, _, _ in spans]
-        self.spans = spans
-        self.storages = {p.untyped_storage().data_ptr() for p in params}
-        self.live = live  # storage addresses of live parameters and shared buffers
-        #: The tensor load_weights is at; ("<start>"|"<end>", None) before the first and after
-        #: the last: a write then cannot be attributed, and refuses the plan.
-        self.current: tuple[str, torch.Tensor | None] = ("<start>", None)
-        self.regions: dict[str, list[Region]] = {}
-        self.other: dict[str, str] = {}  # name -> why it is not a plain copy
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        self._note(func, args, kwargs)
-        return func(*args, **kwargs)
-
-    def _note(self, func: Any, args: tuple, kwargs: dict) -> None:
-        name, inp = self.current
-        for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is None or not a.alias_info.is_write:
-                continue
-            t = args[i] if i < len(args) else kwargs.get(a.name)
-            for x in t if isinstance(t, (list, tuple)) else (t,):
-                if not isinstance(x, torch.Tensor) or x.numel() == 0:
-                    continue
-                base = x.untyped_storage().data_ptr()
-                owner = self._owner(x) if base in self.storages else None
-                if owner is None:
-                    if base in self.live:
-                        self.other[name] = f"{func} writes a live tensor"
-                    elif base in self.storages:
-                        self.other[name] = f"{func} writes shadow bytes outside the parameters"
-                    continue
-                index, first = owner
-                if inp is None:
-                    self.other[name] = f"{func} writes a weight outside any tensor's turn"
-                    continue
-                src = args[1] if len(args) > 1 else None
-                if (
-                    func is torch.ops.aten.copy_.default and i == 0 and isinstance(src, torch.Tensor)
-                    and src.data_ptr() == inp.data_ptr() and src.numel() == inp.numel() and src.dtype == inp.dtype == x.dtype
-                    and src.is_contiguous() and inp.is_contiguous() and x.is_contiguous()
-                ):
-                    self.regions.setdefault(name, []).append(Region(index, x.data_ptr() - first, x.numel() * x.element_size()))
-                else:
-                    self.other[name] = f"{func} is not a whole-tensor copy"
-
-    def _owner(self, x: torch.Tensor) -> tuple[int, int] | None:
-        """(index, first byte) of the shadow parameter holding all of ``x``'s bytes."""
-        a = x.data_ptr()
-        k = bisect.bisect_right(self.starts, a) - 1
-        if k < 0:
-            return None
-        first, end, index = self.spans[k]
-        if a + x.numel() * x.element_size() > end:
-            return None
-        return index, first
 
 
 class ShadowWeights:
@@ -366,7 +212,7 @@ class ShadowWeights:
         live = {p.untyped_storage().data_ptr() for p in self.live}
         live |= {b.untyped_storage().data_ptr() for b in self.model.buffers() if b is not None}
         addrs = [p.data_ptr() for p in self.shadow]
-        trace = _LoadTrace(self.shadow, live)
+        trace = LoadTrace(self.shadow, live)
         seen: list[tuple[str, str, tuple]] = []
 
         def follow() -> Iterator[tuple[str, torch.Tensor]]:
@@ -391,7 +237,7 @@ class ShadowWeights:
             self._no_plan.add(sig)
             log.info("no load plan for this manifest (%s): versions keep loading through load_weights", why)
 
-    def _plan_from(self, trace: _LoadTrace, sig: Signature) -> str | None:
+    def _plan_from(self, trace: LoadTrace, sig: Signature) -> str | None:
         regions: dict[str, Region] = {}
         scratch = 0
         for edge in ("<start>", "<end>"):
@@ -538,7 +384,7 @@ class ShadowWeights:
     def exchange(self, indices: Iterable[int], chunk_bytes: int = 256 << 20, programs: int = 0) -> None:
         """Swap the values of live and shadow parameters ``indices`` (enqueued on the current
         stream). Unlike :meth:`swap` it can be undone (exchange again): an update swapped in
-        part by part while it still arrives (``rollq_swap_overlapped``) goes back to the old
+        part by part while it still arrives (:mod:`rollq.weightsync.worker_swap`) goes back to the old
         weights if it fails or is never committed. On CUDA with Triton one kernel per
         parameter reads and writes each byte once per side (twice :meth:`swap`'s traffic);
         otherwise three copies through a bounce buffer of ``chunk_bytes`` (three times).

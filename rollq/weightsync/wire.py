@@ -1,0 +1,301 @@
+"""What crosses between the processes of weight sync: Redis records, RPC results, errors.
+
+Three processes take part (see :mod:`rollq.weightsync.nccl` for one update's protocol):
+
+- the trainer writes a :class:`GroupInfo` (``wgroup``) and an :class:`Offer` (``woffer``),
+  and reads each worker's :class:`Ack` and :class:`FlatLayout`;
+- a replica hands its workers a :class:`Listen`, and reads their :class:`WorkerStatus`,
+  :class:`StageStatus` and :class:`SwapReport` back from ``collective_rpc``;
+- a vLLM worker reads the offers and writes the acks.
+
+Redis records are msgpack; RPC results cross ``collective_rpc`` as plain maps
+(:func:`to_wire`), since vLLM's channel carries no custom types, and are validated back into
+their struct on the replica (:func:`from_wire`). An exception raised in a worker crosses as
+a :class:`WorkerError` value and is raised again, as its own type, where the replica waits.
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from typing import Any, TypeVar
+
+import msgspec
+
+from ..errors import (
+    CorruptWeights,
+    ProtocolError,
+    WeightMismatch,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
+from .versions import TensorMeta
+
+T = TypeVar("T")
+
+
+# -- errors ----------------------------------------------------------------------------
+_ERRORS: dict[str, type[WeightSyncError]] = {
+    c.__name__: c for c in (WeightSyncError, CorruptWeights, WeightSyncTimeout, WeightMismatch)
+}
+
+
+class WorkerError(msgspec.Struct, kw_only=True):
+    """An exception raised inside a worker, as a value (only text crosses ``collective_rpc``)."""
+
+    kind: str  # the exception's class name
+    message: str
+
+    @classmethod
+    def of(cls, e: BaseException) -> WorkerError:
+        return cls(kind=type(e).__name__, message=str(e))
+
+    @property
+    def corrupt(self) -> bool:
+        """The stored version is corrupt: it is never retried."""
+        return self.kind == CorruptWeights.__name__
+
+    def exception(self, context: str = "") -> WeightSyncError:
+        """The error to raise on this side: the worker's own weight-sync type, else
+        :class:`~rollq.errors.WeightSyncError`; ``context`` goes before the message."""
+        cls = _ERRORS.get(self.kind, WeightSyncError)
+        return cls(f"{context}{self}")
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+# -- the broadcast group and its offers (Redis) -------------------------------------------
+class GroupInfo(msgspec.Struct, kw_only=True):
+    """The trainer's broadcast group (Redis ``wgroup``)."""
+
+    id: str
+    host: str
+    port: int
+    world_size: int
+    backend: str
+    timeout: float
+    #: NCCL: at least this many channels (CTAs) per collective (0: NCCL's default). Given to
+    #: NCCL as ``NCCL_MIN_NCHANNELS`` (unless already set), which NCCL reads once per process,
+    #: at its first communicator, so it changes the whole process: off by default
+    #: (benchmarks/README.md has the measurements). NCCL refuses ``min_ctas`` in the
+    #: communicator config, hence the environment variable.
+    min_ctas: int = 0
+
+
+class Listen(msgspec.Struct, kw_only=True):
+    """Where a worker listens for offers and writes its ack (given when it joins)."""
+
+    url: str  # Redis URL (a ``redis+cluster://`` URL goes through the cluster client)
+    channel: str  # the queue's control channel (``woffer <v>`` hints)
+    offer_key: str  # hash holding the current offer
+    field: str  # this worker's ack field, ``replica/rank-in-replica``
+    poll: float = 1.0  # seconds between checks of the offer record (pub/sub is only a hint)
+    layouts_key: str = ""  # hash to report this worker's FlatLayout in (same field)
+    version_key: str = ""  # the committed version record (a swap overlapped with the receive waits for it)
+
+
+class Mode(str, enum.Enum):
+    """How an offer's bytes travel (:attr:`Offer.mode`)."""
+
+    #: Tensors packed into ``bucket_bytes`` buckets: few large messages, best for gloo.
+    PACKED = "packed"
+    #: One broadcast per tensor straight from the trainer's tensors into the receivers'
+    #: staging views or shadow bytes: no copy on either side.
+    DIRECT = "direct"
+    #: Buckets packed by the trainer at ``offsets``, the layout every receiver reported for
+    #: its shadow weights: each bucket lands in place, a few collective calls per version.
+    LAYOUT = "layout"
+
+
+class Offer(msgspec.Struct, kw_only=True):
+    """A version being broadcast (Redis ``woffer``)."""
+
+    version: int
+    group: str
+    #: state_checksum of the tensors; "" when the sender does not verify.
+    checksum: str
+    bucket_bytes: int
+    manifest: list[TensorMeta]
+    timeout: float
+    mode: Mode = Mode.PACKED
+    #: Hash receivers write their :class:`Ack` into, under ``replica/worker``.
+    acks: str = ""
+    #: List receivers also push their :class:`Ack` onto (the trainer blocks on it); "": none.
+    ack_signal: str = ""
+    #: ``direct`` mode on NCCL: consecutive tensors up to this many bytes go as one coalesced
+    #: NCCL group (one kernel launch: per-tensor launches wait for the SMs a busy engine
+    #: holds). 0: one launch per tensor.
+    group_bytes: int = 0
+    #: ``layout`` mode: each tensor's byte offset in the flat stream, and the stream's size.
+    offsets: list[int] = []
+    total: int = 0
+
+    def __post_init__(self) -> None:
+        self.mode = Mode(self.mode)  # an offer built in code may name its mode as a string
+
+    @property
+    def verify(self) -> bool:
+        return bool(self.checksum)
+
+
+class FlatLayout(msgspec.Struct, kw_only=True):
+    """Where a receiver's shadow weights hold each tensor of a manifest, in one flat buffer
+    (Redis ``wlayouts``; see :meth:`rollq.weightsync.shadow.ShadowWeights.flat_offsets`)."""
+
+    sig: str  # manifest_digest of the manifest it is for
+    offsets: list[int]
+    total: int
+
+
+def manifest_digest(manifest: list[TensorMeta]) -> str:
+    """A short digest of a manifest's names, dtypes and shapes, in order."""
+    return hashlib.blake2b(msgspec.msgpack.encode(manifest), digest_size=12).hexdigest()
+
+
+# -- a worker's answer to an offer (Redis) -------------------------------------------------
+class Ack(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One worker's answer to an offer: the same bytes go into the offer's ack hash (field
+    ``worker``) and onto its signal list. Times are the receiver's own, in seconds."""
+
+    worker: str  # ``replica/rank-in-replica``
+    version: int
+    ok: bool  # every byte arrived (and matched the checksum, when verified)
+    error: WorkerError | None = None
+    in_place: bool = False  # written straight into the shadow weights
+    receive_s: float = 0.0  # until every byte was in
+    verify_s: float = 0.0
+    setup_s: float = 0.0  # until the first broadcast was enqueued
+    enqueued_s: float = 0.0  # until the last one was
+
+
+_ACK = msgspec.msgpack.Decoder(Ack)
+
+
+def encode_ack(ack: Ack) -> bytes:
+    return msgspec.msgpack.encode(ack)
+
+
+def decode_ack(raw: bytes | None, worker: str = "?") -> Ack | None:
+    """The ack in ``raw`` (None: none written yet); bytes that are not an ack read as a
+    failed one, so the trainer reports them instead of waiting for them."""
+    if raw is None:
+        return None
+    try:
+        return _ACK.decode(raw)
+    except msgspec.DecodeError as e:
+        return Ack(worker=worker, version=0, ok=False, error=WorkerError(kind=ProtocolError.__name__, message=f"unreadable ack: {e}"))
+
+
+# -- worker statuses and reports (collective_rpc results) ----------------------------------
+class State(str, enum.Enum):
+    """Where a worker's receive, join or memmap staging stands."""
+
+    IDLE = "idle"
+    JOINING = "joining"
+    RECEIVING = "receiving"
+    STAGING = "staging"
+    STAGED = "staged"
+    BUSY = "busy"  # a staging request arrived while another still ran
+    FAILED = "failed"
+
+
+class ReceiveStatus(msgspec.Struct, kw_only=True):
+    """A worker's last broadcast receive (:attr:`rollq.weightsync.receiver.WorkerReceiver.status`)."""
+
+    state: State = State.IDLE
+    version: int = 0
+    receive_s: float = 0.0
+    verify_s: float = 0.0
+    setup_s: float = 0.0
+    enqueued_s: float = 0.0
+    #: The shadow weights loaded the tensors as they arrived.
+    loaded_while_receiving: bool = False
+    in_place: bool = False
+    error: WorkerError | None = None
+
+    def ack(self, worker: str) -> Ack:
+        return Ack(
+            worker=worker, version=self.version, ok=self.state is State.STAGED, error=self.error, in_place=self.in_place,
+            receive_s=self.receive_s, verify_s=self.verify_s, setup_s=self.setup_s, enqueued_s=self.enqueued_s,
+        )
+
+
+class WorkerStatus(msgspec.Struct, kw_only=True):
+    """A worker's place in the trainer's broadcast group (``rollq_receive_status``)."""
+
+    state: State = State.IDLE  # JOINING, then IDLE once joined, or FAILED
+    group: str = ""
+    joined: bool = False
+    rank: int = -1
+    error: WorkerError | None = None
+    receive: ReceiveStatus = msgspec.field(default_factory=ReceiveStatus)
+
+
+class StageStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A worker's memmap staging (``rollq_stage_memmap``, ``rollq_staged_status``)."""
+
+    state: State = State.IDLE
+    version: int = 0
+    stage_s: float | None = None  # read, copied to the device and verified
+    prepare_s: float | None = None  # loaded into the shadow weights
+    pinned: bool | None = None  # read through page-locked mappings of the files
+    shadow: bool | None = None  # held in the shadow weights
+    in_place: bool | None = None  # read straight into the shadow's bytes
+    error: WorkerError | None = None
+
+    def report(self) -> dict[str, Any]:
+        """The timings and flags, for the update's report."""
+        return {k: v for k, v in to_wire(self).items() if k not in ("state", "version", "error")}
+
+
+class Swap(str, enum.Enum):
+    """How a version went live in a worker (:attr:`SwapReport.swap`)."""
+
+    SHADOW = "shadow"  # copied from the shadow weights
+    LOAD = "load"  # loaded from the memmap copy staged in the worker
+    BROADCAST = "broadcast"  # loaded from the broadcast's staging buffer
+    OVERLAP = "overlap"  # exchanged part by part while it arrived
+    REVERTED = "reverted"  # an overlapped swap, undone
+    NONE = "none"  # nothing to do (an overlapped swap of a version not received in place)
+
+
+class Progress(msgspec.Struct, kw_only=True):
+    """Tokens generated so far by every request vLLM holds, taken inside a swap;
+    ``complete``: a request missing from ``tokens`` had generated nothing yet."""
+
+    tokens: dict[str, int]
+    complete: bool
+
+
+class SwapReport(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a worker's load or swap call did (``rollq_apply_staged``,
+    ``rollq_swap_overlapped``, ``rollq_load_memmap``); times in seconds."""
+
+    swap: Swap | None = None  # None: a memmap load at the swap (rollq_load_memmap)
+    why: str | None = None  # an overlapped swap that did not happen, or was undone
+    no_shadow: str | None = None  # why the shadow weights were not used
+    load_s: float | None = None
+    progress: Progress | None = None
+    read_s: float | None = None
+    copy_verify_s: float | None = None
+    parts: int | None = None
+    wait_parts_s: float | None = None  # until the last part was swapped in
+    wait_commit_s: float | None = None
+    receive_s: float | None = None
+    kernel: str | None = None  # how the exchanges swapped bytes: triton | copies
+    error: WorkerError | None = None
+
+
+def to_wire(s: msgspec.Struct) -> dict[str, Any]:
+    """A struct as the plain map that crosses ``collective_rpc``."""
+    return msgspec.to_builtins(s)
+
+
+def from_wire(raw: Any, cls: type[T], what: str = "") -> T:
+    """``raw`` (a worker's answer) validated into ``cls``; a clear error when it is not one."""
+    try:
+        return msgspec.convert(raw, cls)
+    except msgspec.ValidationError as e:
+        raise WeightSyncError(f"a worker answered {what or cls.__name__} with {str(raw)[:200]!r}: {e}") from e

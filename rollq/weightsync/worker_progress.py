@@ -1,0 +1,117 @@
+"""Worker side of per-token versions: how far each request had got when a swap happened.
+
+Runs inside each vLLM worker process. A swap runs between two engine steps, so every token a
+request holds at that moment was sampled on the weights being replaced; the replica maps the
+counts to its jobs (``Engine.swap_progress``) and each sample's result records where each
+version began.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+from .wire import Progress
+
+#: Requests that vLLM let go of are remembered (with their token counts) this long, at most
+#: this many: a swap reports them so a request that finished on the old weights, whose
+#: output had not reached the replica yet, is not taken for one that had not started.
+_REMOVED_WINDOW_S = 30.0
+_REMOVED_KEEP = 16384
+
+
+class RequestTracker:
+    """Token counts of the requests one worker's model runner holds or recently let go of."""
+
+    def __init__(self) -> None:
+        #: request id -> (tokens when vLLM let go of it, when); None until :meth:`install`.
+        self.removed: collections.OrderedDict[str, tuple[int, float]] | None = None
+
+    def install(self, runner: Any) -> bool:
+        """Start remembering how many tokens each request had generated when vLLM let go of
+        it (finished or aborted). True where this vLLM allows it.
+
+        Two model runners are read: vLLM's first GPU runner (also the CPU backend's; one
+        ``CachedRequestState`` per request in ``requests``, removal through
+        ``_on_request_state_removed``) and the second (``vllm.v1.worker.gpu``, default on
+        GPUs in 0.26: ``req_states`` arrays, removal through ``req_states.remove_request``).
+        """
+        if runner is None or _runner_counts(runner) is None:
+            return False
+        if self.removed is not None:
+            return True
+        removed: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
+
+        def remember(req_id: str, n: int | None) -> None:
+            if n is not None:
+                removed[req_id] = (n, time.monotonic())
+                if len(removed) > _REMOVED_KEEP:
+                    removed.popitem(last=False)
+
+        if isinstance(getattr(runner, "requests", None), dict):
+            orig = getattr(runner, "_on_request_state_removed", None)
+            if orig is None:
+                return False
+
+            def on_removed(req_id: str, req_state: Any, *args: Any, **kwargs: Any) -> Any:
+                remember(req_id, len(req_state.output_token_ids) if req_state is not None else None)
+                return orig(req_id, req_state, *args, **kwargs)
+
+            runner._on_request_state_removed = on_removed
+        else:
+            states = runner.req_states
+            orig_remove = states.remove_request
+
+            def on_remove(req_id: str, *args: Any, **kwargs: Any) -> Any:
+                i = states.req_id_to_index.get(req_id)
+                remember(req_id, _v2_count(states, i) if i is not None else None)
+                return orig_remove(req_id, *args, **kwargs)
+
+            states.remove_request = on_remove
+        self.removed = removed
+        return True
+
+    def report(self, worker: Any) -> Progress:
+        """Tokens generated so far by every request vLLM holds, taken inside a swap (between
+        two engine steps, so each of them was sampled on the weights being replaced; a token
+        of a step still in flight counts too, since the swap's copies run after that step).
+
+        ``complete``: a request missing from ``tokens`` had generated nothing yet (requests
+        that ended in the last :data:`_REMOVED_WINDOW_S` seconds are included with their
+        final counts).
+        """
+        runner = getattr(worker, "model_runner", None)
+        tokens = _runner_counts(runner) if runner is not None else None
+        if tokens is None:
+            return Progress(tokens={}, complete=False)
+        removed = self.removed
+        if removed is not None:
+            horizon = time.monotonic() - _REMOVED_WINDOW_S
+            while removed and next(iter(removed.values()))[1] < horizon:
+                removed.popitem(last=False)
+            for rid, (n, _) in removed.items():
+                tokens.setdefault(rid, n)
+        return Progress(tokens=tokens, complete=removed is not None)
+
+
+def _runner_counts(runner: Any) -> dict[str, int] | None:
+    """Output tokens so far of every request a model runner holds (None: a runner this code
+    cannot read)."""
+    reqs = getattr(runner, "requests", None)
+    if isinstance(reqs, dict):
+        return {rid: len(st.output_token_ids) for rid, st in list(reqs.items())}
+    states = getattr(runner, "req_states", None)
+    index = getattr(states, "req_id_to_index", None)
+    if isinstance(index, dict) and hasattr(states, "num_computed_tokens_np") and hasattr(states, "prompt_len"):
+        return {rid: _v2_count(states, i) for rid, i in list(index.items())}
+    return None
+
+
+def _v2_count(states: Any, i: int) -> int:
+    """Output tokens of row ``i`` of the second model runner's ``req_states``: the prompt is
+    computed, then each step computes one more token and samples the next, so a request
+    with ``c >= prompt`` computed tokens has sampled ``c - prompt + 1``."""
+    computed = int(states.num_computed_tokens_np[i])
+    prompt = int(states.prompt_len.np[i])
+    return max(0, computed - prompt + 1) if computed >= prompt else 0
