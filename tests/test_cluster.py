@@ -12,7 +12,6 @@ import json
 import os
 import re
 import sys
-import time
 
 import msgpack
 import pytest
@@ -25,8 +24,8 @@ from rollq.keys import GROUP, QUEUES, QueueKeys
 from rollq.settings import RedisSettings
 from rollq.status import dlq_list, dlq_requeue, queue_status
 from rollq.weightsync.versions import VersionRecord, commit_version, read_version, version_log
-from tests.cluster_fixtures import LocalCluster, redis_cluster, slot_of_queue  # noqa: F401 (fixture)
-from tests.helpers import ROOT, bounded, collect, make_consumer, make_producer, until  # noqa: F401 (fixtures)
+from tests.cluster_fixtures import LocalCluster, slot_of_queue
+from tests.helpers import ROOT, bounded, collect, until
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import pytest
 from rollq.errors import VersionUnavailable
 from rollq.keys import QueueKeys
 from rollq.weightsync.versions import VersionRecord, commit_version
-from tests.helpers import bounded, make_consumer, make_producer, until  # noqa: F401 (fixtures)
+from tests.helpers import bounded, until
 
 FAR = 2**62
 ONE = {"sampling": {"max_tokens": 1}}

@@ -10,7 +10,7 @@ from rollq.errors import ResultTooLarge
 from rollq.keys import QueueKeys
 from rollq.protocol import SCHEMA_VERSION, Job, decode_dead_letter, encode_job
 from rollq.status import dlq_list
-from tests.helpers import make_consumer, make_producer, until  # noqa: F401 (fixtures)
+from tests.helpers import until
 
 pytestmark = pytest.mark.chaos
 

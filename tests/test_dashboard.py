@@ -28,7 +28,7 @@ from rollq.producer.client import Producer
 from rollq.server import free_port
 from rollq.settings import ConsumerSettings
 from tests.helpers import FAST as FAST_CONSUMER
-from tests.helpers import bounded, spawn, until  # noqa: F401 (spawn: fixture)
+from tests.helpers import bounded, until
 
 # Every async fixture here names its loop scope, the same as the tests', so the module does not
 # depend on the project's default fixture loop scope.

@@ -13,9 +13,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from rollq.consumer.engine import EchoEngine
 from rollq.errors import JobCancelled, JobExpired, JobRejected, QueueFull
 from rollq.keys import GROUP, QueueKeys
-from rollq.protocol import unpack_i32
 from rollq.settings import ProducerSettings
-from tests.helpers import bounded, collect, make_consumer, make_producer, until  # noqa: F401 (fixtures)
+from tests.helpers import bounded, collect, until
 
 
 
@@ -113,7 +112,6 @@ async def test_submit_many_streams_script_calls(queue, make_producer, make_consu
     """One server: a call per script_batch jobs, written as soon as built, at most
     chunk_size // script_batch calls unanswered, replies read in order."""
     calls: list[int] = []
-    unread: list[int] = []
     real_reply = client_mod.Producer._read_replies
 
     async def counting(self, conn, script_calls, reran):
@@ -532,8 +530,6 @@ async def test_memory_does_not_grow_across_cycles(queue, fresh_redis):
     from rollq.producer.client import Producer
     from rollq.settings import ConsumerSettings
     from tests.helpers import FAST, run_burst
-
-    # a server of its own: other tests' keys must not move the figure
     srv = fresh_redis
     client = connect(srv.url)
     try:

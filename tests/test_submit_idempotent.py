@@ -29,7 +29,7 @@ from rollq.keys import QueueKeys
 from rollq.protocol import decode_job, encode_job
 from rollq.settings import ProducerSettings, RedisSettings
 from rollq.testing.chaos import CutProxy
-from tests.helpers import bounded, make_consumer, make_producer, until  # noqa: F401 (fixtures)
+from tests.helpers import bounded, until
 
 pytestmark = pytest.mark.chaos
 

