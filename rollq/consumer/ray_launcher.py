@@ -8,7 +8,7 @@ itself, so adding replicas adds throughput without a central router.
 ...     url="redis://10.0.0.5:6379/0", queue="grpo",
 ...     engine=EngineSpec(kind="vllm", options={"model": "/models/qwen", "tensor_parallel_size": 2}),
 ...     num_replicas=4)
->>> launcher.start(); launcher.watch()     # restarts dead replicas until stop()
+>>> launcher.start(); launcher.watch()     # restarts dead replicas until stop()  # doctest: +SKIP
 
 Placement: each replica gets a placement group of ``tensor_parallel_size`` bundles
 (``{"GPU": 1, "CPU": 1}`` each, ``{"CPU": 1}`` without GPUs), packed on one node

@@ -5,7 +5,7 @@ weight-sync seam (:class:`~rollq.weightsync.base.Replica`) and its workers only 
 ``engine.call_workers`` (:mod:`rollq.weightsync.worker_ext`).
 
 >>> follower = WeightFollower(consumer, root="/dev/shm/rollq-weights")      # doctest: +SKIP
->>> await follower.start()      # loads the current version before the consumer pulls
+>>> await follower.start()      # loads the current version before the consumer pulls  # doctest: +SKIP
 
 Pub/sub ``version N`` messages only make it look sooner: the follower reconciles with the
 durable record on start, after every hint, and every ``reconcile_interval`` seconds, so a

@@ -23,11 +23,11 @@ from a page-locked memmap file). Anything else (a transform, a shard of a tensor
 a loader that defers its copies) keeps ``load_weights`` for the whole version.
 
 >>> shadow = ShadowWeights(model)                          # doctest: +SKIP
->>> shadow.load(staged_items, version=1, trace=True)       # while the engine serves
->>> shadow.swap()                                          # inside the swap RPC
->>> views = shadow.begin_direct(manifest)                  # version 2: no load_weights
+>>> shadow.load(staged_items, version=1, trace=True)       # while the engine serves  # doctest: +SKIP
+>>> shadow.swap()                                          # inside the swap RPC  # doctest: +SKIP
+>>> views = shadow.begin_direct(manifest)                  # version 2: no load_weights  # doctest: +SKIP
 >>> # ... receive each tensor's bytes into views[i] ...
->>> shadow.end_direct(2); shadow.swap()
+>>> shadow.end_direct(2); shadow.swap()  # doctest: +SKIP
 """
 
 from __future__ import annotations
