@@ -15,7 +15,7 @@ from redis.exceptions import NoScriptError
 
 from ..connection import RETRYABLE, SUBMIT
 from ..errors import StalenessBound, SubmitInterrupted
-from ..protocol import Job, JobEncoder
+from ..protocol import Job, encode_job
 from .calls import CALL_RECORD_TTL_MS, Call, CallStream, GaveUp, Outage, pack_args
 from .handles import Entry, JobHandle
 
@@ -140,10 +140,9 @@ class Submission:
         stream per call (the queue's, or a replica's for targeted jobs)."""
         step = self.settings.script_batch
         number, rec, inc = self._numbers.number, self._calls_key, self._numbers.incarnation
-        encode = JobEncoder()
         if all(job.replica is None and not job.tracked for job in jobs):  # the common case
             keys = [*self.keys.submit_keys(self.keys.jobs), rec]
-            payloads = list(map(encode, jobs))
+            payloads = list(map(encode_job, jobs))
             calls = []
             for i in range(0, len(jobs), step):
                 part = payloads[i : i + step]
@@ -171,7 +170,7 @@ class Submission:
                 for k in part:
                     job = jobs[k]
                     args.append(job.id if job.tracked else "")
-                    args.append(encode(job))
+                    args.append(encode_job(job))
                 # One msgpack argument per call, not two per job (see benchmarks/README.md).
                 call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS]
                 number(call_args)

@@ -21,7 +21,6 @@ Modules: :mod:`~rollq.protocol.limits` (schema version, bounds), :mod:`~rollq.pr
 
 from .arrays import i32_packer, pack_f32, pack_i32, unpack_f32, unpack_i32
 from .codec import (
-    JobEncoder,
     decode_dead_letter,
     decode_job,
     decode_result,
@@ -62,7 +61,7 @@ __all__ = [
     # results
     "Result", "Sample", "ErrorInfo", "DeadLetter", "UNKNOWN_START",
     # codec
-    "encode", "encode_job", "decode_job", "JobEncoder", "job_like", "peek_id", "encode_result", "decode_result",
+    "encode", "encode_job", "decode_job", "job_like", "peek_id", "encode_result", "decode_result",
     "encode_dead_letter", "decode_dead_letter",
     # raw arrays
     "pack_i32", "unpack_i32", "pack_f32", "unpack_f32", "i32_packer",

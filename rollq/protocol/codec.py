@@ -14,7 +14,6 @@ from ..keys import check_name
 from .jobs import Job, validate_job
 from .limits import SCHEMA_VERSION
 from .results import DeadLetter, Result
-from .sampling import SamplingParams
 from .text import cut
 
 _enc = msgspec.msgpack.Encoder()
@@ -67,32 +66,6 @@ def peek_id(data: bytes) -> tuple[str | None, str | None]:
 
 def encode_job(job: Job) -> bytes:
     return _enc.encode(job)
-
-
-class JobEncoder:
-    """:func:`encode_job` for a batch whose jobs share sampling params: the params of the
-    last job are kept encoded, and each job is written as the array of its fields with that
-    chunk in place (the same bytes as :func:`encode_job`; a new field of :class:`Job` goes
-    here too, which ``tests/producer/test_fast_path.py`` checks).
-
-    >>> sp = SamplingParams(n=8, max_tokens=512)
-    >>> jobs = [Job(id=f"j{i}", reply="p", text="hi", sampling=sp) for i in range(3)]
-    >>> list(map(JobEncoder(), jobs)) == list(map(encode_job, jobs))
-    True
-    """
-
-    __slots__ = ("_sampling", "_chunk")
-
-    def __init__(self) -> None:
-        self._sampling: SamplingParams | None = None
-        self._chunk = msgspec.Raw()
-
-    def __call__(self, job: Job) -> bytes:
-        sp = job.sampling
-        if sp is not self._sampling:
-            self._sampling, self._chunk = sp, msgspec.Raw(_enc.encode(sp))
-        return _enc.encode((job.v, job.id, job.reply, job.text, job.tokens, job.messages, self._chunk, job.replica,
-                            job.min_version, job.deadline, job.submitted, job.meta, job.tracked))
 
 
 def decode_job(data: bytes, max_prompt_bytes: int | None = None) -> Job:

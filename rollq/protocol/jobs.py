@@ -199,14 +199,16 @@ def token_jobs(specs: Iterator[Any], out: list[Job], reply: str, max_prompt_byte
     >>> out[0].id, out[0].prompt_token_ids
     ('p1-1', [1, 2])
     """
-    append, keys, now = out.append, TOKEN_SPEC_KEYS, time.time
+    append, now = out.append, time.time
     last_in: Any = SPECS_END  # the sampling params of the last spec
     sp = None
     for s in specs:
-        if type(s) is not dict or not s.keys() <= keys:
+        if type(s) is not dict:
             return s
         tokens = s.get("prompt_token_ids")
-        if type(tokens) is not list or not tokens:
+        # The keys are TOKEN_SPEC_KEYS' (tested without making a keys view per spec: one
+        # object each, which the garbage collector would count).
+        if type(tokens) is not list or not tokens or len(s) != 1 + ("sampling" in s) + ("meta" in s):
             return s
         sampling = s.get("sampling")
         if sampling is not last_in:
@@ -233,12 +235,13 @@ def job_from_spec(spec: Mapping[str, Any], id: str, reply: str, max_prompt_bytes
     """:func:`make_job` for fields given as a mapping (the producer's hot path; unknown keys
     are the caller's to refuse). Keys: ``prompt``, ``prompt_token_ids``, ``messages``,
     ``sampling``, ``replica``, ``min_version``, ``deadline`` or ``timeout``, ``meta``."""
-    out: list[Job] = []
-    one = spec if type(spec) is dict else dict(spec)
-    if token_jobs(iter((one,)), out, reply, max_prompt_bytes, ids=iter((id,)), tracked=tracked) is SPECS_END:
-        return out[0]
     get = spec.get
     tokens = get("prompt_token_ids")
+    if type(tokens) is list and tokens:  # perhaps the common shape: token_jobs takes it if it is
+        out: list[Job] = []
+        one = spec if type(spec) is dict else dict(spec)
+        if token_jobs(iter((one,)), out, reply, max_prompt_bytes, ids=iter((id,)), tracked=tracked) is SPECS_END:
+            return out[0]
     msgs = get("messages")
     if msgs is not None:
         try:

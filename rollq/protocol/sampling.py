@@ -150,15 +150,6 @@ def validated_sampling(sp: SamplingParams | dict[str, Any] | None) -> SamplingPa
     ...
     rollq.errors.InvalidJob: invalid sampling params: n must be int, got `bool` (got True)
     """
-    if isinstance(sp, SamplingParams):
-        key = id(sp)
-        if _validated.get(key) is sp:
-            return sp
-        sp.validate()
-        if len(_validated) > _MEMO_SIZE:
-            _validated.clear()
-        _validated[key] = sp
-        return sp
     if type(sp) is dict:
         try:
             key = _content_key(sp)
@@ -171,6 +162,15 @@ def validated_sampling(sp: SamplingParams | dict[str, Any] | None) -> SamplingPa
                 _by_content.clear()
             _by_content[key] = made
         return made
+    if isinstance(sp, SamplingParams):
+        key = id(sp)
+        if _validated.get(key) is sp:
+            return sp
+        sp.validate()
+        if len(_validated) > _MEMO_SIZE:
+            _validated.clear()
+        _validated[key] = sp
+        return sp
     if sp is None:
         return _DEFAULT
     return SamplingParams.from_dict(sp)

@@ -1,8 +1,8 @@
 """The submit fast path builds and encodes exactly what the general path does.
 
-Sampling dicts are validated once per content (``protocol.validated_sampling``) and a batch's
-jobs are encoded with their sampling params encoded once (``protocol.JobEncoder``): neither
-may change a job's bytes or let through a value ``SamplingParams.from_dict`` refuses.
+Sampling dicts are validated once per content (``protocol.validated_sampling``), and token
+specs are built by one loop (``protocol.token_jobs``): neither may change a job's bytes or
+let through a value ``SamplingParams.from_dict`` refuses.
 """
 
 from __future__ import annotations
@@ -14,25 +14,7 @@ import pytest
 
 from rollq.errors import InvalidJob
 from rollq.producer.client import Producer
-from rollq.protocol import Job, JobEncoder, Message, SamplingParams, encode_job, pack_i32, validated_sampling
-
-
-def test_job_encoder_writes_the_bytes_of_encode_job():
-    assert Job.__struct_fields__ == (
-        "v", "id", "reply", "text", "tokens", "messages", "sampling", "replica", "min_version", "deadline",
-        "submitted", "meta", "tracked",
-    ), "JobEncoder writes Job's fields by name: a new field goes there too"
-    shared = SamplingParams(n=8, max_tokens=512, logprobs=0, stop=["</s>"])
-    jobs = [
-        Job(id="a", reply="p", tokens=pack_i32([1, 2, 3]), sampling=shared, submitted=1.5),
-        Job(id="b", reply="p", text="hi", sampling=shared, meta={"k": [1, 2.5, None]}, tracked=True),
-        Job(id="c", reply="p", messages=[Message(role="user", content="q")], replica="r1", min_version=3, deadline=9.0),
-        Job(id="d", reply="p", text="x"),  # the default params
-        Job(id="e", reply="p", text="y", sampling=shared),  # back to the first params
-        Job(id="f", reply="p", text="z", sampling=SamplingParams(temperature=-0.0)),
-    ]
-    encode = JobEncoder()
-    assert [encode(j) for j in jobs] == [encode_job(j) for j in jobs]
+from rollq.protocol import SamplingParams, encode_job, validated_sampling
 
 
 def test_equal_sampling_dicts_share_one_validated_object():
@@ -99,4 +81,4 @@ def test_build_jobs_of_sampling_dicts_matches_build_job():
     fast = [msgspec.structs.replace(j, submitted=0.0) for j in p.build_jobs(specs)]
     slow = [msgspec.structs.replace(q.build_job(s), submitted=0.0) for s in specs]
     assert fast == slow
-    assert list(map(JobEncoder(), fast)) == list(map(encode_job, slow))
+    assert list(map(encode_job, fast)) == list(map(encode_job, slow))
