@@ -25,7 +25,7 @@ from rollq.registry import QUEUE_WINDOW, known_queues, queues_in_use
 from tests import cluster_fixtures
 from tests.helpers import until
 from tests.test_cli import ROOT, rollq
-from tests.test_dashboard import JOB, LOOP, Rig
+from tests.dashboard.test_dashboard import JOB, LOOP, Rig
 
 pytestmark = pytest.mark.asyncio(loop_scope=LOOP)
 redis_cluster = cluster_fixtures.redis_cluster  # a fixture: this module gets a cluster of its own
@@ -251,8 +251,8 @@ async def test_registry_on_a_cluster(redis_cluster):
 
 @pytest.mark.browser
 async def test_page_lists_every_queue_in_use_and_follows_new_ones(fresh_redis, rig):
-    """The page in headless Chromium (skipped without it, as tests/test_dashboard_browser.py)."""
-    from tests.test_dashboard_browser import ARGS, CHROMIUM
+    """The page in headless Chromium (skipped without it, as tests/dashboard/test_browser.py)."""
+    from tests.dashboard.test_browser import ARGS, CHROMIUM
 
     try:
         from playwright.async_api import async_playwright, expect

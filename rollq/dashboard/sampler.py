@@ -12,7 +12,7 @@ cost Redis what one sample costs:
   version or the dead-letter figures changed, and every ``refresh_lists`` seconds.
 
 So 9 + 3·R commands (10 + 3·R while jobs wait) in 4 + R round trips, however many jobs there are
-(tests/test_dashboard.py counts them with ``INFO commandstats``). Watching every queue in use
+(tests/dashboard/test_dashboard.py counts them with ``INFO commandstats``). Watching every queue in use
 (no ``--queue``) adds, once per round, the read of the registry of queue names
 (:func:`rollq.registry.queues_in_use`: 2 commands, 1 once ``default`` is registered).
 

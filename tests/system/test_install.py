@@ -23,7 +23,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PIP = ["-m", "pip", "--disable-pip-version-check"]
 #: Kept out of the copy that pip builds from.
 IGNORE = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",

@@ -21,7 +21,7 @@ from rollq.weightsync import VersionRecord, WeightFollower, WeightPublisher, com
 from rollq.weightsync.manifest import Manifest, check_state, read_manifest
 from rollq.weightsync.versions import LoadError, read_load_errors
 from tests.helpers import until
-from tests.test_weightsync_vllm import PROMPT, greedy, perturbed
+from tests.weightsync.test_vllm import PROMPT, greedy, perturbed
 from tests.vllm_fixtures import checkpoint_state, serving_replica
 
 session_loop = pytest.mark.asyncio(loop_scope="session")

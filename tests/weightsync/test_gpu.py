@@ -1,7 +1,7 @@
 """Weight sync on GPUs: shadow weights, the load plan, in-place NCCL receive and memmap reads.
 
 Skipped without a GPU (the broadcast test needs two). The same protocol runs on CPU over gloo
-in tests/test_weightsync.py; these cover what only exists on CUDA: coalesced NCCL groups,
+in tests/weightsync/test_fake_workers.py; these cover what only exists on CUDA: coalesced NCCL groups,
 page-locked memmap reads and writes into the shadow's own bytes.
 """
 

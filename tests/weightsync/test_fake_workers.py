@@ -1,4 +1,4 @@
-"""Weight sync protocol with in-process fake workers (the vLLM path: test_weightsync_vllm.py)."""
+"""Weight sync protocol with in-process fake workers (the vLLM path: tests/weightsync/test_vllm.py)."""
 
 from __future__ import annotations
 
