@@ -139,6 +139,11 @@ class RollqLLM:
     def __init__(self, url: str | None = None, queue: str = "default", **producer_kwargs: Any):
         self._p = SyncProducer(url, queue, **producer_kwargs)
 
+    @property
+    def producer(self) -> SyncProducer:
+        """The blocking producer that jobs go through."""
+        return self._p
+
     def generate(
         self,
         prompts: str | Sequence[str] | None = None,

@@ -68,7 +68,14 @@ class SyncProducer:
 
     @property
     def producer(self) -> Producer:
+        """The async producer underneath; its coroutines run through :meth:`call`."""
         return self._p
+
+    def call(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run ``coro`` on this producer's event loop thread and return its result (the
+        way to use async APIs beside it, e.g. ``sp.call(sp.producer.set_staleness_bound(1, 16))``;
+        ``timeout`` in seconds, None: no limit)."""
+        return self._lt.run(coro, timeout)
 
     @property
     def outstanding(self) -> int:

@@ -39,10 +39,10 @@ import torch
 from torchrl.modules.llm.backends.vllm import RLvLLMEngine
 
 from ..errors import InvalidJob, WeightSyncError
-from ..protocol import Control, control_message
-from ..producer.generate import RollqLLM
-from ..producer.sync import _LoopThread
 from ..keys import QueueKeys
+from ..producer.generate import RollqLLM
+from ..protocol import Control, ReplicaInfo, control_message
+from ..replicas import live_replicas
 from ..settings import DEFAULT_QUEUE, RedisSettings
 from .outputs import request_output
 
@@ -192,8 +192,7 @@ class AsyncVLLM(RLvLLMEngine):
         return self._llm
 
     def _run(self, coro: Any, timeout: float | None = None) -> Any:
-        lt: _LoopThread = self.llm._p._lt
-        return lt.run(coro, timeout)
+        return self.llm.producer.call(coro, timeout)
 
     async def _redis(self) -> Any:
         if self._client is None:
@@ -266,7 +265,7 @@ class AsyncVLLM(RLvLLMEngine):
         return self._tokenizer
 
     def _served_model(self) -> str:
-        models = {r.get("model") for r in self.replicas().values() if r.get("model")}
+        models = {r.model for r in self.replicas().values() if r.model}
         if not models:
             raise WeightSyncError(
                 f"no live replica of queue {self.config.queue!r} to take the tokenizer from; pass tokenizer="
@@ -275,9 +274,12 @@ class AsyncVLLM(RLvLLMEngine):
             raise WeightSyncError(f"replicas of queue {self.config.queue!r} serve different models: {sorted(models)}")
         return models.pop()
 
-    def replicas(self) -> dict[str, dict[str, Any]]:
-        """``{replica id: registry entry}`` of the live replicas of the queue."""
-        return self._run(_live_replicas(self._redis(), self._keys))
+    def replicas(self) -> dict[str, ReplicaInfo]:
+        """``{replica id: ReplicaInfo}`` of the live replicas of the queue."""
+        return self._run(self._live())
+
+    async def _live(self) -> dict[str, ReplicaInfo]:
+        return await live_replicas(await self._redis(), self._keys)
 
     @property
     def num_replicas(self) -> int:
@@ -302,7 +304,7 @@ class AsyncVLLM(RLvLLMEngine):
 
     def get_tp_size(self) -> int:
         """Tensor-parallel size of the replicas (the largest among live ones; 1 when none)."""
-        return max((int(r.get("tp_size", 1)) for r in self.replicas().values()), default=1)
+        return max((r.tp_size for r in self.replicas().values()), default=1)
 
     def get_model_metadata(self) -> dict[str, tuple[torch.dtype, torch.Size]]:
         """``{name: (dtype, shape)}`` of the served checkpoint, from the manifests the live
@@ -365,7 +367,7 @@ class AsyncVLLM(RLvLLMEngine):
         """Bound off-policy lag at submission: at most ``(max_lag + version + 1) * batch`` jobs
         of the queue are ever admitted (``batch``: jobs trained on per version; ``None``
         removes the bound). See :meth:`rollq.producer.client.Producer.set_staleness_bound`."""
-        self._run(self.llm._p.producer.set_staleness_bound(max_lag, batch))
+        self._run(self.llm.producer.producer.set_staleness_bound(max_lag, batch))
 
     def current_version(self) -> int:
         """The queue's recorded policy version."""
@@ -421,27 +423,3 @@ def _rebuild(config: EngineConfig) -> AsyncVLLM:
     engine = AsyncVLLM.__new__(AsyncVLLM)
     engine._init(config)
     return engine
-
-
-async def _live_replicas(client_coro: Any, keys: QueueKeys) -> dict[str, dict[str, Any]]:
-    import msgspec
-
-    client = await client_coro
-    raw = await client.hgetall(keys.consumers)
-    names = [k.decode() if isinstance(k, bytes) else str(k) for k in raw]
-    pipe = client.pipeline(transaction=False)
-    for n in names:
-        pipe.exists(keys.heartbeat(n))
-    alive = await pipe.execute()
-    out: dict[str, dict[str, Any]] = {}
-    for (k, data), n, a in zip(raw.items(), names, alive):
-        if not a:
-            continue
-        try:
-            entry = msgspec.msgpack.decode(data)
-        except msgspec.DecodeError:
-            continue
-        if isinstance(entry, dict):
-            out[n] = entry
-    return out
-

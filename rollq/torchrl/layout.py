@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..errors import InvalidJob, job_error
+from ..errors import InvalidJob
+from ..producer.batch import successful
 from ..protocol import Result
 
 
@@ -40,11 +41,7 @@ def results_to_llm_tensordict(
     from torchrl.modules.llm.policies import LogProbs, Masks, Text, Tokens
 
     rows = []
-    for gi, r in enumerate(results):
-        if r.error is not None:
-            if not skip_errors:
-                raise job_error(r.error.type, r.error.message, r.id)
-            continue
+    for gi, r in successful(results, skip_errors):
         given = prompts[gi] if prompts is not None else None
         ids = list(given) if given is not None else r.prompt_token_ids
         if ids is None:

@@ -37,6 +37,7 @@ import torch
 from ..connection import connect
 from ..errors import StaleVersion, WeightLoadFailed, WeightSyncError, WeightSyncTimeout
 from ..keys import QueueKeys
+from ..replicas import live_replicas
 from ..settings import DEFAULT_QUEUE, RedisSettings
 from .base import Sender
 from .manifest import Manifest, check_state, decode_manifest, read_manifest
@@ -139,14 +140,11 @@ class WeightPublisher:
         raw = await client.hgetall(self.keys.manifests)
         if not raw:
             return {}
-        names = [_s(k) for k in raw]
-        pipe = client.pipeline(transaction=False)
-        for n in names:
-            pipe.exists(self.keys.heartbeat(n))
-        alive = await pipe.execute()
+        live = await live_replicas(client, self.keys)
         out = {}
-        for (k, data), n, a in zip(raw.items(), names, alive):
-            if a:
+        for k, data in raw.items():
+            n = _s(k)
+            if n in live:
                 try:
                     out[n] = decode_manifest(data)
                 except (msgspec.DecodeError, WeightSyncError, ValueError) as e:
@@ -203,10 +201,7 @@ class WeightPublisher:
             registry = await client.hgetall(self.keys.consumers)
             errors = await read_load_errors(client, self.keys)
             names = [_s(k) for k in registry]
-            pipe = client.pipeline(transaction=False)
-            for n in names:
-                pipe.exists(self.keys.heartbeat(n))
-            alive = dict(zip(names, await pipe.execute()))
+            alive = dict.fromkeys(await live_replicas(client, self.keys), True)
             served: dict[str, int] = {}
             for k, data in registry.items():
                 try:
