@@ -409,6 +409,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and its options, as one flat table (long because it lists them all)."""
     p = argparse.ArgumentParser(prog="rollq", description="Redis-Streams job queue feeding vLLM replicas")
     p.add_argument("--log-level", default=os.environ.get("ROLLQ_LOG_LEVEL", "INFO"))
     sub = p.add_subparsers(dest="cmd", required=True)

@@ -80,7 +80,9 @@ def _error(status: int, message: str) -> JSONResponse:
 def create_app(sampler: Sampler, *, token: str | None = None) -> Starlette:
     """The dashboard app over ``sampler``; its lifespan runs the sampler's loop and closes it.
 
-    ``token``: the bearer token writes need (None: writes are refused).
+    ``token``: the bearer token writes need (None: writes are refused). The routes are small
+    closures over ``sampler`` and ``token``, defined here together so the whole HTTP surface
+    and its write guard read in one place (hence the length).
     """
     registry = make_registry(sampler)
 

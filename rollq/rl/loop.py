@@ -228,6 +228,9 @@ async def run_loop(
     published, e.g. on the echo engine), ``task`` a :class:`~rollq.rl.task.BucketTask`,
     ``publisher`` a :class:`~rollq.weightsync.publisher.WeightPublisher` (with a broadcast
     ``sender`` for ``transport="broadcast"``). ``on_step`` is called after every step.
+
+    One function on purpose: it reads top to bottom as the algorithm (submit, wait for the
+    step's batch, train, publish), with the async submitter in :func:`_submit_all`.
     """
     from ..producer.client import Producer
 
