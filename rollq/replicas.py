@@ -2,8 +2,8 @@
 
 A replica is live while its heartbeat key (``QueueKeys.heartbeat``, a key with a TTL renewed
 every heartbeat) exists; its :class:`~rollq.protocol.ReplicaInfo` sits in the registry hash
-(``QueueKeys.consumers``). The publisher, the weight sender and the status views ask here
-instead of scanning the registry themselves.
+(``QueueKeys.consumers``). The reclaimer, the status views, the weight publisher and
+:mod:`rollq.torchrl` ask here instead of checking the heartbeat keys themselves.
 """
 
 from __future__ import annotations
@@ -15,9 +15,19 @@ import msgspec
 from .keys import QueueKeys
 from .protocol import ReplicaInfo
 
-__all__ = ["live_replicas"]
+__all__ = ["heartbeating", "live_replicas"]
 
 log = logging.getLogger(__name__)
+
+
+async def heartbeating(client, keys: QueueKeys, names: list[str]) -> list[bool]:
+    """Whether each of ``names`` has a live heartbeat key now (one pipelined EXISTS per name)."""
+    if not names:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for n in names:
+        pipe.exists(keys.heartbeat(n))
+    return [bool(a) for a in await pipe.execute()]
 
 
 async def live_replicas(client, keys: QueueKeys) -> dict[str, ReplicaInfo]:
@@ -27,16 +37,10 @@ async def live_replicas(client, keys: QueueKeys) -> dict[str, ReplicaInfo]:
     record cannot be decoded is logged and left out; an entry without a heartbeat key is dead.
     """
     registry = await client.hgetall(keys.consumers)
-    if not registry:
-        return {}
     names = [k.decode() if isinstance(k, bytes) else str(k) for k in registry]
-    pipe = client.pipeline(transaction=False)
-    for n in names:
-        pipe.exists(keys.heartbeat(n))
-    alive = await pipe.execute()
     out: dict[str, ReplicaInfo] = {}
-    for (raw_name, data), n, a in zip(registry.items(), names, alive):
-        if not a:
+    for data, n, alive in zip(registry.values(), names, await heartbeating(client, keys, names)):
+        if not alive:
             continue
         try:
             out[n] = msgspec.msgpack.decode(data, type=ReplicaInfo)

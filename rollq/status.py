@@ -20,6 +20,7 @@ import msgspec
 from .connection import SUBMIT, Client
 from .keys import FIELD, GROUP, QueueKeys
 from .protocol import LATENCY_BUCKETS_MS, DeadLetter, ReplicaInfo, decode_dead_letter, decode_job, encode_job
+from .replicas import heartbeating
 
 _FIELD = FIELD.encode()
 
@@ -120,10 +121,7 @@ async def queue_status(client: Client, keys: QueueKeys) -> QueueStatus:
     replicas: list[ReplicaView] = []
     if registry:
         names = [_s(n) for n in registry]
-        pipe = client.pipeline(transaction=False)
-        for n in names:
-            pipe.exists(keys.heartbeat(n))
-        alive = await pipe.execute()
+        alive = await heartbeating(client, keys, names)
         now = time.time()
         for n, a in zip(names, alive):
             info = msgspec.msgpack.decode(registry[n.encode()], type=ReplicaInfo)

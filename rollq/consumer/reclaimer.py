@@ -18,6 +18,7 @@ from typing import Awaitable, Callable
 
 from ..connection import RECLAIM
 from ..keys import GROUP
+from ..replicas import heartbeating
 from .context import ReplicaContext, guarded
 from .jobs import Jobs
 from .puller import entry_payload
@@ -60,10 +61,7 @@ class Reclaimer:
                 await self._recover_own()
         if not names:
             return 0
-        pipe = ctx.redis.pipeline(transaction=False)
-        for n in names:
-            pipe.exists(ctx.keys.heartbeat(n))
-        alive = await pipe.execute()
+        alive = await heartbeating(ctx.redis, ctx.keys, names)
         taken = 0
         for name, is_alive in zip(names, alive):
             if not is_alive:

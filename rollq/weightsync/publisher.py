@@ -37,7 +37,7 @@ import torch
 from ..connection import connect
 from ..errors import StaleVersion, WeightLoadFailed, WeightSyncError, WeightSyncTimeout
 from ..keys import QueueKeys
-from ..replicas import live_replicas
+from ..replicas import heartbeating
 from ..settings import DEFAULT_QUEUE, RedisSettings
 from .base import Sender
 from .manifest import Manifest, check_state, decode_manifest, read_manifest
@@ -140,11 +140,10 @@ class WeightPublisher:
         raw = await client.hgetall(self.keys.manifests)
         if not raw:
             return {}
-        live = await live_replicas(client, self.keys)
+        names = [_s(k) for k in raw]
         out = {}
-        for k, data in raw.items():
-            n = _s(k)
-            if n in live:
+        for data, n, alive in zip(raw.values(), names, await heartbeating(client, self.keys, names)):
+            if alive:
                 try:
                     out[n] = decode_manifest(data)
                 except (msgspec.DecodeError, WeightSyncError, ValueError) as e:
@@ -201,7 +200,7 @@ class WeightPublisher:
             registry = await client.hgetall(self.keys.consumers)
             errors = await read_load_errors(client, self.keys)
             names = [_s(k) for k in registry]
-            alive = dict.fromkeys(await live_replicas(client, self.keys), True)
+            alive = dict(zip(names, await heartbeating(client, self.keys, names)))
             served: dict[str, int] = {}
             for k, data in registry.items():
                 try:
