@@ -48,6 +48,9 @@ from ..status import QueueStatus, dlq_list, histogram_quantile, queue_status
 
 log = logging.getLogger(__name__)
 
+#: Seconds :meth:`Sampler.close` waits on the loop before cancelling it again.
+_CANCEL_RETRY_S = 0.5
+
 #: Counters of the queue's ``stats`` hash that the dashboard turns into rates.
 COUNTERS = ("submitted", "completed", "failed", "dead_lettered")
 
@@ -209,6 +212,7 @@ class Sampler:
         self._discover_error: str | None = None
         self._client: Client | None = None
         self._task: asyncio.Task | None = None
+        self._closing = False
 
     @property
     def queues(self) -> list[str]:
@@ -235,10 +239,21 @@ class Sampler:
             self._task = asyncio.create_task(self._loop(), name="rollq-dashboard-sampler")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        """Stop the sampling loop and close the client.
+
+        The loop also checks a closing flag between rounds: a cancellation can be lost inside a
+        Redis call whose own timeout fires at the same moment (Python 3.11's ``wait_for``), so
+        the cancel is repeated until the task has ended.
+        """
+        task, self._task = self._task, None
+        if task is not None:
+            self._closing = True
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=_CANCEL_RETRY_S)
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("dashboard sampler ended with %s", type(task.exception()).__name__)
+            self._closing = False
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -253,7 +268,7 @@ class Sampler:
         await self.open()
         interval = self.settings.interval
         next_at = time.monotonic()
-        while True:
+        while not self._closing:
             await self.sample_all()
             next_at += interval
             delay = next_at - time.monotonic()

@@ -503,3 +503,33 @@ async def test_register_adds_both_commands():
     assert a.host == "127.0.0.1"
     a = p.parse_args(["top", "--once"])
     assert a.fn is dashboard_cli.cmd_top and a.once and a.queues is None
+
+
+class _LosesOneCancel(Sampler):
+    """A sampler whose round loses the first cancellation that lands in it, as Python 3.11's
+    ``wait_for`` does when a Redis call's own timeout fires at the moment of the cancel."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.inside = asyncio.Event()
+        self.lost = 0
+
+    async def sample_all(self) -> None:
+        await super().sample_all()
+        self.inside.set()
+        try:
+            await asyncio.sleep(0.2)
+        except asyncio.CancelledError:
+            self.lost += 1
+            if self.lost > 1:
+                raise
+        finally:
+            self.inside.clear()
+
+
+async def test_close_ends_the_loop_even_when_a_cancel_is_lost(queue, redis_url):
+    sampler = _LosesOneCancel(redis_url, [queue], DashboardSettings(interval=0.01))
+    sampler.start()
+    await bounded(sampler.inside.wait(), 10, "a sampling round")
+    await bounded(sampler.close(), 5, "the sampler to close")
+    assert sampler.lost == 1
