@@ -163,6 +163,8 @@ def engine_args(api: _Api, cfg: VllmEngineConfig) -> Any:
     kv = cfg.kv_cache_memory_bytes
     if kv is None and cpu:
         kv = DEFAULT_CPU_KV_CACHE_BYTES
+    if cpu and cfg.tensor_parallel_size > 1:
+        bind_cpu_workers(cfg.tensor_parallel_size)
     if kv is not None:
         if "kv_cache_memory_bytes" in fields:
             kw["kv_cache_memory_bytes"] = kv
@@ -182,6 +184,54 @@ def engine_args(api: _Api, cfg: VllmEngineConfig) -> Any:
     if unknown:
         raise ValueError(f"vLLM {api.version} AsyncEngineArgs has no field(s) {unknown}")
     return api.AsyncEngineArgs(**kw)
+
+
+def bind_cpu_workers(workers: int) -> str | None:
+    """Give each of ``workers`` CPU workers of a tensor-parallel replica its own cores.
+
+    vLLM's CPU backend binds one worker per NUMA node when ``VLLM_CPU_OMP_THREADS_BIND`` is
+    ``auto`` (its default) and refuses to start with fewer NUMA nodes than workers. Then the
+    cores this process may use are split into ``workers`` contiguous groups and written to
+    ``VLLM_CPU_OMP_THREADS_BIND`` (``"0|1"`` for two workers on two cores), which vLLM's
+    processes inherit. An explicit list or ``nobind`` is left as it is. Returns the binding
+    set, or None.
+
+    >>> bind_cpu_workers(1) is None
+    True
+    """
+    if workers <= 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    nodes = [d for d in _numa_nodes() if d & set(cpus)]
+    if len(nodes) >= workers:
+        return None
+    if len(cpus) < workers:
+        raise ValueError(
+            f"tensor_parallel_size={workers} on CPU needs at least {workers} cores; this process may use {len(cpus)}"
+        )
+    per = len(cpus) // workers
+    groups = [cpus[i * per:(i + 1) * per] for i in range(workers)]
+    binding = "|".join(",".join(map(str, g)) for g in groups)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+    logger.info("CPU tensor parallel: %d workers on %d NUMA node(s); VLLM_CPU_OMP_THREADS_BIND=%s",
+                workers, len(nodes), binding)
+    return binding
+
+
+def _numa_nodes() -> list[set[int]]:
+    """The CPUs of each NUMA node (one node of every CPU where sysfs does not say)."""
+    import glob
+
+    nodes = []
+    for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*/cpulist")):
+        with open(path) as f:
+            text = f.read().strip()
+        cpus: set[int] = set()
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        nodes.append(cpus)
+    return nodes or [set(os.sched_getaffinity(0))]
 
 
 async def pause_generation(llm: Any, mode: str, clear_cache: bool, version: str) -> None:
