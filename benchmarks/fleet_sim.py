@@ -58,17 +58,25 @@ TICK_S = 0.05  # the producer submits one batch per tick at a fixed offered rate
 #: Command (as ``INFO commandstats`` names it, lower case) -> family. Commands inside Lua
 #: scripts are counted by Redis under their own names as well as under the EVALSHA that ran
 #: them; the idle phase runs no script, so its families are exact.
+#: A reclaim turn (rollq/consumer/reclaimer.py) is a GET of the reclaimer role key and the
+#: replica's own-entry check (two XPENDING); the role's holder adds a PEXPIRE and the peer
+#: scan (XINFO CONSUMERS, one EXISTS per peer). Before the role existed (rollq before issue
+#: 16's fix) every turn of every replica was the scan alone.
 FAMILIES = {
     "set": "heartbeat", "hset": "heartbeat", "zadd": "heartbeat", "mget": "heartbeat",
     "hincrby": "heartbeat", "zremrangebyscore": "heartbeat",
-    "xreadgroup": "pull", "xautoclaim": "pull", "xpending": "pull", "xclaim": "pull",
-    "xinfo|consumers": "reclaim", "exists": "reclaim",
+    "xreadgroup": "pull", "xautoclaim": "pull", "xclaim": "pull",
+    "xinfo|consumers": "reclaim", "exists": "reclaim", "get": "reclaim", "pexpire": "reclaim", "xpending": "reclaim",
     "hget": "version follow", "hmget": "version follow", "subscribe": "version follow",
     "evalsha": "scripts (SUBMIT, FINISH)", "eval": "scripts (SUBMIT, FINISH)",
     "xread": "results (producer)", "xdel": "results (producer)",
 }
-#: Commands that mark one cycle of a periodic family (how many times the loop ran).
-CYCLE_MARKER = {"heartbeat": "set", "reclaim": "xinfo|consumers", "pull": "xreadgroup", "version follow": "hget"}
+#: The peer scan: what grows with the number of consumers in the group.
+SCAN = ("xinfo|consumers", "exists")
+#: Commands that mark one cycle of a periodic family (how many times the loop ran): the first
+#: of each tuple that was called (a reclaim turn: the role's GET, else, before the role, the scan).
+CYCLE_MARKER = {"heartbeat": ("set",), "reclaim": ("get", "xinfo|consumers"), "pull": ("xreadgroup",),
+                "version follow": ("hget",)}
 #: Marker calls per cycle (the follower's reconcile reads two HGETs in one pipeline).
 CALLS_PER_CYCLE = {"heartbeat": 1, "reclaim": 1, "pull": 1, "version follow": 2}
 #: Nominal cycles per replica per second with default settings (ConsumerSettings:
@@ -244,7 +252,7 @@ def delta(a: dict, b: dict, replicas: int, baseline: dict | None = None) -> dict
     for f in fams.values():
         f["calls_per_replica_per_s"] = f["calls"] / per
         f["usec_per_replica_per_s"] = f["usec"] / per
-    cycles = {f: cmds.get(m, [0, 0])[0] / CALLS_PER_CYCLE[f] / per for f, m in CYCLE_MARKER.items()}
+    cycles = {f: next((cmds[m][0] for m in ms if m in cmds), 0) / CALLS_PER_CYCLE[f] / per for f, ms in CYCLE_MARKER.items()}
     raw = sum(node_cpu)
     if baseline is not None:
         node_cpu = [c - b * wall for c, b in zip(node_cpu, baseline["node_cores"])]
@@ -515,28 +523,45 @@ def summarize(res: dict, budget_jobs_per_s: float = 100_000.0) -> dict:
     - ``k`` = Redis CPU (``used_cpu``) / sum of command usec in the idle window: what the event
       loop, socket reads and writes and the AOF add to the commands' own time.
     - Idle cost of one replica at the nominal rates: for each family, its Redis usec per cycle
-      (measured) times its nominal cycles per second, times ``k``. Reclaim's cycle is one
-      ``XINFO CONSUMERS`` (a reply listing every consumer) and one ``EXISTS`` per other
-      consumer, so its cost per cycle grows with N: it is split into ``reclaim_per_peer`` (usec
-      per cycle / (N-1)), and the fleet's idle cost is ``N * fixed + N * (N-1) * per_peer``.
+      (measured) times its nominal cycles per second, times ``k``, less the peer scan
+      (:data:`SCAN`: one ``XINFO CONSUMERS`` listing every consumer and one ``EXISTS`` per
+      other consumer), which is counted apart: ``scan_us_per_peer`` = its usec per scan /
+      (N-1), times ``k``, and ``scans_per_turn`` = scans / reclaim turns, about 1 when every
+      replica scans (rollq before the reclaimer role) and about 1/N when one elected replica
+      does. The fleet's idle cost is ``N * fixed + S(N) * (N-1) * scan_us_per_peer`` with
+      ``S(N)`` = N scanners per second (every replica scans: quadratic) or 1 (one scanner).
     - Redis CPU per job: the load window's ``used_cpu`` less the idle background scaled by the
-      reclaim cycles that ran in that window (the dominant idle cost), over the jobs completed.
-    - Largest fleet at ``budget_jobs_per_s`` on one core: the largest N with
-      ``N * fixed + N * (N-1) * per_peer <= 1 - budget * cpu_per_job``.
+      reclaim turns that ran in that window, over the jobs completed.
+    - Largest fleet at ``budget_jobs_per_s`` on one core: the largest N whose idle cost fits in
+      ``1 core - budget * cpu_per_job``, for both scan models (``every_replica_scans_*``,
+      ``one_scanner_*``) and for the one measured here (``current_reclaim_*``).
     """
     n = res["replicas"]
     idle = res["idle"]
     k = idle["redis_cpu_s"] / max(1e-9, idle["usec_sum"] / 1e6)
+    per = n * idle["wall_s"]
     fam_usec_cycle = {}
     for f, hz in NOMINAL_HZ.items():
         cyc = idle["cycles_per_replica_per_s"].get(f, 0.0)
         usec = idle["families"].get(f, {}).get("usec_per_replica_per_s", 0.0)
         fam_usec_cycle[f] = usec / cyc if cyc else 0.0
-    fixed_us = k * sum(fam_usec_cycle[f] * NOMINAL_HZ[f] for f in NOMINAL_HZ if f != "reclaim")
-    per_peer_us = k * fam_usec_cycle["reclaim"] * NOMINAL_HZ["reclaim"] / max(1, n - 1)
-    other_us = k * idle["families"].get("other", {}).get("usec_per_replica_per_s", 0.0)
-    fixed_us += other_us
-    idle_per_replica_nominal_us = fixed_us + per_peer_us * (n - 1)
+    turns = idle["cycles_per_replica_per_s"].get("reclaim", 0.0) * per
+    scans = idle["commands"].get(SCAN[0], {}).get("calls", 0)
+    scan_usec = sum(idle["commands"].get(c, {}).get("usec", 0) for c in SCAN)
+    scans_per_turn = scans / turns if turns else 0.0
+    scan_us_per_peer = k * scan_usec / scans / max(1, n - 1) if scans else 0.0
+    # the reclaim turn less the scan: the role's GET and the own-entry check
+    turn_usec = fam_usec_cycle["reclaim"] - (scan_usec / turns if turns else 0.0)
+    fixed_us = k * (sum(fam_usec_cycle[f] * NOMINAL_HZ[f] for f in NOMINAL_HZ if f != "reclaim")
+                    + turn_usec * NOMINAL_HZ["reclaim"])
+    fixed_us += k * idle["families"].get("other", {}).get("usec_per_replica_per_s", 0.0)
+    every_scans = scans_per_turn > 0.5  # what this run measured: every replica scans, or one
+
+    def idle_us(replicas: int, every: bool) -> float:
+        """Redis usec per second of an idle fleet of ``replicas``."""
+        scanners = replicas if every else 1
+        return replicas * fixed_us + scanners * NOMINAL_HZ["reclaim"] * max(0, replicas - 1) * scan_us_per_peer
+
     idle_cycles_reclaim = idle["cycles_per_replica_per_s"].get("reclaim", 0.0)
     loads = []
     for d in res.get("load", []):
@@ -559,22 +584,21 @@ def summarize(res: dict, budget_jobs_per_s: float = 100_000.0) -> dict:
     best = min(costs) if costs else None
     worst = max(costs) if costs else None
 
-    def fleet(cpu_job_us: float | None, per_peer: float) -> dict:
+    def fleet(cpu_job_us: float | None, every: bool) -> dict:
         if cpu_job_us is None:
             return {}
         left = 1e6 - budget_jobs_per_s * cpu_job_us  # usec of one core per second left for idle work
+        out = {"left_us_per_s": left, "max_jobs_per_s_one_core": 1e6 / cpu_job_us if cpu_job_us else None}
         if left <= 0:
-            return {"left_us_per_s": left, "max_replicas": 0,
-                    "max_jobs_per_s_one_core": 1e6 / cpu_job_us}
-        if per_peer > 0:  # per_peer * N^2 + (fixed - per_peer) * N - left = 0
-            a, b = per_peer, fixed_us - per_peer
+            return {**out, "max_replicas": 0}
+        a = NOMINAL_HZ["reclaim"] * scan_us_per_peer
+        if every and a > 0:  # a * N^2 + (fixed - a) * N - left = 0
+            b = fixed_us - a
             nmax = (-b + math.sqrt(b * b + 4 * a * left)) / (2 * a)
-        else:
-            nmax = left / fixed_us
-        return {"left_us_per_s": left, "max_replicas": int(nmax), "max_jobs_per_s_one_core": 1e6 / cpu_job_us}
+        else:  # N * fixed + (N-1) * a = left
+            nmax = (left + a) / (fixed_us + a)
+        return {**out, "max_replicas": int(nmax)}
 
-    # with a reclaim of O(1) per replica (e.g. one scan of a lease-deadline set per cycle)
-    per_replica_linear = fixed_us + k * fam_usec_cycle["reclaim"] * NOMINAL_HZ["reclaim"] / max(1, n - 1)
     return {
         "replicas": n, "k_cpu_over_usec": k,
         "idle_measured": {
@@ -582,12 +606,15 @@ def summarize(res: dict, budget_jobs_per_s: float = 100_000.0) -> dict:
             "redis_cores": idle["redis_cores"], "redis_us_per_replica_per_s": 1e6 * idle["redis_cores"] / n,
             "cycles_per_replica_per_s": idle["cycles_per_replica_per_s"],
             "families_calls_per_replica_per_s": {f: v["calls_per_replica_per_s"] for f, v in idle["families"].items()},
+            "scans_per_turn": scans_per_turn,
         },
         "idle_nominal": {
             "usec_per_cycle": fam_usec_cycle, "nominal_hz": NOMINAL_HZ,
-            "fixed_us_per_replica_per_s": fixed_us, "reclaim_us_per_peer_per_replica_per_s": per_peer_us,
-            "us_per_replica_per_s_at_this_n": idle_per_replica_nominal_us,
-            "fleet_cores_at_this_n": n * idle_per_replica_nominal_us / 1e6,
+            "every_replica_scans": every_scans, "scans_per_turn": scans_per_turn,
+            "fixed_us_per_replica_per_s": fixed_us, "scan_us_per_peer": scan_us_per_peer,
+            "us_per_replica_per_s_at_this_n": idle_us(n, every_scans) / n,
+            "fleet_cores_at_this_n": idle_us(n, every_scans) / 1e6,
+            "fleet_cores_at_1000": {"every_replica_scans": idle_us(1000, True) / 1e6, "one_scanner": idle_us(1000, False) / 1e6},
             "commands_per_replica_per_s": sum(
                 idle["families"].get(f, {}).get("calls_per_replica_per_s", 0.0)
                 / max(1e-9, idle["cycles_per_replica_per_s"].get(f, 0.0)) * NOMINAL_HZ[f]
@@ -598,10 +625,13 @@ def summarize(res: dict, budget_jobs_per_s: float = 100_000.0) -> dict:
         "cpu_per_job_us": {"best": best, "worst": worst, "submit_alone": res["submit_calibration"]["redis_cpu_us_per_job"]},
         "fleet_at_budget": {
             "budget_jobs_per_s": budget_jobs_per_s,
-            "current_reclaim_best": fleet(best, per_peer_us), "current_reclaim_worst": fleet(worst, per_peer_us),
-            "o1_reclaim_best": fleet(best, 0.0) if per_replica_linear else {},
-            "o1_reclaim_worst": fleet(worst, 0.0) if per_replica_linear else {},
+            "current_reclaim_best": fleet(best, every_scans), "current_reclaim_worst": fleet(worst, every_scans),
+            "every_replica_scans_best": fleet(best, True), "every_replica_scans_worst": fleet(worst, True),
+            "one_scanner_best": fleet(best, False), "one_scanner_worst": fleet(worst, False),
         },
+        # no jobs at all: how many idle replicas one core holds
+        "idle_fleet_one_core": {"every_replica_scans": fleet(0.0, True).get("max_replicas"),
+                                "one_scanner": fleet(0.0, False).get("max_replicas")},
         "exactly_once": res.get("exactly_once"),
     }
 
@@ -639,8 +669,13 @@ def markdown(all_res: dict) -> str:
             f"({fmt(im['redis_us_per_replica_per_s'], 1)} us per replica per s)",
             f"- at the nominal rates: {fmt(nom['commands_per_replica_per_s'], 1)} commands/replica/s, "
             f"{fmt(nom['us_per_replica_per_s_at_this_n'], 1)} us of Redis CPU per replica per s = "
-            f"{fmt(nom['fixed_us_per_replica_per_s'], 1)} fixed + {fmt(nom['reclaim_us_per_peer_per_replica_per_s'], 3)} per other replica "
-            f"(reclaim scan); the fleet: {fmt(nom['fleet_cores_at_this_n'], 2)} cores (k = used_cpu / command usec = {fmt(s['k_cpu_over_usec'], 2)})",
+            f"{fmt(nom['fixed_us_per_replica_per_s'], 1)} fixed + the peer scan, {fmt(nom['scan_us_per_peer'], 3)} us per other replica "
+            f"per scan, {fmt(nom['scans_per_turn'], 3)} scans per reclaim turn "
+            f"({'every replica scans' if nom['every_replica_scans'] else 'one elected replica scans'}); "
+            f"the fleet: {fmt(nom['fleet_cores_at_this_n'], 2)} cores (k = used_cpu / command usec = {fmt(s['k_cpu_over_usec'], 2)})",
+            f"- 1,000 idle replicas at these costs: {fmt(nom['fleet_cores_at_1000']['every_replica_scans'], 2)} cores if every "
+            f"replica scans, {fmt(nom['fleet_cores_at_1000']['one_scanner'], 3)} with one scanner; the most idle replicas one "
+            f"core holds: {s['idle_fleet_one_core']['every_replica_scans']:,} / {s['idle_fleet_one_core']['one_scanner']:,}",
             "",
             "### Under load", "",
             "| offered jobs/s | submitted/s | completed jobs/s | jobs/replica/s | Redis cores (per node) | Redis us/job | commands/replica/s |",
@@ -656,10 +691,11 @@ def markdown(all_res: dict) -> str:
             "",
             f"- Redis CPU per job: {fmt(c['best'], 1)}-{fmt(c['worst'], 1)} us (submit alone: {fmt(c['submit_alone'], 1)} us); "
             f"one core saturates at {fmt(fb['current_reclaim_best'].get('max_jobs_per_s_one_core'), 0)} jobs/s with no idle fleet",
-            f"- largest fleet one core serves at {fb['budget_jobs_per_s']:,.0f} jobs/s, reclaim as it is: "
+            f"- largest fleet one core serves at {fb['budget_jobs_per_s']:,.0f} jobs/s, reclaim as measured here: "
             f"{fb['current_reclaim_best'].get('max_replicas', '-')} (best per-job cost) / {fb['current_reclaim_worst'].get('max_replicas', '-')} (worst)",
-            f"- the same with an O(1)-per-replica reclaim scan: {fb['o1_reclaim_best'].get('max_replicas', '-')} / "
-            f"{fb['o1_reclaim_worst'].get('max_replicas', '-')}",
+            f"- the same if every replica scans: {fb['every_replica_scans_best'].get('max_replicas', '-')} / "
+            f"{fb['every_replica_scans_worst'].get('max_replicas', '-')}; with one scanner: "
+            f"{fb['one_scanner_best'].get('max_replicas', '-')} / {fb['one_scanner_worst'].get('max_replicas', '-')}",
             f"- exactly once: {s['exactly_once']}",
             f"- start-up {fmt(res['start']['seconds'], 0)} s; jobs the replicas reclaimed from each other (leases that lapsed "
             f"while this machine starved the generator): {sum(w.get('reclaimed', 0) for w in res['workers'])}; "

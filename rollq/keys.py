@@ -104,6 +104,12 @@ class QueueKeys:
         """Lease of a live consumer: a key with a TTL, renewed every heartbeat."""
         return f"{self.tag}:hb:{consumer}"
 
+    @cached_property
+    def reclaimer(self) -> str:
+        """String: the id of the one replica that scans for dead peers now (the reclaimer
+        role, rollq/consumer/reclaimer.py); a TTL, renewed by its holder every reclaim turn."""
+        return f"{self.tag}:reclaimer"
+
     # -- accounting and control --------------------------------------------------------
     @cached_property
     def stats(self) -> str:
@@ -196,7 +202,7 @@ class QueueKeys:
     def all_static(self) -> list[str]:
         """Every key of the queue whose name does not depend on a producer or replica."""
         return [
-            self.jobs, self.ids, self.dlq, self.consumers, self.stats, self.latency, self.lag,
+            self.jobs, self.ids, self.dlq, self.consumers, self.reclaimer, self.stats, self.latency, self.lag,
             self.config, self.version, self.versions_log, self.admission, self.weights_group, self.weights_offer,
             self.weights_layouts, self.manifests, self.load_errors,
         ]

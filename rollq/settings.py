@@ -128,9 +128,13 @@ class ConsumerSettings:
     block: float = 1.0
     #: Heartbeat period; the lease key is renewed this often.
     heartbeat_interval: float = 1.0
-    #: A consumer whose lease is this old is dead; its jobs are reclaimed.
+    #: A consumer whose lease is this old is dead; its jobs are reclaimed. Also the TTL of the
+    #: reclaimer role (at least 2 x ``reclaim_interval``): a dead holder is replaced this late.
     lease_ttl: float = 5.0
-    #: How often to look for dead consumers' jobs.
+    #: How often each replica takes a reclaim turn: it renews or tries to take the queue's
+    #: reclaimer role (and every ``lease_ttl`` checks its own pending entries); only the role's
+    #: holder scans the group for dead consumers, so a fleet scans once per interval, not once
+    #: per replica. Replicas of one queue should share this and ``lease_ttl``.
     reclaim_interval: float = 1.0
     #: Deliveries after which a job goes to the dead-letter stream instead of running again.
     max_deliveries: int = 3

@@ -16,8 +16,10 @@
   is no longer pending), shielded from cancellation and retried across Redis outages.
 - **heartbeat** (:mod:`~rollq.consumer.lease`): renews this replica's lease key, publishes its
   registry entry, notices cancellations of running jobs, feeds the capacity controller.
-- **reclaim** (:mod:`~rollq.consumer.reclaimer`): finds consumers whose lease expired and
-  takes over their pending jobs; after ``max_deliveries`` a job is dead-lettered instead.
+- **reclaim** (:mod:`~rollq.consumer.reclaimer`): recovers this replica's own entries that a
+  lost read reply left pending; the one replica holding the queue's reclaimer role finds
+  consumers whose lease expired and takes over their pending jobs; after ``max_deliveries`` a
+  job is dead-lettered instead.
 - **control** (:mod:`~rollq.consumer.control`): pub/sub hints (cancel, hand-back) that make
   the above react at once.
 - **version wait** (:mod:`~rollq.consumer.versions`): jobs whose ``min_version`` is above the
@@ -242,6 +244,10 @@ class Consumer:
             if stuck:
                 log.warning("consumer %s: %d background task(s) ignored cancellation", self.id, len(stuck))
         self.state = "stopped"
+        try:
+            await self.reclaimer.resign()
+        except RETRYABLE:
+            pass  # the role expires after lease_ttl
         await self.lease.release(leave_group=not jobs.running and not jobs.held and not len(self.finisher))
         for c in (ctx.redis, ctx.block_redis, ctx.finish_redis):
             if c is not None:
@@ -266,7 +272,9 @@ class Consumer:
         return await self.puller.recover_own(min_idle)
 
     async def reclaim_once(self) -> int:
-        """Take over jobs of consumers whose lease expired. Returns how many were taken."""
+        """One reclaim turn: recover our own lost entries, hold or take the reclaimer role,
+        and if held, take over jobs of consumers whose lease expired. Returns how many of
+        those were taken."""
         return await self.reclaimer.reclaim_once()
 
     def add_control_handler(self, cb: Callable[[Control, str], Any]) -> None:

@@ -64,12 +64,20 @@ class Puller:
                     )
                 backoff = s.backoff_initial
             except ResponseError as e:
-                if "NOGROUP" in str(e):  # Redis lost its data (no persistence) or keys were deleted
-                    log.warning("consumer group missing; recreating it")
+                if not _stream_gone(e):
+                    raise
+                # A stream or its group is gone: Redis lost its data (no persistence), or a
+                # peer that took this replica for dead deleted its empty targeted stream
+                # (RECLAIM), which ends a read blocked on it. Nothing was delivered.
+                log.warning("consumer %s: a job stream or its group is missing (%s); recreating it", ctx.id, str(e)[:120])
+                try:
                     for stream in ctx.streams:
                         await ctx.ensure_group(stream)
-                    continue
-                raise
+                except RETRYABLE as e2:
+                    log.warning("redis unavailable while recreating the group (%s); retrying in %.2fs", e2, backoff)
+                    await ctx.wait_any(ctx.stopping.wait(), timeout=backoff * (0.5 + random.random()))
+                    backoff = min(backoff * 2, s.backoff_max)
+                continue
             except RETRYABLE as e:
                 ctx.counters.reconnects += 1
                 log.warning("redis read failed (%s); reconnecting in %.2fs", e, backoff)
@@ -143,7 +151,13 @@ class Puller:
         r = self._ctx.redis
         try:
             for stream in self._ctx.streams:
-                for g in await r.xinfo_groups(stream):
+                try:
+                    groups = await r.xinfo_groups(stream)
+                except ResponseError as e:  # the stream is gone (see _stream_gone): nothing in it
+                    if "no such key" not in str(e).lower():
+                        raise
+                    continue
+                for g in groups:
                     name = g.get("name") or g.get(b"name")
                     if name in (GROUP, GROUP.encode()):
                         lag = g.get("lag", g.get(b"lag"))
@@ -153,6 +167,15 @@ class Puller:
         except RETRYABLE:
             return False
         return True
+
+
+def _stream_gone(e: ResponseError) -> bool:
+    """The read failed because a stream or its group does not exist: ``NOGROUP`` (a
+    non-blocking read, or a group destroyed under a blocked one) or ``UNBLOCKED the stream
+    key no longer exists`` (the stream deleted under a blocked read). An error reply to a read
+    delivers nothing, so recreating what is missing and reading again loses nothing."""
+    text = str(e)
+    return text.startswith("NOGROUP") or text.startswith("UNBLOCKED")
 
 
 def _str(name: bytes | str) -> str:

@@ -1,12 +1,27 @@
 """Reclaim: take over the jobs of consumers whose lease expired.
 
 Every ``reclaim_interval`` (jittered), or at once when a peer hands its jobs back on the control
-channel, the reclaimer lists the group's consumers, checks their lease keys, and moves the
-pending entries of dead ones to this replica with one RECLAIM script call per stream
-(``lua/reclaim.lua``: re-checks the lease, then claims); the entries then go through the usual
-admission, which dead-letters those delivered more than ``max_deliveries`` times. It also
-notices when Redis holds more of this replica's entries than it has in hand (a lost read
-reply) and recovers them.
+channel, each replica takes one reclaim turn:
+
+- once every ``lease_ttl``, it recovers entries pending under its own name that it is not
+  running (:meth:`~rollq.consumer.puller.Puller.recover_own`, two ``XPENDING`` of its own
+  entries): a read reply lost without an error (the puller recovers at once after a failed
+  read; this is the backstop);
+- it holds, or tries to take, the queue's *reclaimer role*: a key
+  (``QueueKeys.reclaimer``) holding one replica's id with a TTL of ``lease_ttl`` (at least
+  two reclaim intervals), renewed by its holder every turn and taken with ``SET NX`` by
+  whichever replica finds it gone;
+- only the holder lists the group's consumers, checks their lease keys, and moves the pending
+  entries of dead ones to itself with one RECLAIM script call per stream
+  (``lua/reclaim.lua``: re-checks the lease, then claims); the entries then go through the
+  usual admission, which dead-letters those delivered more than ``max_deliveries`` times.
+
+So a fleet of N replicas scans its N consumers once per interval (O(N) in all; per replica a
+``GET`` per turn and the own-entry check), not N times (O(N^2)). The role is an optimisation,
+not a lock: two replicas that both think they hold it for a turn only scan twice (RECLAIM
+claims each entry once). A holder that dies stops renewing: the key expires within
+``lease_ttl``, about when the holder's own lease does, and the next replica to take a turn
+takes the role and its jobs. A stopping replica gives the role up at once.
 """
 
 from __future__ import annotations
@@ -14,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from typing import Awaitable, Callable
 
 from ..connection import RECLAIM
@@ -35,6 +51,9 @@ class Reclaimer:
         self._recover_own = recover_own
         #: Set to reclaim at once (a peer handed its jobs back).
         self.now = asyncio.Event()
+        #: This replica held the reclaimer role at its last turn.
+        self.holding = False
+        self._own_due = 0.0  # time.monotonic() of the next check of our own pending entries
 
     async def run(self) -> None:
         ctx = self._ctx
@@ -42,12 +61,54 @@ class Reclaimer:
             await ctx.wait_any(self.now.wait(), timeout=ctx.settings.reclaim_interval * (0.75 + random.random() / 2))
             self.now.clear()
             if ctx.stopping.is_set():
+                if self.holding:  # a stopping replica takes over nothing more: let a peer scan
+                    await guarded(log, "reclaim", self.resign)
                 await asyncio.sleep(0.05)
                 continue
             await guarded(log, "reclaim", self.reclaim_once)
 
     async def reclaim_once(self) -> int:
-        """Take over jobs of consumers whose lease expired. Returns how many were taken."""
+        """One reclaim turn (see the module docstring). Returns how many jobs of dead
+        consumers were taken (0 unless this replica holds the reclaimer role)."""
+        now = time.monotonic()
+        if now >= self._own_due and not self._ctx.stopping.is_set():
+            self._own_due = now + self._ctx.settings.lease_ttl
+            await self._recover_own()
+        self.holding = await self._elect()
+        if not self.holding:
+            return 0
+        return await self._scan()
+
+    async def _elect(self) -> bool:
+        """Renew the reclaimer role if this replica holds it, else take it if nobody does.
+
+        Plain commands (Redis 6.2 has no ``SET NX GET``): a ``GET``, then a ``PEXPIRE`` by the
+        holder or a ``SET NX PX`` when the key is gone. If the key expires and a peer takes
+        it between our ``GET`` and ``PEXPIRE``, both scan for one turn: harmless."""
+        ctx = self._ctx
+        r, key, me = ctx.redis, ctx.keys.reclaimer, ctx.id.encode()
+        ttl_ms = int(1000 * max(ctx.settings.lease_ttl, 2 * ctx.settings.reclaim_interval))
+        holder = await r.get(key)
+        if holder == me:
+            return bool(await r.pexpire(key, ttl_ms))  # 0: it expired meanwhile
+        if holder is None and await r.set(key, me, nx=True, px=ttl_ms):
+            log.info("consumer %s holds the reclaimer role of queue %r", ctx.id, ctx.queue)
+            return True
+        return False
+
+    async def resign(self) -> None:
+        """Give the reclaimer role up if this replica holds it (a stop), so that a peer takes
+        it at its next turn instead of after ``lease_ttl``. A peer that took it meanwhile
+        keeps it unless it changes hands between our ``GET`` and ``DEL`` (then it is taken
+        again at the next turn)."""
+        ctx = self._ctx
+        self.holding = False
+        if await ctx.redis.get(ctx.keys.reclaimer) == ctx.id.encode():
+            await ctx.redis.delete(ctx.keys.reclaimer)
+
+    async def _scan(self) -> int:
+        """The holder's scan: take over the jobs of every consumer of the group whose lease
+        expired. Returns how many were taken."""
         ctx = self._ctx
         consumers = await ctx.redis.xinfo_consumers(ctx.keys.jobs, GROUP)
         names = []
@@ -56,9 +117,6 @@ class Reclaimer:
             name = name.decode() if isinstance(name, bytes) else name
             if name != ctx.id:
                 names.append(name)
-            elif int(c.get("pending") or 0) > len(self._jobs.known_eids()) and not ctx.stopping.is_set():
-                # Redis holds more of our entries than we run: a read reply was lost.
-                await self._recover_own()
         if not names:
             return 0
         alive = await heartbeating(ctx.redis, ctx.keys, names)
