@@ -14,6 +14,22 @@ Placement: each replica gets a placement group of ``tensor_parallel_size`` bundl
 (``{"GPU": 1, "CPU": 1}`` each, ``{"CPU": 1}`` without GPUs), packed on one node
 (``STRICT_PACK``) so tensor-parallel workers share NVLink. vLLM, started inside the actor,
 sees the placement group and places its workers in its bundles.
+
+Choosing nodes: ``replica_resources`` adds custom resources to each replica's first bundle
+(replica ``i`` takes entry ``i % len``), so a replica goes only where a node offers them.
+Give each node a resource at ``ray start`` (``--resources='{"node_a": 1}'``; in KubeRay,
+``rayStartParams.resources`` of a worker group) and ask for a small share of it:
+
+>>> RayLauncher("redis://10.0.0.5:6379/0", "grpo", EngineSpec(), num_replicas=2,   # doctest: +SKIP
+...             replica_resources=[{"node_a": 0.01}, {"node_b": 0.01}])
+
+A replica restarted by :meth:`RayLauncher.check` asks for the same resources, so it comes
+back on the same node (or a node started in its place), waiting at most ``placement_timeout``.
+
+Weights: with ``weights=WeightsSpec(root=..., broadcast=...)`` every replica runs a
+:class:`~rollq.weightsync.follower.WeightFollower` beside its consumer (as ``rollq consume
+--weights-root ... --broadcast`` does): ``root`` must be storage every replica's node sees
+at the same path (a shared filesystem; ``/dev/shm`` is per node).
 """
 
 from __future__ import annotations
@@ -23,7 +39,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from ..settings import ConsumerSettings
 
@@ -57,31 +73,66 @@ class EngineSpec:
         return int(self.options.get("tensor_parallel_size", 1)) if self.kind == "vllm" else 1
 
 
+#: The worker extension vLLM replicas load when they follow weights.
+WORKER_EXTENSION = "rollq.weightsync.worker_ext.RollqWorkerExtension"
+
+
+@dataclass
+class WeightsSpec:
+    """How replicas follow policy versions (a :class:`~rollq.weightsync.follower.WeightFollower` each).
+
+    ``root``: the memmap store (the publisher's ``root``), at the same path on every node;
+    ``broadcast``: join the trainer's broadcast group (``BroadcastSender``);
+    ``reconcile_interval``: seconds between reads of the version record when no hint arrives.
+    """
+
+    root: str | None = None
+    broadcast: bool = False
+    reconcile_interval: float = 5.0
+
+
 class ReplicaActor:
     """Body of one replica actor (wrapped with ``ray.remote`` by the launcher)."""
 
-    def __init__(self, url: str, queue: str, replica_id: str, engine: dict[str, Any], settings: dict[str, Any]):
+    def __init__(
+        self, url: str, queue: str, replica_id: str, engine: dict[str, Any], settings: dict[str, Any],
+        weights: dict[str, Any] | None = None,
+    ):
         import os
 
         self.url, self.queue, self.replica_id = url, queue, replica_id
         self.spec = EngineSpec(**engine)
         self.settings = ConsumerSettings(**settings)
+        self.weights = WeightsSpec(**weights) if weights is not None else None
         self.consumer: Any = None
         self.engine: Any = None
+        self.follower: Any = None
         if self.spec.kind == "vllm" and self.spec.tensor_parallel_size > 1:
             os.environ.setdefault("VLLM_DISTRIBUTED_EXECUTOR_BACKEND", "ray")
+        if self.spec.kind == "vllm" and self.weights is not None:
+            self.spec.options.setdefault("worker_extension_cls", WORKER_EXTENSION)
         logging.basicConfig(level=logging.INFO, format=f"[{replica_id}] %(name)s: %(message)s")
 
     async def run(self) -> int:
-        """Build the engine and serve until stopped. Returns the consumer's exit code."""
+        """Build the engine, catch up with the committed weights (with ``weights``) and serve
+        until stopped. Returns the consumer's exit code."""
         from .loop import Consumer
 
         self.engine = self.spec.build()
         await self.engine.start()
-        self.consumer = Consumer(self.engine, self.url, self.queue, consumer_id=self.replica_id, settings=self.settings)
+        consumer = Consumer(self.engine, self.url, self.queue, consumer_id=self.replica_id, settings=self.settings)
         try:
-            return await self.consumer.run()
+            if self.weights is not None:
+                from ..weightsync.follower import WeightFollower
+
+                w = self.weights
+                self.follower = WeightFollower(consumer, root=w.root, broadcast=w.broadcast, reconcile_interval=w.reconcile_interval)
+                await self.follower.start()
+            self.consumer = consumer
+            return await consumer.run()
         finally:
+            if self.follower is not None:
+                await self.follower.stop()
             await self.engine.stop()
 
     async def ready(self) -> bool:
@@ -100,10 +151,25 @@ class ReplicaActor:
 
         return msgspec.structs.asdict(self.consumer.info())
 
+    async def node(self) -> dict[str, Any]:
+        """Where this actor runs: ``node_id`` (Ray's), ``ip`` and ``pid``."""
+        import os
+
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+    async def updates(self) -> list[dict[str, Any]]:
+        """Weight updates applied so far: ``version``, ``transport``, ``update_s`` each."""
+        if self.follower is None:
+            return []
+        return [{"version": u.version, "transport": u.transport, "update_s": u.update_s} for u in self.follower.history]
+
 
 @dataclass
 class _Replica:
     id: str
+    index: int
     pg: Any
     actor: Any
     run_ref: Any
@@ -111,7 +177,12 @@ class _Replica:
 
 
 class RayLauncher:
-    """Starts, watches (restarts) and stops N replica actors."""
+    """Starts, watches (restarts) and stops N replica actors.
+
+    ``replica_resources``: custom resources per replica, to pin replicas to nodes (see the
+    module docstring); ``weights``: replicas follow policy versions (:class:`WeightsSpec`);
+    ``placement_timeout``: seconds to wait for a replica's placement group.
+    """
 
     def __init__(
         self,
@@ -126,6 +197,9 @@ class RayLauncher:
         cpus_per_bundle: float = 1.0,
         max_restarts: int = 10,
         ray_init_kwargs: dict[str, Any] | None = None,
+        replica_resources: Sequence[Mapping[str, float]] = (),
+        weights: WeightsSpec | None = None,
+        placement_timeout: float = 600.0,
     ):
         self.url, self.queue, self.engine = url, queue, engine
         self.num_replicas = num_replicas
@@ -135,11 +209,15 @@ class RayLauncher:
         self.cpus_per_bundle = cpus_per_bundle
         self.max_restarts = max_restarts
         self.ray_init_kwargs = ray_init_kwargs or {}
+        self.replica_resources = [dict(r) for r in replica_resources]
+        self.weights = weights
+        self.placement_timeout = placement_timeout
         self.replicas: dict[str, _Replica] = {}
         self._stopping = False
 
     # -- placement -----------------------------------------------------------------------
-    def _bundles(self) -> list[dict[str, float]]:
+    def _bundles(self, index: int = 0) -> list[dict[str, float]]:
+        """Bundles of replica ``index``'s placement group (its custom resources in the first)."""
         import ray
 
         gpu = self.use_gpu
@@ -148,16 +226,27 @@ class RayLauncher:
         b: dict[str, float] = {"CPU": self.cpus_per_bundle}
         if gpu:
             b["GPU"] = 1
-        return [dict(b) for _ in range(self.engine.tensor_parallel_size)]
+        bundles = [dict(b) for _ in range(self.engine.tensor_parallel_size)]
+        if self.replica_resources:
+            bundles[0].update(self.replica_resources[index % len(self.replica_resources)])
+        return bundles
 
-    def _launch(self, rid: str, restarts: int = 0) -> _Replica:
+    def _launch(self, rid: str, index: int, restarts: int = 0) -> _Replica:
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.exceptions import GetTimeoutError
+        from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        pg = placement_group(self._bundles(), strategy="STRICT_PACK", name=f"rollq-{self.queue}-{rid}")
-        ray.get(pg.ready(), timeout=600)
-        gpu0 = 1 if self._bundles()[0].get("GPU") and self.engine.tensor_parallel_size == 1 else 0
+        bundles = self._bundles(index)
+        pg = placement_group(bundles, strategy="STRICT_PACK", name=f"rollq-{self.queue}-{rid}")
+        try:
+            ray.get(pg.ready(), timeout=self.placement_timeout)
+        except GetTimeoutError as e:
+            remove_placement_group(pg)
+            raise TimeoutError(
+                f"no node could place replica {rid} ({bundles}) within {self.placement_timeout}s (placement_timeout)"
+            ) from e
+        gpu0 = 1 if bundles[0].get("GPU") and self.engine.tensor_parallel_size == 1 else 0
         actor_cls = ray.remote(ReplicaActor)
         actor = actor_cls.options(
             name=f"rollq-{self.queue}-{rid}",
@@ -167,9 +256,12 @@ class RayLauncher:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
             ),
-        ).remote(self.url, self.queue, rid, dataclasses.asdict(self.engine), dataclasses.asdict(self.settings))
+        ).remote(
+            self.url, self.queue, rid, dataclasses.asdict(self.engine), dataclasses.asdict(self.settings),
+            dataclasses.asdict(self.weights) if self.weights is not None else None,
+        )
         ref = actor.run.remote()
-        return _Replica(rid, pg, actor, ref, restarts)
+        return _Replica(rid, index, pg, actor, ref, restarts)
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, wait_ready: bool = True, timeout: float = 900) -> RayLauncher:
@@ -179,7 +271,7 @@ class RayLauncher:
             ray.init(**{"ignore_reinit_error": True, "log_to_driver": True, **self.ray_init_kwargs})
         for i in range(self.num_replicas):
             rid = f"{self.name_prefix}-{i}"
-            self.replicas[rid] = self._launch(rid)
+            self.replicas[rid] = self._launch(rid, i)
         if wait_ready:
             ray.get([r.actor.ready.remote() for r in self.replicas.values()], timeout=timeout)
         log.info("%d replica(s) serving queue %r", len(self.replicas), self.queue)
@@ -206,7 +298,11 @@ class RayLauncher:
                 continue
             log.warning("replica %s %s; restarting", rep.id, why)
             self._teardown(rep)
-            self.replicas[rep.id] = self._launch(rep.id, rep.restarts + 1)
+            try:
+                self.replicas[rep.id] = self._launch(rep.id, rep.index, rep.restarts + 1)
+            except TimeoutError as e:  # its node is gone and none took its place yet
+                log.error("%s; trying again at the next check", e)
+                continue
             restarted.append(rep.id)
         return restarted
 

@@ -59,3 +59,15 @@ def test_two_replicas_share_a_queue_and_dead_actor_is_restarted(ray_cluster, red
     finally:
         launcher.stop(timeout=20)
     assert launcher.replicas == {}
+
+
+def test_replica_that_no_node_can_place_times_out(ray_cluster, redis_url, queue):
+    # replica_resources pins replicas to nodes offering a custom resource; none offers this one
+    launcher = RayLauncher(
+        redis_url, queue, EngineSpec(kind="echo"), num_replicas=1, cpus_per_bundle=0.5,
+        replica_resources=[{"node_nowhere": 0.01}], placement_timeout=2,
+    )
+    with pytest.raises(TimeoutError, match="placement_timeout"):
+        launcher.start()
+    assert launcher.replicas == {}
+    assert not [pg for pg in ray_cluster.util.placement_group_table().values() if pg["state"] != "REMOVED"]
