@@ -284,8 +284,9 @@ async def test_weights_reach_vllm_replicas_on_both_nodes(cluster, redis_url, que
     )
     await asyncio.to_thread(launcher.start, timeout=600)
     replicas = ("replica-0", "replica-1")
-    # The trainer listens on the address Ray knows this node by, as it would across hosts.
-    sender = BroadcastSender(num_workers=2, backend="gloo", host=ray.util.get_node_ip_address(), timeout=60, bucket_bytes=1 << 20)
+    # The trainer listens on loopback: every "node" is a process group on this machine, and the
+    # tests send traffic to loopback only (across hosts it is the trainer's routable address).
+    sender = BroadcastSender(num_workers=2, backend="gloo", host="127.0.0.1", timeout=60, bucket_bytes=1 << 20)
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
     try:
         where = _assert_across_nodes(launcher)
