@@ -149,8 +149,22 @@ class QueueKeys:
 
     @cached_property
     def weights_group(self) -> str:
-        """Hash: the trainer's current broadcast group (address, world size, id) and rank counter."""
+        """Hash: the trainer's broadcast group: ``call`` (the id of a group being formed, whose
+        call replicas answer in :meth:`weights_answers`) and ``d`` (msgpack GroupInfo of the
+        formed group, with each member replica's first rank)."""
         return f"{self.tag}:wgroup"
+
+    @cached_property
+    def weights_members(self) -> str:
+        """Hash ``replica -> "workers run-token"`` of the replicas that follow broadcasts
+        (written by each one at start, removed at stop or by the trainer when it stops
+        answering; see rollq.weightsync.wire.member_entry)."""
+        return f"{self.tag}:wmembers"
+
+    def weights_answers(self, group: str) -> str:
+        """Hash ``replica -> "workers run-token"``: the replicas that answered the call of
+        broadcast group ``group`` (its members). Expires."""
+        return f"{self.tag}:wanswers:{group}"
 
     @cached_property
     def weights_offer(self) -> str:
@@ -204,7 +218,7 @@ class QueueKeys:
         return [
             self.jobs, self.ids, self.dlq, self.consumers, self.reclaimer, self.stats, self.latency, self.lag,
             self.config, self.version, self.versions_log, self.admission, self.weights_group, self.weights_offer,
-            self.weights_layouts, self.manifests, self.load_errors,
+            self.weights_layouts, self.weights_members, self.manifests, self.load_errors,
         ]
 
     def pattern(self) -> str:

@@ -40,14 +40,26 @@ def tensor_checksum(t: torch.Tensor) -> int:
     n = raw.numel()
     pad = (-n) % (4 * _LANES)
     if raw.device.type == "cpu":
-        s = _cpu_sum(raw.numpy(), pad)
-    else:
-        if pad:
-            raw = torch.cat([raw, torch.zeros(pad, dtype=torch.uint8, device=raw.device)])
-        lanes = raw.view(torch.int32).view(-1, _LANES).sum(0, dtype=torch.int64)  # wraps mod 2**64
-        s = int((lanes * _lane_weights(raw.device)).sum().item()) & _MASK
+        return buffer_checksum(raw.numpy(), t.dtype, tuple(t.shape))
+    if pad:
+        raw = torch.cat([raw, torch.zeros(pad, dtype=torch.uint8, device=raw.device)])
+    lanes = raw.view(torch.int32).view(-1, _LANES).sum(0, dtype=torch.int64)  # wraps mod 2**64
+    s = int((lanes * _lane_weights(raw.device)).sum().item()) & _MASK
     meta = _name_hash(f"{t.dtype}|{tuple(t.shape)}|{n}")
     return (s * 1099511628211 + meta) & _MASK
+
+
+def buffer_checksum(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """:func:`tensor_checksum` of a tensor of ``dtype`` and ``shape`` held in ``raw`` (its
+    bytes as ``uint8``: a read-only file mapping will do).
+
+    >>> t = torch.arange(6.0)
+    >>> buffer_checksum(t.numpy().view("uint8"), t.dtype, tuple(t.shape)) == tensor_checksum(t)
+    True
+    """
+    n = raw.size
+    s = _cpu_sum(raw, (-n) % (4 * _LANES))
+    return (s * 1099511628211 + _name_hash(f"{dtype}|{tuple(shape)}|{n}")) & _MASK
 
 
 def _cpu_sum(raw: np.ndarray, pad: int) -> int:
@@ -74,9 +86,20 @@ def state_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     items = list(named)
     if items and all(t.device.type == "cuda" for _, t in items) and len({t.device for _, t in items}) == 1:
         return f"{_state_checksum_device(items):016x}"
+    return combine_checksums((name, tensor_checksum(t)) for name, t in items)
+
+
+def combine_checksums(named: Iterable[tuple[str, int]]) -> str:
+    """:func:`state_checksum` from each tensor's :func:`tensor_checksum`, computed anywhere
+    (a sharded trainer's ranks each checksum some of the tensors).
+
+    >>> import torch
+    >>> t = torch.arange(6.0)
+    >>> combine_checksums([("w", tensor_checksum(t))]) == state_checksum([("w", t)])
+    True
+    """
     acc = 0
-    for name, t in items:
-        h = tensor_checksum(t)
+    for name, h in named:
         acc = (acc + ((h ^ _name_hash(name)) * 0x100000001B3)) & _MASK
     return f"{acc:016x}"
 

@@ -33,6 +33,14 @@ before loading. A version that cannot be loaded is recorded and retried a few ti
 (:mod:`rollq.weightsync.load_failures`). Broadcast versions arrive while the replica serves
 (:mod:`rollq.weightsync.replica`); with ``swap_overlap`` they may go live while the last of
 them still arrives (:mod:`rollq.weightsync.overlap`).
+
+A replica that starts while the trainer broadcasts versions joins the next group before it
+loads anything. The committed version may then be one it cannot load: broadcast before it
+joined, with no memmap copy. It does not serve the checkpoint's weights meanwhile: ``start``
+waits (at most ``load_timeout``) for the next version, which it receives as a member of the
+trainer's next group, and only then returns, so the consumer pulls nothing before (a version
+with a memmap copy is loaded from it at once). A running replica that misses a broadcast
+version (left out of its group) keeps serving the version it holds and takes the next one.
 """
 
 from __future__ import annotations
@@ -56,6 +64,15 @@ from .wire import StageStatus, State, SwapReport, from_wire, to_wire
 log = logging.getLogger(__name__)
 
 POLICIES = ("keep", "abort", "drain")
+
+
+class MissedBroadcast(WeightSyncError):
+    """The committed version was broadcast before this replica was in the group, and has no
+    memmap copy: the replica takes the next version instead (it is in the next group)."""
+
+    def __init__(self, version: int, group: str | None):
+        super().__init__(f"version {version} was broadcast over group {group} without this replica and has no memmap copy it can read")
+        self.version = version
 
 
 @dataclass
@@ -138,6 +155,7 @@ class WeightFollower:
         self._hinted_at = 0.0  # when that announcement arrived (wall clock)
         self._load_call_s = 0.0
         self._policy: str | None = None  # the queue's update policy as last read
+        self._missed = 0  # a broadcast version this replica did not receive (it waits for the next)
         #: The last committed version this replica failed to load, and its retries.
         self.load_failures = LoadFailures(consumer, load_retries, load_retry_delay)
         #: Broadcast receiver (rollq.weightsync.replica) whose workers stage versions while serving.
@@ -154,22 +172,56 @@ class WeightFollower:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        """Catch up with the committed version (before the consumer pulls), then follow it."""
+        """Catch up with the committed version (before the consumer pulls), then follow it.
+
+        Raises :class:`~rollq.errors.WeightSyncError` for ``swap_overlap`` on a replica of
+        several broadcast workers (tensor parallel): swapping parts in while the rest arrives
+        would need every worker to agree on commit or undo of each part, which they do not.
+        """
         from ..connection import connect
 
+        if self.overlap.enabled and self.receiver is not None and self.receiver.num_workers > 1:
+            raise WeightSyncError(
+                f"swap_overlap needs a replica of one worker; replica {self.consumer.id} has "
+                f"{self.receiver.num_workers} (tensor parallel), whose workers cannot agree on committing or "
+                "undoing each part. Start it without swap_overlap (rollq consume without --swap-overlap): "
+                "versions then swap in after the commit"
+            )
         self._client = connect(self.consumer.redis_settings)
         await self._publish_manifest()
         self.consumer.add_control_handler(self._on_control)
         self.consumer.close_intake()  # a restarted replica loads the current version first
         try:
-            await self._reconcile_with_retry()
+            if self.receiver is not None:  # a member of the trainer's next group from now on
+                await self.receiver.start(self._client)
+            await self._catch_up()
             if self.load_failures.current is None:  # an entry left by an earlier run under this id
                 await self.load_failures.clear(self._client)
+        except BaseException:
+            if self.receiver is not None:
+                await self.receiver.stop()
+            raise
         finally:
             self.consumer.open_intake()
         self._task = asyncio.create_task(self._loop(), name="rollq-weight-follower")
-        if self.receiver is not None:
-            await self.receiver.start(self._client)
+
+    async def _catch_up(self) -> None:
+        """Load the committed version; one broadcast before this replica joined is not
+        loadable: wait (``load_timeout``) for the next version instead (module docstring)."""
+        deadline = time.monotonic() + self.load_timeout
+        while True:
+            try:
+                await self._reconcile_with_retry()
+                return
+            except MissedBroadcast as e:
+                if time.monotonic() > deadline:
+                    raise WeightSyncTimeout(
+                        f"{e}; no newer version arrived within {self.load_timeout}s (WeightFollower load_timeout)"
+                    ) from e
+                if self._missed != e.version:
+                    self._missed = e.version
+                    log.info("replica %s: %s; it serves nothing until the next version arrives", self.consumer.id, e)
+            await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
         await self.overlap.stop()
@@ -281,7 +333,7 @@ class WeightFollower:
             rec = decode_record(got[0]) if got[0] else None
             if rec is None or rec.version <= self.consumer.version:
                 return None
-            if from_loop and self.load_failures.waiting(rec.version):
+            if from_loop and (self.load_failures.waiting(rec.version) or rec.version == self._missed):
                 return None
             p = got[1].decode() if isinstance(got[1], bytes) else got[1]
             policy = self._policy = p if p in POLICIES else self.default_policy
@@ -292,6 +344,13 @@ class WeightFollower:
                 self._check_slot(rec)
                 st = await self.apply(rec, policy, acks=acks)
             except asyncio.CancelledError:
+                raise
+            except MissedBroadcast as e:  # not a load failure: the next version comes to us
+                if from_loop:
+                    if self._missed != rec.version:
+                        log.info("replica %s: %s; it keeps serving version %d", self.consumer.id, e, self.consumer.version)
+                    self._missed = rec.version
+                    return None
                 raise
             except Exception as e:
                 await self.load_failures.record(self._client, rec.version, e)
@@ -359,9 +418,8 @@ class WeightFollower:
             if version is not None:
                 return _Staged(version, memmap=False)
             if rec.memmap_slot is None:
-                # Committed before this replica acked (it joined late, or the trainer moved on):
-                # wait briefly for a memmap copy rather than failing.
-                log.info("version %d was broadcast without us; waiting for a memmap copy", rec.version)
+                # committed without this replica's workers (it joined late, or was left out)
+                raise MissedBroadcast(rec.version, rec.group)
         if rec.memmap_slot is not None and self.root is not None:
             # Read, copy and verify while still serving; the pause only swaps it in.
             return await self._stage_memmap(rec)

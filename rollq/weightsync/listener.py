@@ -4,7 +4,9 @@ Runs in a daemon thread of each vLLM worker process, with its own blocking Redis
 no engine RPC sits on the update's path, where it would queue behind generation steps.
 Pub/sub ``woffer <v>`` messages are only a hint; the offer record is checked every
 ``Listen.poll`` seconds too. Each new offer of the worker's group is received once, then
-acked (:class:`~rollq.weightsync.wire.Ack`) in the offer's ack hash and on its signal list.
+acked (:class:`~rollq.weightsync.wire.Ack`, naming the group) in the offer's ack hash and on
+its signal list; a receive that ends after its group was left (the trainer rebuilt the group
+and may offer the same version again there) is not acked.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -40,12 +42,16 @@ def sync_client(url: str) -> Any:
 
 
 class OfferListener:
-    """Follows the offers of ``receiver``'s group; ``loaded()`` gives the worker's loaded version."""
+    """Follows the offers of ``receiver``'s group newer than ``listen.serving``.
 
-    def __init__(self, receiver: WorkerReceiver, listen: Listen, loaded: Callable[[], int] = lambda: 0):
+    Every member of the group must take part in each of its broadcasts (the trainer's
+    collective waits for all), so an offer of the group is skipped only when it is not newer
+    than what the replica served when it joined, or was taken part in already.
+    """
+
+    def __init__(self, receiver: WorkerReceiver, listen: Listen):
         self.receiver = receiver
         self.listen = listen
-        self.loaded = loaded
         self.attempted = 0  # newest offered version this worker took part in (or skipped)
         self._reported: bytes | None = None  # the FlatLayout last reported
         self._version_client: Any = None  # reads the version record for the swap (another thread)
@@ -97,17 +103,19 @@ class OfferListener:
             return False
         offer = msgspec.msgpack.decode(raw, type=Offer)
         rcv = self.receiver
-        if offer.group != rcv.info.id or offer.version <= max(self.attempted, int(self.loaded())):
+        if offer.group != rcv.info.id or offer.version <= max(self.attempted, self.listen.serving):
             return False
         self.attempted = offer.version  # once per offer: the trainer moves on after a failure
         rcv.receive(offer)
+        if rcv.closed.is_set():  # this group was left meanwhile: the trainer no longer waits for it
+            return False
         self._answer(client, offer)
         return True
 
     def _answer(self, client: Any, offer: Offer) -> None:
         """Ack the offer, after reporting this worker's flat layout when it changed."""
         listen, status, sink = self.listen, self.receiver.status, self.receiver.sink
-        ack = encode_ack(status.ack(listen.field))
+        ack = encode_ack(status.ack(listen.field, offer.group))
         report = None
         # The layout only changes when a version is loaded (not written in place): in steady
         # state nothing is computed here, between the receive and the ack.

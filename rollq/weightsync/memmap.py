@@ -145,6 +145,14 @@ class MemmapStore:
         if finish is not None:
             finish()
             write_s = time.perf_counter() - t0  # the copies overlapped the checksum
+        nbytes = self.commit(slot, version, checksum, manifest)
+        log.info("wrote version %d to %s (%.1f MB, %.3fs, reused=%s, pinned=%s)", version, d, nbytes / 1e6, write_s, reused, pinned)
+        return SlotInfo(slot, version, checksum, manifest, nbytes, write_s, checksum_s, pinned)
+
+    def commit(self, slot: str, version: int, checksum: str, manifest: list[TensorMeta]) -> int:
+        """Write ``slot``'s commit marker (atomically): from now on readers accept it as
+        ``version``. Returns the bytes of its tensors."""
+        d = self.path(slot)
         nbytes = sum(m.nbytes for m in manifest)
         marker = {
             "version": version, "checksum": checksum, "nbytes": nbytes, "written_at": time.time(),
@@ -156,8 +164,120 @@ class MemmapStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, d / COMMIT)
-        log.info("wrote version %d to %s (%.1f MB, %.3fs, reused=%s, pinned=%s)", version, d, nbytes / 1e6, write_s, reused, pinned)
-        return SlotInfo(slot, version, checksum, manifest, nbytes, write_s, checksum_s, pinned)
+        return nbytes
+
+    # -- writes in parts (the ranks of a sharded trainer, rollq.weightsync.sharded) ---------
+    def open_slot(self, slot: str, manifest: list[TensorMeta]) -> bool:
+        """Make ``slot`` (:meth:`slot_for` the version) ready for :meth:`write_part` (one
+        process does this, before any part is written): its commit marker removed, and one
+        full-size file per tensor of ``manifest`` in the layout :meth:`write` produces
+        (``meta.json`` and ``<name>.memmap``, so readers load it unchanged). The existing
+        files are kept when the slot already has this layout; new ones are sparse (nothing is
+        materialised). Returns whether the files were reused."""
+        from tensordict import TensorDict
+
+        d = self.path(slot)
+        (d / COMMIT).unlink(missing_ok=True)  # readers now refuse this slot
+        reused = self._has_layout(d, manifest)
+        if not reused:
+            shutil.rmtree(d, ignore_errors=True)
+            shapes = {m.name: torch.zeros((), dtype=getattr(torch, m.dtype)).expand(m.shape) for m in manifest}
+            TensorDict(shapes, batch_size=[]).memmap_like(prefix=d)  # zero-stride sources: no data
+        self._layouts[slot] = manifest
+        return reused
+
+    def _has_layout(self, d: Path, manifest: list[TensorMeta]) -> bool:
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return False
+        names = {k for k, v in meta.items() if isinstance(v, dict)}
+        if names != {m.name for m in manifest}:
+            return False
+        for m in manifest:
+            row = meta[m.name]
+            if row.get("shape") != m.shape or row.get("dtype") != f"torch.{m.dtype}":
+                return False
+            p = d / f"{m.name}.memmap"
+            if m.nbytes and (not p.is_file() or p.stat().st_size != m.nbytes):
+                return False
+        return True
+
+    def _mapped(self, slot: str, meta: TensorMeta) -> tuple[Any, torch.Tensor]:
+        """``meta``'s file in ``slot`` memory-mapped for writing (shared: writes reach the
+        file), and a view of its bytes shaped like the tensor with the last dimension counted
+        in bytes. Nothing is copied."""
+        import numpy as np
+
+        p = self.path(slot) / f"{meta.name}.memmap"
+        if not p.is_file() or p.stat().st_size < meta.nbytes:
+            raise CorruptWeights(f"{p} is missing or shorter than the {meta.nbytes} bytes of {meta.name}")
+        mm = np.memmap(p, dtype=np.uint8, mode="r+", shape=(meta.nbytes,))
+        t = torch.from_numpy(mm)
+        item = getattr(torch, meta.dtype).itemsize
+        return mm, (t.view(*meta.shape[:-1], meta.shape[-1] * item) if meta.shape else t)
+
+    def write_part(self, slot: str, meta: TensorMeta, part: torch.Tensor, offset: list[int]) -> int:
+        """Write ``part``, the block of tensor ``meta`` that starts at index ``offset``
+        (``[0, ...]`` and the whole tensor for an unsharded one), into its file in ``slot``
+        (prepared by :meth:`open_slot`); returns the bytes written. Several processes may
+        write disjoint parts of one file at once. A block that is one byte range of the file
+        (rows of a row-sharded tensor) on CPU is written with ``pwrite``; any other block
+        through a shared mapping of the file (a device tensor is copied to its pages directly).
+        Nothing is copied on the way."""
+        if part.numel() == 0:
+            return 0
+        if str(part.dtype).removeprefix("torch.") != meta.dtype or len(offset) != len(meta.shape) or part.dim() != len(offset):
+            raise WeightSyncError(f"a part of {meta.name} ({part.dtype}, shape {list(part.shape)} at {offset}) does not fit {meta}")
+        src = part.detach()
+        src = (src if src.is_contiguous() else src.contiguous()).reshape(-1).view(torch.uint8)
+        if src.device.type == "cpu" and (not offset or (offset[1:] == [0] * (len(offset) - 1) and list(part.shape[1:]) == meta.shape[1:])):
+            row = src.numel() // part.shape[0] if offset else 0
+            self._pwrite(self.path(slot) / f"{meta.name}.memmap", memoryview(src.numpy()), offset[0] * row if offset else 0)
+            return src.numel()
+        mm, dst = self._mapped(slot, meta)
+        item = part.element_size()
+        index = [slice(o, o + n) for o, n in zip(offset, part.shape)]
+        if index:
+            index[-1] = slice(index[-1].start * item, index[-1].stop * item)
+            dst = dst[tuple(index)]
+        dst.copy_(src.view(dst.shape))
+        mm.flush()
+        return src.numel()
+
+    @staticmethod
+    def _pwrite(path: Path, data: memoryview, at: int) -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], at + done)
+        finally:
+            os.close(fd)
+
+    def part_checksum(self, slot: str, meta: TensorMeta) -> int:
+        """:func:`~rollq.weightsync.checksum.tensor_checksum` of one tensor as its file in
+        ``slot`` holds it now: one read of its bytes through a read-only, pre-faulted mapping
+        (from the page cache; nothing is copied)."""
+        import mmap
+
+        import numpy as np
+
+        from .checksum import buffer_checksum
+
+        dtype = getattr(torch, meta.dtype)
+        if meta.nbytes == 0:
+            return buffer_checksum(np.zeros(0, dtype=np.uint8), dtype, tuple(meta.shape))
+        p = self.path(slot) / f"{meta.name}.memmap"
+        if not p.is_file() or p.stat().st_size < meta.nbytes:
+            raise CorruptWeights(f"{p} is missing or shorter than the {meta.nbytes} bytes of {meta.name}")
+        with open(p, "rb") as f:
+            mm = mmap.mmap(f.fileno(), meta.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+        try:
+            return buffer_checksum(np.frombuffer(mm, dtype=np.uint8), dtype, tuple(meta.shape))
+        finally:
+            with contextlib.suppress(BufferError):  # numpy may still hold a view until collected
+                mm.close()
 
     def _write_pinned(self, d: Path, slot: str, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta]) -> Any:
         """Enqueue copies of GPU tensors into the slot's existing files through their

@@ -28,9 +28,13 @@ tensors and the receivers refuse a mismatch. It is off by default for broadcasts
 gloo deliver what was sent, and the checksum adds two full passes over the weights to the
 update); storage (memmap) is always verified.
 
-Every phase has a timeout (group formation, each broadcast, the acks). On a failure the trainer
-drops the group (rebuilt on the next update) and the publisher falls back to memmap for the
-same version; receivers that staged nothing load that memmap copy.
+The group's members are the replicas that answered the trainer's call (each replica that
+follows broadcasts registers itself); the trainer forms a new group before a version when a
+replica joined, left or died. Every phase has a timeout (the call, each broadcast, the acks).
+A broadcast broken by a member that died is offered once more over a group formed without it;
+a version that some workers did not ack is committed for those that did, with a memmap copy for
+the others where the publisher has a store; any other failure drops the group and the publisher
+falls back to memmap for the same version; receivers that staged nothing load that copy.
 
 This module gathers the backend's parts, by the process that runs them.
 """

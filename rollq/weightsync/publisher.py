@@ -19,9 +19,12 @@ Redis (durable), then announce it on pub/sub, then append it to the version log 
 three in one Lua script, refused unless the version is newer than the recorded one).
 
 With ``transport="nccl"`` the tensors are broadcast from this process (rank 0) to every
-replica worker that joined the group (:class:`~rollq.weightsync.sender.BroadcastSender`); on
-any failure or timeout the group is dropped (rebuilt next time) and the same version is
-published through memmap instead.
+replica worker of the group (:class:`~rollq.weightsync.sender.BroadcastSender`: the group
+follows the live replicas). A broadcast that breaks (a member died) is offered once more over
+a group formed anew without it; a version that reached only some workers is committed for
+those, with a memmap copy for the others when there is a store; on any other failure or
+timeout the group is dropped (formed again next time) and the same version is published
+through memmap instead.
 """
 
 from __future__ import annotations
@@ -41,8 +44,12 @@ from ..replicas import heartbeating
 from ..settings import DEFAULT_QUEUE, RedisSettings
 from .base import Sender
 from .manifest import Manifest, check_state, decode_manifest, read_manifest
-from .memmap import MemmapStore, named_tensors
-from .versions import LoadError, TensorMeta, VersionRecord, commit_version, read_load_errors, read_version
+from . import sharded
+from .memmap import MemmapStore, SlotInfo, named_tensors
+from .sender import GroupBroken
+from .versions import (
+    LoadError, TensorMeta, VersionRecord, commit_version, decode_record, encode_record, read_load_errors, read_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,19 +113,30 @@ class WeightPublisher:
         state: Mapping[str, torch.Tensor] | torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
         version: int | None = None,
         transport: str = "memmap",
+        *,
+        group: Any = None,
     ) -> VersionRecord:
         """Publish ``state`` as ``version`` (default: the recorded version + 1).
 
         Raises :class:`~rollq.errors.WeightMismatch` (before anything is written or sent)
         when ``state`` does not match the served model; see the module docstring.
+
+        ``group``: the ``torch.distributed`` process group of a sharded trainer (FSDP2
+        ``fully_shard``, DTensor state dicts). Every rank of it calls this with its own state
+        dict and gets the same record back; no rank gathers the whole model, and only the
+        group's rank 0 talks to Redis (see :mod:`rollq.weightsync.sharded` for what each
+        transport costs per rank). Every rank needs the same ``root`` (shared storage
+        across hosts); only rank 0 needs the ``sender``.
+
+        >>> fully_shard(model)                                              # doctest: +SKIP
+        >>> pub = WeightPublisher(url, queue="grpo", root="/dev/shm/rollq-weights")  # every rank  # doctest: +SKIP
+        >>> rec = await pub.publish_weights(model.state_dict(), group=dist.group.WORLD)  # doctest: +SKIP
         """
+        if group is not None:
+            return await self._publish_sharded(named_tensors(state), version, transport, group)
         client = await self._c()
         items = await self._checked(named_tensors(state))
-        current = await self.current_version()
-        if version is None:
-            version = max(current, self._last) + 1
-        elif version <= current:
-            raise StaleVersion(f"version {version} is not newer than the recorded version {current}")
+        version = await self._next_version(version)
         t0 = time.perf_counter()
         if transport == "nccl":
             rec = await self._publish_nccl(version, items)
@@ -236,36 +254,198 @@ class WeightPublisher:
                 )
             await asyncio.sleep(poll)
 
+    async def _next_version(self, version: int | None) -> int:
+        current = await self.current_version()
+        if version is None:
+            return max(current, self._last) + 1
+        if version <= current:
+            raise StaleVersion(f"version {version} is not newer than the recorded version {current}")
+        return version
+
     async def _publish_memmap(self, version: int, items: list[tuple[str, torch.Tensor]], **extra: Any) -> VersionRecord:
         if self.store is None:
             raise WeightSyncError("memmap transport needs a root directory (WeightPublisher(root=...))")
         info = await asyncio.to_thread(self.store.write, version, items)
+        return self._memmap_record(info, **extra)
+
+    def _memmap_record(self, info: SlotInfo, **extra: Any) -> VersionRecord:
         return VersionRecord(
-            version=version, transport="memmap", checksum=info.checksum, num_tensors=len(items),
+            version=info.version, transport="memmap", checksum=info.checksum, num_tensors=len(info.manifest),
             nbytes=info.nbytes, memmap_slot=info.slot, trainer=self.trainer_id,
             timings={"write_s": info.write_s, "checksum_s": info.checksum_s, "pinned": float(info.pinned)}, **extra,
         )
 
     async def _publish_nccl(self, version: int, items: list[tuple[str, torch.Tensor]]) -> VersionRecord:
+        """Broadcast ``version``; a broken group is formed anew (without who broke it) and the
+        version offered once more; then, failing that, memmap for everyone. Workers that did
+        not ack a committed broadcast get a memmap copy in the same record (with a store)."""
         if self.sender is None:
             raise WeightSyncError("nccl transport needs a sender (WeightPublisher(sender=BroadcastSender(...)))")
-        try:
-            rec = await self.sender.send(version, items, await self._c(), self.keys)
-            rec.trainer = self.trainer_id
-            return rec
-        except Exception as e:
-            log.warning("broadcast of version %d failed (%s: %s); falling back to memmap", version, type(e).__name__, e)
+        rec: VersionRecord | None = None
+        for attempt in (1, 2):
+            try:
+                rec = await self.sender.send(version, items, await self._c(), self.keys)
+                break
+            except GroupBroken as e:
+                err: Exception = e
+                if attempt == 1:
+                    log.warning("%s; offering version %d again over a new group", e, version)
+            except Exception as e:
+                err = e
+                break
+        if rec is None:
+            log.warning("broadcast of version %d failed (%s: %s); falling back to memmap", version, type(err).__name__, err)
             await self.sender.reset()
             if self.store is None:
-                raise
+                raise err
             rec = await self._publish_memmap(version, items)
             rec.timings["nccl_failed"] = 1.0
             return rec
+        rec.trainer = self.trainer_id
+        if rec.timings.get("missing") and self.store is not None:
+            info = await asyncio.to_thread(self.store.write, version, items)
+            rec.memmap_slot, rec.checksum = info.slot, info.checksum
+        return rec
+
+    # -- a sharded trainer: every rank of ``group`` calls publish_weights ---------------------
+    async def _publish_sharded(self, items: list[tuple[str, torch.Tensor]], version: int | None, transport: str, group: Any) -> VersionRecord:
+        """Rank 0 decides (names, version) and tells the others; every rank moves its part;
+        rank 0 commits and hands every rank the record (rollq.weightsync.sharded)."""
+        import torch.distributed as dist
+
+        first = dist.get_rank(group) == 0
+        failure: BaseException | None = None
+        plan = _Plan()
+        if first:
+            try:
+                plan = await self._sharded_plan(items, version, transport)
+            except Exception as e:  # noqa: BLE001 - told to every rank, then raised
+                failure, plan = e, _Plan(error=type(e).__name__, message=str(e))
+        plan = await _agree(plan, first, group)
+        if plan.error:
+            raise failure if failure is not None else _remote(plan.error, plan.message)
+        items = [(n, items[i][1]) for n, i in zip(plan.names, plan.sources)]
+        t0 = time.perf_counter()
+        rec: VersionRecord | None = None
+        memmap = plan.transport == "memmap"
+        if not memmap:
+            if first:
+                rec, failure = await self._stream_broadcast(plan.version, items, plan.bucket_bytes)
+            else:
+                await sharded.in_thread(sharded.gather_all, items, plan.bucket_bytes)
+            out = _Plan()
+            if failure is not None:
+                out = _Plan(error=type(failure).__name__, message=str(failure))
+            elif rec is not None and rec.timings.get("missing") and plan.slot:
+                out = _Plan(copy=True)  # some workers did not ack: a memmap copy for them
+            out = await _agree(out, first, group)
+            if out.error and not plan.slot:
+                raise failure if failure is not None else _remote(out.error, out.message)
+            memmap = bool(out.error) or out.copy  # failed: the same version through memmap
+        if memmap:
+            info = await sharded.in_thread(sharded.write_parts, self.store, plan.version, plan.slot, items, group)
+            if info is not None and rec is not None:
+                rec.memmap_slot, rec.checksum = info.slot, info.checksum
+            elif info is not None:
+                rec = self._memmap_record(info)
+                if failure is not None:
+                    rec.timings["nccl_failed"] = 1.0
+        done = _Plan()
+        if first:
+            assert rec is not None
+            rec.timings.update(total_s=time.perf_counter() - t0, ranks=float(dist.get_world_size(group)))
+            try:
+                if not await commit_version(await self._c(), self.keys, rec):
+                    raise StaleVersion(f"version {plan.version} lost a race: a newer version was recorded meanwhile")
+                done = _Plan(record=encode_record(rec))
+            except Exception as e:  # noqa: BLE001 - told to every rank, then raised
+                failure, done = e, _Plan(error=type(e).__name__, message=str(e))
+        done = await _agree(done, first, group)
+        if done.error:
+            raise failure if failure is not None and first else _remote(done.error, done.message)
+        self._last = plan.version
+        if first:
+            log.info("published policy version %d from %d ranks via %s (%.1f MB, %.3fs)", plan.version,
+                     dist.get_world_size(group), rec.transport, rec.nbytes / 1e6, rec.timings["total_s"])
+        return decode_record(done.record)
+
+    async def _sharded_plan(self, items: list[tuple[str, torch.Tensor]], version: int | None, transport: str) -> _Plan:
+        """Rank 0: what every rank sends, in which order and under which names, as which version."""
+        if transport not in ("memmap", "nccl"):
+            raise ValueError(f"unknown transport {transport!r} (memmap, nccl)")
+        if transport == "memmap" and self.store is None:
+            raise WeightSyncError("memmap transport needs a root directory (WeightPublisher(root=...))")
+        if transport == "nccl":
+            if self.sender is None:
+                raise WeightSyncError("nccl transport needs a sender on rank 0 (WeightPublisher(sender=BroadcastSender(...)))")
+            if getattr(self.sender, "verify", False):
+                raise WeightSyncError("a sharded trainer's broadcast cannot be verified (BroadcastSender(verify=True)): "
+                                      "the checksum would need the whole state first; use verify=False")
+        stand_ins = sharded.stand_ins(items)  # global shapes, no gathering
+        at = {id(t): i for i, (_, t) in enumerate(stand_ins)}
+        checked = await self._checked(stand_ins)
+        version = await self._next_version(version)
+        return _Plan(
+            version=version, transport=transport, names=[n for n, _ in checked], sources=[at[id(t)] for _, t in checked],
+            bucket_bytes=int(getattr(self.sender, "bucket_bytes", 0)) if transport == "nccl" else 0,
+            slot=self.store.slot_for(version) if self.store is not None else "",
+        )
+
+    async def _stream_broadcast(self, version: int, items: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[VersionRecord | None, BaseException | None]:
+        """Rank 0: broadcast the buckets all ranks gather; (record, None) or (None, why not)."""
+        assert self.sender is not None
+        src = sharded.StreamedItems(items, bucket_bytes)
+        try:
+            rec = await self.sender.send(version, src, await self._c(), self.keys, manifest=src.manifest)  # type: ignore[call-arg]
+            rec.trainer = self.trainer_id
+            rec.timings["gathered_peak_bytes"] = float(src.peak_bytes)
+            return rec, None
+        except Exception as e:  # noqa: BLE001 - the ranks fall back to memmap together
+            log.warning("broadcast of version %d failed (%s: %s); falling back to memmap", version, type(e).__name__, e)
+            await self.sender.reset()
+            return None, e
+        finally:
+            await sharded.in_thread(src.drain)  # the other ranks gather every bucket: match them
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+
+class _Plan(msgspec.Struct, omit_defaults=True):
+    """What rank 0 of a sharded trainer tells the other ranks (a plan, an outcome or a record)."""
+
+    version: int = 0
+    transport: str = ""
+    #: Served names, in order, and each one's position in the rank's own state dict.
+    names: list[str] = []
+    sources: list[int] = []
+    bucket_bytes: int = 0
+    slot: str = ""  # the memmap slot of the version ("": no store, no memmap)
+    copy: bool = False  # write a memmap copy of a broadcast version too
+    record: bytes = b""  # the committed VersionRecord, encoded
+    error: str = ""  # exception class name: rank 0 failed, every rank raises
+    message: str = ""
+
+
+async def _agree(msg: _Plan, first: bool, group: Any) -> _Plan:
+    data = await sharded.in_thread(sharded.broadcast_bytes, msgspec.msgpack.encode(msg) if first else None, group)
+    return msgspec.msgpack.decode(data, type=_Plan)
+
+
+def _remote(error: str, message: str) -> WeightSyncError:
+    """Rank 0's failure, as raised on the other ranks (the same class where it is rollq's)."""
+    from .. import errors
+
+    cls = getattr(errors, error, None)
+    text = f"rank 0 of the trainer group failed: {message}"
+    if isinstance(cls, type) and issubclass(cls, WeightSyncError):
+        try:
+            return cls(text)
+        except TypeError:
+            pass
+    return WeightSyncError(f"rank 0 of the trainer group failed: {error}: {message}")
 
 
 def _why(e: LoadError) -> str:

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 import torch
 
@@ -191,11 +191,11 @@ class WorkerReceiver:
         return cls(info, rank, device, group, sink)
 
     # -- following offers ------------------------------------------------------------------
-    def listen(self, listen: Listen, loaded: Callable[[], int] = lambda: 0) -> None:
-        """Follow offers in a daemon thread; ``loaded()`` gives the worker's loaded version."""
+    def listen(self, listen: Listen) -> None:
+        """Follow offers in a daemon thread."""
         from .listener import OfferListener
 
-        self._listener = OfferListener(self, listen, loaded)
+        self._listener = OfferListener(self, listen)
         self._listener.start()
 
     def close(self) -> None:

@@ -1,9 +1,11 @@
 """Replica side of the broadcast: gets this replica's workers into the trainer's group.
 
 Runs in the consumer's process, on its event loop, as :attr:`WeightFollower.receiver
-<rollq.weightsync.follower.WeightFollower.receiver>`. It joins each new group (``wgroup``
-hints, and a check of the group record every ``poll_interval`` seconds), tells the follower
-which committed versions its workers staged (their acks), and swaps a staged version in.
+<rollq.weightsync.follower.WeightFollower.receiver>`. It registers the replica as a member
+(``QueueKeys.weights_members``, again whenever the trainer left it out), answers each group's
+call and joins the groups that list it (``wgroup`` hints, and a check of the group record
+every ``poll_interval`` seconds; see :mod:`rollq.weightsync.sender`), tells the follower which
+committed versions its workers staged (their acks), and swaps a staged version in.
 The offers themselves are followed by the workers (:mod:`rollq.weightsync.listener`), so no
 engine RPC sits on the update's path before the swap.
 """
@@ -14,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from typing import Any
 
 import msgspec
@@ -22,7 +25,7 @@ from ..errors import WeightSyncError, WeightSyncTimeout
 from ..protocol import Control
 from .base import Replica
 from .versions import VersionRecord
-from .wire import GroupInfo, Listen, State, WorkerStatus, decode_ack, from_wire
+from .wire import GroupInfo, Listen, State, WorkerStatus, decode_ack, from_wire, member_entry
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +38,11 @@ class ReplicaReceiver:
         self.engine = consumer.engine
         self.keys = consumer.keys
         self.poll_interval = poll_interval
-        #: The group this replica's workers joined (or gave up on: it was full).
+        #: The group this replica's workers joined.
         self.group: str | None = None
+        self._entry = ""  # this run's member entry (rollq.weightsync.wire.member_entry)
+        self._answered: str | None = None  # the last group call answered
+        self._passed: str | None = None  # the last group formed without this replica
         self._kick = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._client: Any = None
@@ -50,7 +56,10 @@ class ReplicaReceiver:
         return [f"{self.consumer.id}/{i}" for i in range(self.num_workers)]
 
     async def start(self, client: Any) -> None:
+        """Register as a member, then follow the groups in a task."""
         self._client = client
+        self._entry = member_entry(self.num_workers, uuid.uuid4().hex[:12])
+        await client.hset(self.keys.weights_members, self.consumer.id, self._entry)
         self.consumer.add_control_handler(self._on_control)
         self._task = asyncio.create_task(self._loop(), name="rollq-broadcast-receiver")
 
@@ -58,6 +67,8 @@ class ReplicaReceiver:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        with contextlib.suppress(Exception):  # the trainer leaves it out of the next group
+            await self._client.hdel(self.keys.weights_members, self.consumer.id)
         if self.group is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.engine.call_workers("rollq_leave_group"), 30)
@@ -82,31 +93,51 @@ class ReplicaReceiver:
 
     # -- joining ---------------------------------------------------------------------------
     async def check(self) -> None:
-        """Join the trainer's current group unless this replica already did."""
-        g = await self._client.hget(self.keys.weights_group, "d")
+        """Answer the trainer's group call and join the group if it lists this replica (one
+        round trip when nothing changed); register again if the trainer left us out."""
+        keys, me = self.keys, self.consumer.id
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hmget(keys.weights_group, ["call", "d"])
+        pipe.hexists(keys.weights_members, me)
+        (call, g), member = await pipe.execute()
+        if not member:
+            await self._client.hset(keys.weights_members, me, self._entry)
+        call = call.decode() if isinstance(call, bytes) else call
+        if call and call != self._answered:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hset(keys.weights_answers(call), me, self._entry)
+            pipe.expire(keys.weights_answers(call), 600)
+            await pipe.execute()
+            self._answered = call
         if g is None:
             return
         info = msgspec.msgpack.decode(g, type=GroupInfo)
-        if info.id != self.group:
-            await self._join(info)
-
-    async def _join(self, info: GroupInfo) -> None:
-        n = self.num_workers
-        end = await self._client.hincrby(self.keys.weights_group, "next_rank", n)
-        offset = end - n
-        if end > info.world_size:
-            log.warning("broadcast group %s is full (world size %d); loading versions from memmap", info.id, info.world_size)
-            self.group = info.id  # do not retry this group
+        if info.id == self.group or info.id == self._passed:
             return
+        if me not in info.ranks:
+            # formed without us (we answered late, or registered after its call): the trainer
+            # forms a group with us before its next send; our workers stay in their group until then
+            self._passed = info.id
+            log.info("broadcast group %s formed without replica %s; it joins the next one", info.id, me[:64])
+            return
+        try:
+            await self._join(info, info.ranks[me])
+        except Exception:
+            self._passed = info.id  # not again: the trainer forms a new group after the failure
+            raise
+
+    async def _join(self, info: GroupInfo, offset: int) -> None:
+        n = self.num_workers
         self.group = None
         # full_url: a cluster URL stays one in the workers (url has the cluster flag stripped)
         listen = Listen(url=self.consumer.redis_settings.full_url, channel=self.keys.control,
                         offer_key=self.keys.weights_offer, field=f"{self.consumer.id}/",
-                        layouts_key=self.keys.weights_layouts, version_key=self.keys.version)
+                        layouts_key=self.keys.weights_layouts, version_key=self.keys.version,
+                        serving=self.consumer.version)
         await self.engine.call_workers("rollq_join_group", msgspec.msgpack.encode(info), offset, msgspec.msgpack.encode(listen))
         await self._wait_joined(info, info.timeout + 5)
         self.group = info.id
-        log.info("replica %s joined broadcast group %s as ranks %d..%d", self.consumer.id, info.id, offset, end - 1)
+        log.info("replica %s joined broadcast group %s as ranks %d..%d", self.consumer.id, info.id, offset, offset + n - 1)
 
     async def _wait_joined(self, info: GroupInfo, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -131,7 +162,7 @@ class ReplicaReceiver:
         if acks is None:
             acks = await self._client.hmget(self.keys.weights_acks(rec.version), self.fields())
         got = [decode_ack(a) for a in acks]
-        if all(a is not None and a.ok for a in got):
+        if all(a is not None and a.ok and a.group == rec.group for a in got):
             return rec.version
         return None
 

@@ -2,6 +2,26 @@
 
 Runs in the trainer's process, driven by :class:`~rollq.weightsync.publisher.WeightPublisher`
 (``sender=``). The protocol of one update is in :mod:`rollq.weightsync.nccl`.
+
+Membership follows the live replicas. Every replica that follows broadcasts registers in
+``QueueKeys.weights_members`` (with its worker count and a token new at each start). A group is formed by a *call*: the
+sender names a new group id (``wgroup`` field ``call``, ``wgroup <id>`` on pub/sub), each
+registered replica answers (``QueueKeys.weights_answers``), and the group is made of those that
+answered within ``join_window`` seconds (sooner once every registered replica did), each given
+its first rank in :attr:`GroupInfo.ranks <rollq.weightsync.wire.GroupInfo.ranks>`. A
+registered replica that stays silent is removed from the members (it registers again when it
+is back). Before each send the sender compares the group with the registered replicas and
+the members' consumer leases, and forms a new group when one joined, left or died: a replica
+that starts while the trainer publishes joins at the next version, no restart.
+
+A member that dies during a broadcast breaks it (gloo: at once, the connection closes; NCCL:
+within ``timeout``): :meth:`BroadcastSender.send` drops the group, which ends the other
+receivers' pending receives, and raises :class:`GroupBroken`; the publisher then offers the
+same version again over a group formed anew (the dead member does not answer its call). A
+member that takes the whole broadcast but never acks (or fails it) costs ``timeout`` while the
+acks are awaited; the version is then committed for the workers that acked, and the record
+says how many did not (``timings["missing"]``; the publisher adds a memmap copy for them where
+it has a store), and the next send forms a new group.
 """
 
 from __future__ import annotations
@@ -10,6 +30,7 @@ import asyncio
 import functools
 import logging
 import time
+import traceback
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -19,20 +40,39 @@ import torch
 
 from ..errors import WeightSyncError, WeightSyncTimeout
 from ..protocol import Control, control_message
+from ..replicas import heartbeating
 from .checksum import state_checksum
 from .layout import Layout, groups_of
 from .transport import Group, free_port, in_daemon_thread, make_group, wait_stream
 from .versions import TensorMeta, VersionRecord
-from .wire import Ack, FlatLayout, GroupInfo, Mode, Offer, decode_ack, manifest_digest
+from .wire import Ack, FlatLayout, GroupInfo, Mode, Offer, decode_ack, manifest_digest, member_workers
 
 log = logging.getLogger(__name__)
+
+
+class GroupBroken(WeightSyncError):
+    """A broadcast failed part way (a member died or left); the group is dropped, and the
+    same version can be offered again over a group formed anew."""
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class BroadcastSender:
     """Rank 0 of the weight broadcast group (use with WeightPublisher(sender=...)).
 
+    The group's members are the replicas that answer its call (see the module docstring), not
+    a number fixed here.
+
     Args:
-        num_workers: vLLM workers that will join (sum of tensor-parallel sizes of replicas).
+        num_workers: the fewest workers a group may have (0: any, at least one). When given,
+            forming a group waits up to ``timeout`` until that many workers answered (the
+            replicas expected at start); when fewer answer, the send fails and the publisher
+            falls back to memmap. Leave it 0 for the group to follow the live replicas as they
+            come and go.
+        join_window: seconds a group's call waits for registered replicas that have not
+            answered (it ends as soon as all did); the silent ones are left out.
         backend: ``nccl`` (GPU tensors) or ``gloo`` (CPU).
         host: address replicas connect to (this machine's, reachable from them).
         bucket_bytes: bytes per broadcast in ``packed`` mode (two buffers of it are allocated).
@@ -52,7 +92,7 @@ class BroadcastSender:
 
     def __init__(
         self,
-        num_workers: int,
+        num_workers: int = 0,
         *,
         backend: str = "nccl",
         host: str = "127.0.0.1",
@@ -65,6 +105,7 @@ class BroadcastSender:
         group_bytes: int = 4 << 30,
         min_ctas: int = 0,
         shadow_layout: bool = True,
+        join_window: float = 3.0,
     ):
         if backend not in ("nccl", "gloo"):
             raise ValueError("backend must be 'nccl' or 'gloo'")
@@ -82,31 +123,118 @@ class BroadcastSender:
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
+        self.join_window = join_window
         self.info: GroupInfo | None = None
         self.pg: Group | None = None
+        #: The current group's members: ``{replica id: workers}``.
+        self.members: dict[str, int] = {}
+        self._entries: dict[str, str] = {}  # their registrations (a restart changes its entry)
+        self._stale = False  # a member failed to ack: form the group anew before the next send
         self._bufs: list[torch.Tensor] = []
         self.last_timings: dict[str, float] = {}
 
     # -- the group ---------------------------------------------------------------------------
+    @property
+    def workers(self) -> int:
+        """Workers in the current group (ranks other than this one)."""
+        return sum(self.members.values())
+
     async def open(self, client: Any, keys: Any) -> GroupInfo:
-        """Create the group and wait (``timeout``) until every worker has joined."""
+        """Call the replicas, form the group of those that answered, and wait (``timeout``)
+        until every one of their workers has joined it."""
+        gid = uuid.uuid4().hex[:12]
+        entries = await self._call(client, keys, gid)
+        members = {r: member_workers(e) for r, e in entries.items()}
+        ranks, world = {}, 1
+        for r in sorted(members):
+            ranks[r], world = world, world + members[r]
         info = GroupInfo(
-            id=uuid.uuid4().hex[:12], host=self.host, port=self.port or free_port(self.host),
-            world_size=self.num_workers + 1, backend=self.backend, timeout=self.timeout, min_ctas=self.min_ctas,
+            id=gid, host=self.host, port=self.port or free_port(self.host), world_size=world, backend=self.backend,
+            timeout=self.timeout, min_ctas=self.min_ctas, ranks=ranks,
         )
-        await client.delete(keys.weights_group, keys.weights_layouts)  # new ranks report anew
-        await client.hset(keys.weights_group, mapping={"d": msgspec.msgpack.encode(info), "next_rank": 1})
-        await client.publish(keys.control, control_message(Control.WGROUP, info.id))
+        pipe = client.pipeline(transaction=False)
+        pipe.delete(keys.weights_layouts)  # the members report their layouts anew
+        pipe.hset(keys.weights_group, mapping={"d": msgspec.msgpack.encode(info)})
+        pipe.execute_command("PUBLISH", keys.control, control_message(Control.WGROUP, info.id))
+        await pipe.execute()
         try:
             self.pg = await asyncio.wait_for(in_daemon_thread(self._form, info), self.timeout + 5)
         except (asyncio.TimeoutError, RuntimeError) as e:
             await client.delete(keys.weights_group)
             raise WeightSyncTimeout(
-                f"{self.num_workers} workers did not all join broadcast group {info.id} within {self.timeout}s (timeout)"
+                f"{world - 1} workers of {len(members)} replicas did not all join broadcast group {gid} within {self.timeout}s (timeout)"
             ) from e
-        self.info = info
-        log.info("broadcast group %s ready: %d workers over %s", info.id, self.num_workers, self.backend)
+        self.info, self.members, self._entries, self._stale = info, members, entries, False
+        log.info("broadcast group %s ready: %d workers of %d replicas over %s", gid, world - 1, len(members), self.backend)
         return info
+
+    async def _call(self, client: Any, keys: Any, gid: str) -> dict[str, str]:
+        """Call the registered replicas to group ``gid``; the entries (:func:`~rollq.weightsync.
+        wire.member_entry`) of those that answered (see the module docstring). The silent ones
+        are unregistered."""
+        expected = await self.registered(client, keys)
+        answers = keys.weights_answers(gid)
+        pipe = client.pipeline(transaction=False)
+        pipe.delete(keys.weights_group)
+        pipe.hset(keys.weights_group, mapping={"call": gid})
+        pipe.execute_command("PUBLISH", keys.control, control_message(Control.WGROUP, gid))
+        await pipe.execute()
+        need = max(1, self.num_workers)
+        t0 = time.monotonic()
+        # without an expected count the call lasts at most the join window
+        deadline = t0 + (self.timeout if self.num_workers else self.join_window)
+        while True:
+            got = {_s(k): _s(v) for k, v in (await client.hgetall(answers)).items()}
+            workers = sum(member_workers(e) for e in got.values())
+            now = time.monotonic()
+            if workers >= need and (expected.keys() <= got.keys() or now >= t0 + self.join_window):
+                break
+            if now >= deadline:
+                await client.delete(keys.weights_group)
+                setting = "num_workers, timeout" if self.num_workers else "join_window"
+                raise WeightSyncTimeout(
+                    f"{workers} workers of {len(got)} replicas answered the call of broadcast group {gid} "
+                    f"within {deadline - t0:.1f}s, {need} needed ({len(expected)} replicas registered; BroadcastSender {setting})"
+                )
+            await asyncio.sleep(0.02)
+        silent = sorted(expected.keys() - got.keys())
+        pipe = client.pipeline(transaction=False)
+        pipe.expire(answers, 600)  # late answers may still come
+        if silent:
+            pipe.hdel(keys.weights_members, *silent)
+        await pipe.execute()
+        if silent:
+            log.warning("replicas %s did not answer the call of broadcast group %s within %.1fs (join_window); left out",
+                        ", ".join(r[:64] for r in silent[:5]), gid, self.join_window)
+        return got
+
+    async def registered(self, client: Any, keys: Any) -> dict[str, str]:
+        """The replicas registered as following broadcasts: ``{replica: entry}``
+        (:func:`~rollq.weightsync.wire.member_entry`)."""
+        return {_s(k): _s(v) for k, v in (await client.hgetall(keys.weights_members)).items()}
+
+    async def regroup_reason(self, client: Any, keys: Any) -> str | None:
+        """Why the group must be formed (again) before the next send; None: it is current."""
+        if self.pg is None:
+            return "no group"
+        if self._stale:
+            return "a member did not ack the last version"
+        now = await self.registered(client, keys)
+        if now != self._entries:
+            joined, left = sorted(now.keys() - self._entries.keys()), sorted(self._entries.keys() - now.keys())
+            again = sorted(r for r in now.keys() & self._entries.keys() if now[r] != self._entries[r])
+            return f"members changed (joined: {joined or '-'}, left: {left or '-'}, restarted: {again or '-'})"
+        names = list(self.members)
+        pipe = client.pipeline(transaction=False)
+        for n in names:
+            pipe.hexists(keys.consumers, n)
+        entries = await pipe.execute()
+        # a replica still loading its first version has no consumer entry yet (or an old one
+        # of the same id): the group's call, which a dead one does not answer, settles it
+        dead = [n for n, e, alive in zip(names, entries, await heartbeating(client, keys, names)) if e and not alive]
+        if dead:
+            return f"consumer leases expired: {', '.join(n[:64] for n in dead[:5])}"
+        return None
 
     def _form(self, info: GroupInfo) -> Group:
         pg = make_group(info, 0, self.device)
@@ -117,38 +245,52 @@ class BroadcastSender:
 
     async def reset(self) -> None:
         """Drop the group (after a failure); the next send forms a new one."""
-        pg, self.pg, self.info = self.pg, None, None
+        pg, self.pg, self.info, self.members, self._entries, self._stale = self.pg, None, None, {}, {}, False
         if pg is not None:
-            await in_daemon_thread(pg.abort)
+            await in_daemon_thread(pg.destroy)
 
     def close(self) -> None:
         self.pg = None
         self._bufs = []
 
     # -- one version ---------------------------------------------------------------------------
-    async def send(self, version: int, items: list[tuple[str, torch.Tensor]], client: Any, keys: Any) -> VersionRecord:
-        """Broadcast ``items`` as ``version``; returns the record to commit once all acked."""
-        if self.pg is None:
+    async def send(
+        self, version: int, items: list[tuple[str, torch.Tensor]], client: Any, keys: Any, *, manifest: list[TensorMeta] | None = None
+    ) -> VersionRecord:
+        """Broadcast ``items`` as ``version`` (forming the group anew first when its members
+        changed); returns the record to commit: all workers acked, or some did and
+        ``timings["missing"]`` counts the others. Raises :class:`GroupBroken` when the
+        broadcast itself failed, :class:`~rollq.errors.WeightSyncError` when no worker acked.
+
+        ``items`` may instead be a streamed source described by ``manifest`` (a sharded
+        trainer's tensors, gathered bucket by bucket as they are read:
+        :class:`~rollq.weightsync.sharded.StreamedItems`); it is read in manifest order only."""
+        why = await self.regroup_reason(client, keys)
+        if why is not None:
+            if self.pg is not None:
+                log.info("forming a new broadcast group: %s", why)
+            await self.reset()
             await self.open(client, keys)
         assert self.info is not None
         from .memmap import manifest_of
 
         t0 = time.perf_counter()
-        manifest = manifest_of(items)
+        streamed, manifest = manifest is not None, manifest if manifest is not None else manifest_of(items)
         checksum = state_checksum(items) if self.verify else ""
         t_ck = time.perf_counter() - t0
-        offer = await self._offer(version, manifest, checksum, client, keys)
+        offer = await self._offer(version, manifest, checksum, client, keys, in_order=streamed)
         await self._announce(offer, client, keys)
         t1 = time.perf_counter()
-        if offer.mode is Mode.DIRECT:
-            send = self._broadcast_direct
-        else:
-            layout = Layout.explicit(offer.offsets, offer.total, self.bucket_bytes) if offer.mode is Mode.LAYOUT else None
-            send = functools.partial(self._broadcast_all, layout=layout)
-        await asyncio.wait_for(in_daemon_thread(send, items, manifest), self.timeout * 4)
+        await self._broadcast(offer, items, manifest)
         t2 = time.perf_counter()
-        acks = await self._wait_acks(client, offer.acks, offer.ack_signal, version)
+        acks, failed = await self._wait_acks(client, offer)
         t3 = time.perf_counter()
+        if not acks:
+            raise WeightSyncError(f"no receiver staged version {version}: {_describe(failed)}")
+        if failed:
+            self._stale = True
+            log.warning("version %d reached %d of %d workers over group %s (not: %s); committed for those, the group "
+                        "is formed anew before the next send", version, len(acks), self.workers, offer.group, _describe(failed))
         self.last_timings = {"checksum_s": t_ck, "broadcast_s": t2 - t1, "acks_s": t3 - t2, "send_s": t3 - t0,
                              "layout_mode": float(offer.mode is Mode.LAYOUT), **receiver_timings(list(acks.values()))}
         pipe = client.pipeline(transaction=False)
@@ -157,14 +299,37 @@ class BroadcastSender:
         await pipe.execute()
         return VersionRecord(
             version=version, transport="nccl", checksum=checksum, num_tensors=len(items), nbytes=sum(m.nbytes for m in manifest),
-            group=self.info.id, timings=dict(self.last_timings, replicas=float(len(acks))),
+            group=self.info.id, timings=dict(self.last_timings, replicas=float(len(acks)), missing=float(len(failed))),
         )
 
-    async def _offer(self, version: int, manifest: list[TensorMeta], checksum: str, client: Any, keys: Any) -> Offer:
+    async def _broadcast(self, offer: Offer, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta]) -> None:
+        """Send every byte of ``offer``; on a failure drop the group and raise :class:`GroupBroken`."""
+        if offer.mode is Mode.DIRECT:
+            send = self._broadcast_direct
+        else:
+            layout = Layout.explicit(offer.offsets, offer.total, self.bucket_bytes) if offer.mode is Mode.LAYOUT else None
+            send = functools.partial(self._broadcast_all, layout=layout)
+        failure = None
+        try:
+            await asyncio.wait_for(in_daemon_thread(send, items, manifest), self.timeout * 4)
+        except (RuntimeError, WeightSyncTimeout, asyncio.TimeoutError) as e:
+            failure = f"{type(e).__name__}: {str(e)[:500]}"
+            # the failed works in its frames keep the group's connections open: free them, so
+            # that dropping the group ends the other receivers' pending receives now
+            traceback.clear_frames(e.__traceback__)
+        if failure is not None:
+            await self.reset()
+            raise GroupBroken(f"broadcast of version {offer.version} over group {offer.group} failed: {failure}")
+
+    async def _offer(
+        self, version: int, manifest: list[TensorMeta], checksum: str, client: Any, keys: Any, in_order: bool = False
+    ) -> Offer:
         assert self.info is not None
         mode, flat = self.mode, None
         if self.shadow_layout and mode is Mode.DIRECT:
             flat = await self._agreed_layout(client, keys, manifest)
+            if flat is not None and in_order and any(b < a for a, b in zip(flat.offsets, flat.offsets[1:])):
+                flat = None  # a streamed source is read in manifest order only
             if flat is not None:
                 mode = Mode.LAYOUT
         return Offer(
@@ -197,7 +362,7 @@ class BroadcastSender:
         size = max(e - s for s, e in layout.buckets)
         if not self._bufs or self._bufs[0].numel() < size or self._bufs[0].device != self.device:
             self._bufs = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        flats = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in items]
+        flats = _flats(items)
         order = sorted(range(len(flats)), key=lambda i: layout.offsets[i])  # by position in the stream
         works: list[Any] = [None, None]
         idx = 0  # first tensor (in stream order) not fully packed yet
@@ -218,10 +383,7 @@ class BroadcastSender:
         """One broadcast per tensor, straight from the trainer's (contiguous) tensors, in
         coalesced groups of ``group_bytes`` on NCCL."""
         assert self.pg is not None
-        flats = []
-        for _, t in items:
-            t = t.detach()
-            flats.append((t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8))
+        flats = _flats(items)
         last = None
         if self.device.type == "cuda":
             for lo, hi in groups_of(manifest, self.group_bytes):
@@ -245,7 +407,7 @@ class BroadcastSender:
     async def _agreed_layout(self, client: Any, keys: Any, manifest: list[TensorMeta]) -> FlatLayout | None:
         """The flat layout every receiver reported for this manifest, if they all agree."""
         raw = await client.hgetall(keys.weights_layouts)
-        if len(raw) < self.num_workers:
+        if len(raw) < self.workers:
             return None
         try:
             got = [msgspec.msgpack.decode(v, type=FlatLayout) for v in raw.values()]
@@ -256,35 +418,55 @@ class BroadcastSender:
             return None
         return first
 
-    async def _wait_acks(self, client: Any, key: str, signal: str, version: int) -> dict[str, Ack]:
-        """Every worker's ack (``timeout``): each one wakes a BLPOP on ``signal`` (no polling
-        delay on the update's path); the hash is reread now and then in case a push was lost."""
+    async def _wait_acks(self, client: Any, offer: Offer) -> tuple[dict[str, Ack], dict[str, str]]:
+        """Every worker's answer, within ``timeout``: ``(ok acks, {worker: why not})``; a
+        worker silent at the deadline counts as failed. Each ack wakes a BLPOP on the
+        offer's signal (no polling delay on the update's path); the hash is reread now and
+        then in case a push was lost. Acks over another group (an earlier offer of the same
+        version) are ignored."""
         deadline = time.monotonic() + self.timeout
-        want = self.num_workers
+        want = {f"{r}/{i}" for r, n in self.members.items() for i in range(n)}
+        acks: dict[str, Ack] = {}
 
-        async def read() -> dict[str, Ack]:
-            got = {k.decode(): decode_ack(v, k.decode()) for k, v in (await client.hgetall(key)).items()}
-            return {k: a for k, a in got.items() if a is not None}
+        def take(ack: Ack | None) -> None:
+            if ack is not None and ack.group == offer.group and ack.version == offer.version:
+                acks[ack.worker] = ack
 
-        acks = await read()
-        while True:
-            bad = {k: str(a.error) for k, a in acks.items() if not a.ok}
-            if bad:
-                raise WeightSyncError(f"receivers failed to stage version {version}: {bad}")
-            if len(acks) >= want:
-                return acks
+        async def read() -> None:
+            for k, v in (await client.hgetall(offer.acks)).items():
+                take(decode_ack(v, _s(k)))
+
+        await read()
+        while not want <= acks.keys():
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WeightSyncTimeout(
-                    f"only {len(acks)}/{want} workers acknowledged version {version} within {self.timeout}s (timeout)"
-                )
-            got = await client.blpop([signal], timeout=min(left, 0.5))
+                break
+            got = await client.blpop([offer.ack_signal], timeout=min(left, 0.5))
             if got is None:
-                acks = await read()
-                continue
-            ack = decode_ack(got[1])
-            if ack is not None:
-                acks[ack.worker] = ack
+                await read()
+            else:
+                take(decode_ack(got[1]))
+        ok = {w: a for w, a in acks.items() if a.ok}
+        failed = {w: str(a.error) for w, a in acks.items() if not a.ok}
+        failed.update({w: f"no ack within {self.timeout}s (timeout)" for w in sorted(want - acks.keys())})
+        return ok, failed
+
+
+def _describe(failed: dict[str, str]) -> str:
+    items = sorted(failed.items())
+    return "; ".join(f"{w[:64]}: {why[:200]}" for w, why in items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+
+
+def _flats(items: Any) -> Any:
+    """Each tensor's bytes (flat ``uint8``) by position: a list, or a streamed source itself
+    (it makes them as they are asked for)."""
+    if not isinstance(items, list):
+        return items
+    out = []
+    for _, t in items:
+        t = t.detach()
+        out.append((t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8))
+    return out
 
 
 def _pack(

@@ -105,6 +105,14 @@ class Group:
             t.start()
             t.join(timeout)
 
+    def destroy(self, timeout: float = 10.0) -> None:
+        """Abort the group and drop it (rank 0, after a failure). On gloo only freeing the
+        process group closes its connections, which ends the peers' pending receives at once
+        (an abort alone leaves them waiting for their timeout); the caller must hold no other
+        reference to it (a failed collective's work or traceback keeps it alive)."""
+        self.abort(timeout)
+        self.pg = self.store = None
+
 
 def _quiet(fn: Any) -> None:
     try:

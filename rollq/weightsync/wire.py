@@ -4,8 +4,10 @@ Three processes take part (see :mod:`rollq.weightsync.nccl` for one update's pro
 
 - the trainer writes a :class:`GroupInfo` (``wgroup``) and an :class:`Offer` (``woffer``),
   and reads each worker's :class:`Ack` and :class:`FlatLayout`;
-- a replica hands its workers a :class:`Listen`, and reads their :class:`WorkerStatus`,
-  :class:`StageStatus` and :class:`SwapReport` back from ``collective_rpc``;
+- a replica registers and answers the trainer's group calls with a :func:`member_entry`
+  (``wmembers``, ``wanswers``; see :mod:`rollq.weightsync.sender`), hands its workers a
+  :class:`Listen`, and reads their :class:`WorkerStatus`, :class:`StageStatus` and
+  :class:`SwapReport` back from ``collective_rpc``;
 - a vLLM worker reads the offers and writes the acks.
 
 Redis records are msgpack; RPC results cross ``collective_rpc`` as plain maps
@@ -82,6 +84,20 @@ class GroupInfo(msgspec.Struct, kw_only=True):
     #: (benchmarks/README.md has the measurements). NCCL refuses ``min_ctas`` in the
     #: communicator config, hence the environment variable.
     min_ctas: int = 0
+    #: The member replicas (those that answered the group's call) and the first rank of
+    #: each; a replica holds ranks ``ranks[id] .. ranks[id] + workers - 1``.
+    ranks: dict[str, int] = {}
+
+
+def member_entry(workers: int, incarnation: str) -> str:
+    """A replica's entry in the broadcast members hash, and its answer to a group's call: its
+    worker count and a token new at each start (a restart under the same id is a new member)."""
+    return f"{workers} {incarnation}"
+
+
+def member_workers(entry: bytes | str) -> int:
+    """The worker count of a :func:`member_entry`."""
+    return int((entry.decode() if isinstance(entry, bytes) else entry).split()[0])
 
 
 class Listen(msgspec.Struct, kw_only=True):
@@ -94,6 +110,10 @@ class Listen(msgspec.Struct, kw_only=True):
     poll: float = 1.0  # seconds between checks of the offer record (pub/sub is only a hint)
     layouts_key: str = ""  # hash to report this worker's FlatLayout in (same field)
     version_key: str = ""  # the committed version record (a swap overlapped with the receive waits for it)
+    #: The replica's serving version when it joined: offers of it or older are not received.
+    #: Only the replica knows what it serves: an engine reused by another consumer (another
+    #: queue, whose versions start again at 1) keeps the last version it loaded.
+    serving: int = 0
 
 
 class Mode(str, enum.Enum):
@@ -162,6 +182,7 @@ class Ack(msgspec.Struct, kw_only=True, omit_defaults=True):
     worker: str  # ``replica/rank-in-replica``
     version: int
     ok: bool  # every byte arrived (and matched the checksum, when verified)
+    group: str = ""  # the group it was received over (a version may be offered again in a new group)
     error: WorkerError | None = None
     in_place: bool = False  # written straight into the shadow weights
     receive_s: float = 0.0  # until every byte was in
@@ -215,9 +236,9 @@ class ReceiveStatus(msgspec.Struct, kw_only=True):
     in_place: bool = False
     error: WorkerError | None = None
 
-    def ack(self, worker: str) -> Ack:
+    def ack(self, worker: str, group: str = "") -> Ack:
         return Ack(
-            worker=worker, version=self.version, ok=self.state is State.STAGED, error=self.error, in_place=self.in_place,
+            worker=worker, version=self.version, ok=self.state is State.STAGED, group=group, error=self.error, in_place=self.in_place,
             receive_s=self.receive_s, verify_s=self.verify_s, setup_s=self.setup_s, enqueued_s=self.enqueued_s,
         )
 

@@ -180,7 +180,7 @@ class WorkerState:
                 rcv = WorkerReceiver.join(info, rank, self.device, sink=self)
                 self.receiver = rcv
                 if listen is not None:
-                    rcv.listen(msgspec.structs.replace(listen, field=f"{listen.field}{local}"), lambda: self.version)
+                    rcv.listen(msgspec.structs.replace(listen, field=f"{listen.field}{local}"))
                 self.join = WorkerStatus(state=State.IDLE, group=info.id, joined=True, rank=rank)
             except Exception as e:
                 self.join = WorkerStatus(state=State.FAILED, group=info.id, error=WorkerError.of(e))

@@ -333,7 +333,9 @@ async def test_node_loss_mid_run_each_job_completes_once(cluster, redis_url, que
     try:
         where = _assert_across_nodes(launcher)
         async with Producer(redis_url, queue) as p:
-            n = 300  # 0.1 s each, 10 at a time per replica: node_b alone needs ~3 s for the rest
+            # 0.1 s each, 10 at a time per replica: ~7 s for both, so the queue still holds jobs
+            # when replica-0's process notices its node is gone and exits (seconds, under load)
+            n = 1500
             hs = await p.submit_many([{"prompt": f"job {i}", "sampling": {"max_tokens": 10}} for i in range(n)])
             await until(lambda: p.counters["results"] >= 30, 30, "the first results")
             await until(lambda: pending_of(redis_client, k.jobs, "replica-0"), 10, "replica-0 to hold jobs", interval=0.005)

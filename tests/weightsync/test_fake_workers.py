@@ -336,6 +336,7 @@ async def test_peer_dying_mid_broadcast_times_out_and_falls_back_to_memmap(redis
 
 async def _peer_dies_mid_broadcast(redis_url: str, queue: str, root: str) -> None:
     keys = QueueKeys(queue)
+    # at least 2 workers: once the peer is gone no group can form, and the version goes by memmap
     sender = BroadcastSender(num_workers=2, backend="gloo", timeout=15, bucket_bytes=1024)
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
     engine = FakeWorkerEngine(small_model)
@@ -351,13 +352,17 @@ async def _peer_dies_mid_broadcast(redis_url: str, queue: str, root: str) -> Non
         proc.kill()
         raise
 
-    async def peer() -> None:
+    async def peer() -> None:  # answers the group's call as replica "peer", then joins at its rank
         raw = await pub._c()
         deadline = time.monotonic() + 60
-        while not (d := await raw.hget(keys.weights_group, "d")):
-            assert time.monotonic() < deadline, "the trainer never offered a group"
+        while not (call := await raw.hget(keys.weights_group, "call")):
+            assert time.monotonic() < deadline, "the trainer never called a group"
             await asyncio.sleep(0.02)
-        rank = await raw.hincrby(keys.weights_group, "next_rank", 1) - 1
+        await raw.hset(keys.weights_answers(call.decode()), "peer", "1 peer-run")
+        while not (d := await raw.hget(keys.weights_group, "d")):
+            assert time.monotonic() < deadline, "the trainer never formed the group"
+            await asyncio.sleep(0.02)
+        rank = msgspec.msgpack.decode(d, type=GroupInfo).ranks["peer"]
         proc.stdin.write(f"{d.hex()} {rank}\n")
         proc.stdin.flush()
 

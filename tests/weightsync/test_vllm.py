@@ -109,3 +109,45 @@ async def test_keep_policy_spans_and_corrupt_version_refused(replica, redis_url,
         ok, _ = await greedy(p)
         assert ok
     await pub.close()
+
+
+async def test_an_engine_that_served_another_queue_takes_part_in_a_new_queues_first_broadcast(
+    vllm_engine, redis_url, tmp_path, tiny_model_path,  # noqa: F811
+):
+    """Versions start again at 1 on another queue; the engine still holds the last version it
+    loaded for the first. Every member must take part in its group's broadcasts, so the
+    replica's own version at join decides which offers are old, not the engine's memory."""
+    import uuid
+
+    base = checkpoint_state(tiny_model_path)
+    first, second = f"t-{uuid.uuid4().hex[:10]}", f"t-{uuid.uuid4().hex[:10]}"
+    root = str(tmp_path / "w1")
+    async with serving_replica(vllm_engine, redis_url, first, root) as (consumer, _):
+        pub = WeightPublisher(redis_url, first, root=root)
+        try:
+            for seed in (1, 2):
+                rec = await pub.publish_weights(perturbed(base, seed), transport="memmap")
+            rec = await pub.publish_weights(base, transport="memmap")  # the checkpoint again, as version 3
+            await wait_version(consumer, rec.version)
+        finally:
+            await pub.close()
+    assert await vllm_engine.call_workers("rollq_version") == [3]
+
+    root = str(tmp_path / "w2")
+    async with serving_replica(vllm_engine, redis_url, second, root, broadcast=True) as (consumer, _):
+        sender = BroadcastSender(backend="gloo", timeout=20, bucket_bytes=1 << 20)
+        pub = WeightPublisher(redis_url, second, root=root, sender=sender)
+        try:
+            async with Producer(redis_url, second) as p:
+                before, _ = await greedy(p)
+                rec = await pub.publish_weights(perturbed(base, 5), transport="nccl")
+                assert rec.version == 1 and rec.transport == "nccl" and "nccl_failed" not in rec.timings, rec.timings
+                await wait_version(consumer, 1)
+                changed, version = await greedy(p)
+                assert changed != before and version == (1, 1)
+                rec = await pub.publish_weights(base, transport="nccl")  # leave the shared engine as found
+                await wait_version(consumer, rec.version)
+                assert (await greedy(p))[0] == before
+        finally:
+            sender.close()
+            await pub.close()
