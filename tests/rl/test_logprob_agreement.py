@@ -6,36 +6,23 @@ from __future__ import annotations
 
 import pytest
 import pytest_asyncio
-import torch
 
 from rollq import Producer
-from rollq.rl import logprob_agreement, single_version
 from rollq.weightsync import WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
 from tests.helpers import until
+from tests.helpers.agreement import AGREEMENT_MAX, AGREEMENT_MEAN, agreement, perturbed, trainer_model
 from tests.vllm_fixtures import serving_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
-#: What float32 on CPU must reach (measured: ~3e-7 mean, ~3e-6 max on the tiny model).
-AGREEMENT_MEAN = 1e-3
-AGREEMENT_MAX = 1e-2
 PROMPTS = [[5, 17, 99, 3, 250, 7], [300] * 8, [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
 SAMPLING = {"max_tokens": 24, "n": 4, "temperature": 1.0, "logprobs": 0, "ignore_eos": True, "detokenize": False}
 
 
 @pytest.fixture(scope="module")
 def model(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
-
-
-def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.02) -> dict[str, torch.Tensor]:
-    """A new "trainer version": every tensor moved by noise of the init's scale."""
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + torch.randn(v.shape, generator=g) * scale for k, v in state.items()}
+    return trainer_model(tiny_model_path)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -50,11 +37,7 @@ async def _serving(consumer, version: int) -> None:
 
 
 async def _agreement(p: Producer, model, state, version: int) -> tuple[float, float, int]:
-    hs = await p.submit_many([{"prompt_token_ids": pr, "sampling": SAMPLING, "min_version": version} for pr in PROMPTS])
-    results = await p.gather(hs, timeout=120)
-    assert all(r.ok for r in results), [r.error for r in results]
-    assert all(single_version(r) == version for r in results), [r.policy_version for r in results]
-    return logprob_agreement(model, results, PROMPTS, state=state)
+    return await agreement(p, model, state, version, PROMPTS, SAMPLING)
 
 
 async def test_replica_logprobs_match_the_trainer_after_memmap_and_gloo_updates(replica, model, redis_url, queue):

@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import pytest
 import pytest_asyncio
-import torch
 
 from rollq import Producer
 from rollq.connection import connect
 from rollq.keys import QueueKeys
 from rollq.replicas import live_replicas
-from rollq.rl import logprob_agreement, single_version
 from rollq.weightsync import WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
 from tests.helpers import until
+from tests.helpers.agreement import AGREEMENT_MAX, AGREEMENT_MEAN, agreement, perturbed, trainer_model
 from tests.vllm_fixtures import TEST_KV_CACHE_BYTES, TEST_MAX_MODEL_LEN, TEST_WORKER_EXTENSION, serving_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
-AGREEMENT_MEAN = 1e-3
-AGREEMENT_MAX = 1e-2
 PROMPTS = [[5, 17, 99, 3, 250, 7], [21, 22, 23, 24, 25, 26, 27, 28]]
 SAMPLING = {"max_tokens": 16, "n": 2, "temperature": 1.0, "logprobs": 0, "ignore_eos": True, "detokenize": False}
 
@@ -47,23 +44,11 @@ async def tp_engine(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def model(tiny_model_path):
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)
-    return AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).eval()
-
-
-def perturbed(state: dict[str, torch.Tensor], seed: int, scale: float = 0.02) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + torch.randn(v.shape, generator=g) * scale for k, v in state.items()}
+    return trainer_model(tiny_model_path)
 
 
 async def _agreement(p: Producer, model, state, version: int) -> tuple[float, float, int]:
-    hs = await p.submit_many([{"prompt_token_ids": pr, "sampling": SAMPLING, "min_version": version} for pr in PROMPTS])
-    results = await p.gather(hs, timeout=180)
-    assert all(r.ok for r in results), [r.error for r in results]
-    assert all(single_version(r) == version for r in results), [r.policy_version for r in results]
-    return logprob_agreement(model, results, PROMPTS, state=state)
+    return await agreement(p, model, state, version, PROMPTS, SAMPLING, timeout=180)
 
 
 async def test_tensor_parallel_replica_loads_every_shard_by_memmap_and_gloo(tp_engine, model, redis_url, queue, tmp_path):
