@@ -41,6 +41,7 @@ from rollq import Producer
 from rollq.consumer.ray_launcher import EngineSpec, RayLauncher, WeightsSpec
 from rollq.keys import QueueKeys
 from rollq.protocol import decode_job
+from rollq.server import free_port
 from rollq.settings import ConsumerSettings
 from tests.helpers import collect, pending_of, until
 
@@ -56,12 +57,6 @@ PLACE = [{"node_a": 0.01}, {"node_b": 0.01}]
 LEASE = dict(lease_ttl=2.0, heartbeat_interval=0.5, reclaim_interval=0.5)
 #: The GCS declares a node dead ~1.5 s after its raylet stops answering (defaults: ~30 s).
 GCS_CONFIG = {"health_check_period_ms": 500, "health_check_timeout_ms": 500, "health_check_failure_threshold": 3}
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 #: Where a Ray process finds its token (passed on to the nodes as they are).
@@ -91,7 +86,7 @@ class LoopbackRayCluster:
     """
 
     def __init__(self) -> None:
-        self.port = _port()
+        self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}
         self.dirs: dict[str, str] = {}  # node name -> its --temp-dir
@@ -102,7 +97,7 @@ class LoopbackRayCluster:
     def _start(self, name: str, args: list[str]) -> None:
         tmp = tempfile.mkdtemp(prefix=f"rq-ray-{name}-", dir="/tmp")  # short: socket paths live here
         self.dirs[name] = tmp
-        ports = [f"--{opt}={_port()}" for opt in (
+        ports = [f"--{opt}={free_port()}" for opt in (
             "node-manager-port", "object-manager-port", "metrics-export-port", "runtime-env-agent-port",
             "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
         )]
@@ -115,7 +110,7 @@ class LoopbackRayCluster:
     def start_head(self) -> None:
         self._start("head", [
             "--head", f"--port={self.port}", "--num-cpus=0", '--resources={"node_head": 1}',
-            "--include-dashboard=false", f"--dashboard-port={_port()}", f"--ray-client-server-port={_port()}",
+            "--include-dashboard=false", f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
             f"--system-config={json.dumps(GCS_CONFIG)}",
         ])
         deadline = time.monotonic() + 60

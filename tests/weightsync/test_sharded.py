@@ -3,9 +3,10 @@ tensor), and publish_weights(group=...) from 2 FSDP2 ranks into memmap."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import socket
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -15,15 +16,32 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from rollq.errors import WeightSyncError
+from rollq.server import free_port as _free_port
 from rollq.weightsync.sharded import iter_full_buckets, plan_buckets
 
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def _spawned(target: Callable[..., None], args_of: Callable[[int], tuple], world: int = 2) -> Iterator[list[Any]]:
+    """``world`` spawn-started processes running ``target(*args_of(rank))``, not started yet;
+    those still alive when the block ends are killed."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args_of(r)) for r in range(world)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+
+
+async def _exit_cleanly(procs: list[Any], timeout: float, what: str) -> None:
+    from tests.helpers import until
+
+    await until(lambda: all(p.exitcode is not None for p in procs), timeout, what)
+    assert [p.exitcode for p in procs] == [0] * len(procs)
 
 
 def _worker(rank: int, world: int, port: int, bucket_bytes: int, out: str) -> None:
@@ -292,20 +310,14 @@ async def test_fsdp2_ranks_broadcast_bucket_by_bucket_to_a_replica(tmp_path, red
     consumer = Consumer(engine, redis_url, queue)
     follower = WeightFollower(consumer, root=root, reconcile_interval=0.3, broadcast=True)
     await follower.start()
-    ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_broadcast_worker, args=(r, 2, port, redis_url, queue, root, str(tmp_path))) for r in range(2)]
     try:
-        for p in procs:
-            p.start()
-        await until(lambda: all(p.exitcode is not None for p in procs), 120, "the trainer ranks to publish")
-        assert [p.exitcode for p in procs] == [0, 0]
-        await until(lambda: consumer.version == 1, 10, "the replica at version 1")
+        with _spawned(_broadcast_worker, lambda r: (r, 2, port, redis_url, queue, root, str(tmp_path))) as procs:
+            for p in procs:
+                p.start()
+            await _exit_cleanly(procs, 120, "the trainer ranks to publish")
+            await until(lambda: consumer.version == 1, 10, "the replica at version 1")
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
         await follower.stop()
     res = [torch.load(tmp_path / f"b{r}.pt") for r in range(2)]
     assert res[0] == res[1] and res[0]["rec"] == (1, "nccl", None)  # broadcast, no memmap fallback
@@ -424,44 +436,39 @@ async def test_fsdp2_trainer_updates_two_vllm_replicas_whose_logprobs_agree(vllm
     await second.start()
     root = str(tmp_path / "w")
     port = _free_port()
-    procs = [mp.get_context("spawn").Process(
-        target=_rl_trainer, args=(r, 2, port, redis_url, queue, root, str(tiny_model_path), str(tmp_path))) for r in range(2)]
+    args = (2, port, redis_url, queue, root, str(tiny_model_path), str(tmp_path))
     try:
-        async with contextlib.AsyncExitStack() as stack, Producer(redis_url, queue) as p:
-            replicas = [await stack.enter_async_context(serving_replica(e, redis_url, queue, root, broadcast=True))
-                        for e in (vllm_engine, second)]
-            consumers = [c for c, _ in replicas]
-            for proc in procs:
-                proc.start()
-            for version, state in ((1, states[0]), (2, states[1])):
-                await until(lambda: all(c.version >= version for c in consumers), 180, f"both replicas at version {version}")
-                got = await _results_from_both(p, [c.id for c in consumers], version)
-                for replica, (results, prompts) in got.items():
-                    mean, worst, n = logprob_agreement(ref, results, prompts, state=state)
-                    assert n > 0 and mean <= AGREEMENT_MEAN and worst <= AGREEMENT_MAX, (version, replica, mean, worst)
-                    # the control: the weights before the update do not agree
-                    old, _, _ = logprob_agreement(ref, results, prompts, state=base)
-                    assert old > 30 * AGREEMENT_MEAN, (version, replica, old)
-                    log.info("version %d, replica %s: %d tokens, mean |diff| %.2e, max %.2e (before the update: %.2e)",
-                             version, replica, n, mean, worst, old)
-                if version == 1:
-                    (tmp_path / "go").touch()
-            await until(lambda: all(proc.exitcode is not None for proc in procs), 120, "the trainer ranks to finish")
-            assert [proc.exitcode for proc in procs] == [0, 0]
-            recs = [torch.load(tmp_path / f"v{v}-r{r}.pt") for v in (1, 2) for r in range(2)]
-            assert recs[0] == recs[1] and recs[2] == recs[3]  # every rank returned the same record
-            assert recs[0][:2] == (1, "memmap") and recs[2][:2] == (2, "nccl") and "nccl_failed" not in recs[2][2]
-            assert recs[2][2]["gathered_peak_bytes"] <= 512 << 10  # one bucket (the embedding is one of its own)
-            # leave the session engine as found
-            pub = WeightPublisher(redis_url, queue, root=root)
-            rec = await pub.publish_weights(base)
-            await pub.close()
-            await until(lambda: consumers[0].version >= rec.version, 60, "the session replica back at the base weights")
+        with _spawned(_rl_trainer, lambda r: (r, *args)) as procs:
+            async with contextlib.AsyncExitStack() as stack, Producer(redis_url, queue) as p:
+                replicas = [await stack.enter_async_context(serving_replica(e, redis_url, queue, root, broadcast=True))
+                            for e in (vllm_engine, second)]
+                consumers = [c for c, _ in replicas]
+                for proc in procs:
+                    proc.start()
+                for version, state in ((1, states[0]), (2, states[1])):
+                    await until(lambda: all(c.version >= version for c in consumers), 180, f"both replicas at version {version}")
+                    got = await _results_from_both(p, [c.id for c in consumers], version)
+                    for replica, (results, prompts) in got.items():
+                        mean, worst, n = logprob_agreement(ref, results, prompts, state=state)
+                        assert n > 0 and mean <= AGREEMENT_MEAN and worst <= AGREEMENT_MAX, (version, replica, mean, worst)
+                        # the control: the weights before the update do not agree
+                        old, _, _ = logprob_agreement(ref, results, prompts, state=base)
+                        assert old > 30 * AGREEMENT_MEAN, (version, replica, old)
+                        log.info("version %d, replica %s: %d tokens, mean |diff| %.2e, max %.2e (before the update: %.2e)",
+                                 version, replica, n, mean, worst, old)
+                    if version == 1:
+                        (tmp_path / "go").touch()
+                await _exit_cleanly(procs, 120, "the trainer ranks to finish")
+                recs = [torch.load(tmp_path / f"v{v}-r{r}.pt") for v in (1, 2) for r in range(2)]
+                assert recs[0] == recs[1] and recs[2] == recs[3]  # every rank returned the same record
+                assert recs[0][:2] == (1, "memmap") and recs[2][:2] == (2, "nccl") and "nccl_failed" not in recs[2][2]
+                assert recs[2][2]["gathered_peak_bytes"] <= 512 << 10  # one bucket (the embedding is one of its own)
+                # leave the session engine as found
+                pub = WeightPublisher(redis_url, queue, root=root)
+                rec = await pub.publish_weights(base)
+                await pub.close()
+                await until(lambda: consumers[0].version >= rec.version, 60, "the session replica back at the base weights")
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
         await second.stop()
 
 
