@@ -56,6 +56,12 @@ class Layout:
         return typed_views(manifest, [flat[off : off + m.nbytes] for m, off in zip(manifest, self.offsets)])
 
 
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as one flat ``uint8`` tensor: a view where ``t`` is contiguous, else of a
+    contiguous copy."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def typed_views(manifest: list[TensorMeta], raw: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` per manifest entry, viewing its raw ``uint8`` bytes in ``raw``."""
     return [(m.name, r.view(getattr(torch, m.dtype)).view(m.shape)) for m, r in zip(manifest, raw)]

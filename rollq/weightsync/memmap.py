@@ -36,6 +36,7 @@ import torch
 
 from ..errors import CorruptWeights, WeightSyncError
 from .checksum import state_checksum
+from .layout import flat_bytes
 from .versions import TensorMeta
 
 log = logging.getLogger(__name__)
@@ -229,8 +230,7 @@ class MemmapStore:
             return 0
         if str(part.dtype).removeprefix("torch.") != meta.dtype or len(offset) != len(meta.shape) or part.dim() != len(offset):
             raise WeightSyncError(f"a part of {meta.name} ({part.dtype}, shape {list(part.shape)} at {offset}) does not fit {meta}")
-        src = part.detach()
-        src = (src if src.is_contiguous() else src.contiguous()).reshape(-1).view(torch.uint8)
+        src = flat_bytes(part)
         if src.device.type == "cpu" and (not offset or (offset[1:] == [0] * (len(offset) - 1) and list(part.shape[1:]) == meta.shape[1:])):
             row = src.numel() // part.shape[0] if offset else 0
             self._pwrite(self.path(slot) / f"{meta.name}.memmap", memoryview(src.numpy()), offset[0] * row if offset else 0)
@@ -305,9 +305,8 @@ class MemmapStore:
             streams[dev].wait_stream(torch.cuda.current_stream(dev))  # after whatever wrote the weights
         for (_, t), (_, v) in zip(items, views):
             if v.numel():
-                t = t.detach()
                 with torch.cuda.stream(streams[t.device]):
-                    v.copy_((t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8), non_blocking=True)
+                    v.copy_(flat_bytes(t), non_blocking=True)
 
         def finish() -> None:
             for st in streams.values():

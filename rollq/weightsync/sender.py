@@ -42,7 +42,7 @@ from ..errors import WeightSyncError, WeightSyncTimeout
 from ..protocol import Control, control_message
 from ..replicas import heartbeating
 from .checksum import state_checksum
-from .layout import Layout, groups_of
+from .layout import Layout, flat_bytes, groups_of
 from .transport import Group, free_port, in_daemon_thread, make_group, wait_stream
 from .versions import TensorMeta, VersionRecord
 from .wire import Ack, FlatLayout, GroupInfo, Mode, Offer, decode_ack, manifest_digest, member_workers
@@ -462,11 +462,7 @@ def _flats(items: Any) -> Any:
     (it makes them as they are asked for)."""
     if not isinstance(items, list):
         return items
-    out = []
-    for _, t in items:
-        t = t.detach()
-        out.append((t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8))
-    return out
+    return [flat_bytes(t) for _, t in items]
 
 
 def _pack(

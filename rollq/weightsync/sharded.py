@@ -58,6 +58,7 @@ import torch
 
 from ..errors import WeightSyncError
 from .checksum import _MASK, combine_checksums
+from .layout import flat_bytes
 from .memmap import MemmapStore, SlotInfo, manifest_of
 from .versions import TensorMeta
 
@@ -308,8 +309,7 @@ class StreamedItems:
                 if bucket is None:
                     raise WeightSyncError(f"tensor {i} was asked for after the stream was drained")
                 for _, t in bucket:
-                    t = t if t.is_contiguous() else t.contiguous()
-                    self._have[self._next] = t.reshape(-1).view(torch.uint8)
+                    self._have[self._next] = flat_bytes(t)
                     self._next += 1
                 del bucket
                 self.peak_bytes = max(self.peak_bytes, sum(t.numel() for t in self._have.values()))
