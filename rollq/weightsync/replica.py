@@ -155,9 +155,12 @@ class ReplicaReceiver:
 
     # -- staged versions -------------------------------------------------------------------
     async def staged_for(self, rec: VersionRecord, acks: list[Any] | None = None) -> int | None:
-        """``rec.version`` if every worker of this replica staged it (their acks are ok);
-        ``acks``: the ack fields of this replica, already read."""
-        if rec.group is None or rec.group != self.group:
+        """``rec.version`` if every worker of this replica staged it over ``rec.group`` (their
+        acks are ok and name that group); ``acks``: the ack fields of this replica, already read.
+
+        The acks decide, not :attr:`group`: the trainer may broadcast as soon as the workers
+        have joined, before :meth:`_join` has seen them join and recorded the group."""
+        if rec.group is None:
             return None
         if acks is None:
             acks = await self._client.hmget(self.keys.weights_acks(rec.version), self.fields())

@@ -215,3 +215,37 @@ async def test_version_that_reached_some_workers_is_committed_for_them_and_the_o
         for f in followers:
             await f.stop()
         await pub.close()
+
+
+async def test_a_broadcast_that_lands_before_the_replica_has_seen_its_join_is_applied(redis_url, queue):
+    """In process: the trainer broadcasts as soon as the workers joined its group; the
+    replica's own record of the join (a status poll of its workers, slow here) may come later.
+    The version the workers acked is applied all the same, not taken for a missed broadcast."""
+    from rollq import Consumer
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower
+
+    size = 32
+    engine = FakeWorkerEngine(lambda: torch.nn.Sequential(torch.nn.Linear(size, size), torch.nn.Linear(size, 8)))
+    call_workers = engine.call_workers
+
+    async def slow_status(method: str, *args: Any, **kw: Any) -> list[Any]:
+        if method == "rollq_receive_status":
+            await asyncio.sleep(2.0)
+        return await call_workers(method, *args, **kw)
+
+    engine.call_workers = slow_status  # type: ignore[method-assign]
+    consumer = Consumer(engine, redis_url, queue, consumer_id="slow")
+    follower = WeightFollower(consumer, reconcile_interval=0.2, broadcast=True)
+    sender = BroadcastSender(num_workers=1, backend="gloo", timeout=TIMEOUT, join_window=1.0)
+    pub = WeightPublisher(redis_url, queue, sender=sender)
+    try:
+        await follower.start()
+        rec = await pub.publish_weights(state(size, 1.0), transport="nccl")  # no store: broadcast only
+        assert rec.transport == "nccl" and rec.timings["replicas"] == 1, rec
+        assert follower.receiver.group != rec.group  # the replica has not seen its join yet
+        await until(lambda: consumer.version == 1, 10, "the replica at version 1")
+        assert follower.history[-1].load.get("swap") == "broadcast"
+    finally:
+        await follower.stop()
+        await pub.close()
