@@ -70,10 +70,11 @@ async def _stream_ids(client, stream: str) -> Counter:
 async def test_submit_many_through_cut_connections_has_no_duplicates(
     queue, proxy, redis_client, make_consumer, consumers
 ):
-    """10 rounds x 2,000 generated ids through a proxy cutting every 2-20 ms: every round
-    returns all its handles, every id is in the stream once (no consumers) and every result
-    comes back once through results() (two echo consumers)."""
-    rounds, per_round = 10, 2000
+    """Rounds of 2,000 generated ids through a proxy cutting every 2-20 ms, at least 10 and
+    until the proxy has cut 10 times (a fast machine submits a round before the first cut; 30
+    rounds at most): every round returns all its handles, every id is in the stream once (no
+    consumers) and every result comes back once through results() (two echo consumers)."""
+    rounds, per_round, max_rounds = 10, 2000, 30
     Producer = _producer_class()
     settings = ProducerSettings(chunk_size=4000, script_batch=500)
     redis_settings = dataclasses.replace(RedisSettings.from_url(proxy.url), command_timeout=20.0)
@@ -93,10 +94,11 @@ async def test_submit_many_through_cut_connections_has_no_duplicates(
     short_rounds = 0
     t0 = time.monotonic()
     try:
-        for r in range(rounds):
+        r = 0
+        while r < rounds or (proxy.cuts < rounds and r < max_rounds):
             jobs = p.build_jobs({"prompt_token_ids": [r, i % 97 + 1], "sampling": {"max_tokens": 1}} for i in range(per_round))
             sent += [j.id for j in jobs]
-            proxy.start_cutting(0.002, 0.02, seed=13)
+            proxy.start_cutting(0.002, 0.02, seed=13 + r)
             try:
                 handles = await bounded(p.submit_many(jobs), 60, f"round {r} through the cutting proxy")
                 if len(handles) != per_round:
@@ -105,6 +107,7 @@ async def test_submit_many_through_cut_connections_has_no_duplicates(
                 errors.append(f"{type(e).__name__}: {e}")
             finally:
                 proxy.stop_cutting()
+            r += 1
         elapsed = time.monotonic() - t0
         assert proxy.cuts >= rounds, f"the proxy cut only {proxy.cuts} times: the test tested nothing"
         if consumers:  # every result, or none for 3 s (a lost job never returns one)
@@ -125,7 +128,7 @@ async def test_submit_many_through_cut_connections_has_no_duplicates(
     extra = len(set(seen) - set(sent))
     where = "results()" if consumers else "the stream"
     assert (dups, lost, extra, len(errors), short_rounds) == (0, 0, 0, 0, 0), (
-        f"in {where}: {dups} ids twice or more, {lost} lost, {extra} unknown; {len(errors)} of {rounds} rounds "
+        f"in {where}: {dups} ids twice or more, {lost} lost, {extra} unknown; {len(errors)} of {r} rounds "
         f"raised (first: {errors[:1]}); {short_rounds} rounds short of handles; {proxy.cuts} cuts in {elapsed:.1f}s"
     )
 

@@ -86,7 +86,8 @@ class LoopbackRayCluster:
     """
 
     def __init__(self) -> None:
-        self.port = free_port()
+        self._ports: set[int] = set()  # every port handed to this cluster: Ray refuses one used twice
+        self.port = self._free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}
         self.dirs: dict[str, str] = {}  # node name -> its --temp-dir
@@ -94,10 +95,20 @@ class LoopbackRayCluster:
         self.env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"  # no drain wait on SIGTERM
         self.env["RAY_AUTH_MODE"] = _driver_auth_mode()
 
+    def _free_port(self) -> int:
+        """A free loopback port not handed to this cluster before (the kernel may offer the
+        same ephemeral port to two consecutive probes)."""
+        for _ in range(100):
+            port = free_port()
+            if port not in self._ports:
+                self._ports.add(port)
+                return port
+        raise AssertionError("no new free port in 100 tries")
+
     def _start(self, name: str, args: list[str]) -> None:
         tmp = tempfile.mkdtemp(prefix=f"rq-ray-{name}-", dir="/tmp")  # short: socket paths live here
         self.dirs[name] = tmp
-        ports = [f"--{opt}={free_port()}" for opt in (
+        ports = [f"--{opt}={self._free_port()}" for opt in (
             "node-manager-port", "object-manager-port", "metrics-export-port", "runtime-env-agent-port",
             "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
         )]
@@ -110,7 +121,7 @@ class LoopbackRayCluster:
     def start_head(self) -> None:
         self._start("head", [
             "--head", f"--port={self.port}", "--num-cpus=0", '--resources={"node_head": 1}',
-            "--include-dashboard=false", f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
+            "--include-dashboard=false", f"--dashboard-port={self._free_port()}", f"--ray-client-server-port={self._free_port()}",
             f"--system-config={json.dumps(GCS_CONFIG)}",
         ])
         deadline = time.monotonic() + 60
