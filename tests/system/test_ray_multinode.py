@@ -7,7 +7,7 @@
 - weights (real vLLM, one replica per node): a memmap version under a directory both nodes
   see, then a gloo broadcast from this process (the trainer) into both replicas; greedy output
   changes with the weights and every result carries the version it ran on;
-- node loss: node_a's raylet is SIGKILLed mid-run; the replica on node_b takes its jobs back
+- node loss: node_a's raylet and the replica's actor process are SIGKILLed mid-run; the replica on node_b takes its jobs back
   (each completes once), and once a new node_a joins the launcher places replica 0 there again.
 
 Ray rewrites a loopback ``--node-ip-address`` to the host's own address
@@ -346,9 +346,12 @@ async def test_node_loss_mid_run_each_job_completes_once(cluster, redis_url, que
             await until(lambda: p.counters["results"] >= 30, 30, "the first results")
             await until(lambda: pending_of(redis_client, k.jobs, "replica-0"), 10, "replica-0 to hold jobs", interval=0.005)
 
-            cluster.raylet("a").kill()  # SIGKILL: node_a is gone; its workers exit once they notice
-            # The actor heartbeats until its process exits, so its lease runs out lease_ttl later
-            # at the earliest: what it holds now is what replica-1 must take back.
+            # A lost node takes its processes with it: SIGKILL node_a's raylet and the replica's
+            # actor process (started by that raylet), which would otherwise notice the raylet's
+            # death in its own time and might drain its jobs first. Its lease runs out lease_ttl
+            # later at the earliest: what it holds now is what replica-1 must take back.
+            cluster.raylet("a").kill()
+            os.kill(where["replica-0"]["pid"], signal.SIGKILL)
             await until(lambda: not psutil.pid_exists(where["replica-0"]["pid"]), 30, "replica-0's actor process to exit")
             held = await pending_of(redis_client, k.jobs, "replica-0")
             assert held, "replica-0 held no jobs when its node died"
