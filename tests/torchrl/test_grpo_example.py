@@ -19,7 +19,9 @@ pytest.importorskip("torchrl")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrl_grpo.py"
-STEPS = 14
+#: Steps of the short run: the full example reaches 0.99 in 20; a CI run at 14 steps ended at
+#: 0.61, 0.40, 0.46 (mean 0.49, just under the bar), so the run has room to get past a dip.
+STEPS = 18
 
 
 def _example():
