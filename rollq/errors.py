@@ -21,6 +21,10 @@ class StalenessBound(QueueFull):
     """Admitting more jobs would exceed the queue's off-policy staleness bound."""
 
 
+class ShardCountMismatch(RollqError):
+    """A producer or consumer named a number of shards other than the queue's recorded one."""
+
+
 class InvalidJob(RollqError, ValueError):
     """A job failed validation (bad prompt, bad sampling params, unknown fields)."""
 

@@ -5,11 +5,21 @@ land in one slot and every Lua script of that queue can touch them atomically. O
 global, :data:`QUEUES` (the names of the queues in use). Nothing in rollq builds a key name
 anywhere else.
 
+A queue may be *sharded* over K sub-queues (rollq/shards.py): shard 0 is the queue's own
+tag ``{<queue>}`` and holds everything of the queue as a whole (policy versions, weight sync,
+the replica registry, settings); shard ``i > 0`` has the tag ``{<queue>~i}`` (``~`` is not
+allowed in names, so no queue's tag can be a shard's) and its own complete set of job keys
+(stream, ids, results, stats, leases, ...), so every script still runs in one slot.
+
 >>> k = QueueKeys("grpo")
 >>> k.jobs
 'rollq:{grpo}:jobs'
 >>> k.results("trainer-1")
 'rollq:{grpo}:res:trainer-1'
+>>> k.shard(2).jobs
+'rollq:{grpo~2}:jobs'
+>>> k.shard(2).base.version
+'rollq:{grpo}:version'
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from functools import cached_property
 PREFIX = "rollq"
 #: Consumer group every replica of a queue joins.
 GROUP = "rollq"
+#: Most shards one queue may have.
+MAX_SHARDS = 256
 #: Field of a stream entry that holds the msgpack payload.
 FIELD = "d"
 #: Sorted set ``queue name -> last-seen UNIX time`` of the queues in use, kept by producers
@@ -29,6 +41,9 @@ FIELD = "d"
 #: queue without a scan. The one key outside every queue's hash tag: on Redis Cluster it lives
 #: on a single node, and an ACL user limited to ``~rollq:{<queue>}:*`` cannot register.
 QUEUES = f"{PREFIX}:queues"
+
+#: Separates a queue's name from a shard number in the shard's hash tag.
+SHARD_SEP = "~"
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
@@ -52,16 +67,34 @@ def check_name(kind: str, name: str) -> str:
 
 @dataclass(frozen=True)
 class QueueKeys:
-    """Key names of one queue."""
+    """Key names of one queue, or of one shard of it (``shard > 0``)."""
 
     queue: str
+    shard_index: int = 0
 
     def __post_init__(self) -> None:
         check_name("queue", self.queue)
+        if type(self.shard_index) is not int or not 0 <= self.shard_index < MAX_SHARDS:
+            raise ValueError(f"invalid shard {self.shard_index!r}: use 0-{MAX_SHARDS - 1}")
 
     @cached_property
     def tag(self) -> str:
+        if self.shard_index:
+            return f"{PREFIX}:{{{self.queue}{SHARD_SEP}{self.shard_index}}}"
         return f"{PREFIX}:{{{self.queue}}}"
+
+    def shard(self, i: int) -> QueueKeys:
+        """The keys of shard ``i`` of this queue (``shard(0)`` is the queue's own)."""
+        return self if i == self.shard_index else QueueKeys(self.queue, i)
+
+    def shards(self, k: int) -> list[QueueKeys]:
+        """The keys of shards ``0 .. k-1``."""
+        return [self.shard(i) for i in range(k)]
+
+    @cached_property
+    def base(self) -> QueueKeys:
+        """Shard 0: where the queue-wide keys live (versions, weight sync, registry, config)."""
+        return self.shard(0)
 
     # -- job streams ---------------------------------------------------------------------
     @cached_property
@@ -222,5 +255,5 @@ class QueueKeys:
         ]
 
     def pattern(self) -> str:
-        """Glob of every key of this queue (tests and ``rollq`` admin tools only)."""
-        return f"{PREFIX}:{{{self.queue}}}:*"
+        """Glob of every key of this queue or shard (tests and ``rollq`` admin tools only)."""
+        return f"{self.tag}:*"

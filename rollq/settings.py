@@ -107,6 +107,9 @@ class ProducerSettings:
     max_prompt_bytes: int = 4 << 20
     #: Seconds between retries while the staleness bound refuses a submission.
     admission_poll: float = 0.05
+    #: Shards of the queue (rollq/shards.py): None follows the queue's record (1 if it has
+    #: none); a number is recorded if the queue has none, and refused if it records another.
+    shards: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,10 @@ class ConsumerSettings:
     reclaim_interval: float = 1.0
     #: Deliveries after which a job goes to the dead-letter stream instead of running again.
     max_deliveries: int = 3
+    #: Shards of the queue (rollq/shards.py): None follows the queue's record (1 if it has
+    #: none, and the replica takes up shards added later); a number is recorded if the queue
+    #: has none, and refused if it records another.
+    shards: int | None = None
     #: Results are kept this long for a producer that does not read them.
     result_ttl: float = 24 * 3600.0
     #: Dead-letter stream is trimmed (approximately) to this many entries.

@@ -1,0 +1,63 @@
+"""Shard routing and the queue's shard-count record (rollq/shards.py, QueueKeys.shard)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import redis.asyncio as aioredis
+
+from rollq.errors import ShardCountMismatch
+from rollq.keys import QueueKeys
+from rollq.shards import SHARDS_FIELD, declare_shards, home_shard, read_shards, shard_of_id, split_budget
+
+
+def test_shard_keys_have_their_own_tag_and_queue_wide_keys_stay_in_shard_0():
+    k = QueueKeys("grpo")
+    assert k.shard(0) is k and k.base is k
+    s3 = k.shard(3)
+    assert s3.jobs == "rollq:{grpo~3}:jobs" and s3.results("p") == "rollq:{grpo~3}:res:p"
+    assert s3.base.version == k.version == "rollq:{grpo}:version"
+    assert [s.tag for s in k.shards(3)] == ["rollq:{grpo}", "rollq:{grpo~1}", "rollq:{grpo~2}"]
+    # A shard's tag is never a queue's: "~" is not allowed in queue names.
+    with pytest.raises(ValueError):
+        QueueKeys("grpo~1")
+    with pytest.raises(ValueError):
+        QueueKeys("grpo", 256)
+
+
+def test_routing_is_stable_and_spreads_ids_and_replicas():
+    ids = [f"job-{i}" for i in range(4000)]
+    counts = collections.Counter(shard_of_id(i, 4) for i in ids)
+    assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 800
+    assert [shard_of_id(i, 4) for i in ids[:50]] == [shard_of_id(i, 4) for i in ids[:50]]
+    assert all(shard_of_id(i, 1) == 0 and home_shard(i, 1) == 0 for i in ids[:50])
+    homes = collections.Counter(home_shard(f"replica-{i}", 4) for i in range(400))
+    assert set(homes) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("total,k", [(8, 4), (10, 4), (7, 3), (1, 1), (100, 7)])
+def test_split_budget_adds_up_and_is_even(total, k):
+    parts = split_budget(total, k)
+    assert sum(parts) == total and len(parts) == k and max(parts) - min(parts) <= 1
+
+
+async def test_the_first_named_count_is_recorded_and_another_is_refused(redis_url):
+    r = aioredis.from_url(redis_url)
+    keys = QueueKeys("sharded-record")
+    try:
+        assert await declare_shards(r, keys, None) == 1  # nothing recorded: one shard, nothing written
+        assert await r.hget(keys.config, SHARDS_FIELD) is None
+        assert await declare_shards(r, keys, 4) == 4
+        assert await declare_shards(r, keys, None) == 4 and await read_shards(r, keys) == 4
+        assert await declare_shards(r, keys.shard(2), 4) == 4  # any shard's keys find the record
+        with pytest.raises(ShardCountMismatch, match="has 4 shard"):
+            await declare_shards(r, keys, 2)
+        with pytest.raises(ValueError):
+            await declare_shards(r, keys, 0)
+        await r.hset(keys.config, SHARDS_FIELD, "many")
+        with pytest.raises(ShardCountMismatch, match="invalid shard count"):
+            await read_shards(r, keys)
+    finally:
+        await r.delete(keys.config)
+        await r.aclose()
