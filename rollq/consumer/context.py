@@ -1,5 +1,5 @@
 """What the parts of one consumer share: who it is, its settings and connections, its counters,
-and the events that pace its loops.
+the shards it serves, and the events that pace its loops.
 
 :class:`~rollq.consumer.loop.Consumer` builds one :class:`ReplicaContext` and hands it to
 each part (puller, finisher, lease, reclaimer, control listener, version wait); the parts
@@ -20,6 +20,7 @@ from ..connection import RETRYABLE, Client
 from ..keys import GROUP, QueueKeys
 from ..protocol import LATENCY_BUCKETS_MS
 from ..settings import ConsumerSettings, RedisSettings
+from ..shards import home_shard
 from .capacity import CapacityController
 from .engine import Engine
 
@@ -48,14 +49,26 @@ class ReplicaContext:
 
     id: str
     queue: str
+    #: The queue's own keys (shard 0): queue-wide things (versions, control, registry,
+    #: histograms, weight sync) live there.
     keys: QueueKeys
     settings: ConsumerSettings
     redis_settings: RedisSettings
     engine: Engine
     counters: ConsumerCounters
     capacity: CapacityController
-    #: This replica's targeted stream, then the queue's shared one: the streams it reads.
-    streams: list[str]
+    #: The queue's shards (index = shard number; ``[keys]`` for an unsharded queue).
+    shards: list[QueueKeys] = field(default_factory=list)
+    #: This replica's home shard: where it blocks and where jobs targeted at it go.
+    home: QueueKeys | None = None
+    #: What this replica reads: the home shard's targeted and shared streams (one blocking
+    #: read; one slot on Redis Cluster).
+    streams: list[str] = field(default_factory=list)
+    #: The streams read from each other shard (shard number -> its shared stream, plus this
+    #: replica's targeted stream there if that shard was its home before the queue grew).
+    other_reads: dict[int, list[str]] = field(default_factory=dict)
+    #: Every stream this replica has read or reclaimed from -> the keys of its shard.
+    stream_shard: dict[str, QueueKeys] = field(default_factory=dict)
     #: Loaded policy version.
     version: int = 0
     #: Commands (with socket timeouts), blocking reads and FINISH calls (both without socket
@@ -85,6 +98,42 @@ class ReplicaContext:
 
     def __post_init__(self) -> None:
         self.intake.set()
+        if not self.shards:
+            self.set_shards(1)
+
+    # -- shards ------------------------------------------------------------------------------
+    def set_shards(self, k: int) -> None:
+        """Serve ``k`` shards (more than before, when the queue's record grew): the home shard
+        moves to ``home_shard(id, k)``; a former home's targeted stream is still read, so
+        jobs targeted here before the change are served."""
+        former = self.home
+        self.shards = self.keys.shards(k)
+        self.home = self.shards[home_shard(self.id, k)]
+        self.streams = [self.home.replica_jobs(self.id), self.home.jobs]
+        self.other_reads = {i: [s.jobs] for i, s in enumerate(self.shards) if s is not self.home}
+        if former is not None and former.shard_index != self.home.shard_index:
+            self.other_reads[former.shard_index].insert(0, former.replica_jobs(self.id))
+        for stream in self.read_streams():
+            self.shard_of(stream)  # remembered
+
+    def shard_of(self, stream: str) -> QueueKeys:
+        """The keys of the shard that ``stream`` (a job stream this replica read) belongs to."""
+        keys = self.stream_shard.get(stream)
+        if keys is None:
+            for s in self.shards:  # a targeted stream first met now (a reclaim): by its tag
+                if stream.startswith(s.tag + ":"):
+                    keys = self.stream_shard[stream] = s
+                    break
+            else:
+                raise KeyError(f"stream {stream!r} is in no shard of queue {self.queue!r}")
+        return keys
+
+    def read_streams(self) -> list[str]:
+        """Every stream this replica reads (home first)."""
+        out = list(self.streams)
+        for streams in self.other_reads.values():
+            out.extend(streams)
+        return out
 
     def stop(self, running: int) -> None:
         """Stop pulling (``running``: how many jobs run, for the log line); see ``Consumer.stop``."""
@@ -104,6 +153,23 @@ class ReplicaContext:
             for t in (t1, t2):
                 if not t.done():
                     t.cancel()
+
+    async def take_up_shards(self, k: int) -> None:
+        """The queue's record says ``k`` shards, more than this replica serves: renew the lease
+        in the new shards (so their reclaimers see this replica alive once it reads there),
+        create the groups it will read, then read them."""
+        have = len(self.shards)
+        if k <= have:
+            return
+        new = self.keys.shards(k)[have:]
+        for s in new:
+            await self.redis.set(s.heartbeat(self.id), b"1", px=int(self.settings.lease_ttl * 1000))
+        home = self.keys.shard(home_shard(self.id, k))
+        for stream in (home.replica_jobs(self.id), *(s.jobs for s in new)):
+            await self.ensure_group(stream)
+        log.info("consumer %s: queue %r now has %d shards; serving them all (home shard %d)",
+                 self.id, self.queue, k, home.shard_index)
+        self.set_shards(k)
 
     async def ensure_group(self, stream: str) -> None:
         """Create the consumer group of ``stream`` (and the stream) unless it exists."""

@@ -5,6 +5,11 @@ The finisher sends the rows in one FINISH call per flush (``lua/finish.lua``: fo
 record the result, XACK, delete the entry and forget the job id, each refused if the entry is
 no longer pending under this consumer), at most :data:`FINISH_BATCH_BYTES` per call. A call
 is shielded from cancellation, so no half batch is left, and retried until Redis takes it.
+
+On a sharded queue one call covers the rows of one shard (every key of a call is in that
+shard's slot): its ids, stats and dead-letter keys, and the result stream of each producer
+in that shard (``QueueKeys.results`` of the job's shard), so a flush makes one call per
+shard that has rows.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from redis.exceptions import ResponseError
 
 from ..connection import FINISH, RETRYABLE, deadline
 from ..errors import ResultTooLarge
-from ..keys import GROUP
+from ..keys import GROUP, QueueKeys
 from ..protocol import DeadLetter, ErrorInfo, Result, cut, encode_dead_letter, encode_result, latency_bucket, short
 from .context import ReplicaContext
 from .jobs import Failure, JobInHand, mark_versions
@@ -76,7 +81,7 @@ class Finisher:
         #: Rows not recorded yet, oldest first.
         self.rows: list[_Finish] = []
         self._wakeup = asyncio.Event()
-        self._result_keys: dict[str, str] = {}  # producer id -> its result stream
+        self._result_keys: dict[tuple[int, str], str] = {}  # (shard, producer id) -> its result stream
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -179,13 +184,13 @@ class Finisher:
                 except ResponseError as e:
                     # Redis refused the call (a value over its limits, out of memory): record
                     # the rows one at a time, so only the one it refuses fails.
-                    n = len(batch)
+                    sent = batch
                     batch, flags = await self._one_by_one(batch, e)
-                    del self.rows[:n]
+                    self._drop(sent)
                     self._account(batch, flags)
                     ctx.room.set()
                     continue
-                del self.rows[: len(batch)]
+                self._drop(batch)
                 self._account(batch, flags)
                 ctx.room.set()
 
@@ -197,10 +202,26 @@ class Finisher:
             await asyncio.sleep(0.02)
 
     def _next_batch(self) -> list[_Finish]:
-        rows = self.rows
-        n = batch_rows([len(f.result) + len(f.dead_letter) for f in rows[: max(self._ctx.settings.batch, 256)]],
-                       FINISH_BATCH_BYTES)
+        """The rows of the next FINISH call: the oldest ones, all of the oldest row's shard."""
+        ctx = self._ctx
+        rows = self.rows[: max(ctx.settings.batch, 256)]
+        if len(ctx.shards) > 1:
+            shard_of = ctx.shard_of
+            shard = shard_of(rows[0].stream)
+            rows = [f for f in rows if shard_of(f.stream) is shard]
+        n = batch_rows([len(f.result) + len(f.dead_letter) for f in rows], FINISH_BATCH_BYTES)
         return rows[:n]
+
+    def _drop(self, batch: list[_Finish]) -> None:
+        """Forget the rows of ``batch`` (recorded or refused): the oldest rows, unless the
+        batch was picked from one shard among several."""
+        rows = self.rows
+        n = len(batch)
+        if n and rows[n - 1] is batch[-1] and rows[0] is batch[0]:
+            del rows[:n]  # a prefix (one shard's rows are in order, so first and last suffice)
+        else:
+            sent = {id(f) for f in batch}
+            self.rows = [f for f in rows if id(f) not in sent]
 
     async def _one_by_one(self, batch: list[_Finish], error: Exception) -> tuple[list[_Finish], list[int]]:
         """Record ``batch`` row by row after Redis refused it whole. A row it refuses alone
@@ -244,19 +265,21 @@ class Finisher:
             f = f._replace(result=err, dead_letter=b"", counter="failed", latency_ms=None)
         return f, 0
 
-    def _result_key(self, reply: str) -> str:
-        k = self._result_keys.get(reply)
+    def _result_key(self, shard: QueueKeys, reply: str) -> str:
+        k = self._result_keys.get((shard.shard_index, reply))
         if k is None:
             if len(self._result_keys) > 10_000:
                 self._result_keys.clear()
-            k = self._result_keys[reply] = self._ctx.keys.results(reply)
+            k = self._result_keys[shard.shard_index, reply] = shard.results(reply)
         return k
 
     async def _call(self, batch: list[_Finish]) -> list[int]:
-        """One FINISH call for ``batch``: the rows in one msgpack argument, and the results of
-        each producer packed here as the value of its one result entry (see finish.lua)."""
+        """One FINISH call for ``batch`` (rows of one shard): the rows in one msgpack argument,
+        and the results of each producer packed here as the value of its one result entry
+        (see finish.lua)."""
         ctx = self._ctx
-        keys = [ctx.keys.ids, ctx.keys.stats, ctx.keys.dlq]
+        shard = ctx.shard_of(batch[0].stream) if len(ctx.shards) > 1 else ctx.keys
+        keys = [shard.ids, shard.stats, shard.dlq]
         index: dict[str, int] = {}
         packs: dict[int, list[bytes]] = {}
         rows = []
@@ -267,7 +290,7 @@ class Finisher:
                 si = index[stream] = len(keys)
             ri = 0
             if reply and result:
-                rk = self._result_key(reply)
+                rk = self._result_key(shard, reply)
                 ri = index.get(rk)
                 if ri is None:
                     keys.append(rk)

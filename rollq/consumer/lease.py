@@ -6,6 +6,13 @@ jobs of a replica whose lease expired), writes the registry entry
 adds the latency and lag histograms gathered since the last beat, and reads the cancel keys
 of running jobs. The same beat feeds the capacity controller and ends running jobs that
 were cancelled or whose deadline passed.
+
+On a sharded queue the replica keeps a lease key in every shard (each shard's RECLAIM script
+checks leases in its own slot) and reads each running job's cancel key in the job's shard;
+the registry entry and the histograms stay in shard 0. A replica that follows the queue's
+record (``ConsumerSettings.shards`` None) also reads the record every
+:data:`SHARD_RECORD_INTERVAL` seconds and takes up the
+shards added since it started.
 """
 
 from __future__ import annotations
@@ -24,10 +31,16 @@ from ..connection import DROP_EMPTY, RETRYABLE
 from ..keys import GROUP
 from ..protocol import Control, ReplicaInfo, control_message
 from ..registry import add_registration, register_queue
+from ..shards import SHARDS_FIELD, check_shards
 from .context import ReplicaContext, guarded
 from .jobs import Jobs
 
 log = logging.getLogger(__name__)
+
+#: Seconds between two reads of the queue's recorded shard count by a replica that follows
+#: it: a queue grows rarely (an operator's ``rollq queue create --shards``), and a read every
+#: beat would add a command per replica and second to every idle fleet.
+SHARD_RECORD_INTERVAL = 10.0
 
 
 class Lease:
@@ -42,6 +55,7 @@ class Lease:
         self._tok_window: tuple[float, int] = (time.monotonic(), 0)
         self._leased = False
         self._registered = False  # the queue is in the registry of queues (refreshed each beat)
+        self._record_due = 0.0  # time.monotonic() of the next read of the queue's shard count
 
     async def register(self) -> None:
         """Add the queue to the registry of queues (pruning stale names), then beat once."""
@@ -65,25 +79,70 @@ class Lease:
             self.tokens_per_s = (st.generated_tokens - n) / (now - t)
             self._tok_window = (now, st.generated_tokens)
         ctx.capacity.update(st, inflight=len(jobs.running))
+        ttl_ms = int(ctx.settings.lease_ttl * 1000)
+        shards = ctx.shards
         pipe = ctx.redis.pipeline(transaction=False)
-        pipe.set(keys.heartbeat(ctx.id), b"1", px=int(ctx.settings.lease_ttl * 1000), get=True)
+        pipe.set(keys.heartbeat(ctx.id), b"1", px=ttl_ms, get=True)
         pipe.hset(keys.consumers, ctx.id, msgspec.msgpack.encode(self.entry()))
         if self._registered:  # refreshed here, so a long-lived queue stays listed
             add_registration(pipe, ctx.queue, prune=False)
         self._queue_stats(pipe)
-        job_ids = list(jobs.by_job)
-        if job_ids:
-            # execute_command: redis-py's cluster pipeline refuses pipe.mget (the keys share one slot)
-            pipe.execute_command("MGET", *[keys.cancel(j) for j in job_ids])
+        for shard in shards[1:]:  # a lease in every shard (on a cluster the pipeline splits by slot)
+            pipe.set(shard.heartbeat(ctx.id), b"1", px=ttl_ms, get=True)
+        follow = ctx.settings.shards is None and now >= self._record_due
+        if follow:
+            self._record_due = now + SHARD_RECORD_INTERVAL
+            pipe.hget(keys.config, SHARDS_FIELD)
+        marks = self._cancel_reads(pipe)
         res = await pipe.execute()
-        if res[0] is None and self._leased:
+        lapsed = res[0] is None
+        if len(shards) > 1:
+            at = len(res) - len(marks) - follow - (len(shards) - 1)
+            lapsed = lapsed or any(r is None for r in res[at : at + len(shards) - 1])
+        if lapsed and self._leased:
             # Our lease lapsed (a stall or partition longer than lease_ttl): peers may have
             # taken over some of our jobs. Keep only those still ours.
             log.warning("consumer %s: lease had expired; checking which jobs are still ours", ctx.id)
             await self._drop_taken_over()
         self._leased = True
-        jobs.heartbeat_checks(zip(job_ids, res[-1]) if job_ids else ())
+        if marks:
+            jobs.heartbeat_checks(
+                (j, mark) for ids, got in zip(marks, res[len(res) - len(marks):]) for j, mark in zip(ids, got)
+            )
+        else:
+            jobs.heartbeat_checks(())
+        if follow:
+            recorded = res[len(res) - len(marks) - 1]
+            if recorded is not None and int(recorded) > len(shards):
+                await ctx.take_up_shards(check_shards(int(recorded)))
         ctx.room.set()
+
+    def _cancel_reads(self, pipe: Any) -> list[list[str]]:
+        """Queue one MGET of the cancel keys of running jobs per shard (the keys of one MGET
+        share a slot); returns the job ids of each, in pipeline order."""
+        ctx, jobs = self._ctx, self._jobs
+        if not jobs.by_job:
+            return []
+        if len(ctx.shards) == 1:
+            by_shard = {0: (ctx.keys, list(jobs.by_job))}
+        else:
+            by_shard = {}
+            running, shard_of = jobs.running, ctx.shard_of
+            for j, rid in jobs.by_job.items():
+                run = running.get(rid)
+                if run is None:
+                    continue
+                shard = shard_of(run.stream)
+                entry = by_shard.get(shard.shard_index)
+                if entry is None:
+                    entry = by_shard[shard.shard_index] = (shard, [])
+                entry[1].append(j)
+        out = []
+        for shard, ids in by_shard.values():
+            # execute_command: redis-py's cluster pipeline refuses pipe.mget (the keys share one slot)
+            pipe.execute_command("MGET", *[shard.cancel(j) for j in ids])
+            out.append(ids)
+        return out
 
     def entry(self) -> ReplicaInfo:
         """This replica's registry entry as of now."""
@@ -112,19 +171,24 @@ class Lease:
         """End the lease at shutdown: flush the histograms, delete the lease key (peers reclaim
         our unfinished jobs at once), drop our targeted stream if empty, leave the consumer
         group (with ``leave_group``, if nothing is pending under us there), remove the
-        registry entry and say so on the control channel. A Redis outage skips the rest."""
+        registry entry and say so on the control channel. A Redis outage skips the rest.
+        On a sharded queue: the lease key of every shard, and the group of every shard."""
         ctx = self._ctx
         r, keys = ctx.redis, ctx.keys
         try:
             await self.flush_stats()
-            await r.delete(keys.heartbeat(ctx.id))
-            await DROP_EMPTY(r, [ctx.streams[0]], [])
+            for shard in ctx.shards:
+                await r.delete(shard.heartbeat(ctx.id))
+            for stream in ctx.read_streams():
+                if stream != ctx.shard_of(stream).jobs:  # a targeted stream of ours
+                    await DROP_EMPTY(r, [stream], [])
             if leave_group:
-                try:  # our own stream is gone; leave the shared stream's group too
-                    if not await r.xpending_range(keys.jobs, GROUP, min="-", max="+", count=1, consumername=ctx.id):
-                        await r.xgroup_delconsumer(keys.jobs, GROUP, ctx.id)
-                except ResponseError:
-                    pass
+                for shard in ctx.shards:
+                    try:  # our own stream is gone; leave the shared stream's group too
+                        if not await r.xpending_range(shard.jobs, GROUP, min="-", max="+", count=1, consumername=ctx.id):
+                            await r.xgroup_delconsumer(shard.jobs, GROUP, ctx.id)
+                    except ResponseError:
+                        pass
             await r.hdel(keys.consumers, ctx.id)
             await r.publish(keys.control, control_message(Control.HANDBACK, ctx.id))
         except RETRYABLE:
@@ -155,7 +219,7 @@ class Lease:
         """Abort our copy of running jobs that are no longer pending under this consumer."""
         ctx = self._ctx
         owned: set[bytes] = set()
-        for stream in ctx.streams:
+        for stream in ctx.read_streams():
             try:
                 rows = await ctx.redis.xpending_range(
                     stream, GROUP, min="-", max="+", count=len(self._jobs.running) + 1000, consumername=ctx.id

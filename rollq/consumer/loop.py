@@ -8,18 +8,20 @@
 :class:`~rollq.consumer.context.ReplicaContext`; each loop is one asyncio task:
 
 - **pull** (:mod:`~rollq.consumer.puller`): ``XREADGROUP COUNT=free`` over this replica's
-  targeted stream and the shared stream; each entry is admitted into the
+  targeted stream and the shared stream of its home shard, and the other shards' shared
+  streams in turn (a sharded queue, :mod:`rollq.shards`); each entry is admitted into the
   :mod:`~rollq.consumer.jobs` in hand (decoded, validated, handed to the engine). Jobs wait in
   Redis, not here.
 - **finish** (:mod:`~rollq.consumer.finisher`): engine outcomes are batched into one FINISH
-  script call (results + XACK + delete the entries + forget the ids, each refused if its entry
+  script call per shard (results + XACK + delete the entries + forget the ids, each refused if its entry
   is no longer pending), shielded from cancellation and retried across Redis outages.
-- **heartbeat** (:mod:`~rollq.consumer.lease`): renews this replica's lease key, publishes its
+- **heartbeat** (:mod:`~rollq.consumer.lease`): renews this replica's lease key (one in
+  every shard), publishes its
   registry entry, notices cancellations of running jobs, feeds the capacity controller.
 - **reclaim** (:mod:`~rollq.consumer.reclaimer`): recovers this replica's own entries that a
-  lost read reply left pending; the one replica holding the queue's reclaimer role finds
-  consumers whose lease expired and takes over their pending jobs; after ``max_deliveries`` a
-  job is dead-lettered instead.
+  lost read reply left pending; the one replica holding a shard's reclaimer role finds
+  consumers whose lease expired and takes over their pending jobs in that shard; after
+  ``max_deliveries`` a job is dead-lettered instead.
 - **control** (:mod:`~rollq.consumer.control`): pub/sub hints (cancel, hand-back) that make
   the above react at once.
 - **version wait** (:mod:`~rollq.consumer.versions`): jobs whose ``min_version`` is above the
@@ -45,6 +47,7 @@ from ..connection import RETRYABLE, Client, connect, load_scripts, raw_replies
 from ..keys import QueueKeys, check_name
 from ..protocol import LATENCY_BUCKETS_MS, Control, ReplicaInfo, latency_bucket
 from ..settings import DEFAULT_QUEUE, ConsumerSettings, RedisSettings
+from ..shards import declare_shards
 from .capacity import CapacityController
 from .context import ConsumerCounters, ReplicaContext
 from .control import ControlListener
@@ -97,7 +100,6 @@ class Consumer:
         ctx = self._ctx = ReplicaContext(
             id=self.id, queue=queue, keys=self.keys, settings=self.settings, redis_settings=self.redis_settings,
             engine=engine, counters=ConsumerCounters(), capacity=self._make_capacity(),
-            streams=[self.keys.replica_jobs(self.id), self.keys.jobs],
         )
         #: Set while jobs may start (:meth:`close_intake` / :meth:`open_intake`).
         self.intake_gate: asyncio.Event = ctx.intake
@@ -147,6 +149,12 @@ class Consumer:
         self._ctx.capacity = c
 
     @property
+    def shards(self) -> int:
+        """How many shards of the queue this replica serves: the queue's recorded count once
+        it runs (1 for an unsharded queue); it grows when the record does."""
+        return len(self._ctx.shards)
+
+    @property
     def exit_code(self) -> int:
         """What :meth:`run` returns: 0, or 1 if the engine died."""
         return 0 if self._ctx.engine_error is None else 1
@@ -178,7 +186,11 @@ class Consumer:
                 loop.add_signal_handler(sig, self.stop)
         self.capacity = self._make_capacity()  # the engine is started now: its limits are known
         await self._connect()
-        await self._setup_redis()
+        try:
+            await self._setup_redis()
+        except BaseException:
+            await self._close_clients()
+            raise
         self.state = "serving"
         self._tasks = [
             asyncio.create_task(self.finisher.run(), name="rollq-finish"),
@@ -211,12 +223,19 @@ class Consumer:
         raw_replies(ctx.block_redis, "XREADGROUP")
 
     async def _setup_redis(self) -> None:
+        """Agree on the queue's shards, create the groups this replica reads, register.
+
+        Raises:
+            ShardCountMismatch: ``settings.shards`` names another count than the queue's record.
+        """
+        ctx = self._ctx
         backoff = self.settings.backoff_initial
         while True:
             try:
-                await load_scripts(self._ctx.redis)
-                for stream in self._ctx.streams:
-                    await self._ctx.ensure_group(stream)
+                await load_scripts(ctx.redis)
+                ctx.set_shards(await declare_shards(ctx.redis, self.keys, self.settings.shards))
+                for stream in ctx.read_streams():
+                    await ctx.ensure_group(stream)
                 await self.lease.register()  # prunes stale queue names too; the first heartbeat
                 return
             except RETRYABLE as e:
@@ -249,10 +268,14 @@ class Consumer:
         except RETRYABLE:
             pass  # the role expires after lease_ttl
         await self.lease.release(leave_group=not jobs.running and not jobs.held and not len(self.finisher))
+        await self._close_clients()
+        log.info("consumer %s stopped (%d completed, %d failed)", self.id, self.counters.completed, self.counters.failed)
+
+    async def _close_clients(self) -> None:
+        ctx = self._ctx
         for c in (ctx.redis, ctx.block_redis, ctx.finish_redis):
             if c is not None:
                 await c.aclose()
-        log.info("consumer %s stopped (%d completed, %d failed)", self.id, self.counters.completed, self.counters.failed)
 
     # -- pull, reclaim -----------------------------------------------------------------------
     def free_slots(self) -> int:

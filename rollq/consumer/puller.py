@@ -3,6 +3,13 @@
 A read takes at most ``min(free slots, batch)`` entries, so jobs wait in Redis, not in a busy
 replica. Each entry read is admitted at once (:meth:`~rollq.consumer.jobs.Jobs.admit`).
 
+On a sharded queue (:mod:`rollq.shards`) the replica blocks on its home shard's streams; when
+a read there leaves slots free (or a ``block`` period passed since the last look elsewhere),
+it reads the other shards' shared streams without blocking, one read per shard, in turn from
+a rotating start, each for the slots still free, and blocks again only once every shard was
+looked at. So a job in a shard that is no replica's home waits about one ``block`` period at
+most, and each read stays within one shard (one slot on Redis Cluster).
+
 A read whose reply was lost (a dropped connection, a Redis restart) leaves entries pending
 under this consumer that it never saw; :meth:`Puller.recover_own` takes them back, and a reply
 that arrives late after all is then skipped.
@@ -13,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -36,9 +44,12 @@ class Puller:
         self._ctx = ctx
         self._jobs = jobs
         self._finisher = finisher
-        self._names = {k.encode(): k for k in ctx.streams}  # stream names as Redis replies them
+        self._names: dict[bytes, str] = {}  # stream names as Redis replies them
         self._lost_read = False
         self._seen: OrderedDict[tuple[str, bytes], None] = OrderedDict()  # entries recover_own took back
+        self._to_look: deque[int] = deque()  # other shards to read before blocking again
+        self._turn = 0  # where the next look at the other shards starts
+        self._looked_at = time.monotonic()  # when the last look at them ended
 
     async def run(self) -> None:
         """Read until stop (or, in burst mode, until nothing is left); admit what is read."""
@@ -56,12 +67,25 @@ class Puller:
                 ctx.room.clear()
                 await ctx.wait_any(ctx.room.wait(), timeout=1.0)
                 continue
+            count = min(free, s.batch)
+            # The other shards first while some were not looked at since the last blocking
+            # read; else block on the home shard.
+            shard = self._to_look.popleft() if self._to_look else None
+            streams = ctx.other_reads.get(shard) if shard is not None else ctx.streams
+            if streams is None:
+                continue  # gone (the shard list changed)
             try:
-                async with read_deadline:
-                    resp = await ctx.block_redis.xreadgroup(
-                        GROUP, ctx.id, {k: ">" for k in ctx.streams}, count=min(free, s.batch),
-                        block=50 if ctx.burst else block_ms,
-                    )
+                if shard is None:
+                    async with read_deadline:
+                        resp = await ctx.block_redis.xreadgroup(
+                            GROUP, ctx.id, {k: ">" for k in streams}, count=count,
+                            block=50 if ctx.burst else block_ms,
+                        )
+                else:
+                    async with deadline(ctx.redis_settings.command_timeout, "a read of another shard's job stream"):
+                        resp = await ctx.block_redis.xreadgroup(GROUP, ctx.id, {k: ">" for k in streams}, count=count)
+                    if not self._to_look:
+                        self._looked_at = time.monotonic()
                 backoff = s.backoff_initial
             except ResponseError as e:
                 if not _stream_gone(e):
@@ -71,9 +95,11 @@ class Puller:
                 # (RECLAIM), which ends a read blocked on it. Nothing was delivered.
                 log.warning("consumer %s: a job stream or its group is missing (%s); recreating it", ctx.id, str(e)[:120])
                 try:
-                    for stream in ctx.streams:
+                    for stream in streams:
                         await ctx.ensure_group(stream)
                 except RETRYABLE as e2:
+                    if shard is not None:
+                        self._to_look.appendleft(shard)
                     log.warning("redis unavailable while recreating the group (%s); retrying in %.2fs", e2, backoff)
                     await ctx.wait_any(ctx.stopping.wait(), timeout=backoff * (0.5 + random.random()))
                     backoff = min(backoff * 2, s.backoff_max)
@@ -91,11 +117,13 @@ class Puller:
                     await self.recover_own()
                 except RETRYABLE:
                     self._lost_read = True
+            got = self._admit_reply(resp) if resp else 0
+            if shard is None and ctx.other_reads and (got < free or time.monotonic() - self._looked_at >= s.block):
+                self._look_elsewhere()
             if not resp:
-                if ctx.burst and jobs.idle() and await self._nothing_left():
+                if not self._to_look and ctx.burst and jobs.idle() and await self._nothing_left():
                     break
                 continue
-            self._admit_reply(resp)
             if ctx.engine_error is not None:
                 break
             if len(self._finisher):
@@ -103,16 +131,30 @@ class Puller:
                 # finisher send them before the next read, which may block.
                 await asyncio.sleep(0)
 
-    def _admit_reply(self, resp: Any) -> None:
+    def _look_elsewhere(self) -> None:
+        """Queue one read of every other shard, starting one further along each time."""
+        others = sorted(self._ctx.other_reads)
+        n = len(others)
+        start = self._turn % n
+        self._turn += 1
+        self._to_look = deque(others[start:] + others[:start])
+
+    def _admit_reply(self, resp: Any) -> int:
+        """Admit the entries of a read; returns how many it held."""
         # The block client returns XREADGROUP's reply unparsed (see Consumer._connect): a list
         # of [stream, [[entry id, [field, value, ...]], ...]] (a dict of streams on RESP3).
-        seen, admit = self._seen, self._jobs.admit
+        seen, admit, names = self._seen, self._jobs.admit, self._names
+        n = 0
         for stream, entries in resp.items() if isinstance(resp, dict) else resp:
-            skey = self._names.get(stream) or _str(stream)
+            skey = names.get(stream)
+            if skey is None:
+                skey = names[stream] = _str(stream)
+            n += len(entries)
             for eid, fields in entries:
                 if seen and seen.pop((skey, eid), False) is None:
                     continue  # the late reply of a read whose entries recover_own took back
                 admit(skey, eid, entry_payload(fields), 1)
+        return n
 
     async def recover_own(self, min_idle: float | None = None) -> int:
         """See :meth:`rollq.consumer.loop.Consumer.recover_own`."""
@@ -121,7 +163,7 @@ class Puller:
             min_idle = 2 * ctx.settings.block + 2.0
         known = self._jobs.known_eids()
         taken = 0
-        for stream in ctx.streams:
+        for stream in ctx.read_streams():
             try:
                 rows = await ctx.redis.xpending_range(
                     stream, GROUP, min="-", max="+", count=10_000, consumername=ctx.id, idle=int(min_idle * 1000)
@@ -147,10 +189,11 @@ class Puller:
         return taken
 
     async def _nothing_left(self) -> bool:
-        """Burst mode: True when no stream holds undelivered or reclaimable entries for us."""
+        """Burst mode: True when no stream (of any shard) holds undelivered or reclaimable
+        entries for us."""
         r = self._ctx.redis
         try:
-            for stream in self._ctx.streams:
+            for stream in self._ctx.read_streams():
                 try:
                     groups = await r.xinfo_groups(stream)
                 except ResponseError as e:  # the stream is gone (see _stream_gone): nothing in it

@@ -16,8 +16,13 @@ channel, each replica takes one reclaim turn:
   (``lua/reclaim.lua``: re-checks the lease, then claims); the entries then go through the
   usual admission, which dead-letters those delivered more than ``max_deliveries`` times.
 
+On a sharded queue each shard has its own role (``QueueKeys.reclaimer`` of that shard), and its
+holder scans that shard's group and claims with that shard's keys (each RECLAIM call stays in
+one slot); a dead consumer's targeted stream is claimed from in its home shard (and shard 0,
+its home before the queue grew, if it started on an unsharded record).
+
 So a fleet of N replicas scans its N consumers once per interval (O(N) in all; per replica a
-``GET`` per turn and the own-entry check), not N times (O(N^2)). The role is an optimisation,
+``GET`` per turn and shard and the own-entry check), not N times (O(N^2)). The role is an optimisation,
 not a lock: two replicas that both think they hold it for a turn only scan twice (RECLAIM
 claims each entry once). A holder that dies stops renewing: the key expires within
 ``lease_ttl``, about when the holder's own lease does, and the next replica to take a turn
@@ -33,8 +38,9 @@ import time
 from typing import Awaitable, Callable
 
 from ..connection import RECLAIM
-from ..keys import GROUP
+from ..keys import GROUP, QueueKeys
 from ..replicas import heartbeating
+from ..shards import home_shard
 from .context import ReplicaContext, guarded
 from .jobs import Jobs
 from .puller import entry_payload
@@ -51,8 +57,9 @@ class Reclaimer:
         self._recover_own = recover_own
         #: Set to reclaim at once (a peer handed its jobs back).
         self.now = asyncio.Event()
-        #: This replica held the reclaimer role at its last turn.
+        #: This replica held a reclaimer role at its last turn.
         self.holding = False
+        self._roles: set[int] = set()  # the shards whose role it held then
         self._own_due = 0.0  # time.monotonic() of the next check of our own pending entries
 
     async def run(self) -> None:
@@ -69,48 +76,60 @@ class Reclaimer:
 
     async def reclaim_once(self) -> int:
         """One reclaim turn (see the module docstring). Returns how many jobs of dead
-        consumers were taken (0 unless this replica holds the reclaimer role)."""
+        consumers were taken (0 unless this replica holds a reclaimer role)."""
+        ctx = self._ctx
         now = time.monotonic()
-        if now >= self._own_due and not self._ctx.stopping.is_set():
-            self._own_due = now + self._ctx.settings.lease_ttl
+        if now >= self._own_due and not ctx.stopping.is_set():
+            self._own_due = now + ctx.settings.lease_ttl
             await self._recover_own()
-        self.holding = await self._elect()
-        if not self.holding:
-            return 0
-        return await self._scan()
+        taken = 0
+        for shard in list(ctx.shards):
+            if await self._elect(shard):
+                self._roles.add(shard.shard_index)
+                taken += await self._scan(shard)
+            else:
+                self._roles.discard(shard.shard_index)
+        self.holding = bool(self._roles)
+        return taken
 
-    async def _elect(self) -> bool:
-        """Renew the reclaimer role if this replica holds it, else take it if nobody does.
+    async def _elect(self, shard: QueueKeys) -> bool:
+        """Renew the reclaimer role of ``shard`` if this replica holds it, else take it if
+        nobody does.
 
         Plain commands (Redis 6.2 has no ``SET NX GET``): a ``GET``, then a ``PEXPIRE`` by the
         holder or a ``SET NX PX`` when the key is gone. If the key expires and a peer takes
         it between our ``GET`` and ``PEXPIRE``, both scan for one turn: harmless."""
         ctx = self._ctx
-        r, key, me = ctx.redis, ctx.keys.reclaimer, ctx.id.encode()
+        r, key, me = ctx.redis, shard.reclaimer, ctx.id.encode()
         ttl_ms = int(1000 * max(ctx.settings.lease_ttl, 2 * ctx.settings.reclaim_interval))
         holder = await r.get(key)
         if holder == me:
             return bool(await r.pexpire(key, ttl_ms))  # 0: it expired meanwhile
         if holder is None and await r.set(key, me, nx=True, px=ttl_ms):
-            log.info("consumer %s holds the reclaimer role of queue %r", ctx.id, ctx.queue)
+            where = f" shard {shard.shard_index}" if len(ctx.shards) > 1 else ""
+            log.info("consumer %s holds the reclaimer role of queue %r%s", ctx.id, ctx.queue, where)
             return True
         return False
 
     async def resign(self) -> None:
-        """Give the reclaimer role up if this replica holds it (a stop), so that a peer takes
-        it at its next turn instead of after ``lease_ttl``. A peer that took it meanwhile
+        """Give the reclaimer roles up that this replica holds (a stop), so that a peer takes
+        them at its next turn instead of after ``lease_ttl``. A peer that took one meanwhile
         keeps it unless it changes hands between our ``GET`` and ``DEL`` (then it is taken
         again at the next turn)."""
         ctx = self._ctx
         self.holding = False
-        if await ctx.redis.get(ctx.keys.reclaimer) == ctx.id.encode():
-            await ctx.redis.delete(ctx.keys.reclaimer)
+        roles, self._roles = self._roles, set()
+        for shard in ctx.shards:
+            if len(ctx.shards) > 1 and shard.shard_index not in roles:
+                continue
+            if await ctx.redis.get(shard.reclaimer) == ctx.id.encode():
+                await ctx.redis.delete(shard.reclaimer)
 
-    async def _scan(self) -> int:
-        """The holder's scan: take over the jobs of every consumer of the group whose lease
-        expired. Returns how many were taken."""
+    async def _scan(self, shard: QueueKeys) -> int:
+        """The holder's scan of ``shard``: take over the jobs of every consumer of its group
+        whose lease expired. Returns how many were taken."""
         ctx = self._ctx
-        consumers = await ctx.redis.xinfo_consumers(ctx.keys.jobs, GROUP)
+        consumers = await ctx.redis.xinfo_consumers(shard.jobs, GROUP)
         names = []
         for c in consumers:
             name = c.get("name") or c.get(b"name")
@@ -119,28 +138,35 @@ class Reclaimer:
                 names.append(name)
         if not names:
             return 0
-        alive = await heartbeating(ctx.redis, ctx.keys, names)
+        alive = await heartbeating(ctx.redis, shard, names)
         taken = 0
         for name, is_alive in zip(names, alive):
             if not is_alive:
-                taken += await self._take_over(name)
+                taken += await self._take_over(shard, name)
         return taken
 
-    async def _take_over(self, name: str) -> int:
-        """Claim the pending jobs of dead consumer ``name`` from both streams it read."""
+    async def _take_over(self, shard: QueueKeys, name: str) -> int:
+        """Claim the pending jobs of dead consumer ``name`` in ``shard``: from its shared
+        stream, and from the consumer's targeted stream where that lives here."""
         ctx = self._ctx
-        keys = ctx.keys
+        k = len(ctx.shards)
+        streams = [shard.jobs]
+        i = shard.shard_index
+        if i == home_shard(name, k) or i == 0:  # shard 0: its home if it started unsharded
+            streams.append(shard.replica_jobs(name))
         taken = 0
-        for stream in (keys.jobs, keys.replica_jobs(name)):
+        for stream in streams:
             # A dead replica's jobs are the oldest work in the queue: take them even past
             # our cap (they wait in the engine's own queue), at most one batch per turn.
             free = max(self._jobs.free_slots(), ctx.settings.batch)
             claimed, ids, counts = await RECLAIM(
                 ctx.redis,
-                [stream, keys.heartbeat(name), keys.consumers, keys.replica_jobs(name)],
-                [GROUP, name, ctx.id, free, "1" if stream == keys.jobs else "0"],
+                [stream, shard.heartbeat(name), shard.consumers, shard.replica_jobs(name)],
+                [GROUP, name, ctx.id, free, "1" if stream == shard.jobs else "0"],
             )
-            deliveries = {i: int(c) for i, c in zip(ids, counts)}
+            deliveries = {e: int(c) for e, c in zip(ids, counts)}
+            if claimed:
+                ctx.stream_shard[stream] = shard  # finish these in this shard
             for entry in claimed:
                 if not entry:
                     continue
