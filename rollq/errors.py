@@ -7,6 +7,8 @@ Errors cross process boundaries as ``(type, message)`` pairs and are rebuilt her
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RollqError(Exception):
     """Base of every rollq exception."""
@@ -18,7 +20,22 @@ class QueueFull(RollqError):
 
 
 class StalenessBound(QueueFull):
-    """Admitting more jobs would exceed the queue's off-policy staleness bound."""
+    """Admitting more jobs would exceed the queue's off-policy staleness bound.
+
+    Raised by a submission that does not block (``block_when_full=False``). A submission of
+    several calls (several shards, or more than ``script_batch`` jobs) may have had some
+    calls admitted before one was refused, so the error says which jobs went in:
+
+    Attributes:
+        enqueued: the handles of the jobs that were enqueued (their results will come).
+        refused: the jobs that were not enqueued (submit them again after a newer version
+            is published). No job is in both lists, and every job submitted is in one.
+    """
+
+    def __init__(self, message: str, *, enqueued: list[Any] | None = None, refused: list[Any] | None = None):
+        super().__init__(message)
+        self.enqueued: list[Any] = list(enqueued or [])
+        self.refused: list[Any] = list(refused or [])
 
 
 class ShardCountMismatch(RollqError):

@@ -85,23 +85,74 @@ async def read_shards(client: Any, keys: QueueKeys) -> int:
 
 async def declare_shards(client: Any, keys: QueueKeys, k: int | None) -> int:
     """Agree on the queue's number of shards: with ``k`` None, follow the record (1 if none);
-    else record ``k`` unless a number is recorded, and refuse a different one.
+    else record ``k`` unless a number is recorded, and refuse a different one. Recording
+    ``k`` > 1 for a queue that ran unsharded carries its version and staleness bound over to
+    the new shards (:func:`_carry_over`); replicas that follow the record take the new shards
+    up within ``rollq.consumer.lease.SHARD_RECORD_INTERVAL``.
 
     Raises:
         ShardCountMismatch: the queue is recorded with another number of shards.
+        ValueError: ``k`` is not a valid count, or exceeds the staleness bound's ``batch``.
     """
     if k is None:
         return await read_shards(client, keys)
     check_shards(k)
-    if await client.hsetnx(keys.base.config, SHARDS_FIELD, k):
+    base = keys.base
+    max_lag, batch, recorded = await client.hmget(base.config, "max_lag", "batch", SHARDS_FIELD)
+    if recorded is not None:
+        return _agree(keys, _parse(keys, recorded), k)
+    bound = [max_lag, batch] if k > 1 else [None, None]
+    if bound[1] is not None and int(bound[1]) < k:
+        raise ValueError(
+            f"queue {keys.queue!r} has a staleness bound of batch={int(bound[1])}, fewer jobs than {k} shards "
+            "(each shard's budget is a part of batch, at least 1 job): set a larger batch first"
+        )
+    if await client.hsetnx(base.config, SHARDS_FIELD, k):
+        if k > 1:
+            await _carry_over(client, keys, k, bound)
         return k
-    have = await read_shards(client, keys)
+    return _agree(keys, await read_shards(client, keys), k)
+
+
+def _agree(keys: QueueKeys, have: int, k: int) -> int:
     if have != k:
         raise ShardCountMismatch(
             f"queue {keys.queue!r} has {have} shard(s), not {k}: every producer and consumer of a queue "
             f"uses its recorded count (pass shards=None to follow it; a new count needs a new queue)"
         )
     return k
+
+
+async def _carry_over(client: Any, keys: QueueKeys, k: int, bound: list[Any]) -> None:
+    """A queue that ran unsharded now has ``k`` shards: carry its state over to shards 1..k-1.
+
+    - the current policy version is mirrored into every shard (their SUBMIT calls read it);
+    - a staleness bound is split (:func:`split_budget`), and what shard 0 admitted beyond its
+      new part is charged to the other shards' counters, so the queue's total stays within
+      the bound it had (the jobs admitted before were all counted in shard 0).
+
+    Grow a queue while its producers are idle: a submission admitted in shard 0 between the
+    read of its counter here and the new budget can exceed the bound by that submission."""
+    from .weightsync.versions import mirror_version  # weight sync builds on the queue's keys
+
+    base = keys.base
+    shards = keys.shards(k)
+    raw_v = await client.hget(base.version, "v")
+    version = int(raw_v) if raw_v is not None else 0
+    if version:
+        await mirror_version(client, keys, version, k)
+    if bound[1] is None:
+        return
+    max_lag, parts = int(bound[0] or 0), split_budget(int(bound[1]), k)
+    limits = [(max_lag + version + 1) * part for part in parts]
+    excess = max(0, int(await client.hget(base.admission, "admitted") or 0) - limits[0])
+    await client.hset(base.config, "batch", parts[0])
+    for shard, part, limit in zip(shards[1:], parts[1:], limits[1:]):
+        charge = min(limit, excess)
+        excess -= charge
+        await client.hset(shard.config, mapping={"max_lag": max_lag, "batch": part})
+        if charge:
+            await client.hincrby(shard.admission, "admitted", charge)
 
 
 def _parse(keys: QueueKeys, raw: bytes | str) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import uuid
 
 import pytest
 import redis.asyncio as aioredis
@@ -60,4 +61,41 @@ async def test_the_first_named_count_is_recorded_and_another_is_refused(redis_ur
             await read_shards(r, keys)
     finally:
         await r.delete(keys.config)
+        await r.aclose()
+
+
+async def test_a_queue_that_ran_unsharded_carries_its_version_and_bound_over(redis_url):
+    """Sharding a queue that has run (version 3 committed, a staleness bound of batch 10 with
+    35 jobs admitted in its one shard): every shard mirrors version 3, the bound is split, and
+    what shard 0 admitted beyond its part is charged to the others, so the queue still admits
+    at most (max_lag + version + 1) * batch in all."""
+    from rollq.connection import load_scripts
+    from rollq.weightsync.versions import VersionRecord, commit_version
+
+    r = aioredis.from_url(redis_url)
+    keys = QueueKeys(f"grow-{uuid.uuid4().hex[:8]}")
+    try:
+        await load_scripts(r)
+        await commit_version(r, keys, VersionRecord(version=3, transport="memmap", checksum="0", num_tensors=0, nbytes=0))
+        await r.hset(keys.config, mapping={"max_lag": 0, "batch": 10})  # limit (0 + 3 + 1) * 10 = 40
+        await r.hset(keys.admission, "admitted", 35)
+        with pytest.raises(ValueError, match="batch=10, fewer jobs than 16 shards"):
+            await declare_shards(r, keys, 16)
+        assert await r.hget(keys.config, SHARDS_FIELD) is None  # refused before recording
+
+        assert await declare_shards(r, keys, 4) == 4
+        shards = keys.shards(4)
+        assert [await r.hget(s.version, "v") for s in shards] == [b"3"] * 4
+        assert [await r.hmget(s.config, "max_lag", "batch") for s in shards] == [[b"0", str(b).encode()] for b in (3, 3, 2, 2)]
+        # Limits (0 + 3 + 1) * part = 12, 12, 8, 8; shard 0 holds 35: 23 over, charged 12 then 8 then 3.
+        admitted = [int(await r.hget(s.admission, "admitted") or 0) for s in shards]
+        assert admitted == [35, 12, 8, 3]
+        room = sum(max(0, lim - a) for lim, a in zip((12, 12, 8, 8), admitted))
+        assert 35 + room == 40  # the bound the queue had
+
+        assert await declare_shards(r, keys, 4) == 4  # a second declaration carries nothing again
+        assert [int(await r.hget(s.admission, "admitted") or 0) for s in shards] == admitted
+    finally:
+        for s in keys.shards(4):
+            await r.delete(s.config, s.version, s.admission, s.versions_log)
         await r.aclose()

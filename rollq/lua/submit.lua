@@ -7,13 +7,16 @@
 -- (recorded while queued or running; a second submission of a recorded id is skipped).
 -- If the queue has a staleness bound (config max_lag and batch), at most
 -- (max_lag + version + 1) * batch jobs are admitted in total (AReaL's rule): the rest are
--- refused, all or nothing for this call.
+-- refused, all or nothing for this call. On a sharded queue (rollq/shards.py) the keys are
+-- one shard's: its config holds the shard's part of batch and its version hash the mirrored
+-- version, so the bound holds per shard and, summed, for the queue; a call holds one shard's
+-- jobs, and each call is admitted or refused as a whole.
 -- ARGV[2]: the submitting producer's id, recorded as the owner of caller-chosen ids.
 -- With KEYS[7], the call is numbered and a resend of it is a no-op:
 -- ARGV[3]: the producer's incarnation (records of another incarnation are dropped first),
--- ARGV[4]: the call number, ARGV[5]: the lowest call number whose reply the producer has not
--- read (records below it are deleted; field 'lo' says where the last deletion stopped, so each
--- record is deleted once), ARGV[6]: TTL of the records in ms (refreshed by every call).
+-- ARGV[4]: the call number (one sequence per producer, over every shard's record), ARGV[5]:
+-- the lowest call number whose reply the producer has not read (records below it are deleted;
+-- field 'lo' says where the last deletion stopped, so each record is deleted once), ARGV[6]: TTL of the records in ms (refreshed by every call).
 -- A call number already recorded returns its recorded reply and changes nothing else. A
 -- refused call did nothing and is not recorded.
 -- Returns {skipped ids, refused (0/1), admission limit or -1, entry ids ('' where skipped),
@@ -25,7 +28,16 @@ if rec then
     if r[1] then return cmsgpack.unpack(r[1]) end
     local lo, unread = tonumber(r[3]), tonumber(ARGV[5])
     if unread > lo then
-      for n = lo, unread - 1 do redis.call('HDEL', rec, n) end
+      if unread - lo > 64 then
+        -- A long gap (on a sharded queue most numbers went to other shards' records): delete
+        -- by the fields held (the calls in flight here), not number by number.
+        for _, f in ipairs(redis.call('HKEYS', rec)) do
+          local n = tonumber(f)
+          if n and n < unread then redis.call('HDEL', rec, f) end
+        end
+      else
+        for n = lo, unread - 1 do redis.call('HDEL', rec, n) end
+      end
       redis.call('HSET', rec, 'lo', unread)
     end
   else

@@ -12,6 +12,13 @@ replies Redis keeps until they are read). Results travel through a per-producer 
 (:mod:`rollq.producer.results`); a producer that restarts with the same ``producer_id``
 re-reads results it had not yet taken. :mod:`rollq.producer.handles` holds the handles and
 the ledger of outstanding jobs.
+
+A queue with K shards (rollq/shards.py; ``ProducerSettings.shards``) is agreed on at
+connect. Each job goes to one shard: a caller-chosen id to ``shard_of_id(id, K)``, a job
+targeted at a replica to the replica's home shard, any other job round robin. Each SUBMIT
+call holds the jobs of one shard and uses that shard's keys and its call record; the results
+come back through the producer's result stream in each shard; the staleness bound is split
+over the shards' configs. With one shard, keys and commands are the unsharded queue's.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from ..keys import GROUP, QueueKeys, check_name
 from ..protocol import SPECS_END, Job, Result, job_from_spec, score_spec, token_jobs
 from ..registry import register_queue
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
+from ..shards import declare_shards, shard_of_id, split_budget
 from .calls import CALL_RECORD_TTL_MS, RESEND_BACKOFF, CallNumbers
 from .handles import DELIVERED_MEMORY, JobHandle, Ledger
 from .results import ResultReader
@@ -53,7 +61,11 @@ class Producer(Submission):
         queue: queue name.
         producer_id: stable name to re-read undelivered results after a restart (random
             if None).
-        settings: :class:`~rollq.settings.ProducerSettings`.
+        settings: :class:`~rollq.settings.ProducerSettings` (``shards``: the queue's number of
+            shards to record or check; None follows the record).
+
+    Attributes:
+        shards: the queue's number of shards, agreed at :meth:`connect` (1 before).
     """
 
     def __init__(
@@ -69,8 +81,7 @@ class Producer(Submission):
         self.queue = queue
         self.id = check_name("producer", producer_id or f"p-{uuid.uuid4().hex[:12]}")
         self.settings = settings or ProducerSettings()
-        self._result_key = self.keys.results(self.id)
-        self._calls_key = self.keys.submit_calls(self.id)
+        self._set_shards(1)  # until connect() reads or records the queue's count
         self._numbers = CallNumbers()  # SUBMIT call numbers: Redis replays a number it has run
         self._seq = 0  # generated job ids: f"{_prefix}{_seq:x}"
         self._prefix = f"{self.id}-{os.getpid():x}-"
@@ -84,6 +95,23 @@ class Producer(Submission):
         self._publisher: Any = None
         self._closed = False
 
+    # -- shards --------------------------------------------------------------------------
+    def _set_shards(self, k: int) -> None:
+        """Use ``k`` shards: the keys of each, this producer's result stream and call record in
+        each (index = shard), and the map from a stream's hash tag to its shard."""
+        self.shards = k
+        self._shards = self.keys.shards(k)
+        self._result_keys = [s.results(self.id) for s in self._shards]
+        self._calls_keys = [s.submit_calls(self.id) for s in self._shards]
+        self._result_key = self._result_keys[0]
+        self._calls_key = self._calls_keys[0]
+        self._tags = {s.tag: s for s in self._shards}
+        self._rr = 0  # round robin over the shards: the next generated-id job's shard
+
+    def _shard_of_stream(self, stream: str) -> QueueKeys:
+        """The shard whose hash tag ``stream``'s name starts with."""
+        return self._tags.get(stream[: stream.find("}") + 1], self.keys)
+
     # -- lifecycle -----------------------------------------------------------------------
     async def connect(self) -> Producer:
         if self._client is None:
@@ -94,27 +122,46 @@ class Producer(Submission):
             self._reader_client = connect(self.redis_settings, socket_timeout=None, health_check_interval=0)
             self._ledger.connect()
             raw_replies(self._reader_client, "XREAD")
-            reader = ResultReader(
-                self._reader_client, self._result_key, count=self.settings.result_batch,
-                command_timeout=self.redis_settings.command_timeout, cluster=self.redis_settings.cluster,
-                deliver=self._ledger.deliver, arrived=self._ledger.arrived,
-            )
-            if self._closed:  # close() stopped the reading for good
-                reader.stop()
-            # The reader connects while the first round trip waits: two handshakes in the
-            # time of one. That round trip registers the queue (rollq status and the
-            # dashboard list it), once per connect, never on the submit path.
-            self._reader = asyncio.create_task(reader.run(), name=f"rollq-results-{self.id}")
             try:
+                # The queue's number of shards (recorded if the settings name one and the
+                # queue has none): the result readers need it, so it comes first.
+                async with self._deadline("connecting (reading the queue's shard count)"):
+                    k = await declare_shards(self._client, self.keys, self.settings.shards)
+                if k != self.shards:
+                    self._set_shards(k)
+                readers = self._result_readers()
+                if self._closed:  # close() stopped the reading for good
+                    for r in readers:
+                        r.stop()
+                # The task refers to the readers, not to the producer (no reference cycle).
+                self._reader = asyncio.create_task(_run_all(readers), name=f"rollq-results-{self.id}")
+                # The reader connects while this round trip waits: two handshakes in the
+                # time of one. It registers the queue (rollq status and the dashboard list
+                # it), once per connect, never on the submit path.
                 async with self._deadline("connecting (registering the queue)"):
                     await register_queue(self._client, self.queue)
             except BaseException:  # unreachable: leave nothing behind, a later connect() retries
-                self._reader.cancel()
+                if self._reader is not None:
+                    self._reader.cancel()
                 for c in (self._client, self._reader_client):
                     await c.aclose()
                 self._client = self._reader_client = self._reader = None
                 raise
         return self
+
+    def _result_readers(self) -> list[ResultReader]:
+        """Readers of every shard's result stream: one over all of them on one server (one
+        blocking XREAD), one per shard on a cluster (one slot each)."""
+        cluster = self.redis_settings.cluster
+        groups = [[k] for k in self._result_keys] if cluster else [self._result_keys]
+        return [
+            ResultReader(
+                self._reader_client, keys, count=self.settings.result_batch,
+                command_timeout=self.redis_settings.command_timeout, cluster=cluster,
+                deliver=self._ledger.deliver, arrived=self._ledger.arrived,
+            )
+            for keys in groups
+        ]
 
     async def close(self) -> None:
         """Stop reading results and close connections (outstanding jobs keep running)."""
@@ -122,15 +169,20 @@ class Producer(Submission):
         if self._publisher is not None:
             await self._publisher.close()
         if self._client is not None and not self._ledger.handles:
-            try:  # nothing more can arrive for us: leave no empty stream behind
-                async with self._deadline("removing the empty result stream"):
-                    await DROP_EMPTY(self._client, [self._result_key], [])
+            try:  # nothing more can arrive for us: leave no empty stream behind (in any shard)
+                async with self._deadline("removing the empty result streams"):
+                    for key in self._result_keys:  # one script call per shard: one slot each
+                        await DROP_EMPTY(self._client, [key], [])
             except RETRYABLE:
                 pass
         if self._client is not None and self._numbers.idle():
             try:  # no call in flight: its records can go (else they expire: CALL_RECORD_TTL_MS)
                 async with self._deadline("removing the submit call records"):
-                    await self._client.delete(self._calls_key)
+                    if self.redis_settings.cluster:
+                        for key in self._calls_keys:
+                            await self._client.delete(key)
+                    else:
+                        await self._client.delete(*self._calls_keys)
             except RETRYABLE:
                 pass
         if self._reader is not None:
@@ -237,6 +289,16 @@ class Producer(Submission):
         ``RedisSettings.command_timeout`` seconds, :class:`~rollq.errors.SubmitInterrupted`
         says which jobs are enqueued (their handles), which are in doubt and which were never
         sent; its ``resume()`` finishes the batch without doubling any job.
+
+        Under a staleness bound (:meth:`set_staleness_bound`) each SUBMIT call is admitted or
+        refused as a whole: all or nothing for one call, which holds ``script_batch`` jobs at
+        most, all of one shard. On a sharded queue a batch spans several calls and shards, so
+        some of its calls may be admitted while others are refused (each shard checks its own
+        part of the bound). A refused call is sent again once a newer version is published
+        (``block_when_full``, the default), else :class:`~rollq.errors.StalenessBound` is
+        raised after the replies of every call sent were read, with ``enqueued`` (the handles
+        of the jobs enqueued: their results will come) and ``refused`` (the jobs not
+        enqueued, to submit again later; no job is in both, and none is lost).
         """
         await self.connect()
         if self.redis_settings.cluster:
@@ -247,16 +309,37 @@ class Producer(Submission):
     async def set_staleness_bound(self, max_lag: int | None, batch: int | None = None) -> None:
         """Bound off-policy lag for this queue: at most ``(max_lag + version + 1) * batch`` jobs
         are ever admitted (AReaL's rule), checked atomically at submission. ``None`` removes it.
-        ``batch`` is the number of jobs the trainer consumes per policy version."""
+        ``batch`` is the number of jobs the trainer consumes per policy version.
+
+        With K shards, shard ``i`` admits at most ``(max_lag + version + 1) * split_budget(batch,
+        K)[i]`` (its SUBMIT calls check its own budget and its mirror of the version), so the
+        queue's total never exceeds the bound; ``batch`` must be at least K (ValueError)."""
         await self.connect()
         if max_lag is None:
             async with self._deadline("removing the staleness bound"):
-                await self._client.hdel(self.keys.config, "max_lag", "batch")
+                if self.shards == 1:
+                    await self._client.hdel(self.keys.config, "max_lag", "batch")
+                else:
+                    pipe = self._client.pipeline(transaction=False)
+                    for shard in self._shards:
+                        pipe.hdel(shard.config, "max_lag", "batch")
+                    await pipe.execute()
             return
         if batch is None or batch < 1 or max_lag < 0:
             raise ValueError("set_staleness_bound needs max_lag >= 0 and batch >= 1")
+        if batch < self.shards:
+            raise ValueError(
+                f"set_staleness_bound: batch={batch} is smaller than the queue's {self.shards} shards "
+                "(each shard's budget is a part of batch, at least 1 job)"
+            )
         async with self._deadline("setting the staleness bound"):
-            await self._client.hset(self.keys.config, mapping={"max_lag": max_lag, "batch": batch})
+            if self.shards == 1:
+                await self._client.hset(self.keys.config, mapping={"max_lag": max_lag, "batch": batch})
+            else:
+                pipe = self._client.pipeline(transaction=False)
+                for shard, part in zip(self._shards, split_budget(batch, self.shards)):
+                    pipe.hset(shard.config, mapping={"max_lag": max_lag, "batch": part})
+                await pipe.execute()
 
     async def publish_weights(self, state: Any, version: int | None = None, transport: str = "memmap", **publisher_kwargs: Any) -> Any:
         """Publish a new policy version of this queue (see
@@ -282,10 +365,16 @@ class Producer(Submission):
         h = self._ledger.handles.get(job_id)
         known = h is not None and not h.done()
         entry = h._entry if h is not None else None
-        stream, eid, tracked = entry or (self.keys.jobs, b"0-0", True)
+        if entry is not None:  # the job's shard is its stream's
+            stream, eid, tracked = entry
+            shard = self._shard_of_stream(stream)
+        else:  # not queued by us (any more): mark it where a caller-chosen id goes
+            shard = self._shards[shard_of_id(job_id, self.shards)]
+            stream, eid, tracked = shard.jobs, b"0-0", True
         async with self._deadline(f"cancelling job {job_id!r}"):
+            # The hint goes out on the queue's control channel (shard 0's), for every shard.
             how = await CANCEL(
-                self._client, [stream, self.keys.cancel(job_id), self.keys.ids, self.keys.stats],
+                self._client, [stream, shard.cancel(job_id), shard.ids, shard.stats],
                 [eid, job_id, self.keys.control, CANCEL_MARK_TTL, GROUP, "1" if tracked else "0"],
             )
         if how == 1 and h is not None:
@@ -354,3 +443,11 @@ class Producer(Submission):
             if not got and deadline is None:
                 continue
         return out
+
+
+async def _run_all(readers: list[ResultReader]) -> None:
+    """Run the result readers until cancelled."""
+    if len(readers) == 1:
+        await readers[0].run()
+    else:
+        await asyncio.gather(*(r.run() for r in readers))

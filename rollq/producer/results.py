@@ -1,16 +1,19 @@
-"""Reading a producer's result stream (``QueueKeys.results``) and delivering what it holds.
+"""Reading a producer's result streams (``QueueKeys.results``) and delivering what they hold.
 
-One task per producer reads the stream with a blocking XREAD, hands each result to the
-:class:`~rollq.producer.handles.Ledger`, and deletes the entries it has taken, so Redis
-keeps nothing once a result is consumed. The deletion of one batch travels in the same
-round trip as the next blocking read.
+A producer has one result stream in each shard of its queue (a replica writes a job's result
+in the job's shard, rollq/shards.py). On one server one task reads all of them with one
+blocking XREAD (one stream when the queue has one shard); on a cluster the shards live in
+different slots, so the producer runs one reader per shard. Each reader hands each result to
+the :class:`~rollq.producer.handles.Ledger` and deletes the entries it has taken, so Redis
+keeps nothing once a result is consumed. The deletion of one batch travels in the same round
+trip as the next blocking read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import msgpack
 from redis.exceptions import ResponseError
@@ -27,8 +30,9 @@ READ_BACKOFF = (0.05, 5.0)
 
 
 class ResultReader:
-    """Reads ``key`` on ``client`` until :meth:`stop`, handing each result to ``deliver``
-    and setting ``arrived`` after each batch.
+    """Reads the streams ``keys`` on ``client`` until :meth:`stop`, handing each result to
+    ``deliver`` and setting ``arrived`` after each batch (on a ``cluster`` client, ``keys``
+    must share one slot: one shard's stream).
 
     ``client`` returns XREAD's reply unparsed (``connection.raw_replies``): a list of
     ``[stream, [[entry id, [field, value, ...]], ...]]`` (a dict of streams on RESP3). On one
@@ -36,15 +40,17 @@ class ResultReader:
     without redis-py's pipeline machinery; a ``cluster`` client pipelines them.
     """
 
-    def __init__(self, client: Client, key: str, *, count: int, command_timeout: float, cluster: bool,
+    def __init__(self, client: Client, keys: Sequence[str], *, count: int, command_timeout: float, cluster: bool,
                  deliver: Callable[[Result], None], arrived: asyncio.Event):
         self.client = client
-        self.key = key
+        self.keys = list(keys)
+        # XREAD names each stream of its reply (bytes on these unparsed replies).
+        self._names = {k.encode(): k for k in self.keys}
         self.count = count
         self.cluster = cluster
         self.deliver = deliver
         self.arrived = arrived
-        self.read_deadline = deadline(1.0 + command_timeout, "a blocking read of the result stream")
+        self.read_deadline = deadline(1.0 + command_timeout, "a blocking read of the result stream(s)")
         self.stopped = False
 
     def stop(self) -> None:
@@ -52,9 +58,9 @@ class ResultReader:
         self.stopped = True
 
     async def run(self) -> None:
-        last = b"0-0"
+        last = dict.fromkeys(self.keys, b"0-0")  # stream -> last entry id read
         backoff = READ_BACKOFF[0]
-        taken: list[bytes] = []
+        taken: dict[str, list[bytes]] = {}  # stream -> entries delivered, to delete
         conn = None
         try:
             while not self.stopped:
@@ -66,7 +72,7 @@ class ResultReader:
                             resp = await self._read_once(conn, last, taken)
                         else:
                             resp = await self._read_pipelined(last, taken)
-                    taken = []
+                    taken = {}
                     backoff = READ_BACKOFF[0]
                 except (*RETRYABLE, ResponseError) as e:
                     log.warning("result stream read failed (%s); retrying in %.2fs", e, backoff)
@@ -75,7 +81,7 @@ class ResultReader:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, READ_BACKOFF[1])
                     continue
-                last = self._take(resp, taken) or last
+                self._take(resp, taken, last)
                 if resp:
                     # Let the tasks waiting for these results run before the next read is
                     # sent: they are the latency that counts; the read can go a moment later.
@@ -84,33 +90,39 @@ class ResultReader:
             if conn is not None:
                 await self.client.connection_pool.release(conn)
 
-    async def _read_once(self, conn: Any, last: bytes, taken: list[bytes]) -> Any:
-        """XDEL what was taken (if any) and a blocking XREAD, in one write; the XREAD's reply."""
-        key = self.key
-        cmds: list[tuple[Any, ...]] = [("XDEL", key, *taken)] if taken else []
-        cmds.append(("XREAD", "COUNT", self.count, "BLOCK", READ_BLOCK_MS, "STREAMS", key, last))
+    async def _read_once(self, conn: Any, last: dict[str, bytes], taken: dict[str, list[bytes]]) -> Any:
+        """XDEL what was taken (one per stream, if any) and a blocking XREAD of every stream,
+        in one write; the XREAD's reply."""
+        cmds: list[tuple[Any, ...]] = [("XDEL", key, *eids) for key, eids in taken.items()]
+        cmds.append(("XREAD", "COUNT", self.count, "BLOCK", READ_BLOCK_MS, "STREAMS", *last, *last.values()))
         await conn.send_packed_command(conn.pack_commands(cmds))
-        if taken:
+        for _ in taken:
             await conn.read_response()
         return await conn.read_response()
 
-    async def _read_pipelined(self, last: bytes, taken: list[bytes]) -> Any:
+    async def _read_pipelined(self, last: dict[str, bytes], taken: dict[str, list[bytes]]) -> Any:
         """XDEL what was taken (if any) and a blocking XREAD, pipelined (a cluster client)."""
         if not taken:
-            return await self.client.xread({self.key: last}, count=self.count, block=READ_BLOCK_MS)
+            return await self.client.xread(last, count=self.count, block=READ_BLOCK_MS)
         pipe = self.client.pipeline(transaction=False)
-        pipe.xdel(self.key, *taken)
-        pipe.xread({self.key: last}, count=self.count, block=READ_BLOCK_MS)
+        for key, eids in taken.items():
+            pipe.xdel(key, *eids)
+        pipe.xread(last, count=self.count, block=READ_BLOCK_MS)
         return (await pipe.execute())[-1]
 
-    def _take(self, resp: Any, taken: list[bytes]) -> bytes | None:
-        """Deliver the results of an XREAD reply; returns the last entry id read."""
+    def _take(self, resp: Any, taken: dict[str, list[bytes]], last: dict[str, bytes]) -> None:
+        """Deliver the results of an XREAD reply; note what was read in ``taken`` and the
+        last entry id read of each stream in ``last``."""
         if not resp:
-            return None
+            return
         deliver = self.deliver
-        for _, entries in resp.items() if isinstance(resp, dict) else resp:
+        for name, entries in resp.items() if isinstance(resp, dict) else resp:
+            if not entries:
+                continue
+            key = self._names.get(name) or (name.decode() if isinstance(name, bytes) else name)
+            got = taken.setdefault(key, [])
             for eid, fields in entries:
-                taken.append(eid)
+                got.append(eid)
                 try:
                     if type(fields) is dict:  # a client that parsed the reply anyway
                         fields = [x for kv in fields.items() for x in kv]
@@ -121,5 +133,5 @@ class ResultReader:
                             deliver(decode_result(data))
                 except Exception as e:  # a corrupt result must not stop the reader
                     log.error("dropping unreadable result entry %s: %s", eid, e)
+            last[key] = got[-1]
         self.arrived.set()
-        return taken[-1] if taken else None

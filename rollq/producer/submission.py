@@ -16,6 +16,7 @@ from redis.exceptions import NoScriptError
 from ..connection import RETRYABLE, SUBMIT
 from ..errors import StalenessBound, SubmitInterrupted
 from ..protocol import Job, encode_job
+from ..shards import home_shard, shard_of_id
 from .calls import CALL_RECORD_TTL_MS, Call, CallStream, GaveUp, Outage, pack_args
 from .handles import Entry, JobHandle
 
@@ -33,8 +34,9 @@ class Submission:
 
     It works on the producer's ``settings``, ``redis_settings``, ``keys``, ``id``,
     ``counters``, ``_client``, ``_ledger`` (room and handles), ``_numbers``
-    (:class:`~rollq.producer.calls.CallNumbers`), ``_calls_key`` and ``_ref``, and calls ``build_jobs`` and
-    ``submit_many``.
+    (:class:`~rollq.producer.calls.CallNumbers`), ``_calls_key`` and ``_ref``, and with K > 1
+    shards on ``shards`` (K), ``_shards`` (their keys), ``_calls_keys`` (the call record in
+    each) and ``_rr`` (round robin); it calls ``build_jobs`` and ``submit_many``.
     """
 
     async def _submit_many_stream(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
@@ -80,6 +82,18 @@ class Submission:
             return stream.handles
         except GaveUp as e:
             raise self._interrupted(str(e), stream.handles, stream.in_doubt(), [], it) from e.__cause__
+        except StalenessBound as e:
+            # A call was refused (not blocking): read the replies of the calls in flight, so
+            # every job written is known to be enqueued (a handle) or refused.
+            enqueued, refused = list(e.enqueued), list(e.refused)
+            while stream.inflight:
+                try:
+                    await stream.take()
+                except StalenessBound as more:
+                    enqueued += more.enqueued
+                    refused += more.refused
+            e.enqueued, e.refused = stream.handles + enqueued, refused
+            raise
         except SubmitInterrupted as e:  # a rerun of refused calls in take() gave up
             e._unpin.detach()  # the new error holds its calls
             doubt = [*e._doubt, *stream.in_doubt()]
@@ -128,6 +142,10 @@ class Submission:
                 batch = []
                 await asyncio.sleep(0)  # let it write its pipeline before we build the next chunk
                 chunk = min(2 * chunk, self.settings.chunk_size)
+        except StalenessBound as e:  # the chunk in flight was refused in part; ``batch`` was not sent
+            e.enqueued, e.refused = handles + e.enqueued, e.refused + batch
+            batch = []
+            raise
         except SubmitInterrupted as e:  # the chunk in flight gave up; ``batch`` was built, not sent
             e._unpin.detach()  # the new error holds its calls
             raise self._interrupted(str(e), handles + e.enqueued, e._doubt, e.not_sent + batch, it) from e.__cause__
@@ -138,6 +156,8 @@ class Submission:
     def _submit_calls(self, jobs: list[Job]) -> list[Call]:
         """SUBMIT calls for ``jobs``, each numbered, ``script_batch`` jobs per call and one
         stream per call (the queue's, or a replica's for targeted jobs)."""
+        if self.shards > 1:
+            return self._sharded_calls(jobs)
         step = self.settings.script_batch
         number, rec, inc = self._numbers.number, self._calls_key, self._numbers.incarnation
         if all(job.replica is None and not job.tracked for job in jobs):  # the common case
@@ -172,6 +192,47 @@ class Submission:
                     args.append(job.id if job.tracked else "")
                     args.append(encode_job(job))
                 # One msgpack argument per call, not two per job (see benchmarks/README.md).
+                call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS]
+                number(call_args)
+                calls.append((keys, call_args, part))
+        return calls
+
+    def _sharded_calls(self, jobs: list[Job]) -> list[Call]:
+        """SUBMIT calls for ``jobs`` on a queue of K > 1 shards: each call holds the jobs of
+        one shard and one stream, and carries that shard's keys and this producer's call record
+        in that shard (call numbers stay one sequence per producer; a resent call meets its
+        own record). A caller-chosen id goes to ``shard_of_id``, a job targeted at a replica
+        to the replica's home shard (its stream is there), any other job round robin."""
+        k, step = self.shards, self.settings.script_batch
+        number, inc = self._numbers.number, self._numbers.incarnation
+        delivered = self._ledger.delivered
+        groups: dict[tuple[int, str | None], list[int]] = {}
+        rr = self._rr
+        for i, job in enumerate(jobs):
+            if job.replica is not None:
+                shard = home_shard(job.replica, k)
+            elif job.tracked:
+                shard = shard_of_id(job.id, k)
+            else:
+                shard, rr = rr, rr + 1 if rr + 1 < k else 0
+            pos = groups.get((shard, job.replica))
+            if pos is None:
+                pos = groups[shard, job.replica] = []
+            pos.append(i)
+            if job.tracked and delivered:  # a caller-chosen id may run again: its next result counts
+                delivered.discard(job.id)
+        self._rr = rr
+        calls = []
+        for (shard, replica), positions in groups.items():
+            sk = self._shards[shard]
+            keys = [*sk.submit_keys(sk.job_stream(replica)), self._calls_keys[shard]]
+            for i in range(0, len(positions), step):
+                part = positions[i : i + step]
+                args: list[Any] = []
+                for p in part:
+                    job = jobs[p]
+                    args.append(job.id if job.tracked else "")
+                    args.append(encode_job(job))
                 call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS]
                 number(call_args)
                 calls.append((keys, call_args, part))
@@ -226,10 +287,21 @@ class Submission:
                             entries[k] = (stream, eid, jobs[k].tracked)
                 results = None
                 if refused:
-                    await self._wait_for_admission(sum(len(c[2]) for c in refused), limit)
+                    try:
+                        await self._wait_for_admission(sum(len(c[2]) for c in refused), limit, refused[-1][0][0])
+                    except StalenessBound as e:
+                        # Not blocking: the refused calls did nothing (each is all or nothing:
+                        # one shard's jobs); the jobs of the others are enqueued, and get handles.
+                        ledger.release(len(jobs) - len(read))
+                        read.sort()
+                        e.enqueued = ledger.add([jobs[k] for k in read], [entries[k] for k in read], dups, foreign)
+                        e.refused = [jobs[k] for call in refused for k in call[2]]
+                        raise
                     for _, args, _ in refused:  # a refusal is not recorded: a new number
                         numbers.number(args)
                 pending = refused
+        except StalenessBound:
+            raise
         except GaveUp as e:
             ledger.release(len(jobs) - len(read))  # what was enqueued runs; the rest is in doubt
             read.sort()
@@ -303,11 +375,17 @@ class Submission:
                 raise r
         return results
 
-    async def _wait_for_admission(self, n: int, limit: int) -> None:
-        """The staleness bound refused ``n`` jobs: wait for a newer policy version, or raise."""
+    async def _wait_for_admission(self, n: int, limit: int, stream: str) -> None:
+        """The staleness bound refused ``n`` jobs (the last refused call's ``limit``, in the
+        shard of ``stream``): wait for a newer policy version, or raise StalenessBound.
+
+        Each shard checks its own part of the bound against its mirror of the version, so
+        the calls refused in one shard wait here while the other shards' are enqueued; the
+        caller sends them again (new numbers) after the wait, until admitted."""
         if not self.settings.block_when_full:
+            where = "" if self.shards == 1 else f" of shard {self._shard_of_stream(stream).shard_index}/{self.shards}"
             raise StalenessBound(
-                f"admitting {n} more jobs would exceed the staleness bound ({limit} jobs at the current "
+                f"admitting {n} more jobs would exceed the staleness bound ({limit} jobs{where} at the current "
                 "policy version; see Producer.set_staleness_bound); publish a newer version or wait"
             )
         await asyncio.sleep(self.settings.admission_poll)

@@ -4,6 +4,12 @@ A version becomes visible only once its data is complete. The order is always: d
 marker with checksum, then :func:`commit_version` (record + log entry + pub/sub hint, one Lua
 script, refused unless newer than the current record). Replicas subscribe for speed but
 reconcile with :func:`read_version` on start, on reconnect and periodically.
+
+The record lives in shard 0 of a sharded queue (rollq/shards.py). Each other shard's
+version hash holds a mirror of field ``v`` only, which its SUBMIT calls read for the
+staleness bound: :func:`commit_version` writes it after each commit (never lowering it). A
+mirror can lag the record (a publisher that dies between the two steps; the next commit
+heals it): a lagging shard admits less, never more, than the bound allows.
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ import time
 from typing import Any
 
 import msgspec
+from redis.exceptions import NoScriptError
 
-from ..connection import PUBLISH_VERSION, Client
+from ..connection import PUBLISH_VERSION, Client, Script
 from ..keys import QueueKeys
 from ..protocol import SCHEMA_VERSION
 
@@ -75,12 +82,44 @@ def decode_record(data: bytes) -> VersionRecord:
     return r
 
 
+#: Sets one shard's mirror of the version (rollq/lua/mirror_version.lua).
+MIRROR_VERSION = Script("mirror_version")
+
+
 async def commit_version(client: Client, keys: QueueKeys, record: VersionRecord, log_maxlen: int = 10_000) -> bool:
-    """Record ``record`` as the current version if it is newer; log and announce it."""
-    ok = await PUBLISH_VERSION(
-        client, [keys.version, keys.versions_log], [record.version, encode_record(record), keys.control, log_maxlen]
+    """Record ``record`` as the current version if it is newer; log and announce it; on a
+    sharded queue, mirror it into every other shard (:func:`mirror_version`).
+
+    The commit script also returns the queue's shard count, so a queue of one shard costs
+    no command more than the commit."""
+    base = keys.base
+    shards = await PUBLISH_VERSION(
+        client, [base.version, base.versions_log, base.config],
+        [record.version, encode_record(record), base.control, log_maxlen],
     )
-    return bool(ok)
+    if shards and int(shards) > 1:
+        await mirror_version(client, keys, record.version, int(shards))
+    return bool(shards)
+
+
+async def mirror_version(client: Client, keys: QueueKeys, version: int, shards: int) -> None:
+    """Set field ``v`` of the version hash of shards ``1 .. shards-1`` to ``version`` unless
+    one holds a newer one (each shard's SUBMIT calls read it for the staleness bound)."""
+    for attempt in (0, 1):
+        # One pipelined round trip (per node on a cluster); each call touches one shard's slot.
+        pipe = client.pipeline(transaction=False)
+        for shard in keys.shards(shards)[1:]:
+            # execute_command: redis-py's cluster pipeline refuses pipe.evalsha
+            pipe.execute_command("EVALSHA", MIRROR_VERSION.sha, 1, shard.version, version)
+        replies = await pipe.execute(raise_on_error=False)
+        if attempt or not any(isinstance(r, NoScriptError) for r in replies):
+            break
+        # A missing script fails its calls before they run; the mirror never lowers a
+        # version, so running every call again is safe.
+        await MIRROR_VERSION.ensure_loaded(client)
+    for r in replies:
+        if isinstance(r, Exception):
+            raise r
 
 
 async def read_version(client: Client, keys: QueueKeys) -> VersionRecord | None:
