@@ -16,6 +16,7 @@ import sys
 import msgpack
 import pytest
 import redis
+from redis.crc import key_slot
 
 from rollq.connection import FINISH, connect
 from rollq.consumer.engine import EchoEngine
@@ -29,8 +30,9 @@ from tests.helpers import ROOT, bounded, collect, until
 
 pytestmark = pytest.mark.slow
 
-#: Every key rollq writes: ``rollq:{<queue>}:<role>...`` (QueueKeys), the tag being the queue.
-KEY_RE = re.compile(rb"^rollq:\{([A-Za-z0-9_.\-]{1,128})\}:[a-z]+(:.*)?$", re.S)
+#: Every key rollq writes: ``rollq:{<queue>}:<role>...`` (QueueKeys), the tag being the queue,
+#: or ``rollq:{<queue>~<i>}:<role>...`` for shard ``i`` > 0 of a sharded queue.
+KEY_RE = re.compile(rb"^rollq:\{([A-Za-z0-9_.\-]{1,128})(~[0-9]{1,3})?\}:[a-z]+(:.*)?$", re.S)
 
 
 @pytest.fixture
@@ -525,14 +527,23 @@ async def test_every_key_on_every_node_carries_its_queue_tag(redis_cluster, node
         c = make_consumer(q, consumer_id="kk")
         assert await make_consumer.burst(c) == 0
         await p.gather(hs, timeout=10)
-    seen = 0
+    sharded = f"{node_queues[0]}-sh"  # a queue of 3 shards: its shards' keys carry {queue~i}
+    p = await make_producer(sharded, shards=3)
+    hs = await p.submit_many([{"prompt": f"s{j}", "sampling": {"max_tokens": 1}, "id": f"s{j}"} for j in range(12)])
+    c = make_consumer(sharded, consumer_id="ks", shards=3)
+    assert await make_consumer.burst(c) == 0
+    await p.gather(hs, timeout=10)
+    seen, shard_tags = 0, set()
     for i in range(len(redis_cluster.nodes)):
         for key in node_keys(redis_cluster, i):
             if key == QUEUES.encode():  # the registry of queue names: the one global key
                 continue
             m = KEY_RE.match(key)
-            assert m, f"key {key!r} on node {i} is not rollq:{{queue}}:..."
-            queue = m.group(1).decode()
-            assert redis_cluster.node_of_queue(queue) == i, f"{key!r} is on node {i}, its tag's slot is elsewhere"
+            assert m, f"key {key!r} on node {i} is not rollq:{{queue}}:... or rollq:{{queue~shard}}:..."
+            tag = b"{" + m.group(1) + (m.group(2) or b"") + b"}"
+            assert redis_cluster.node_of_slot(key_slot(tag)) == i, f"{key!r} is on node {i}, its tag's slot is elsewhere"
             seen += 1
+            if m.group(2):
+                shard_tags.add(tag)
     assert seen >= 3
+    assert len(shard_tags) >= 2, f"the sharded queue's shards 1 and 2 left no keys: {shard_tags}"
