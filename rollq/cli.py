@@ -4,7 +4,8 @@
     rollq consume --engine echo|vllm ...         run one replica
     rollq submit FILE.jsonl [--wait]             submit jobs (one JSON object per line)
     rollq status [--json] [--watch S]            queue depth, in flight, replicas (every queue in use)
-    rollq dlq list|requeue|purge [--json]        dead letters
+    rollq dlq list|requeue|purge [--json]        dead letters (of every shard)
+    rollq queue create NAME --shards K           record a queue's shard count before its clients start
     rollq check --id REPLICA                     liveness probe: exit 0 if its lease is live
     rollq dashboard [--port P]                   live web dashboard, JSON API, /metrics
     rollq top                                    live terminal view
@@ -26,7 +27,7 @@ import time
 from typing import Any
 
 from .connection import RETRYABLE
-from .errors import RedisAuthError
+from .errors import RedisAuthError, ShardCountMismatch
 from .settings import DEFAULT_QUEUE, ENV_URL, ENV_URL_FILE, ConsumerSettings, RedisSettings, read_url_file
 
 log = logging.getLogger("rollq.cli")
@@ -68,11 +69,15 @@ def _err_console() -> Any:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    _url_options(p)
+    p.add_argument("--queue", "-q", default=DEFAULT_QUEUE, help="queue name (default: %(default)s)")
+
+
+def _url_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help=f"Redis URL (default: ${ENV_URL} or redis://127.0.0.1:6379/0; "
                    "a password given here shows in ps: use --url-file or the environment)")
     p.add_argument("--url-file", default=None, metavar="PATH",
                    help=f"read the Redis URL from the first line of PATH (also ${ENV_URL_FILE})")
-    p.add_argument("--queue", "-q", default=DEFAULT_QUEUE, help="queue name (default: %(default)s)")
 
 
 def _out(obj: Any) -> None:
@@ -149,7 +154,7 @@ def consumer_settings(a: argparse.Namespace) -> ConsumerSettings:
     return ConsumerSettings(
         max_inflight=a.max_inflight, initial_inflight=a.initial_inflight,
         batch=a.batch, lease_ttl=a.lease_ttl, heartbeat_interval=min(1.0, a.lease_ttl / 4),
-        max_deliveries=a.max_deliveries, drain_timeout=a.drain_timeout,
+        max_deliveries=a.max_deliveries, drain_timeout=a.drain_timeout, shards=a.shards,
     )
 
 
@@ -233,9 +238,10 @@ async def _submit(a: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from .producer.client import Producer
+    from .settings import ProducerSettings
 
     specs = _read_specs(a.file)
-    p = Producer(a.url, a.queue)
+    p = Producer(a.url, a.queue, settings=ProducerSettings(shards=a.shards))
     jobs = [p.build_job(s) for s in specs]  # validate everything before connecting or sending
     async with p:
         handles = await p.submit_many(jobs)
@@ -292,6 +298,10 @@ def render_status(st: Any) -> Any:
         ("policy version", "-" if st.version is None else st.version),
     ]:
         t.add_row(k, str(v))
+    if st.shards > 1:  # the figures above are sums over the shards; each one's shows an imbalance
+        t.add_row("shards", str(st.shards))
+        t.add_row("waiting per shard", " ".join(str(n) for n in st.shard_depth))
+        t.add_row("in flight per shard", " ".join(str(n) for n in st.shard_in_flight))
     r = Table(title="replicas")
     for col in ("id", "state", "alive", "heartbeat", "version", "in flight / cap", "kv", "tok/s", "done", "model"):
         r.add_column(col)
@@ -383,7 +393,7 @@ async def _dlq(a: argparse.Namespace) -> int:
                     t.add_column(col)
                 for i in items:  # every field may be untrusted: Text, never markup
                     t.add_row(*(Text(str(v)) for v in (
-                        i.entry_id, str(i.job_id)[:64], i.error_type[:40], i.reason[:80], i.deliveries,
+                        i.ref, str(i.job_id)[:64], i.error_type[:40], i.reason[:80], i.deliveries,
                         f"{i.kept_bytes} / {i.payload_bytes}", "yes" if i.requeueable else "no")))
                 Console().print(t)
         elif a.action == "requeue":
@@ -399,6 +409,36 @@ async def _dlq(a: argparse.Namespace) -> int:
 
 def cmd_dlq(a: argparse.Namespace) -> int:
     return asyncio.run(_dlq(a))
+
+
+async def _queue(a: argparse.Namespace) -> int:
+    from .connection import connect
+    from .errors import ShardCountMismatch
+    from .keys import QueueKeys
+    from .registry import register_queue
+    from .shards import SHARDS_FIELD, declare_shards
+
+    keys = QueueKeys(a.name)
+    client = connect(RedisSettings.from_url(a.url))
+    try:
+        recorded = bool(await client.hexists(keys.config, SHARDS_FIELD))
+        try:
+            k = await declare_shards(client, keys, a.shards)
+        except ShardCountMismatch as e:
+            _err_console().print(f"rollq queue create: {e}", markup=False, highlight=False, soft_wrap=True)
+            return 1
+        await register_queue(client, a.name)  # listed by `rollq status` and the dashboard from now on
+        if a.json:
+            _out({"queue": a.name, "shards": k, "created": not recorded})
+        else:
+            print(f"queue {a.name}: {k} shard(s)" + (" (already recorded)" if recorded else " recorded"))
+        return 0
+    finally:
+        await client.aclose()
+
+
+def cmd_queue(a: argparse.Namespace) -> int:
+    return asyncio.run(_queue(a))
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -455,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                    help="SIGTERM: seconds to finish running jobs (default: %(default)s)")
     s.add_argument("--burst", action="store_true", help="drain the queue, then exit")
+    s.add_argument("--shards", type=int, default=None,
+                   help="the queue's shard count (default: follow its record; see `rollq queue create`)")
     s.set_defaults(fn=cmd_consume)
 
     s = sub.add_parser("submit", help="submit jobs from a JSONL file ('-': stdin)")
@@ -462,6 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.add_argument("--wait", action="store_true", help="print one JSON line per result")
     s.add_argument("--timeout", type=float, default=600.0, help="--wait: give up after this many idle seconds")
+    s.add_argument("--shards", type=int, default=None,
+                   help="the queue's shard count (default: follow its record; see `rollq queue create`)")
     s.set_defaults(fn=cmd_submit)
 
     s = sub.add_parser("status", help="queue depth, in flight, replicas")
@@ -481,8 +525,18 @@ def build_parser() -> argparse.ArgumentParser:
     _common(s)
     s.add_argument("--json", action="store_true")
     s.add_argument("--count", type=int, default=100)
-    s.add_argument("ids", nargs="*", help="requeue: entry ids (default: all)")
+    s.add_argument("ids", nargs="*", help="requeue: entries as `dlq list` names them (SHARD/ENTRY in a sharded "
+                   "queue; a plain entry id is looked up in every shard; default: all)")
     s.set_defaults(fn=cmd_dlq)
+
+    s = sub.add_parser("queue", help="queue administration: create a sharded queue ahead of its clients")
+    s.add_argument("action", choices=["create"])
+    s.add_argument("name", help="queue name")
+    _url_options(s)
+    s.add_argument("--shards", type=int, required=True, metavar="K",
+                   help="shards of the queue (rollq/shards.py); refused if the queue records another count")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_queue)
 
     s = sub.add_parser("demo", help="end-to-end demo: an async GRPO run through rollq (embedded Redis, vLLM replicas, trainer)")
     s.add_argument("--engine", choices=["echo", "vllm"], default="vllm",
@@ -516,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         return a.fn(a) or 0
     except KeyboardInterrupt:
         return 130
-    except (RedisAuthError, ValueError) as e:  # a wrong password, an unreadable URL file
+    except (RedisAuthError, ShardCountMismatch, ValueError) as e:  # a wrong password, an unreadable URL file,
+        # --shards other than the queue's recorded count
         _err_console().print(f"rollq: {e}", markup=False, highlight=False, soft_wrap=True)
         return 2
     except RETRYABLE as e:  # commands that need Redis once (submit, status, dlq) and cannot reach it

@@ -119,10 +119,11 @@ def create_app(sampler: Sampler, *, token: str | None = None) -> Starlette:
             if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
                 raise ValueError
         except (ValueError, AttributeError):
-            return _error(400, 'body must be empty (requeue all) or {"entry_ids": ["<dead-letter entry id>", ...]}')
+            return _error(400, 'body must be empty (requeue all) or {"entry_ids": ["<dead letter ref>", ...]} '
+                               '(a dead letter\'s "ref": its entry id, "SHARD/ENTRY" in a sharded queue)')
         try:
             n, skipped = await dlq_requeue(await sampler.client(), QueueKeys(q), ids)
-        except ResponseError as e:  # e.g. not a stream entry id
+        except (ResponseError, ValueError) as e:  # not a stream entry id, a shard the queue lacks
             return _error(400, f"requeue refused: {e}")
         await sampler.sample(q)  # the next view shows it
         return JSONResponse({"requeued": n, "skipped": skipped})

@@ -55,6 +55,11 @@ class SamplerCollector(Collector):
         in_flight = gauge("rollq_queue_in_flight", "Jobs delivered to a replica, not yet finished.", labels=Q)
         oldest = gauge("rollq_queue_oldest_waiting_seconds", "Age of the oldest waiting job.", labels=Q)
         dlq = gauge("rollq_queue_dead_letters", "Entries in the dead-letter stream.", labels=Q)
+        shards = gauge("rollq_queue_shards", "Shards of the queue (rollq/shards.py).", labels=Q)
+        shard_waiting = gauge("rollq_queue_shard_waiting", "Jobs waiting in one shard of the queue.",
+                              labels=["queue", "shard"])
+        shard_in_flight = gauge("rollq_queue_shard_in_flight", "Jobs of one shard delivered, not yet finished.",
+                                labels=["queue", "shard"])
         latency = HistogramMetricFamily("rollq_latency_ms", "Submit-to-result latency of completed jobs.", labels=Q)
         quantile = gauge("rollq_latency_quantile_ms", "Latency quantile of recent results (the page's figure).",
                          labels=["queue", "quantile"])
@@ -82,6 +87,10 @@ class SamplerCollector(Collector):
             in_flight.add_metric([queue], q["in_flight"])
             oldest.add_metric([queue], q["oldest_waiting_s"] or 0.0)
             dlq.add_metric([queue], q["dlq_length"])
+            shards.add_metric([queue], q["shards"])
+            for i, (w, f) in enumerate(zip(q["shard_waiting"], q["shard_in_flight"])):
+                shard_waiting.add_metric([queue, str(i)], w)
+                shard_in_flight.add_metric([queue, str(i)], f)
             for c in COUNTERS:
                 jobs[c].add_metric([queue], q[c])
             lat = doc["latency"]
@@ -106,7 +115,7 @@ class SamplerCollector(Collector):
                     if r.get(key) is not None:
                         per_replica[name].add_metric(lab, r[key])
         yield from jobs.values()
-        yield from (waiting, in_flight, oldest, dlq, latency, quantile, version, lag, replicas, up, state, paused, done)
+        yield from (waiting, in_flight, oldest, dlq, shards, shard_waiting, shard_in_flight, latency, quantile, version, lag, replicas, up, state, paused, done)
         yield from per_replica.values()
         yield from (age, errors)
 

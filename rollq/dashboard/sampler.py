@@ -12,7 +12,11 @@ cost Redis what one sample costs:
   version or the dead-letter figures changed, and every ``refresh_lists`` seconds.
 
 So 9 + 3·R commands (10 + 3·R while jobs wait) in 4 + R round trips, however many jobs there are
-(tests/dashboard/test_dashboard.py counts them with ``INFO commandstats``). Watching every queue in use
+(tests/dashboard/test_dashboard.py counts them with ``INFO commandstats``). A queue of K shards
+(rollq/shards.py) adds 4 commands per shard beyond the first (its counters, its dead letters,
+its stream's length and group; one more while its jobs wait) in the same round trips, and its
+dead letters are read from every shard. The queue's shard count is read (``HGET``, one round
+trip) at the first sample and with the lists, every ``refresh_lists`` seconds. Watching every queue in use
 (no ``--queue``) adds, once per round, the read of the registry of queue names
 (:func:`rollq.registry.queues_in_use`: 2 commands, 1 once ``default`` is registered).
 
@@ -44,6 +48,7 @@ from ..keys import QueueKeys
 from ..protocol import LATENCY_BUCKETS_MS, SCHEMA_VERSION
 from ..registry import queues_in_use
 from ..settings import DEFAULT_QUEUE, RedisSettings
+from ..shards import read_shards
 from ..status import QueueStatus, dlq_list, histogram_quantile, queue_status
 
 log = logging.getLogger(__name__)
@@ -186,6 +191,7 @@ class _Queue:
         self.dead: list[dict[str, Any]] = []
         self.dead_key: Any = None
         self.lists_at = 0.0
+        self.shards: int | None = None  # the queue's recorded shard count, re-read with the lists
 
 
 class Sampler:
@@ -336,9 +342,11 @@ class Sampler:
     async def _read(self, q: _Queue) -> tuple[QueueStatus, dict[int, int], dict[int, int]]:
         client = self._client
         keys = q.keys
-        st = await queue_status(client, keys)
         now = time.monotonic()
         refresh = now - q.lists_at >= self.settings.refresh_lists
+        if refresh or q.shards is None:  # recorded once per queue: no need to read it every sample
+            q.shards = await read_shards(client, keys)
+        st = await queue_status(client, keys, q.shards)
         read_versions = refresh or st.version != q.versions_key
         pipe = client.pipeline(transaction=False)
         pipe.hgetall(keys.latency)  # queue_status keeps only two quantiles; rates need the buckets
@@ -352,7 +360,7 @@ class Sampler:
             q.versions_key = st.version
         dead_key = (st.dlq_length, st.dead_lettered)
         if refresh or dead_key != q.dead_key:
-            q.dead = [d.to_dict() for d in await dlq_list(client, keys, self.settings.dead_letters)]
+            q.dead = [d.to_dict() for d in await dlq_list(client, keys, self.settings.dead_letters, q.shards)]
             q.dead_key = dead_key
         if refresh:
             q.lists_at = now
@@ -423,6 +431,8 @@ class Sampler:
                 "oldest_waiting_s": None if st.oldest_waiting_s is None else round(st.oldest_waiting_s, 3),
                 "dlq_length": st.dlq_length, "submitted": st.submitted, "completed": st.completed,
                 "failed": st.failed, "dead_lettered": st.dead_lettered,
+                # a sharded queue: the figures above are sums; each shard's (index = shard)
+                "shards": st.shards, "shard_waiting": st.shard_depth, "shard_in_flight": st.shard_in_flight,
             },
             "rates": {**{f"{c}_per_s": p.rates.get(f"{c}_per_s") for c in COUNTERS},
                       "tokens_per_s": p.tokens_per_s, "window_s": s.rate_window},
@@ -497,4 +507,5 @@ class Sampler:
             "in_flight": qd.get("in_flight"), "dlq_length": qd.get("dlq_length"),
             "completed_per_s": rates.get("completed_per_s"), "p99_ms": lat.get("p99_ms"),
             "replicas": len(d.get("replicas", [])), "version": d.get("versions", {}).get("current"),
+            "shards": qd.get("shards"),
         }

@@ -60,6 +60,7 @@ def render_top(docs: list[dict[str, Any]], now: float | None = None) -> Group:
     qt.caption_justify = "left"
     rt = _table("replicas", [*(["queue"] if many else []), "replica", "state", "ver", "run/cap", "kv", "tok/s",
                              "done", "beat", "update", "pause"], 3 if many else 2)
+    st = _table("shards (queues of more than one)", ["queue", "shard", "wait", "run"], 1)
     vt = _table("recent versions", [*(["queue"] if many else []), "version", "published", "transport", "size",
                                     "trainer"], 6)
     notes = []
@@ -80,6 +81,9 @@ def render_top(docs: list[dict[str, Any]], now: float | None = None) -> Group:
             Text(_num(q["dlq_length"]), style="red" if q["dlq_length"] else ""),
             _num(v["current"]), f"{live}/{len(d['replicas'])}",
         )
+        if q.get("shards", 1) > 1:  # the figures above are sums: each shard's shows an imbalance
+            for i, (w, f) in enumerate(zip(q["shard_waiting"], q["shard_in_flight"])):
+                st.add_row(name if i == 0 else "", str(i), _num(w), _num(f))
         for x in d["replicas"]:
             rt.add_row(
                 *([name] if many else []), x["id"], Text(x["state"], style=_STATE_STYLE.get(x["state"], "")),
@@ -100,6 +104,8 @@ def render_top(docs: list[dict[str, Any]], now: float | None = None) -> Group:
     if sampled:
         head.append(f" · sampled {max(0.0, now - min(sampled)):.1f}s ago", style="dim")
     parts: list[Any] = [head, *notes, qt]
+    if st.row_count:
+        parts.append(st)
     parts.append(rt if rt.row_count else Text("no replica registered", style="dim"))
     if vt.row_count:
         parts.append(vt)

@@ -160,7 +160,10 @@ function render(doc) {
   document.getElementById("totals").textContent =
     `submitted ${q.submitted} · completed ${q.completed} · failed ${q.failed} · dead-lettered ${q.dead_lettered}` +
     ` · ${num(r.tokens_per_s)} tokens/s · latency all time p50 ${upTo(lat.all_time.p50_ms)} / p99 ${upTo(lat.all_time.p99_ms)}` +
-    ` (${lat.all_time.count} results)`;
+    ` (${lat.all_time.count} results)` +
+    // a sharded queue: the tiles are sums; each shard's waiting / in flight shows an imbalance
+    (q.shards > 1 ? ` · ${q.shards} shards, waiting / in flight per shard ` +
+      q.shard_waiting.map((w, i) => `${i}: ${num(w)} / ${num(q.shard_in_flight[i])}`).join(", ") : "");
   document.getElementById("lat-window").textContent = lat.window_s;
 
   const h = state.hist;
@@ -218,7 +221,7 @@ function render(doc) {
   const dl = doc.dead_letters;
   document.getElementById("dlq-sub").textContent = `${dl.length} in the stream · ${dl.total} dead-lettered in all`;
   fillRows("dlq", dl.latest.map((d) => el("tr", {},
-    el("td", {}, ago(d.at)), el("td", {}, d.entry_id), el("td", {}, d.job_id ?? dash), el("td", {}, d.error_type),
+    el("td", {}, ago(d.at)), el("td", {}, d.ref || d.entry_id), el("td", {}, d.job_id ?? dash), el("td", {}, d.error_type),
     el("td", { class: "reason", title: d.reason }, d.reason.length > 200 ? d.reason.slice(0, 200) + "…" : d.reason),
     el("td", {}, d.deliveries), el("td", {}, d.consumer || dash), el("td", {}, d.requeueable ? "yes" : "no"),
   )), 8, "no dead letters");
