@@ -2,7 +2,7 @@
 
     python benchmarks/fleet_sim.py [--replicas 1000] [--procs 4] [--targets single,cluster]
                                    [--idle 10] [--load-seconds 8] [--rates 1000,3000,max]
-                                   [--out benchmarks/results/fleet_sim]
+                                   [--shards 1] [--producers 1] [--out benchmarks/results/fleet_sim]
 
 Each replica is the real consumer pipeline (:class:`rollq.consumer.loop.Consumer`: pull,
 finish, heartbeat, reclaim, control listener, version wait) with an ``EchoEngine`` and the
@@ -20,9 +20,17 @@ deltas on every node:
 2. idle (no jobs): commands per replica per second by family (heartbeat, pull, reclaim,
    version follow) and Redis CPU per replica;
 3. load, for each offered rate (a producer in the parent submitting with
-   ``Producer.submit_many`` every 50 ms; ``max``: as fast as it can), jobs/s completed, Redis
-   CPU per job and Redis CPU as a fraction of one core;
+   ``Producer.submit_many`` every 50 ms; ``max``: as fast as it can; with ``--producers P``
+   the rate is split over the parent's producer and P-1 producer processes, each reading its
+   own results), jobs/s completed, Redis CPU per job and Redis CPU as a fraction of one core;
 4. the drain: every submitted job got exactly one result.
+
+``--shards K`` runs the fleet on a queue of K shards (rollq/shards.py): the producer and every
+replica are given ``shards=K`` (``ProducerSettings``/``ConsumerSettings``; K=1 leaves them at
+None, as before sharding existed). Every window reports, per Redis node (per master of the
+cluster), its CPU (``node_cores``) and its commands (``node_calls_per_s``, ``node_commands``),
+and the report says which node holds each shard (``shard_nodes``), so a run at K=1 and one at
+K=3 on the 3-master cluster show whether sharding spread the load over the masters.
 
 This machine's few cores run the generator too, so the replicas issue their periodic commands
 less often than a real fleet whose every replica has its own host. Measured cycles per
@@ -70,6 +78,9 @@ FAMILIES = {
     "hget": "version follow", "hmget": "version follow", "subscribe": "version follow",
     "evalsha": "scripts (SUBMIT, FINISH)", "eval": "scripts (SUBMIT, FINISH)",
     "xread": "results (producer)", "xdel": "results (producer)",
+    # redis-py's cluster client asks a node (its default one) for the keys of commands whose
+    # key positions move (XREAD, XREADGROUP): two COMMAND GETKEYS per such call, measured
+    "command|getkeys": "key lookups (redis-py cluster client)",
 }
 #: The peer scan: what grows with the number of consumers in the group.
 SCAN = ("xinfo|consumers", "exists")
@@ -79,6 +90,10 @@ CYCLE_MARKER = {"heartbeat": ("set",), "reclaim": ("get", "xinfo|consumers"), "p
                 "version follow": ("hget",)}
 #: Marker calls per cycle (the follower's reconcile reads two HGETs in one pipeline).
 CALLS_PER_CYCLE = {"heartbeat": 1, "reclaim": 1, "pull": 1, "version follow": 2}
+#: Families whose cycle touches every shard of a sharded queue: a replica renews its lease and
+#: takes its reclaim turn in each shard, and an idle pull reads each shard's stream, so one
+#: cycle is K marker calls.
+PER_SHARD = ("heartbeat", "reclaim", "pull")
 #: Nominal cycles per replica per second with default settings (ConsumerSettings:
 #: heartbeat_interval 1 s, reclaim_interval 1 s jittered 0.75-1.25x, block 1 s when idle;
 #: WeightFollower reconcile_interval 5 s).
@@ -90,6 +105,12 @@ IGNORED = {"info", "ping", "config|get", "config|set", "client|setname", "cluste
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def shard_setting(k: int) -> int | None:
+    """``shards=`` of the producer's and the replicas' settings: None (follow the queue's
+    record, 1 if none: the settings' default, as before sharding) for one shard, else ``k``."""
+    return None if k == 1 else k
 
 
 # ------------------------------------------------------------------------------------------
@@ -106,6 +127,7 @@ async def worker_main(args: argparse.Namespace) -> dict:
 
     from rollq.consumer.engine import EchoEngine
     from rollq.consumer.loop import Consumer
+    from rollq.settings import ConsumerSettings
     from rollq.weightsync.follower import WeightFollower
 
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
@@ -117,7 +139,8 @@ async def worker_main(args: argparse.Namespace) -> dict:
         loop.call_soon_threadsafe(stop.set)
 
     threading.Thread(target=read_stdin, daemon=True).start()
-    consumers = [Consumer(EchoEngine(), args.url, args.queue, consumer_id=f"sim-{args.first + i:05d}")
+    settings = ConsumerSettings(shards=shard_setting(args.shards))
+    consumers = [Consumer(EchoEngine(), args.url, args.queue, consumer_id=f"sim-{args.first + i:05d}", settings=settings)
                  for i in range(args.count)]
     tasks: list[asyncio.Task] = []
     followers: list[WeightFollower] = []
@@ -158,13 +181,59 @@ async def worker_main(args: argparse.Namespace) -> dict:
     }
 
 
-class Worker:
-    """One worker subprocess and the JSON lines it writes."""
+async def producer_main(args: argparse.Namespace) -> None:
+    """A producer child (``--producers`` > 1): its own :class:`Load`, driven by the parent's
+    command lines (``offer RATE|max SECONDS``, ``received``, ``wait SECONDS``, ``stop``); one
+    JSON line answers each. It reads its own results, so the exactly-once check covers its jobs."""
+    loop = asyncio.get_running_loop()
+    lines: asyncio.Queue = asyncio.Queue()
 
-    def __init__(self, url: str, queue: str, first: int, count: int, args: argparse.Namespace):
-        cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--url", url, "--queue", queue,
-               "--first", str(first), "--count", str(count), "--wave", str(args.wave),
-               "--max-seconds", str(args.worker_max_seconds), "--reconcile-interval", str(args.reconcile_interval)]
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            loop.call_soon_threadsafe(lines.put_nowait, line.strip())
+        loop.call_soon_threadsafe(lines.put_nowait, "stop")
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    load = Load(args.url, args.queue, args.shards, producer_id=f"{PRODUCER_ID}-{args.index}")
+    await load.start()
+    _emit({"ready": 1, "pid": os.getpid()})
+    try:
+        while True:
+            cmd = (await asyncio.wait_for(lines.get(), args.max_seconds)).split()
+            if not cmd or cmd[0] == "stop":
+                _emit({"done": True, "check": load.check()})
+                return
+            if cmd[0] == "offer":
+                sub = await load.offer(None if cmd[1] == "max" else float(cmd[1]), float(cmd[2]))
+                _emit({**sub, "received": load.received()})
+            elif cmd[0] == "received":
+                _emit({"received": load.received()})
+            elif cmd[0] == "wait":
+                _emit({"drained": await load.wait_all(float(cmd[1])), "received": load.received()})
+    finally:
+        await load.close()
+
+
+class Worker:
+    """One child process (replicas: :meth:`replicas`; a producer: :meth:`producer`) and the
+    JSON lines it writes."""
+
+    @classmethod
+    def replicas(cls, url: str, queue: str, first: int, count: int, args: argparse.Namespace) -> Worker:
+        return cls(["worker", "--url", url, "--queue", queue, "--first", str(first), "--count", str(count),
+                    "--wave", str(args.wave), "--max-seconds", str(args.worker_max_seconds),
+                    "--reconcile-interval", str(args.reconcile_interval), "--shards", str(args.shards)])
+
+    @classmethod
+    def producer(cls, url: str, queue: str, index: int, args: argparse.Namespace) -> Worker:
+        return cls(["producer", "--url", url, "--queue", queue, "--index", str(index), "--shards", str(args.shards),
+                    "--max-seconds", str(args.worker_max_seconds)])
+
+    def __init__(self, argv: list[str]):
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, cwd=str(REPO))
         self.lines: queue_mod.Queue = queue_mod.Queue()
@@ -190,6 +259,15 @@ class Worker:
             if line.startswith("{"):
                 return json.loads(line)
         return {"error": f"no report within {timeout:.0f}s (rc={self.proc.poll()})", "stderr": "".join(self.err)[-2000:]}
+
+    def send(self, line: str) -> None:
+        """Write one command line to the child (a producer's ``offer``, ``received``, ``wait``)."""
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def ask(self, line: str, timeout: float) -> dict:
+        self.send(line)
+        return self.next_json(timeout)
 
     def stop(self) -> None:
         try:
@@ -226,22 +304,27 @@ def snapshot(nodes: list) -> dict:
     return {"t": time.monotonic(), "nodes": out}
 
 
-def delta(a: dict, b: dict, replicas: int, baseline: dict | None = None) -> dict:
+def delta(a: dict, b: dict, replicas: int, baseline: dict | None = None, shards: int = 1) -> dict:
     """What happened between two snapshots: per command calls/usec, per family, CPU.
 
     With ``baseline`` (a delta of the bare server) its CPU per second is taken off every
-    node's CPU (``redis_cpu_s``, ``redis_cores``); ``raw_cores`` keeps the total."""
+    node's CPU (``redis_cpu_s``, ``redis_cores``); ``raw_cores`` keeps the total. ``shards``:
+    the queue's K; a cycle of the :data:`PER_SHARD` families is K marker calls."""
     wall = b["t"] - a["t"]
     cmds: dict[str, list[int]] = {}
     node_cpu = []
+    node_cmds: list[dict[str, int]] = []  # per node: command -> calls
     for na, nb in zip(a["nodes"], b["nodes"]):
         node_cpu.append(nb["cpu"] - na["cpu"])
+        mine: dict[str, int] = {}
         for name, (calls, usec) in nb["cmd"].items():
             c0, u0 = na["cmd"].get(name, (0, 0))
             if calls - c0 and name not in IGNORED:
                 acc = cmds.setdefault(name, [0, 0])
                 acc[0] += calls - c0
                 acc[1] += usec - u0
+                mine[name] = calls - c0
+        node_cmds.append(dict(sorted(mine.items(), key=lambda kv: -kv[1])))
     fams: dict[str, dict] = {}
     for name, (calls, usec) in cmds.items():
         f = fams.setdefault(FAMILIES.get(name, "other"), {"calls": 0, "usec": 0, "commands": []})
@@ -252,7 +335,8 @@ def delta(a: dict, b: dict, replicas: int, baseline: dict | None = None) -> dict
     for f in fams.values():
         f["calls_per_replica_per_s"] = f["calls"] / per
         f["usec_per_replica_per_s"] = f["usec"] / per
-    cycles = {f: next((cmds[m][0] for m in ms if m in cmds), 0) / CALLS_PER_CYCLE[f] / per for f, ms in CYCLE_MARKER.items()}
+    cycles = {f: next((cmds[m][0] for m in ms if m in cmds), 0) / CALLS_PER_CYCLE[f] / (shards if f in PER_SHARD else 1) / per
+              for f, ms in CYCLE_MARKER.items()}
     raw = sum(node_cpu)
     if baseline is not None:
         node_cpu = [c - b * wall for c, b in zip(node_cpu, baseline["node_cores"])]
@@ -260,6 +344,7 @@ def delta(a: dict, b: dict, replicas: int, baseline: dict | None = None) -> dict
     return {
         "wall_s": wall, "redis_cpu_s": cpu, "redis_cores": cpu / wall, "node_cores": [c / wall for c in node_cpu],
         "raw_cores": raw / wall,
+        "node_calls_per_s": [sum(n.values()) / wall for n in node_cmds], "node_commands": node_cmds,
         "usec_sum": sum(u for _, u in cmds.values()),
         "commands": {k: {"calls": c, "usec": u, "usec_per_call": u / c} for k, (c, u) in sorted(cmds.items())},
         "families": fams, "cycles_per_replica_per_s": cycles,
@@ -267,17 +352,32 @@ def delta(a: dict, b: dict, replicas: int, baseline: dict | None = None) -> dict
     }
 
 
-def group_consumers(node, queue: str) -> int:
-    """Consumers the shared stream's group lists (what every reclaim scan walks)."""
+def group_consumers(node, queue: str, shard: int = 0) -> int:
+    """Consumers a shard's shared-stream group lists (what every reclaim scan of it walks)."""
     import redis
 
     from rollq.keys import GROUP, QueueKeys
 
     try:
-        groups = node.xinfo_groups(QueueKeys(queue).jobs)
+        groups = node.xinfo_groups(QueueKeys(queue).shard(shard).jobs)
     except redis.ResponseError:
         return 0
     return sum(int(g["consumers"]) for g in groups if g["name"] in (GROUP, GROUP.encode()))
+
+
+def shard_nodes(target, queue: str, k: int) -> list[int]:
+    """The node (index into ``target.nodes``; 0 for a single server) of each shard's keys."""
+    if not hasattr(target, "nodes"):
+        return [0] * k
+    from redis.crc import key_slot
+
+    from rollq.keys import QueueKeys
+
+    return [target.node_of_slot(key_slot(part.jobs.encode())) for part in QueueKeys(queue).shards(k)]
+
+
+def consumers_per_shard(nodes: list, queue: str, where: list[int]) -> list[int]:
+    return [group_consumers(nodes[n], queue, i) for i, n in enumerate(where)]
 
 
 def open_nodes(target) -> list:
@@ -302,11 +402,12 @@ def wait_background(nodes: list, timeout: float = 30.0) -> None:
 class Load:
     """A producer that submits at an offered rate and counts every result it receives."""
 
-    def __init__(self, url: str, queue: str):
+    def __init__(self, url: str, queue: str, shards: int = 1, producer_id: str = PRODUCER_ID):
         from rollq.producer.client import Producer
         from rollq.protocol import SamplingParams
+        from rollq.settings import ProducerSettings
 
-        self.p = Producer(url, queue, producer_id=PRODUCER_ID)
+        self.p = Producer(url, queue, producer_id=producer_id, settings=ProducerSettings(shards=shard_setting(shards)))
         self.sp = SamplingParams(max_tokens=16)
         self.tokens = list(range(100, 150))  # 50 int32 token ids: a 200-byte prompt
         self.submitted: set[str] = set()
@@ -363,7 +464,10 @@ class Load:
 
     def check(self) -> dict:
         missing = self.submitted - self.seen.keys()
+        reader = self.p._reader  # the producer's result-reader task: it must still be running
+        died = reader is not None and reader.done() and not reader.cancelled() and reader.exception()
         return {
+            "producer": self.p.id, "reader_died": repr(died) if died else None,
             "submitted": len(self.submitted), "results": len(self.seen), "missing": len(missing),
             "duplicate_results_seen": sum(1 for v in self.seen.values() if v > 1),
             "unknown_results": len(self.seen.keys() - self.submitted), "failed": self.failed,
@@ -381,6 +485,26 @@ class Load:
 # ------------------------------------------------------------------------------------------
 # one target: a server or a cluster
 # ------------------------------------------------------------------------------------------
+def left_in_result_streams(nodes: list, queue: str, where: list[int], producers: int) -> dict:
+    """Entries still in each producer's result stream of each shard (results written but not
+    read: a reader that fell behind or stopped), where any are left."""
+    from rollq.keys import QueueKeys
+
+    left = {}
+    ids = [PRODUCER_ID] + [f"{PRODUCER_ID}-{i}" for i in range(1, producers)]
+    for i, (part, n) in enumerate(zip(QueueKeys(queue).shards(len(where)), where)):
+        for pid in ids:
+            k = nodes[n].xlen(part.results(pid))
+            if k:
+                left[f"shard {i} / {pid}"] = k
+    return left
+
+
+async def ask_all(producers: list[Worker], line: str, timeout: float) -> list[dict]:
+    """Send ``line`` to every producer child and read each one's answer (in threads)."""
+    return list(await asyncio.gather(*(asyncio.to_thread(pr.ask, line, timeout) for pr in producers)))
+
+
 def parse_rates(text: str) -> list[float | None]:
     return [None if r.strip() == "max" else float(r) for r in text.split(",") if r.strip()]
 
@@ -390,14 +514,21 @@ async def run_target(kind: str, args: argparse.Namespace) -> dict:
 
     target = LocalCluster(masters=3) if kind == "cluster" else RedisServer()
     target.start()
-    out: dict = {"target": kind, "replicas": args.replicas, "procs": args.procs, "url": target.url}
+    out: dict = {"target": kind, "replicas": args.replicas, "procs": args.procs, "url": target.url,
+                 "shards": args.shards}
     workers: list[Worker] = []
+    producers: list[Worker] = []  # producer children (--producers > 1), beside the parent's
     load = None
     try:
         nodes = open_nodes(target)
         out["redis_version"] = nodes[0].info("server")["redis_version"]
-        load = Load(target.url, args.queue)
+        load = Load(target.url, args.queue, args.shards)
         await load.start()
+        producers += [Worker.producer(target.url, args.queue, i, args) for i in range(1, args.producers)]
+        for pr in producers:
+            if "ready" not in pr.next_json(60):
+                raise RuntimeError(f"a producer child did not start: {''.join(pr.err)[-500:]}")
+        where = out["shard_nodes"] = shard_nodes(target, args.queue, args.shards)
         if kind == "cluster":
             from redis.crc import key_slot
 
@@ -406,8 +537,7 @@ async def run_target(kind: str, args: argparse.Namespace) -> dict:
             slot = key_slot(QueueKeys(args.queue).jobs.encode())
             out["queue_slot"] = slot
             out["queue_node"] = target.node_of_slot(slot)
-
-        qnode = nodes[out.get("queue_node", 0)]
+        log(f"{kind}: {args.shards} shard(s) on node(s) {where}")
 
         # 0. the bare server: what Redis spends with no client (serverCron, AOF), subtracted below.
         wait_background(nodes)
@@ -432,7 +562,7 @@ async def run_target(kind: str, args: argparse.Namespace) -> dict:
         t0 = time.monotonic()
         for count in per:
             if count:
-                workers.append(Worker(target.url, args.queue, first, count, args))
+                workers.append(Worker.replicas(target.url, args.queue, first, count, args))
                 first += count
         ready = [w.next_json(args.start_timeout) for w in workers]
         out["start"] = {"seconds": time.monotonic() - t0, "workers": ready}
@@ -448,19 +578,24 @@ async def run_target(kind: str, args: argparse.Namespace) -> dict:
         t_w = time.monotonic()
         await load.offer(max(200.0, args.replicas / 2), args.warmup)
         await load.wait_all(60)
-        trickled = group_consumers(qnode, args.queue)
+        trickled = consumers_per_shard(nodes, args.queue, where)
+        refused = 0
         if args.create_consumers:
             # The trickle reaches only some replicas on this starved machine: the rest are
-            # entered in the group as XREADGROUP would enter them on their first delivery.
+            # entered in every shard's group as XREADGROUP would enter them on their first
+            # delivery from it (every replica reads every shard).
             from rollq.keys import GROUP, QueueKeys
 
-            pipe = qnode.pipeline(transaction=False)
-            for i in range(args.replicas):
-                pipe.xgroup_createconsumer(QueueKeys(args.queue).jobs, GROUP, f"sim-{i:05d}")
-            pipe.execute()
-        out["warmup"] = {"seconds": time.monotonic() - t_w, "group_consumers_after_trickle": trickled,
-                         "group_consumers": group_consumers(qnode, args.queue), "created": args.create_consumers}
-        log(f"{kind}: warm-up {out['warmup']['seconds']:.1f}s: {trickled} consumers in the group after the trickle, "
+            for part, n in zip(QueueKeys(args.queue).shards(args.shards), where):
+                pipe = nodes[n].pipeline(transaction=False)
+                for i in range(args.replicas):
+                    pipe.xgroup_createconsumer(part.jobs, GROUP, f"sim-{i:05d}")
+                refused += sum(isinstance(r, Exception) for r in pipe.execute(raise_on_error=False))
+        now_in = consumers_per_shard(nodes, args.queue, where)
+        out["warmup"] = {"seconds": time.monotonic() - t_w, "group_consumers_after_trickle": max(trickled),
+                         "group_consumers": max(now_in), "group_consumers_per_shard": now_in,
+                         "created": args.create_consumers, "createconsumer_refused": refused}
+        log(f"{kind}: warm-up {out['warmup']['seconds']:.1f}s: {trickled} consumers per shard group after the trickle, "
             f"{out['warmup']['group_consumers']} now")
         await asyncio.sleep(args.settle)
 
@@ -469,8 +604,10 @@ async def run_target(kind: str, args: argparse.Namespace) -> dict:
         s0 = snapshot(nodes)
         await asyncio.sleep(args.idle)
         s1 = snapshot(nodes)
-        out["idle"] = delta(s0, s1, args.replicas, base)
-        out["idle"]["group_consumers"] = group_consumers(qnode, args.queue)
+        out["idle"] = delta(s0, s1, args.replicas, base, args.shards)
+        per_shard = consumers_per_shard(nodes, args.queue, where)
+        out["idle"]["group_consumers"] = max(per_shard)  # the largest group a reclaim scan walks
+        out["idle"]["group_consumers_per_shard"] = per_shard
         i = out["idle"]
         log(f"{kind}: idle {i['calls_per_replica_per_s']:.1f} commands/replica/s, Redis {i['redis_cores']:.2f} cores "
             f"(cycles/replica/s: " + ", ".join(f"{k} {v:.2f}" for k, v in i["cycles_per_replica_per_s"].items()) + ")")
@@ -479,29 +616,51 @@ async def run_target(kind: str, args: argparse.Namespace) -> dict:
         out["load"] = []
         for rate in parse_rates(args.rates):
             wait_background(nodes)
-            r0 = load.received()
+            share = rate / args.producers if rate else None  # the offered rate, split over the producers
+            # The children are asked from threads: the parent's loop keeps reading its results.
+            r0 = load.received() + sum(r.get("received", 0) for r in await ask_all(producers, "received", 30))
             s0 = snapshot(nodes)
-            sub = await load.offer(rate, args.load_seconds)
+            for pr in producers:
+                pr.send(f"offer {share or 'max'} {args.load_seconds}")
+            sub = await load.offer(share, args.load_seconds)
+            theirs = await asyncio.gather(*(asyncio.to_thread(pr.next_json, args.load_seconds + 60) for pr in producers))
             s1 = snapshot(nodes)
-            r1 = load.received()
-            d = delta(s0, s1, args.replicas, base)
+            r1 = load.received() + sum(t.get("received", 0) for t in theirs)
+            d = delta(s0, s1, args.replicas, base, args.shards)
+            sub["submitted"] += sum(t.get("submitted", 0) for t in theirs)
+            sub["offered_per_s"] = rate
             d.update(sub)
             d["results_in_window"] = r1 - r0
             d["jobs_per_s"] = (r1 - r0) / d["wall_s"]
             d["submitted_per_s"] = sub["submitted"] / d["wall_s"]
             drained = await load.wait_all(args.drain_timeout)
+            theirs = await ask_all(producers, f"wait {args.drain_timeout}", args.drain_timeout + 30)
+            drained = all(t.get("drained") for t in theirs) and drained
             d["drained"] = drained
             out["load"].append(d)
             log(f"{kind}: offered {rate or 'max'}: submitted {d['submitted_per_s']:,.0f}/s, completed "
                 f"{d['jobs_per_s']:,.0f} jobs/s, Redis {d['redis_cores']:.2f} cores (nodes "
-                + ", ".join(f"{c:.2f}" for c in d["node_cores"]) + ")")
+                + ", ".join(f"{c:.2f}" for c in d["node_cores"]) + "; commands/s per node "
+                + ", ".join(f"{c:,.0f}" for c in d["node_calls_per_s"]) + ")")
             if not drained:
                 log(f"{kind}: not drained within {args.drain_timeout}s")
                 break
             await asyncio.sleep(1.0)
-        out["exactly_once"] = load.check()
+        out["exactly_once"] = check = load.check()
+        out["left_in_result_streams"] = left_in_result_streams(nodes, args.queue, where, args.producers)
+        out["producer_checks"] = [dict(check)]
+        for t in await ask_all(producers, "stop", 60):  # every producer's own results, summed
+            out["producer_checks"].append(t.get("check"))
+            for key, v in (t.get("check") or {"missing": -1}).items():
+                if isinstance(v, int):
+                    check[key] = check.get(key, 0) + v
+        out["producers"] = 1 + len(producers)
         log(f"{kind}: results {out['exactly_once']}")
     finally:
+        for pr in producers:
+            pr.stop()
+            pr.reap(30)
+        out["producer_stderr"] = ["".join(pr.err)[-3000:] for pr in producers]
         for w in workers:
             w.stop()
         until = time.monotonic() + 120
@@ -571,7 +730,7 @@ def summarize(res: dict, budget_jobs_per_s: float = 100_000.0) -> dict:
         cpu_job = (d["redis_cpu_s"] - background) / jobs if jobs else None
         loads.append({
             "offered_per_s": d["offered_per_s"], "submitted_per_s": d["submitted_per_s"], "jobs_per_s": d["jobs_per_s"],
-            "redis_cores": d["redis_cores"], "node_cores": d["node_cores"],
+            "redis_cores": d["redis_cores"], "node_cores": d["node_cores"], "node_calls_per_s": d["node_calls_per_s"],
             "reclaim_cycles_vs_idle": scale,
             "redis_cpu_us_per_job": 1e6 * cpu_job if cpu_job is not None else None,
             "jobs_per_replica_per_s": d["jobs_per_s"] / n,
@@ -599,11 +758,35 @@ def summarize(res: dict, budget_jobs_per_s: float = 100_000.0) -> dict:
             nmax = (left + a) / (fixed_us + a)
         return {**out, "max_replicas": int(nmax)}
 
+    def per_node(load: dict | None) -> dict:
+        """Largest fleet at ``budget_jobs_per_s`` when each Redis node has a core of its own
+        (a sharded queue on a cluster: each master serves its shards' part of the jobs):
+        per node, its measured Redis us per job of the whole queue (its share of the work) and
+        its measured idle us per replica; the fleet is bounded by the node that fills first."""
+        if not load or not load["jobs_per_s"]:
+            return {}
+        nodes = []
+        for busy, quiet in zip(load["node_cores"], idle["node_cores"]):
+            us_job = 1e6 * max(0.0, busy - quiet) / load["jobs_per_s"]
+            us_replica = 1e6 * quiet / n
+            left = 1e6 - budget_jobs_per_s * us_job
+            nodes.append({"us_per_job": us_job, "idle_us_per_replica": us_replica,
+                          "max_jobs_per_s": 1e6 / us_job if us_job else None,
+                          "max_replicas": (int(left / us_replica) if us_replica else None) if left > 0 else 0})
+        caps = [x["max_replicas"] for x in nodes if x["max_replicas"] is not None]
+        rates = [x["max_jobs_per_s"] for x in nodes if x["max_jobs_per_s"]]
+        return {"nodes": nodes, "max_replicas": min(caps) if caps else None,
+                "max_jobs_per_s": min(rates) if rates else None}
+
+    fastest = max(loads, key=lambda x: x["jobs_per_s"]) if loads else None
     return {
         "replicas": n, "k_cpu_over_usec": k,
+        # each node its own core, from the fastest load window (see per_node)
+        "per_node_at_budget": per_node(fastest),
         "idle_measured": {
             "commands_per_replica_per_s": idle["calls_per_replica_per_s"],
             "redis_cores": idle["redis_cores"], "redis_us_per_replica_per_s": 1e6 * idle["redis_cores"] / n,
+            "node_cores": idle["node_cores"], "node_calls_per_s": idle["node_calls_per_s"],
             "cycles_per_replica_per_s": idle["cycles_per_replica_per_s"],
             "families_calls_per_replica_per_s": {f: v["calls_per_replica_per_s"] for f, v in idle["families"].items()},
             "scans_per_turn": scans_per_turn,
@@ -644,13 +827,43 @@ def fmt(x, nd=1) -> str:
     return f"{x:,.{nd}f}" if isinstance(x, float) else f"{x:,}"
 
 
+def per_node_lines(s: dict, budget: float) -> list[str]:
+    """The per-node reading of the fastest load window (``summarize``'s ``per_node``)."""
+    pn = s.get("per_node_at_budget") or {}
+    if not pn.get("nodes"):
+        return []
+    cells = "; ".join(f"node {i}: {fmt(x['us_per_job'], 1)} us/job, {fmt(x['idle_us_per_replica'], 1)} us/replica/s idle"
+                      for i, x in enumerate(pn["nodes"]))
+    return [f"- each Redis node a core of its own (fastest window): {cells}; the busiest node saturates at "
+            f"{fmt(pn['max_jobs_per_s'], 0)} jobs/s of the whole queue, and at {budget:,.0f} jobs/s holds "
+            f"{fmt(pn['max_replicas'], 0)} replicas"]
+
+
+def node_table(res: dict, s: dict) -> list[str]:
+    """Per Redis node (per master of the cluster): CPU and commands of every window, and which
+    shards of the queue it holds: where the load went."""
+    where = res.get("shard_nodes") or [res.get("queue_node", 0)]
+    nodes = len(s["idle_measured"]["node_cores"])
+    held = {n: [str(i) for i, m in enumerate(where) if m == n] for n in range(nodes)}
+    head = " | ".join(f"node {n} (shards {', '.join(held[n]) or '-'})" for n in range(nodes))
+    lines = ["", "### Per Redis node: cores · commands/s", "", f"| window | {head} |",
+             "| --- |" + " ---: |" * nodes]
+    windows = [("idle", s["idle_measured"])] + [
+        (f"load {fmt(x['offered_per_s'], 0) if x['offered_per_s'] else 'max'}", x) for x in s["load"]]
+    for name, w in windows:
+        cells = [f"{fmt(c, 2)} · {fmt(k, 0)}" for c, k in zip(w["node_cores"], w["node_calls_per_s"])]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(all_res: dict) -> str:
     lines = ["# Fleet simulation (issue 16)", "", f"`{all_res['command']}`", "",
              f"{all_res['env']['cpus']} CPU cores shared by the generator and Redis; {all_res['env']['python']}; "
              f"Redis {all_res['targets'][0].get('redis_version', '?') if all_res['targets'] else '?'}.", ""]
     for res in all_res["targets"]:
         s = res.get("summary")
-        lines += [f"## {res['target']}: {res['replicas']} replicas in {res['procs']} processes", ""]
+        lines += [f"## {res['target']}: {res['replicas']} replicas in {res['procs']} processes"
+                  + (f", {res['shards']} shards" if res.get("shards", 1) > 1 else ""), ""]
         if not s:
             lines += [f"failed: {res.get('error', '?')}", ""]
             continue
@@ -696,10 +909,12 @@ def markdown(all_res: dict) -> str:
             f"- the same if every replica scans: {fb['every_replica_scans_best'].get('max_replicas', '-')} / "
             f"{fb['every_replica_scans_worst'].get('max_replicas', '-')}; with one scanner: "
             f"{fb['one_scanner_best'].get('max_replicas', '-')} / {fb['one_scanner_worst'].get('max_replicas', '-')}",
+            *per_node_lines(s, fb["budget_jobs_per_s"]),
             f"- exactly once: {s['exactly_once']}",
             f"- start-up {fmt(res['start']['seconds'], 0)} s; jobs the replicas reclaimed from each other (leases that lapsed "
             f"while this machine starved the generator): {sum(w.get('reclaimed', 0) for w in res['workers'])}; "
             f"workers that reported at stop: {sum(1 for w in res['workers'] if w.get('done'))}/{len(res['workers'])}",
+            *node_table(res, s),
             "",
         ]
     return "\n".join(lines) + "\n"
@@ -719,6 +934,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--wave", type=int, default=50)
     w.add_argument("--max-seconds", type=float, default=900.0)
     w.add_argument("--reconcile-interval", type=float, default=5.0)
+    w.add_argument("--shards", type=int, default=1)
+    pp = sub.add_parser("producer", help="(internal) a producer driven by command lines on stdin")
+    pp.add_argument("--url", required=True)
+    pp.add_argument("--queue", default=QUEUE)
+    pp.add_argument("--index", type=int, required=True)
+    pp.add_argument("--shards", type=int, default=1)
+    pp.add_argument("--max-seconds", type=float, default=900.0)
     ap.add_argument("--replicas", default="1000", help="replica count, or a comma list: each target runs at each")
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--targets", default="single,cluster", help="comma list of single, cluster")
@@ -734,6 +956,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="do not enter every replica in the group after the warm-up (XGROUP CREATECONSUMER)")
     ap.add_argument("--wave", type=int, default=50, help="replicas a worker starts at a time")
     ap.add_argument("--reconcile-interval", type=float, default=5.0)
+    ap.add_argument("--shards", type=int, default=1, metavar="K",
+                    help="shards of the queue (producer and replicas get shards=K; 1: the settings' default)")
+    ap.add_argument("--producers", type=int, default=1,
+                    help="producers offering the load: the parent's and N-1 child processes (each its own results)")
     ap.add_argument("--start-timeout", type=float, default=240.0)
     ap.add_argument("--drain-timeout", type=float, default=60.0)
     ap.add_argument("--worker-max-seconds", type=float, default=900.0)
@@ -774,6 +1000,9 @@ def _terminated(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)
+    if args.mode == "producer":
+        asyncio.run(producer_main(args))
+        return 0
     if args.mode == "worker":
         res = asyncio.run(worker_main(args))
         _emit({"done": True, **res})

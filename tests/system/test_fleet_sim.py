@@ -1,7 +1,9 @@
-"""benchmarks/fleet_sim.py, run tiny: 20 replicas in one worker process, its own redis-server.
+"""benchmarks/fleet_sim.py, run tiny: 20 replicas in one worker process, its own redis-server;
+and 6 replicas on a queue of 3 shards over its own 3-master Redis Cluster (``--shards 3``).
 
-The simulator starts and removes its own server (``rollq.server.RedisServer`` on a free
-loopback port) and its worker process; the test reads the JSON report it writes.
+The simulator starts and removes its own server(s) (``rollq.server.RedisServer`` or
+``LocalCluster`` on free loopback ports) and its worker process; the tests read the JSON
+report it writes.
 """
 
 from __future__ import annotations
@@ -20,19 +22,29 @@ SIM = ROOT / "benchmarks" / "fleet_sim.py"
 REPLICAS = 20
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fleet") / "fleet_sim"
+def run_sim(out, *extra: str) -> tuple[dict, str]:
     cmd = [
-        sys.executable, str(SIM), "--replicas", str(REPLICAS), "--procs", "1", "--targets", "single",
-        "--idle", "3", "--load-seconds", "2", "--rates", "300,max", "--settle", "1", "--baseline", "1",
-        "--calibrate-jobs", "200", "--warmup", "1", "--worker-max-seconds", "200", "--out", str(out),
+        sys.executable, str(SIM), "--procs", "1", "--idle", "3", "--load-seconds", "2", "--rates", "300,max",
+        "--settle", "1", "--baseline", "1", "--calibrate-jobs", "200", "--warmup", "1",
+        "--worker-max-seconds", "200", "--out", str(out), *extra,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(ROOT))
     assert proc.returncode == 0, f"fleet_sim failed ({proc.returncode}): {proc.stdout[-3000:]} {proc.stderr[-3000:]}"
-    data = json.loads(out.with_suffix(".json").read_text())
-    md = out.with_suffix(".md").read_text()
-    return data, md
+    return json.loads(out.with_suffix(".json").read_text()), out.with_suffix(".md").read_text()
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return run_sim(tmp_path_factory.mktemp("fleet") / "fleet_sim", "--replicas", str(REPLICAS), "--targets", "single")
+
+
+SHARDED_REPLICAS = 6
+
+
+@pytest.fixture(scope="module")
+def sharded_report(tmp_path_factory):
+    return run_sim(tmp_path_factory.mktemp("fleet") / "fleet_sim_sharded", "--replicas", str(SHARDED_REPLICAS),
+                   "--targets", "cluster", "--shards", "3")
 
 
 def test_report_structure(report):
@@ -78,3 +90,37 @@ def test_idle_commands_counted(report):
     assert "scripts (SUBMIT, FINISH)" not in fam  # no job: no script ran
     # every replica beat and scanned about once a second (20 replicas keep up on one loop)
     assert idle["cycles_per_replica_per_s"]["heartbeat"] > 0.5
+
+
+def test_per_node_figures_add_up(report):
+    data, md = report
+    (t,) = data["targets"]
+    assert t["shards"] == 1 and t["shard_nodes"] == [0]
+    for d in [t["idle"], *t["load"]]:
+        (calls_per_s,) = d["node_calls_per_s"]
+        assert calls_per_s * d["wall_s"] == pytest.approx(sum(c["calls"] for c in d["commands"].values()))
+        assert d["node_commands"][0] == {k: c["calls"] for k, c in d["commands"].items()}
+    assert "### Per Redis node: cores · commands/s" in md and "node 0 (shards 0)" in md
+
+
+def test_sharded_queue_spreads_over_the_masters(sharded_report):
+    """K=3 on 3 masters: every shard's node runs jobs (scripts and reads), exactly once."""
+    data, md = sharded_report
+    (t,) = data["targets"]
+    assert "error" not in t, t.get("error")
+    assert t["target"] == "cluster" and t["shards"] == 3 and len(t["shard_nodes"]) == 3
+    assert len(set(t["shard_nodes"])) == 3  # the queue name "fleet": its 3 shards hash to 3 masters
+    once = t["exactly_once"]
+    assert once["results"] == once["submitted"] > 200 and once["missing"] == 0 and once["failed"] == 0
+    assert once["duplicate_results_seen"] == 0
+    busiest = t["load"][-1]  # offered as fast as the producer can
+    for node in t["shard_nodes"]:
+        cmds = busiest["node_commands"][node]
+        assert cmds.get("evalsha", 0) > 0 and cmds.get("xreadgroup", 0) > 0, (node, cmds)
+    # every replica takes part in every shard's group (it reads them all)
+    assert t["idle"]["group_consumers_per_shard"] == [SHARDED_REPLICAS] * 3
+    # a heartbeat renews the lease in each of the 3 shards: one cycle, three SETs
+    idle = t["idle"]
+    assert idle["commands"]["set"]["calls"] > 0
+    assert 0.5 < idle["cycles_per_replica_per_s"]["heartbeat"] < 1.5, idle["cycles_per_replica_per_s"]
+    assert "## cluster: 6 replicas in 1 processes, 3 shards" in md
