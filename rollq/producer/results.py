@@ -81,6 +81,15 @@ class ResultReader:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, READ_BACKOFF[1])
                     continue
+                except Exception:
+                    # Anything else (a client library's own error): a reader that ended here
+                    # would leave its streams' results unread for good, so it reads on.
+                    log.exception("result stream read of %s failed unexpectedly; retrying in %.2fs", self.keys, backoff)
+                    if conn is not None:
+                        await conn.disconnect()
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, READ_BACKOFF[1])
+                    continue
                 self._take(resp, taken, last)
                 if resp:
                     # Let the tasks waiting for these results run before the next read is
