@@ -242,7 +242,7 @@ class Worker:
         threading.Thread(target=self._pump, args=(self.proc.stderr, self._keep_err), daemon=True).start()
 
     def _keep_err(self, line: str) -> None:
-        self.err = (self.err + [line])[-20:]
+        self.err = (self.err + [line])[-200:]
 
     @staticmethod
     def _pump(stream, put) -> None:
@@ -660,7 +660,7 @@ async def run_target(kind: str, args: argparse.Namespace) -> dict:
         for pr in producers:
             pr.stop()
             pr.reap(30)
-        out["producer_stderr"] = ["".join(pr.err)[-3000:] for pr in producers]
+        out["producer_stderr"] = ["".join(pr.err)[-8000:] for pr in producers]
         for w in workers:
             w.stop()
         until = time.monotonic() + 120

@@ -13,15 +13,10 @@ same side.
 """
 import argparse
 import asyncio
-import importlib
-import io
 import json
 import random
 import statistics
-import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -32,6 +27,9 @@ import rollq  # noqa: E402
 from rollq.connection import connect  # noqa: E402
 from rollq.server import RedisServer  # noqa: E402
 
+sys.path.insert(0, str(_root / "benchmarks"))
+from ab_revision import import_revision  # noqa: E402
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--before", default="37ee1dc~1", help="git revision of the 'before' package (default: before idempotent calls)")
 ap.add_argument("--jobs", type=int, default=20000)
@@ -39,21 +37,6 @@ ap.add_argument("--reps", type=int, default=7)
 ap.add_argument("--out", default="benchmarks/results/submit_ab")
 A = ap.parse_args()
 N, REPS = A.jobs, A.reps
-
-
-def import_revision(rev: str):
-    """``rollq`` at ``rev``, imported as the package ``rollq_before`` (its Lua scripts too)."""
-    tmp = Path(tempfile.mkdtemp(prefix="rollq-ab-"))
-    tar = subprocess.run(["git", "archive", rev, "rollq"], cwd=_root, check=True, capture_output=True).stdout
-    tarfile.open(fileobj=io.BytesIO(tar)).extractall(tmp, filter="data")
-    (tmp / "rollq").rename(tmp / "rollq_before")
-    conn = tmp / "rollq_before" / "connection.py"
-    text = conn.read_text()
-    if 'resources.files("rollq")' not in text:
-        print(f"warning: {rev}'s connection.py does not read its Lua scripts as expected; it runs the working tree's")
-    conn.write_text(text.replace('resources.files("rollq")', 'resources.files("rollq_before")'))
-    sys.path.insert(0, str(tmp))
-    return importlib.import_module("rollq_before")
 
 
 old = import_revision(A.before)
