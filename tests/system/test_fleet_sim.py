@@ -1,5 +1,6 @@
 """benchmarks/fleet_sim.py, run tiny: 20 replicas in one worker process, its own redis-server;
-and 6 replicas on a queue of 3 shards over its own 3-master Redis Cluster (``--shards 3``).
+and 6 replicas on a queue of 3 shards over its own 3-master Redis Cluster (``--shards 3``),
+its load offered by two producers (``--producers 2``).
 
 The simulator starts and removes its own server(s) (``rollq.server.RedisServer`` or
 ``LocalCluster`` on free loopback ports) and its worker process; the tests read the JSON
@@ -44,7 +45,7 @@ SHARDED_REPLICAS = 6
 @pytest.fixture(scope="module")
 def sharded_report(tmp_path_factory):
     return run_sim(tmp_path_factory.mktemp("fleet") / "fleet_sim_sharded", "--replicas", str(SHARDED_REPLICAS),
-                   "--targets", "cluster", "--shards", "3")
+                   "--targets", "cluster", "--shards", "3", "--producers", "2")
 
 
 def test_report_structure(report):
@@ -113,7 +114,12 @@ def test_sharded_queue_spreads_over_the_masters(sharded_report):
     once = t["exactly_once"]
     assert once["results"] == once["submitted"] > 200 and once["missing"] == 0 and once["failed"] == 0
     assert once["duplicate_results_seen"] == 0
-    busiest = t["load"][-1]  # offered as fast as the producer can
+    # two producers (the parent's and a child process) offered the load, each its own results
+    assert t["producers"] == 2 and [c["producer"] for c in t["producer_checks"]] == ["fleet-prod", "fleet-prod-1"]
+    assert all(c["missing"] == 0 and c["submitted"] > 0 and c["reader_died"] is None for c in t["producer_checks"])
+    assert sum(c["submitted"] for c in t["producer_checks"]) == once["submitted"]
+    assert t["left_in_result_streams"] == {}
+    busiest = t["load"][-1]  # offered as fast as the producers can
     for node in t["shard_nodes"]:
         cmds = busiest["node_commands"][node]
         assert cmds.get("evalsha", 0) > 0 and cmds.get("xreadgroup", 0) > 0, (node, cmds)
