@@ -181,21 +181,27 @@ class Submission:
             pos.append(i)
             if job.tracked and delivered:  # a caller-chosen id may run again: its next result counts
                 delivered.discard(job.id)
-        calls = []
+        calls: list[Call] = []
         for replica, positions in by_stream.items():
             keys = [*self.keys.submit_keys(self.keys.job_stream(replica)), rec]
-            for i in range(0, len(positions), step):
-                part = positions[i : i + step]
-                args: list[Any] = []
-                for k in part:
-                    job = jobs[k]
-                    args.append(job.id if job.tracked else "")
-                    args.append(encode_job(job))
-                # One msgpack argument per call, not two per job (see benchmarks/README.md).
-                call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS]
-                number(call_args)
-                calls.append((keys, call_args, part))
+            self._add_calls(calls, keys, jobs, positions)
         return calls
+
+    def _add_calls(self, calls: list[Call], keys: list[str], jobs: list[Job], positions: list[int]) -> None:
+        """Append the numbered SUBMIT calls of ``jobs[positions]`` (one stream: ``keys``),
+        ``script_batch`` jobs per call."""
+        step, number, inc = self.settings.script_batch, self._numbers.number, self._numbers.incarnation
+        for i in range(0, len(positions), step):
+            part = positions[i : i + step]
+            args: list[Any] = []
+            for k in part:
+                job = jobs[k]
+                args.append(job.id if job.tracked else "")
+                args.append(encode_job(job))
+            # One msgpack argument per call, not two per job (see benchmarks/README.md).
+            call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS]
+            number(call_args)
+            calls.append((keys, call_args, part))
 
     def _sharded_calls(self, jobs: list[Job]) -> list[Call]:
         """SUBMIT calls for ``jobs`` on a queue of K > 1 shards: each call holds the jobs of
@@ -203,8 +209,7 @@ class Submission:
         in that shard (call numbers stay one sequence per producer; a resent call meets its
         own record). A caller-chosen id goes to ``shard_of_id``, a job targeted at a replica
         to the replica's home shard (its stream is there), any other job round robin."""
-        k, step = self.shards, self.settings.script_batch
-        number, inc = self._numbers.number, self._numbers.incarnation
+        k = self.shards
         delivered = self._ledger.delivered
         groups: dict[tuple[int, str | None], list[int]] = {}
         rr = self._rr
@@ -222,20 +227,10 @@ class Submission:
             if job.tracked and delivered:  # a caller-chosen id may run again: its next result counts
                 delivered.discard(job.id)
         self._rr = rr
-        calls = []
+        calls: list[Call] = []
         for (shard, replica), positions in groups.items():
             sk = self._shards[shard]
-            keys = [*sk.submit_keys(sk.job_stream(replica)), self._calls_keys[shard]]
-            for i in range(0, len(positions), step):
-                part = positions[i : i + step]
-                args: list[Any] = []
-                for p in part:
-                    job = jobs[p]
-                    args.append(job.id if job.tracked else "")
-                    args.append(encode_job(job))
-                call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS]
-                number(call_args)
-                calls.append((keys, call_args, part))
+            self._add_calls(calls, [*sk.submit_keys(sk.job_stream(replica)), self._calls_keys[shard]], jobs, positions)
         return calls
 
     async def _submit_chunk(self, jobs: list[Job]) -> list[JobHandle]:
