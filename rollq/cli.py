@@ -413,7 +413,6 @@ def cmd_dlq(a: argparse.Namespace) -> int:
 
 async def _queue(a: argparse.Namespace) -> int:
     from .connection import connect
-    from .errors import ShardCountMismatch
     from .keys import QueueKeys
     from .registry import register_queue
     from .shards import SHARDS_FIELD, declare_shards

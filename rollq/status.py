@@ -156,7 +156,7 @@ async def queue_status(client: Client, keys: QueueKeys, shards: int | None = Non
     caller already knows it (the dashboard re-reads it now and then); None reads the record.
     """
     keys = keys.base
-    k = check_shards(shards) if shards is not None else await read_shards(client, keys)
+    k = await _shard_count(client, keys, shards)
     parts = keys.shards(k)
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(keys.stats)
