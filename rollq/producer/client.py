@@ -317,13 +317,10 @@ class Producer(Submission):
         await self.connect()
         if max_lag is None:
             async with self._deadline("removing the staleness bound"):
-                if self.shards == 1:
-                    await self._client.hdel(self.keys.config, "max_lag", "batch")
-                else:
-                    pipe = self._client.pipeline(transaction=False)
-                    for shard in self._shards:
-                        pipe.hdel(shard.config, "max_lag", "batch")
-                    await pipe.execute()
+                pipe = self._client.pipeline(transaction=False)
+                for shard in self._shards:  # one HDEL per shard (the queue's own config with one)
+                    pipe.hdel(shard.config, "max_lag", "batch")
+                await pipe.execute()
             return
         if batch is None or batch < 1 or max_lag < 0:
             raise ValueError("set_staleness_bound needs max_lag >= 0 and batch >= 1")
@@ -333,13 +330,10 @@ class Producer(Submission):
                 "(each shard's budget is a part of batch, at least 1 job)"
             )
         async with self._deadline("setting the staleness bound"):
-            if self.shards == 1:
-                await self._client.hset(self.keys.config, mapping={"max_lag": max_lag, "batch": batch})
-            else:
-                pipe = self._client.pipeline(transaction=False)
-                for shard, part in zip(self._shards, split_budget(batch, self.shards)):
-                    pipe.hset(shard.config, mapping={"max_lag": max_lag, "batch": part})
-                await pipe.execute()
+            pipe = self._client.pipeline(transaction=False)
+            for shard, part in zip(self._shards, split_budget(batch, self.shards)):  # [batch] with one shard
+                pipe.hset(shard.config, mapping={"max_lag": max_lag, "batch": part})
+            await pipe.execute()
 
     async def publish_weights(self, state: Any, version: int | None = None, transport: str = "memmap", **publisher_kwargs: Any) -> Any:
         """Publish a new policy version of this queue (see
