@@ -82,7 +82,9 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     await replicas.attach(queue, weights_root=root)
     torch.manual_seed(a.seed)
     trainer = GrpoTrainer.from_pretrained(model, GrpoConfig(lr=a.lr), seed=a.seed)
-    trainer.model.to(device)
+    trainer.model.to(getattr(torch, a.trainer_dtype))
+    trainer.rebase(0)  # the snapshot of version 0 in the trainer's dtype
+    trainer.to(device)
     pub = WeightPublisher(srv_url, queue, root=root, keep=4, trainer_id=f"trainer-{name}")
     # Every run starts from the initial weights: publish them as version 1 to the replicas.
     rec = await pub.publish_weights(trainer.state_dict())
@@ -103,6 +105,7 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
         ROOTS.append(root)  # removed once the replicas stopped (they may still read its slots)
     s = report.summary()
     s["name"] = name
+    s.update(served_dtype=replicas.served_dtype, trainer_dtype=trainer.dtype, converted_from=replicas.converted_from())
     s["per_step"] = [
         {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items() if k in
          ("step", "version", "reward", "wait_s", "train_s", "publish_s", "elapsed_s", "tokens", "lags")}
@@ -133,21 +136,28 @@ def ratios(runs: list[dict]) -> list[dict]:
     return out
 
 
+def _g(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
 def markdown(res: dict) -> str:
     lines = [
         f"# RL loop: sync vs rollq async ({res['model_size']} model, {res['replicas']} replica(s), {res['steps']} steps)",
         "",
         f"`{res['command']}` on {res['machine']}; cores: {res['cores']}.",
         "",
-        "| run | time to reward 0.8 | rollout tokens/s | replica idle | final reward | wall | lag histogram | generate wait / train / publish (s, all steps) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | time to reward 0.8 | rollout tokens/s | replica idle | final reward | wall | lag histogram | generate wait / train / publish (s, all steps) | trainer / served dtype | logprob \\|diff\\| mean / max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["runs"]:
         t = r["time_to_reward_0.8_s"]
+        conv = f" (converts {', '.join(r['converted_from'])})" if r.get("converted_from") else ""
         lines.append(
             f"| {r['name']} | {'not reached' if t is None else f'{t:.1f} s'} | {r['rollout_tokens_per_s']:.0f} | "
             f"{r['replica_idle_fraction']:.2f} | {r['reward_last']:.3f} | {r['wall_s']:.1f} s | {r['lag_histogram']} | "
-            f"{r['step_wait_s']:.1f} / {r['step_train_s']:.1f} / {r['step_publish_s']:.1f} |"
+            f"{r['step_wait_s']:.1f} / {r['step_train_s']:.1f} / {r['step_publish_s']:.1f} | "
+            f"{r.get('trainer_dtype')} / {r.get('served_dtype')}{conv} | "
+            f"{_g(r.get('logprob_abs_diff_mean'))} / {_g(r.get('logprob_abs_diff_max'))} |"
         )
     lines += ["", "Ratios to sync:", "", "| run | time to 0.8 | tokens/s | idle fraction | final reward |", "| --- | --- | --- | --- | --- |"]
     for q in res["ratios"]:
@@ -172,7 +182,7 @@ async def main_async(a: argparse.Namespace) -> dict:
              if pin else f"no pinning ({ncpu} cores{'' if a.pin else ', --no-pin'}; device {device})")
     with RedisServer() as srv:
         replicas = Replicas(srv.url, "rl-start", weights_root=None, count=a.replicas, model=model,
-                            max_model_len=256, cpu_binds=binds, reconcile_interval=1.0)
+                            max_model_len=256, cpu_binds=binds, reconcile_interval=1.0, dtype=a.dtype)
         await replicas.start()
         try:
             log.info("%d replica(s) up in %.1fs (%s)", a.replicas, replicas.start_s, cores)
@@ -213,6 +223,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="no core pinning")
+    ap.add_argument("--dtype", default="auto",
+                    help="the replicas' served dtype (auto: float32 on CPU, the checkpoint's own on GPU)")
+    ap.add_argument("--trainer-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the trainer's weights (bfloat16 with --dtype bfloat16: the bf16-to-bf16 setup)")
     ap.add_argument("--out", default="benchmarks/results/rl_loop")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -473,7 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--echo-delay-ms", type=float, default=0.0, help="echo engine: delay per generated token")
     s.add_argument("--model", default=None, help="vllm: model path (default: the locally built tiny model)")
     s.add_argument("--tensor-parallel-size", type=int, default=1)
-    s.add_argument("--dtype", default="auto")
+    s.add_argument("--dtype", default="auto",
+                   help="vllm: dtype to serve the weights in (auto: float32 on CPU, the checkpoint's own on GPU; "
+                        "naming one also accepts policy versions of a wider dtype, rounded to it)")
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--kv-cache-memory-bytes", type=int, default=None,
@@ -550,6 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--trainer-threads", type=int, default=1, help="CPU: torch threads of the trainer")
+    s.add_argument("--dtype", default="auto",
+                   help="the replicas' served dtype (auto: float32 on CPU, the checkpoint's own on GPU)")
     s.add_argument("--plot", default="rollq-demo.png", help="PNG of reward and policy lag (a .json beside it)")
     s.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     s.set_defaults(fn=cmd_demo)

@@ -61,7 +61,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
         with RedisServer() as srv:
             console.print(f"[bold]redis[/] {srv.url}")
             replicas = Replicas(srv.url, QUEUE, weights_root=weights_root, count=a.replicas, engine=a.engine,
-                                model=model_dir, broadcast=broadcast)
+                                model=model_dir, broadcast=broadcast, dtype=a.dtype)
             with console.status(f"starting {a.replicas} {a.engine} replica(s)..."):
                 await replicas.start()
             try:
@@ -73,8 +73,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                     device = _device(a.transport)
                     if device == "cpu":
                         torch.set_num_threads(a.trainer_threads)
-                    trainer = GrpoTrainer.from_pretrained(model_dir, GrpoConfig(lr=a.lr), seed=a.seed)
-                    trainer.model.to(device)
+                    trainer = GrpoTrainer.from_pretrained(model_dir, GrpoConfig(lr=a.lr), seed=a.seed).to(device)
                     publisher = _publisher(srv.url, weights_root, a)
                 with Progress(
                     TextColumn("[bold]steps"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -87,6 +86,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
 
                     report = await run_loop(srv.url, QUEUE, trainer, task, tokenizer, publisher, cfg, on_step=on_step)
                 report.updates = replicas.update_history()
+                served, converted = replicas.served_dtype, replicas.converted_from()
                 if publisher is not None:
                     await publisher.close()
             finally:
@@ -95,7 +95,9 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
         shutil.rmtree(weights_root, ignore_errors=True)
     summary = report.summary()
     summary.update(jobs=a.steps * a.groups, engine=a.engine, replicas=a.replicas, transport=a.transport if learn else "none",
-                   seed=a.seed, lr=a.lr if learn else None, engine_start_s=round(replicas.start_s, 1))
+                   seed=a.seed, lr=a.lr if learn else None, engine_start_s=round(replicas.start_s, 1),
+                   served_dtype=served, trainer_dtype=trainer.dtype if trainer is not None else None,
+                   converted_from=converted)
     try:
         png = plot_run(report.per_step(), a.plot, random_policy_reward=task.random_policy_reward,
                        title=f"rollq demo: {a.engine}, {a.replicas} replicas, max lag {a.max_lag}, seed {a.seed}")

@@ -95,6 +95,8 @@ class ReplicaContext:
     started_at: float = field(default_factory=time.time)
     paused_s_total: float = 0.0
     update_info: dict[str, Any] = field(default_factory=dict)
+    #: dtypes of the current policy version that the engine converts to the one it serves.
+    converted_from: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.intake.set()

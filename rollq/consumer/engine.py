@@ -85,6 +85,8 @@ class Engine(abc.ABC):
     device: str = "cpu"
     #: Devices (tensor-parallel ranks) the engine spans; each is one weight-broadcast receiver.
     tp_size: int = 1
+    #: The dtype the model's floating-point weights are served in ("" for engines without weights).
+    dtype: str = ""
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Bring the engine up (load the model)."""
@@ -164,6 +166,7 @@ class EchoEngine(Engine):
         self._paused = False
         self._held: list[tuple[str, Job, DoneCallback]] = []
         self._lengths: dict[str, dict[int, int]] = {}  # running request -> tokens per sample
+        self._finished: dict[str, dict[int, int]] = {}  # the same, of requests that reported lately
 
     @staticmethod
     def _prompt_ids(job: Job) -> list[int]:
@@ -212,7 +215,10 @@ class EchoEngine(Engine):
 
         def fire() -> None:
             self._timers.pop(request_id, None)
-            self._lengths.pop(request_id, None)
+            # Kept a while: a swap's report may still be asked about a request that reported.
+            self._finished[request_id] = self._lengths.pop(request_id, {})
+            if len(self._finished) > 4096:
+                self._finished.pop(next(iter(self._finished)))
             done(request_id, out)
 
         self._timers[request_id] = loop.call_later(delay, fire)
@@ -230,7 +236,7 @@ class EchoEngine(Engine):
 
     def swap_progress(self, report: Any) -> SwapProgress:
         """Echo generates every token when a request starts: all of them precede any swap."""
-        return SwapProgress(tokens={rid: dict(n) for rid, n in self._lengths.items()}, complete=True)
+        return SwapProgress(tokens={rid: dict(n) for rid, n in (*self._finished.items(), *self._lengths.items())}, complete=True)
 
     async def pause(self, mode: str = "keep") -> None:
         self._paused = True

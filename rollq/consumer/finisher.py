@@ -96,11 +96,12 @@ class Finisher:
         :class:`~rollq.errors.ResultTooLarge` instead."""
         ctx, job = self._ctx, held.job
         now = time.time()
-        if held.swaps:
-            mark_versions(out.samples, held.version_start, held.swaps)
+        # The last version that made a token: a version swapped in after the last token of
+        # every sample made none, and the result does not claim it.
+        end = mark_versions(out.samples, held.version_start, held.swaps) if held.swaps else held.version_start
         data = encode_result(Result(
             id=job.id, samples=out.samples, prompt_tokens=out.prompt_tokens,
-            version_start=held.version_start, version_end=ctx.version, replica=ctx.id,
+            version_start=held.version_start, version_end=end, replica=ctx.id,
             submitted=job.submitted, started=held.started, finished=now,
             deliveries=held.deliveries, meta=job.meta,
             prompt_ids=out.prompt_ids, prompt_lps=out.prompt_logprobs,

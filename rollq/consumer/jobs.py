@@ -86,6 +86,14 @@ class Jobs:
         self.parked: list[JobInHand] = []
         #: Job ids cancelled on the control channel lately (job id -> when, unix seconds).
         self.recent_cancels: dict[str, float] = {}
+        #: A weight swap is under way (:meth:`begin_swap`): jobs that finish now are held in
+        #: :attr:`deferred` until :meth:`mark_swap` says how far each had got, since their
+        #: last tokens may come from the new weights.
+        self.swap_pending = False
+        self.deferred: list[tuple[str, JobInHand, EngineOutput]] = []
+        #: Restarts of a job in the engine (job id -> count), to give each its own request id.
+        self._restarts: dict[str, int] = {}
+        self.restarted: list[JobInHand] = []
 
     def free_slots(self) -> int:
         """Jobs the next read may take: the in-flight cap less what runs or is held. Jobs
@@ -153,6 +161,9 @@ class Jobs:
             return
         job = held.job
         rid = f"{job.id}@{held.eid.decode()}"
+        k = self._restarts.get(job.id)
+        if k:  # a request id of its own, never one vLLM may still be aborting
+            rid = f"{rid}~{k}"
         held.started, held.version_start, held.swaps = time.time(), ctx.version, None
         self.running[rid] = held
         self.by_job[job.id] = rid
@@ -185,7 +196,11 @@ class Jobs:
         if run is None:
             return  # aborted or already finished
         self.by_job.pop(run.job.id, None)
+        self._restarts.pop(run.job.id, None)
         if isinstance(out, EngineOutput):
+            if self.swap_pending:
+                self.deferred.append((rid, run, out))
+                return
             self._finisher.complete(run, out)
         elif isinstance(out, EngineDead):
             # Leave the job pending: a live replica will reclaim it.
@@ -233,10 +248,32 @@ class Jobs:
         now = time.time()
         self.recent_cancels = {k: v for k, v in self.recent_cancels.items() if now - v < 600}
 
+    def begin_swap(self) -> None:
+        """A weight swap starts: outputs that arrive from now on wait for :meth:`mark_swap`
+        (or :meth:`end_swap`, when the swap failed), since the engine may produce tokens on
+        the new weights before the swap's caller resumes."""
+        self.swap_pending = True
+
+    def end_swap(self) -> None:
+        """Finish the outputs held back since :meth:`begin_swap` (their swap marks are set)."""
+        self.swap_pending = False
+        deferred, self.deferred = self.deferred, []
+        for _, run, out in deferred:
+            self._finisher.complete(run, out)
+        if deferred:
+            self._ctx.room.set()
+
     def mark_swap(self, version: int, progress: SwapProgress | None) -> None:
-        """Record on every running job that ``version`` was swapped in, and how far each of its
-        samples had got (``progress``; None: not known)."""
-        for rid, run in self.running.items():
+        """Record on every running job, and every job that finished since :meth:`begin_swap`,
+        that ``version`` was swapped in, and how far each of its samples had got
+        (``progress``; None: not known).
+
+        A running job none of whose samples had a token yet is started again (a request id
+        of its own; the engine has a fresh prefix-cache salt by then): its prompt may have
+        been, or may be, computed in part with the old weights or reuse prefix blocks cached
+        under them, so none of its tokens would be exactly the new version's."""
+        restart = []
+        for rid, run in [*self.running.items(), *((rid, r) for rid, r, _ in self.deferred)]:
             if progress is None:
                 counts, complete = None, False
             else:
@@ -244,9 +281,28 @@ class Jobs:
                 complete = progress.complete
                 if counts is None and complete:
                     counts = {}
+            if counts is not None and complete and not any(counts.values()):
+                if rid in self.running:
+                    restart.append(rid)
+                    continue
+                # It finished already, every token on the new weights over a prompt that may
+                # have been computed, or found in the prefix cache, under the old ones.
+                counts, complete = None, False
             if run.swaps is None:
                 run.swaps = []
             run.swaps.append((version, counts, complete))
+        for rid in restart:
+            run = self.running.pop(rid)
+            self.by_job.pop(run.job.id, None)
+            self._ctx.engine.abort(rid)
+            self._restarts[run.job.id] = self._restarts.get(run.job.id, 0) + 1
+            self.restarted.append(run)
+
+    def submit_restarted(self) -> None:
+        """Start the jobs :meth:`mark_swap` took back (after the new version is recorded)."""
+        restarted, self.restarted = self.restarted, []
+        for run in restarted:
+            self.submit(run)
 
     def abort_running(self) -> list[JobInHand]:
         """Abort every running request in the engine; the jobs stay leased to this replica
@@ -288,18 +344,37 @@ class Jobs:
         self._versions.waiting.clear()
 
 
-def mark_versions(samples: list[Any], version_start: int, swaps: Swaps) -> None:
+def mark_versions(samples: list[Any], version_start: int, swaps: Swaps) -> int:
     """Fill each sample's ``versions`` (see :class:`~rollq.protocol.Sample`) from the swaps
-    that happened while its job ran."""
+    that happened while its job ran; returns the last version that made a token of any
+    sample (or may have: a start not known counts), the result's ``version_end``.
+
+    A version swapped in after a sample's last token made none of its tokens; its mark stays
+    (a later start that is not known begins no earlier) but it is not the result's to claim.
+
+    >>> from rollq.protocol import Sample, pack_i32
+    >>> s = [Sample(tokens=pack_i32([1, 2, 3])), Sample(tokens=pack_i32([1]))]
+    >>> mark_versions(s, 4, [(5, {0: 2, 1: 1}, True)]), s[0].versions, s[1].versions
+    (5, [(4, 0), (5, 2)], [(4, 0), (5, 1)])
+    >>> mark_versions(s, 4, [(5, {0: 3, 1: 1}, True), (6, None, False)])
+    4
+    """
+    end = version_start
     for j, sample in enumerate(samples):
         n = len(sample.tokens) // 4
         marks = [(version_start, 0)]
+        known = 0  # the last known start: an unknown one is no earlier
         for v, counts, complete in swaps:
             start = counts.get(j) if counts is not None else None
             if start is None:
                 start = 0 if counts is not None and complete else UNKNOWN_START
-            marks.append((v, min(start, n) if start != UNKNOWN_START else start))
+            if start != UNKNOWN_START:
+                start = known = min(start, n)
+            marks.append((v, start))
+            if known < n:
+                end = max(end, v)
         sample.versions = marks
+    return end
 
 
 def _encode_job_safe(job: Job) -> bytes:

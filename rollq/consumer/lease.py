@@ -155,7 +155,7 @@ class Lease:
             tokens_per_s=round(self.tokens_per_s, 1), completed=ctx.counters.completed,
             failed=ctx.counters.failed, started_at=ctx.started_at, heartbeat_at=time.time(),
             state=ctx.state, labels=dict(ctx.settings.labels), paused_s_total=round(ctx.paused_s_total, 4),
-            tp_size=engine.tp_size,
+            tp_size=engine.tp_size, served_dtype=getattr(engine, "dtype", "") or "", converted_from=list(ctx.converted_from),
             **ctx.update_info,
         )
 

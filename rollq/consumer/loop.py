@@ -124,6 +124,16 @@ class Consumer:
         self._ctx.version = v
 
     @property
+    def converted_from(self) -> list[str]:
+        """dtypes of the served policy version that the engine converts to its own
+        (``Engine.dtype``); weight sync sets it, the registry shows it."""
+        return self._ctx.converted_from
+
+    @converted_from.setter
+    def converted_from(self, dtypes: list[str]) -> None:
+        self._ctx.converted_from = list(dtypes)
+
+    @property
     def state(self) -> str:
         """``starting | serving | paused | draining | stopped``."""
         return self._ctx.state
@@ -354,8 +364,28 @@ class Consumer:
         (:attr:`~rollq.protocol.Sample.versions`); without it those starts are unknown."""
         if version != self.version:
             self.jobs.mark_swap(version, progress)
+            # No request handed to the engine from here on reuses a prefix cached under the
+            # old weights (those already in it keep their salt; mark_swap restarted the ones
+            # that had no token yet).
+            self._ctx.engine.new_cache_salt()
         self.version = version
+        self.jobs.end_swap()
+        self.jobs.submit_restarted()
         self.release_held()
+
+    @contextlib.contextmanager
+    def swapping(self) -> Iterator[None]:
+        """Around a weight swap into the engine: from here until :meth:`set_version` records
+        the new version, outputs that arrive are held back (their last tokens may already
+        come from the new weights). If the swap fails, the held outputs are finished as
+        they are."""
+        self.jobs.begin_swap()
+        try:
+            yield
+        finally:
+            if self.jobs.swap_pending:  # no set_version: the swap did not happen
+                self.jobs.end_swap()
+                self.jobs.submit_restarted()
 
     def release_held(self) -> None:
         """Start jobs held while intake was closed and those waiting for the policy version

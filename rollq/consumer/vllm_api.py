@@ -139,9 +139,7 @@ def engine_args(api: _Api, cfg: VllmEngineConfig) -> Any:
     for the CPU defaults); a field this vLLM does not have is refused with its name."""
     fields = api.engine_arg_fields
     cpu = on_cpu()
-    dtype = cfg.dtype
-    if dtype == "auto" and cpu:
-        dtype = "float32"
+    dtype = resolve_dtype(cfg.dtype, cfg.model, cpu)
     kw: dict[str, Any] = dict(
         model=cfg.model,
         tokenizer=cfg.tokenizer,
@@ -184,6 +182,63 @@ def engine_args(api: _Api, cfg: VllmEngineConfig) -> Any:
     if unknown:
         raise ValueError(f"vLLM {api.version} AsyncEngineArgs has no field(s) {unknown}")
     return api.AsyncEngineArgs(**kw)
+
+
+#: dtype names a checkpoint's ``config.json`` may give, as vLLM's ``dtype=`` takes them.
+_CONFIG_DTYPES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
+                  "bfloat16": "bfloat16", "float64": "float32"}
+
+
+def resolve_dtype(asked: str, model: str, cpu: bool) -> str:
+    """The dtype a replica serves: ``asked`` when it names one; for ``"auto"``, float32 on
+    CPU (bf16 crashes vLLM's CPU attention) and the checkpoint's own dtype elsewhere.
+
+    vLLM's own ``"auto"`` downcasts a float32 checkpoint to bfloat16 on GPUs, so a trainer
+    that trains in float32 would get bf16 behaviour logprobs; rollq reads the checkpoint's
+    ``config.json`` (``torch_dtype`` or ``dtype``) instead and passes vLLM that dtype. A model
+    without a readable local config stays ``"auto"`` (vLLM's rule), with a warning.
+
+    >>> resolve_dtype("bfloat16", "/nowhere", cpu=False), resolve_dtype("auto", "/nowhere", cpu=True)
+    ('bfloat16', 'float32')
+    """
+    if asked != "auto":
+        return asked
+    if cpu:
+        return "float32"
+    found = checkpoint_dtype(model)
+    if found is None:
+        logger.warning("cannot read the dtype of %s from a local config.json; vLLM's dtype='auto' applies "
+                       "(a float32 checkpoint is served in bfloat16 on GPUs): name VllmEngineConfig.dtype", str(model)[:200])
+        return "auto"
+    return found
+
+
+def checkpoint_dtype(model: str) -> str | None:
+    """The dtype a model folder's ``config.json`` gives (``torch_dtype``, or ``dtype`` in
+    newer transformers), as vLLM names it; None when there is no such folder or field."""
+    import json
+
+    from ..weightsync.manifest import model_dir
+
+    d = model_dir(model)
+    if d is None or not (d / "config.json").is_file():
+        return None
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for holder in (cfg, cfg.get("text_config") or {}):
+        raw = holder.get("torch_dtype") or holder.get("dtype") if isinstance(holder, dict) else None
+        if isinstance(raw, str) and raw.removeprefix("torch.") in _CONFIG_DTYPES:
+            return _CONFIG_DTYPES[raw.removeprefix("torch.")]
+    return None
+
+
+def served_dtype(llm: Any) -> str:
+    """The dtype vLLM loaded the model in (``model_config.dtype``), as a torch name without
+    ``torch.``."""
+    mc = getattr(llm, "model_config", None) or llm.vllm_config.model_config
+    return str(mc.dtype).removeprefix("torch.")
 
 
 def bind_cpu_workers(workers: int) -> str | None:
@@ -336,9 +391,17 @@ def _sampled_logprobs(lps: Any, ids: Sequence[int]) -> list[float]:
 
 
 def unfinished(llm: Any) -> int | None:
-    """Requests vLLM's front end still tracks (None where this vLLM has no such count)."""
+    """Requests vLLM's front end still tracks (None where this vLLM has no way to count them).
+
+    vLLM 0.32 has ``AsyncLLM.get_num_unfinished_requests``; 0.26 has none, and its output
+    processor's ``get_num_unfinished_requests`` is asked instead.
+    """
+    if llm is None:
+        return None
     count = getattr(llm, "get_num_unfinished_requests", None)
-    return count() if count is not None else None
+    if count is None:
+        count = getattr(getattr(llm, "output_processor", None), "get_num_unfinished_requests", None)
+    return int(count()) if count is not None else None
 
 
 def spawn_if_cuda_in_use() -> None:

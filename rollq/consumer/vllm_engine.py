@@ -41,6 +41,7 @@ one in :mod:`rollq.consumer.vllm_api`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import inspect
 import logging
@@ -61,6 +62,8 @@ __all__ = ["VllmEngine", "VllmEngineConfig", "DEFAULT_CPU_KV_CACHE_BYTES"]
 
 #: How long :meth:`VllmEngine.stop` waits for request tasks to unwind.
 STOP_TIMEOUT_S = 10.0
+#: Request ids that reported, remembered for :meth:`VllmEngine.swap_progress` (the newest).
+RECENT_KEEP = 4096
 
 
 @dataclass
@@ -77,8 +80,12 @@ class VllmEngineConfig:
     tokenizer: str | None = None
     #: GPUs per replica (tensor parallel).
     tensor_parallel_size: int = 1
-    #: ``"auto"`` means float32 on CPU (bf16 crashes vLLM's CPU attention) and the model's
-    #: dtype on GPU.
+    #: dtype of the served weights. ``"auto"``: float32 on CPU (bf16 crashes vLLM's CPU
+    #: attention); elsewhere the checkpoint's own dtype as its ``config.json`` gives it, so a
+    #: float32 checkpoint is served in float32 on a GPU too (vLLM's own ``"auto"`` would serve
+    #: it in bfloat16). Name ``"bfloat16"`` to serve a float32 checkpoint in bf16: the replica
+    #: then accepts float32 versions and rounds them, and says so once in its log and in
+    #: ``rollq status`` (``served_dtype``).
     dtype: str = "auto"
     #: Context window; None takes the model's.
     max_model_len: int | None = None
@@ -145,6 +152,8 @@ class VllmEngine(Engine):
         self._llm: Any = None
         self._tokenizer: Any = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        #: Request ids that reported lately (a swap's report may still name them).
+        self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._background: set[asyncio.Task[Any]] = set()
         self._sink = StatsSink()
         self._dead: str | None = None
@@ -205,12 +214,13 @@ class VllmEngine(Engine):
                 logger.info("workers do not track request progress (%s); version boundaries of "
                             "requests that ended just before a swap are recorded as unknown", e)
         self.vllm_version = api.version
+        self.dtype = vllm_api.served_dtype(llm)
         self.device = vllm_api.device_name(self.config.tensor_parallel_size)
         self.tp_size = self.config.tensor_parallel_size
         self.start_seconds = time.perf_counter() - t0
         logger.info(
-            "vLLM %s up in %.1fs: model=%s device=%s max_model_len=%d",
-            api.version, self.start_seconds, self.model, self.device, self.max_model_len,
+            "vLLM %s up in %.1fs: model=%s device=%s dtype=%s max_model_len=%d",
+            api.version, self.start_seconds, self.model, self.device, self.dtype, self.max_model_len,
         )
 
     async def stop(self) -> None:
@@ -279,6 +289,9 @@ class VllmEngine(Engine):
         if self._tasks.get(rid) is not me:
             return
         del self._tasks[rid]
+        self._recent[rid] = None
+        if len(self._recent) > RECENT_KEEP:
+            self._recent.popitem(last=False)
         try:
             done(rid, outcome)
         except Exception:
@@ -463,7 +476,7 @@ class VllmEngine(Engine):
         (vLLM's own request ids are read by :func:`rollq.consumer.vllm_api.request_of`)."""
         if not isinstance(report, dict) or not isinstance(report.get("tokens"), dict):
             return None
-        running = self._tasks
+        running = set(self._tasks).union(self._recent)  # a request may have reported since the swap
         out: dict[str, dict[int, int]] = {}
         for eid, n in report["tokens"].items():
             rid, j = vllm_api.request_of(str(eid), running)

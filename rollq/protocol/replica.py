@@ -53,3 +53,7 @@ class ReplicaInfo(msgspec.Struct, kw_only=True):
     updates: int = 0
     #: Devices per replica (vLLM ``tensor_parallel_size``): the workers a weight broadcast reaches.
     tp_size: int = 1
+    #: dtype the engine serves the weights in ("" for engines without weights).
+    served_dtype: str = ""
+    #: dtypes of the served policy version that the engine converts to ``served_dtype``.
+    converted_from: list[str] = []

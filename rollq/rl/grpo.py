@@ -299,6 +299,27 @@ class GrpoTrainer:
         model.train()
         return cls(model, config)
 
+    def to(self, device: str | torch.device) -> GrpoTrainer:
+        """Move the model, the kept snapshots of earlier versions and the optimizer's state
+        to ``device`` (a trainer built on the CPU and trained on a GPU).
+
+        >>> trainer = GrpoTrainer.from_pretrained(model_dir).to("cuda")   # doctest: +SKIP
+        """
+        self.model.to(device)
+        for v, snap in self._snapshots.items():
+            self._snapshots[v] = {k: t.to(device) for k, t in snap.items()}
+        for st in self.optimizer.state.values():
+            for k, t in list(st.items()):
+                if isinstance(t, torch.Tensor) and k != "step":
+                    st[k] = t.to(device)
+        return self
+
+    @property
+    def dtype(self) -> str:
+        """The dtype of the model's floating-point weights (torch name without ``torch.``)."""
+        p = next(self.model.parameters(), None)
+        return str(p.dtype).removeprefix("torch.") if p is not None else ""
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The weights to publish, under the checkpoint's (Hugging Face) names."""
         return {k: v.detach() for k, v in self.model.state_dict().items()}

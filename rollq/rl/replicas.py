@@ -47,6 +47,7 @@ class Replicas:
         cpu_binds: Sequence[str | None] | None = None,
         reconcile_interval: float = 1.0,
         gpu_memory_utilization: float = 0.3,
+        dtype: str = "auto",
     ):
         if engine not in ("vllm", "echo"):
             raise ValueError(f"engine must be 'vllm' or 'echo', got {engine!r}")
@@ -60,6 +61,8 @@ class Replicas:
         self.reconcile_interval = reconcile_interval
         #: GPU: each replica's share of device memory (the trainer and the other replicas share it).
         self.gpu_memory_utilization = gpu_memory_utilization
+        #: ``VllmEngineConfig.dtype`` of every replica ("auto": the checkpoint's own on GPU).
+        self.dtype = dtype
         self.engines: list[Any] = []
         self.consumers: list[Any] = []
         self.followers: list[Any] = []
@@ -80,7 +83,7 @@ class Replicas:
             VllmEngine(VllmEngineConfig(
                 model=self.model, seed=i, max_model_len=self.max_model_len,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes, worker_extension_cls=WORKER_EXTENSION,
-                gpu_memory_utilization=self.gpu_memory_utilization,
+                gpu_memory_utilization=self.gpu_memory_utilization, dtype=self.dtype,
             ))
             for i in range(self.count)
         ]
@@ -152,6 +155,15 @@ class Replicas:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"replicas did not reach policy version {version} within {timeout:.0f}s")
             await asyncio.sleep(0.02)
+
+    @property
+    def served_dtype(self) -> str:
+        """The dtype the replicas serve the weights in ("" for echo; joined if they differ)."""
+        return "/".join(sorted({e.dtype for e in self.engines if getattr(e, "dtype", "")}))
+
+    def converted_from(self) -> list[str]:
+        """dtypes of the served version that some replica converts to its own."""
+        return sorted({d for c in self.consumers for d in c.converted_from})
 
     def update_history(self) -> list[Any]:
         """Every follower's :class:`~rollq.weightsync.follower.UpdateStats`, all replicas."""

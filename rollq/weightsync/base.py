@@ -61,6 +61,7 @@ class Replica(Protocol):
     redis_settings: Any  # rollq.settings.RedisSettings
     engine: Any  # rollq.consumer.engine.Engine
     version: int  # the policy version the engine serves
+    converted_from: list[str]  # dtypes of the last version that the engine converts to its own
 
     def add_control_handler(self, cb: Callable[[Control, str], Any]) -> None: ...
 
@@ -69,6 +70,8 @@ class Replica(Protocol):
     def open_intake(self) -> None: ...
 
     def paused_for_update(self) -> contextlib.AbstractContextManager[None]: ...
+
+    def swapping(self) -> contextlib.AbstractContextManager[None]: ...
 
     def record_update(self, update_s: float, pause_s: float) -> None: ...
 

@@ -56,7 +56,7 @@ from ..errors import CorruptWeights, WeightMismatch, WeightSyncError, WeightSync
 from ..protocol import Control
 from .base import Receiver, Replica
 from .load_failures import LoadFailures
-from .manifest import Manifest, diff, encode_manifest, read_manifest
+from .manifest import Manifest, conversion, diff, encode_manifest, read_manifest
 from .overlap import OverlappedSwap
 from .versions import TensorMeta, VersionRecord, decode_record
 from .wire import StageStatus, State, SwapReport, from_wire, to_wire
@@ -243,9 +243,10 @@ class WeightFollower:
     async def _publish_manifest(self) -> None:
         """Read the served checkpoint's manifest (headers only) and publish it for publishers."""
         model = getattr(self.engine, "model", "") or ""
-        dtype = getattr(getattr(self.engine, "config", None), "dtype", None)
+        asked = getattr(getattr(self.engine, "config", None), "dtype", None)
+        named = isinstance(asked, str) and asked not in ("", "auto")
         try:
-            self.manifest = await asyncio.to_thread(read_manifest, model, dtype if isinstance(dtype, str) else None)
+            self.manifest = await asyncio.to_thread(read_manifest, model, getattr(self.engine, "dtype", "") or None, named)
         except (OSError, ValueError, KeyError) as e:
             log.warning("cannot read the checkpoint manifest of %s (%s); publishers will not check weights against it", model[:200], e)
             self.manifest = None
@@ -342,6 +343,7 @@ class WeightFollower:
             read_s = time.perf_counter() - t0
             try:
                 self._check_slot(rec)
+                self._check_dtypes(rec)
                 st = await self.apply(rec, policy, acks=acks)
             except asyncio.CancelledError:
                 raise
@@ -364,6 +366,30 @@ class WeightFollower:
                 await self.load_failures.clear(self._client)
             await self.consumer.announce()  # waiters (wait_for_replicas) see the version now
             return st
+
+    def _check_dtypes(self, rec: VersionRecord) -> None:
+        """Refuse a version whose floating-point dtypes this replica would round without its
+        user having named the served dtype (:func:`~rollq.weightsync.manifest.conversion`);
+        say once, in the log and the registry (``converted_from``), which dtypes it converts."""
+        served = getattr(self.engine, "dtype", "") or ""
+        if not served or not rec.dtypes:
+            return
+        named = self.manifest.dtype_named if self.manifest is not None else False
+        converted = []
+        for sent in rec.dtypes:
+            try:
+                how = conversion(sent, served, named)
+            except ValueError as e:
+                raise WeightMismatch(f"policy version {rec.version} is {', '.join(rec.dtypes)}; replica {self.consumer.id} "
+                                     f"serves {served} ({e}): publish it in {served}, or start the replica with "
+                                     f"VllmEngineConfig.dtype / --dtype naming the dtype to serve") from None
+            if how is not None:
+                converted.append(sent)
+        if converted and converted != self.consumer.converted_from:
+            log.warning("replica %s serves %s: policy version %d arrives in %s and is converted to %s%s", self.consumer.id,
+                        served, rec.version, ", ".join(converted), served,
+                        " (rounded: the served dtype was named)" if named and served not in ("float32", "float64") else "")
+        self.consumer.converted_from = converted
 
     def _check_slot(self, rec: VersionRecord) -> None:
         """Refuse a memmap version whose tensors do not match the served checkpoint before
@@ -434,14 +460,16 @@ class WeightFollower:
         elif abort:
             await self.engine.pause("abort")
         try:
-            load = await self._load(rec, staged)
-            self._set_version(rec.version, from_wire(load, SwapReport, "the swap"))
-            if policy == "keep":
-                # Requests are running, so vLLM would refuse to drop its cache: new requests
-                # get a fresh salt instead and never reuse a prefix of the old weights.
-                self.engine.new_cache_salt()
-            else:
-                await self.engine.reset_prefix_cache()
+            # Outputs that arrive between the swap and _set_version are held back until the
+            # swap's report says how far each request had got (the engine may finish a
+            # request on the new weights before this coroutine resumes).
+            with self.consumer.swapping():
+                load = await self._load(rec, staged)
+                # set_version also gives later requests a fresh prefix-cache salt, so none
+                # reuses a prefix of the old weights while running requests hold the cache.
+                self._set_version(rec.version, from_wire(load, SwapReport, "the swap"))
+            if policy != "keep":
+                await self.engine.reset_prefix_cache()  # nothing runs: free the old blocks
         finally:
             if abort:
                 await self.engine.resume()

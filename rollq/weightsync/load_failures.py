@@ -75,7 +75,7 @@ class LoadFailures:
         else:
             log.warning(
                 "replica %s could not load policy version %d (%s: %s); retry %d of %d in %.1fs (WeightFollower load_retries)",
-                c.id, version, type(e).__name__, msg[:500], attempts, self.retries, delay,
+                c.id, version, type(e).__name__, msg[:500], attempts, self.retries, delay, exc_info=e,
             )
         try:
             await report_load_error(client, c.keys, c.id, LoadError(

@@ -55,6 +55,8 @@ _ST_DTYPES = {
     "U64": "uint64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
 }
 _FLOATS = {"float64", "float32", "float16", "bfloat16"}
+#: Floating-point dtypes each dtype holds exactly (a conversion into it loses nothing).
+_HOLDS = {"float64": _FLOATS, "float32": {"float32", "float16", "bfloat16"}, "float16": {"float16"}, "bfloat16": {"bfloat16"}}
 _PREFIX = "model."
 _TIED = ("lm_head.weight", "embed_tokens.weight")
 
@@ -65,9 +67,13 @@ class Manifest(msgspec.Struct, kw_only=True):
     v: int = MANIFEST_SCHEMA
     model: str
     tensors: list[TensorMeta]
-    #: dtype the engine casts floating-point weights to when it is not the checkpoint's
-    #: (vLLM's ``dtype=``); None: the checkpoint's own.
+    #: dtype the engine serves floating-point weights in (vLLM's loaded ``model_config.dtype``);
+    #: None: the checkpoint's own.
     served_dtype: str | None = None
+    #: The user named :attr:`served_dtype` (``VllmEngineConfig.dtype``): floating-point tensors
+    #: of any dtype are accepted and converted to it, lossy or not. Otherwise only versions
+    #: that convert without loss (bfloat16 or float16 into a float32 replica) are.
+    dtype_named: bool = False
     at: float = msgspec.field(default_factory=time.time)
 
 
@@ -116,7 +122,34 @@ def model_dir(model: str) -> Path | None:
         return None
 
 
-def read_manifest(model: str, served_dtype: str | None = None) -> Manifest | None:
+def float_dtypes(items: Sequence[tuple[str, Any]]) -> list[str]:
+    """The floating-point dtypes of ``items`` (torch names without ``torch.``), sorted.
+
+    >>> import torch
+    >>> float_dtypes([("a", torch.zeros(1)), ("b", torch.zeros(1, dtype=torch.bfloat16)), ("c", torch.zeros(1, dtype=torch.long))])
+    ['bfloat16', 'float32']
+    """
+    return sorted({_dtype_name(t) for _, t in items} & _FLOATS)
+
+
+def conversion(sent: str, served: str, named: bool) -> str | None:
+    """How a floating-point tensor of dtype ``sent`` is served in ``served``: None (as it is),
+    ``"exact"`` (converted without loss), ``"rounded"`` (lossy, accepted because the user
+    named ``served``); raises ValueError for a lossy conversion nobody asked for.
+
+    >>> conversion("float32", "float32", False), conversion("bfloat16", "float32", False), conversion("float32", "bfloat16", True)
+    (None, 'exact', 'rounded')
+    """
+    if sent == served:
+        return None
+    if sent in _HOLDS.get(served, ()):
+        return "exact"
+    if named:
+        return "rounded"
+    raise ValueError(f"sent {sent}, served {served}: the replica would round it (name its dtype to accept that)")
+
+
+def read_manifest(model: str, served_dtype: str | None = None, dtype_named: bool = False) -> Manifest | None:
     """The checkpoint manifest of ``model`` from its safetensors headers, or None when there
     is no local folder with safetensors files (``"echo"``, a ``.bin`` checkpoint).
 
@@ -139,9 +172,10 @@ def read_manifest(model: str, served_dtype: str | None = None) -> Manifest | Non
             if name == "__metadata__" or name in metas:
                 continue
             metas[name] = TensorMeta(name, _ST_DTYPES.get(h["dtype"], h["dtype"].lower()), list(h["shape"]))
-    if served_dtype in (None, "auto"):
+    if served_dtype in (None, "auto", ""):
         served_dtype = None
-    return Manifest(model=str(model), tensors=[metas[n] for n in sorted(metas)], served_dtype=served_dtype)
+    return Manifest(model=str(model), tensors=[metas[n] for n in sorted(metas)], served_dtype=served_dtype,
+                    dtype_named=dtype_named and served_dtype is not None)
 
 
 # -- checking a state dict -------------------------------------------------------------------
@@ -174,6 +208,9 @@ class Mismatch:
             parts.append(f"{len(self.shape)} shape mismatch ({some([f'{_short(n)}: sent {a}, served {b}' for n, a, b in self.shape])})")
         if self.dtype:
             parts.append(f"{len(self.dtype)} dtype mismatch ({some([f'{_short(n)}: sent {a}, served {b}' for n, a, b in self.dtype])})")
+        if self.dtype:
+            parts[-1] += (" (a replica rounds floating-point weights only to a dtype its user named: publish in the "
+                          "served dtype, or start the replica with VllmEngineConfig.dtype / --dtype set to the one to serve)")
         line = f"{what} does not match the served model{' ' + _short(model) if model else ''}: " + "; ".join(parts)
         return line + "".join(f" ({n})" for n in self.notes)
 
@@ -199,7 +236,13 @@ def diff(metas: Sequence[TensorMeta], manifest: Manifest) -> Mismatch:
         seen.add(m.name)
         if list(m.shape) != list(ref.shape):
             out.shape.append((m.name, list(m.shape), list(ref.shape)))
-        if m.dtype != ref.dtype and not (manifest.served_dtype == m.dtype and ref.dtype in _FLOATS):
+        if ref.dtype in _FLOATS and m.dtype in _FLOATS:
+            serves = manifest.served_dtype or ref.dtype
+            try:
+                conversion(m.dtype, serves, manifest.dtype_named)
+            except ValueError:
+                out.dtype.append((m.name, m.dtype, serves))
+        elif m.dtype != ref.dtype:
             out.dtype.append((m.name, m.dtype, ref.dtype))
     out.missing = [n for n in served if n not in seen]
     return out

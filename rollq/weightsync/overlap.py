@@ -89,7 +89,7 @@ class OverlappedSwap:
                 if c.version >= version or not still_possible():
                     return
                 t0 = time.perf_counter()
-                with c.paused_for_update():
+                with c.paused_for_update(), c.swapping():
                     res = await asyncio.wait_for(
                         self.engine.call_workers("rollq_swap_overlapped", version, self.commit_timeout, 5.0, 0.05, self.programs),
                         self.load_timeout,
@@ -97,8 +97,7 @@ class OverlappedSwap:
                     raw = res[0] if res else {}
                     got = from_wire(raw, SwapReport, "rollq_swap_overlapped")
                     if got.swap is Swap.OVERLAP:
-                        self._set_version(version, got)
-                        self.engine.new_cache_salt()
+                        self._set_version(version, got)  # a fresh prefix-cache salt too
                 pause_s = time.perf_counter() - t0
                 if got.swap is not Swap.OVERLAP:
                     self.reverts += got.swap is Swap.REVERTED

@@ -43,7 +43,7 @@ from ..keys import QueueKeys
 from ..replicas import heartbeating
 from ..settings import DEFAULT_QUEUE, RedisSettings
 from .base import Sender
-from .manifest import Manifest, check_state, decode_manifest, read_manifest
+from .manifest import Manifest, check_state, decode_manifest, float_dtypes, read_manifest
 from . import sharded
 from .memmap import MemmapStore, SlotInfo, named_tensors
 from .sender import GroupBroken
@@ -145,6 +145,7 @@ class WeightPublisher:
         else:
             raise ValueError(f"unknown transport {transport!r} (memmap, nccl)")
         rec.timings["total_s"] = time.perf_counter() - t0
+        rec.dtypes = float_dtypes(items)
         if not await commit_version(client, self.keys, rec):
             raise StaleVersion(f"version {version} lost a race: a newer version was recorded meanwhile")
         self._last = version
@@ -354,6 +355,7 @@ class WeightPublisher:
         if first:
             assert rec is not None
             rec.timings.update(total_s=time.perf_counter() - t0, ranks=float(dist.get_world_size(group)))
+            rec.dtypes = float_dtypes(items)  # a parameter shard has its whole tensor's dtype
             try:
                 if not await commit_version(await self._c(), self.keys, rec):
                     raise StaleVersion(f"version {plan.version} lost a race: a newer version was recorded meanwhile")

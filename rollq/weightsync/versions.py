@@ -63,6 +63,9 @@ class VersionRecord(msgspec.Struct, kw_only=True):
     #: Publisher's own timings, for dashboards.
     timings: dict[str, float] = {}
     trainer: str = ""
+    #: The floating-point dtypes of the published tensors (torch names, sorted): a replica
+    #: serving another dtype converts them, and says so (``ReplicaInfo.served_dtype``).
+    dtypes: list[str] = []
 
 
 _enc = msgspec.msgpack.Encoder()
