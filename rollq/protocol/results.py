@@ -158,7 +158,8 @@ class Result(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     #: the submitter has them), little-endian int32.
     prompt_ids: bytes | None = None
     #: ``sampling.prompt_logprobs``: each prompt token's logprob given the tokens before it,
-    #: little-endian float32 (the first token has none: NaN).
+    #: little-endian float32 (the first token has none: NaN). Of the raw logits in every
+    #: ``logprobs_mode`` (vLLM applies no sampling transform to prompt tokens).
     prompt_lps: bytes | None = None
 
     @property

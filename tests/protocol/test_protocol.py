@@ -13,6 +13,7 @@ from rollq.protocol import (
     MAX_LOGPROBS,
     RAW_LOGPROBS,
     SCHEMA_VERSION,
+    UNKNOWN_START,
     DeadLetter,
     ErrorInfo,
     Job,
@@ -21,6 +22,7 @@ from rollq.protocol import (
     Result,
     Sample,
     SamplingParams,
+    Scores,
     decode_dead_letter,
     decode_job,
     decode_result,
@@ -140,6 +142,20 @@ def test_samples_say_what_their_logprobs_are_and_old_results_read_as_raw():
     assert old.samples[0].lp_source is None and old.logprob_source == RAW_LOGPROBS
     assert RAW_LOGPROBS.kind == "raw" and RAW_LOGPROBS.transformed() == []
     assert old.samples[0].token_logprobs == [-0.5, -1.0]
+
+
+def test_scores_carry_the_version_that_computed_them():
+    lps = pack_f32([math.nan, -1.0, -2.0, -3.0])
+    one = Sample(tokens=pack_i32([9]))
+    assert Scores.of(Result(id="s", prompt_lps=lps, version_start=5, version_end=5, samples=[one]), 2) == ([-2.0, -3.0], 5)
+    # Across a swap: known only when the sampled token (after the whole prompt) came before it.
+    before = Sample(tokens=pack_i32([9]), versions=[(5, 0), (6, 1)])
+    after = Sample(tokens=pack_i32([9]), versions=[(5, 0), (6, 0)])
+    unknown = Sample(tokens=pack_i32([9]), versions=[(5, 0), (6, UNKNOWN_START)])
+    for sample, version in ((before, 5), (after, UNKNOWN_START), (unknown, UNKNOWN_START), (one, UNKNOWN_START)):
+        got = Scores.of(Result(id="s", prompt_lps=lps, version_start=5, version_end=6, samples=[sample]), 1)
+        assert got.version == version and got.logprobs == [-1.0, -2.0, -3.0], sample
+    assert Scores.of(Result(id="s", version_start=2, version_end=2), 1) == Scores([], 2)  # no prompt logprobs
 
 
 def test_dead_letter_round_trip():
