@@ -11,7 +11,7 @@ from rollq.server import RedisServer
 
 # The vLLM session fixtures live here, defined once: a fixture imported into several test
 # modules is a fixture of each of them, and each would start an engine of its own (~4 GB).
-from tests.vllm_fixtures import tiny_model_path, vllm_engine  # noqa: E402,F401
+from tests.vllm_fixtures import tiny_model_path, vllm_engine, vllm_engine_processed  # noqa: E402,F401
 # Factory and cluster fixtures, available to every test module (importing a fixture into a
 # module that takes it as an argument reads as a redefinition: ruff F811).
 from tests.cluster_fixtures import redis_cluster, valkey_binary, valkey_server  # noqa: E402,F401

@@ -53,19 +53,18 @@ def tiny_model_path() -> Path:
     return ensure_tiny_model()
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_engine(tiny_model_path: Path) -> AsyncIterator[Any]:
-    """A started :class:`~rollq.consumer.vllm_engine.VllmEngine` on the tiny model."""
+async def _started_engine(model: Path, **config: Any) -> AsyncIterator[Any]:
     pytest.importorskip("vllm")
     from rollq.consumer.vllm_engine import VllmEngine, VllmEngineConfig
 
     engine = VllmEngine(
         VllmEngineConfig(
-            model=str(tiny_model_path),
+            model=str(model),
             max_model_len=TEST_MAX_MODEL_LEN,
             kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
             seed=0,
             worker_extension_cls=TEST_WORKER_EXTENSION,
+            **config,
         )
     )
     await engine.start()
@@ -73,6 +72,21 @@ async def vllm_engine(tiny_model_path: Path) -> AsyncIterator[Any]:
         yield engine
     finally:
         await engine.stop()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_engine(tiny_model_path: Path) -> AsyncIterator[Any]:
+    """A started :class:`~rollq.consumer.vllm_engine.VllmEngine` on the tiny model."""
+    async for engine in _started_engine(tiny_model_path):
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_engine_processed(tiny_model_path: Path) -> AsyncIterator[Any]:
+    """The tiny model served with ``logprobs_mode="processed_logprobs"`` (the logprobs of the
+    distribution sampled from); the only other engine config of the session."""
+    async for engine in _started_engine(tiny_model_path, logprobs_mode="processed_logprobs"):
+        yield engine
 
 
 def checkpoint_state(model_dir: str | Path) -> dict[str, Any]:

@@ -19,16 +19,20 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from .._torch_extras import hide_broken_torch_extras
-from ..protocol import Sample, SamplingParams, pack_f32, pack_i32
+from ..protocol import LogprobSource, Sample, SamplingParams, pack_f32, pack_i32
 from .engine import EngineOutput
 
 if TYPE_CHECKING:
     from .vllm_engine import VllmEngineConfig
 
 logger = logging.getLogger(__name__)
+
+#: vLLM's ``logprobs_mode`` values a replica may serve, and the :class:`~rollq.protocol.LogprobSource`
+#: kind each gives (the ``*_logits`` modes return no logprobs).
+LOGPROBS_MODES: dict[str, Literal["raw", "processed"]] = {"raw_logprobs": "raw", "processed_logprobs": "processed"}
 
 #: KV-cache size on CPU when the config gives none (vLLM's CPU default takes a fraction of RAM).
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -177,6 +181,7 @@ def engine_args(api: _Api, cfg: VllmEngineConfig) -> Any:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(kv / _GIB))))
         else:
             logger.warning("this vLLM has no kv_cache_memory_bytes; using gpu_memory_utilization")
+    kw.update(logprobs_mode_args(cfg))
     kw.update(cfg.engine_kwargs)
     unknown = sorted(set(kw) - fields)
     if unknown:
@@ -239,6 +244,18 @@ def served_dtype(llm: Any) -> str:
     ``torch.``."""
     mc = getattr(llm, "model_config", None) or llm.vllm_config.model_config
     return str(mc.dtype).removeprefix("torch.")
+
+
+def logprobs_mode_args(cfg: VllmEngineConfig) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` of ``cfg.logprobs_mode`` (nothing for vLLM's default, so a vLLM
+    without the field still starts); a mode rollq cannot label is refused with its name."""
+    mode = cfg.logprobs_mode
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"VllmEngineConfig.logprobs_mode must be one of {sorted(LOGPROBS_MODES)}, got {mode!r}")
+    if "logprobs_mode" in cfg.engine_kwargs:
+        raise ValueError("set VllmEngineConfig.logprobs_mode, not engine_kwargs['logprobs_mode'] "
+                         "(results are labelled with the config's mode)")
+    return {} if mode == "raw_logprobs" else {"logprobs_mode": mode}
 
 
 def bind_cpu_workers(workers: int) -> str | None:
@@ -328,12 +345,15 @@ def request_of(eid: str, running: Any) -> tuple[str | None, int]:
     return None, 0
 
 
-def to_output(final: Any, sp: SamplingParams, prompt_ids: Sequence[int], report_prompt: bool) -> EngineOutput:
-    """The :class:`~rollq.consumer.engine.EngineOutput` of vLLM's final ``RequestOutput``."""
+def to_output(final: Any, sp: SamplingParams, prompt_ids: Sequence[int], report_prompt: bool,
+              logprobs_mode: str = "raw_logprobs") -> EngineOutput:
+    """The :class:`~rollq.consumer.engine.EngineOutput` of vLLM's final ``RequestOutput``;
+    samples with logprobs say which (``logprobs_mode``: the engine's)."""
     outs = final.outputs
     if len(outs) > 1:
         outs = sorted(outs, key=lambda c: c.index)
     want_lp = sp.logprobs is not None
+    source = LogprobSource.of(sp, LOGPROBS_MODES[logprobs_mode]) if want_lp else None
     samples = []
     for c in outs:
         ids = c.token_ids
@@ -343,6 +363,7 @@ def to_output(final: Any, sp: SamplingParams, prompt_ids: Sequence[int], report_
                 logprobs=pack_f32(_sampled_logprobs(c.logprobs, ids)) if want_lp else None,
                 text=c.text if sp.detokenize else None,
                 finish_reason=c.finish_reason,
+                lp_source=source,
             )
         )
     seen = getattr(final, "prompt_token_ids", None)

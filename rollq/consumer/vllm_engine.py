@@ -113,6 +113,12 @@ class VllmEngineConfig:
     disable_log_stats: bool = False
     #: See the module docstring's length policy.
     truncate_generation: bool = False
+    #: What the samples' logprobs are (vLLM's ``logprobs_mode``; each sample says which, see
+    #: :class:`~rollq.protocol.LogprobSource`). ``"raw_logprobs"``: of the raw logits, the
+    #: probabilities the tokens were sampled from only at temperature 1 with no top-p,
+    #: top-k, min-p or penalties. ``"processed_logprobs"``: of the distribution the tokens
+    #: were sampled from, after those; what a trainer needs at another temperature.
+    logprobs_mode: str = "raw_logprobs"
     #: Any other ``AsyncEngineArgs`` field, passed as is (and checked against the installed
     #: vLLM's fields).
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -316,7 +322,7 @@ class VllmEngine(Engine):
             final = out
         if final is None:
             raise EngineFailed(f"vLLM returned no output for job {job.id}", job_id=job.id)
-        return vllm_api.to_output(final, sp, prompt_ids, job.tokens is None)
+        return vllm_api.to_output(final, sp, prompt_ids, job.tokens is None, self.config.logprobs_mode)
 
     def _prompt_ids(self, job: Job) -> list[int]:
         if job.tokens is not None:

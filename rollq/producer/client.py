@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator, Iterable, Sequence
 from ..connection import CANCEL, DROP_EMPTY, RETRYABLE, Client, connect, deadline, raw_replies
 from ..errors import InvalidJob, job_error
 from ..keys import GROUP, QueueKeys, check_name
-from ..protocol import SPECS_END, Job, Result, job_from_spec, score_spec, token_jobs
+from ..protocol import SPECS_END, Job, Result, Scores, job_from_spec, score_spec, token_jobs
 from ..registry import register_queue
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
 from ..shards import declare_shards, shard_of_id, split_budget
@@ -259,18 +259,19 @@ class Producer(Submission):
         await self.connect()
         return (await self._submit_chunk([job]))[0]
 
-    async def score(self, context: Sequence[int], continuation: Sequence[int], *, timeout: float | None = None, **fields: Any) -> list[float]:
+    async def score(self, context: Sequence[int], continuation: Sequence[int], *, timeout: float | None = None, **fields: Any) -> Scores:
         """The logprob of each token of ``continuation`` after ``context`` (token ids) under
         the weights a replica serves, without sampling it (a scoring job: vLLM's
-        ``prompt_logprobs``; see :func:`~rollq.protocol.score_spec`). For many at once,
-        ``submit_many(score_spec(...) for ...)`` and read ``result.prompt_logprobs``.
+        ``prompt_logprobs``; see :func:`~rollq.protocol.score_spec`), and the policy version
+        of those weights (:class:`~rollq.protocol.Scores`; ``-1``: a weight update landed while
+        it was scored). For many at once, ``submit_many(score_spec(...) for ...)`` and
+        ``Scores.of(result, len(context))``.
 
         >>> await p.score([1, 2, 3], [4, 5])            # doctest: +SKIP
-        [-6.91, -6.87]
+        Scores(logprobs=[-6.91, -6.87], version=3)
         """
         r = await (await self.submit(**score_spec(context, continuation, **fields))).result(timeout=timeout)
-        lps = r.prompt_logprobs or []
-        return [float("nan") if x is None else x for x in lps[len(context):]]
+        return Scores.of(r, len(context))
 
     async def submit_many(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
         """Submit a batch, pipelined: script calls of ``script_batch`` jobs stream to Redis

@@ -43,9 +43,9 @@ from .limits import (
     MAX_TOKENS_LIMIT,
     SCHEMA_VERSION,
 )
-from .prompts import prompt_parts, score_spec
+from .prompts import Scores, prompt_parts, score_spec
 from .replica import LATENCY_BUCKETS_MS, ReplicaInfo, latency_bucket
-from .results import UNKNOWN_START, DeadLetter, ErrorInfo, Result, Sample
+from .results import RAW_LOGPROBS, UNKNOWN_START, DeadLetter, ErrorInfo, LogprobSource, Result, Sample
 from .sampling import SamplingParams, validated_sampling
 from .text import cut, short
 
@@ -57,9 +57,9 @@ __all__ = [
     "SamplingParams", "validated_sampling",
     # jobs and prompts
     "Job", "Message", "make_job", "job_from_spec", "token_jobs", "TOKEN_SPEC_KEYS", "SPECS_END", "validate_job", "check_meta",
-    "prompt_parts", "score_spec",
+    "prompt_parts", "score_spec", "Scores",
     # results
-    "Result", "Sample", "ErrorInfo", "DeadLetter", "UNKNOWN_START",
+    "Result", "Sample", "ErrorInfo", "DeadLetter", "UNKNOWN_START", "LogprobSource", "RAW_LOGPROBS",
     # codec
     "encode", "encode_job", "decode_job", "job_like", "peek_id", "encode_result", "decode_result",
     "encode_dead_letter", "decode_dead_letter",

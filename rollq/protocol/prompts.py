@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import numbers
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 from ..errors import InvalidJob
+from .results import UNKNOWN_START, Result
 
 _NO_ODD = object()
 
@@ -64,3 +66,40 @@ def score_spec(context: Sequence[int], continuation: Sequence[int], **fields: An
         raise InvalidJob("scoring needs a non-empty context and a non-empty continuation")
     return {"prompt_token_ids": [*context, *continuation],
             "sampling": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}, **fields}
+
+
+class Scores(NamedTuple):
+    """What a scoring job (:func:`score_spec`) gives: the continuation's logprobs and the
+    policy version whose weights computed them.
+
+    ``version`` is ``-1`` (:data:`~rollq.protocol.UNKNOWN_START`) when a weight update landed
+    while the prompt was being scored and which version computed them is not known.
+
+    >>> from rollq.protocol import Result, pack_f32
+    >>> r = Result(id="j", version_start=4, version_end=4, prompt_lps=pack_f32([math.nan, -1.5, -0.25]))
+    >>> Scores.of(r, context_len=2)
+    Scores(logprobs=[-0.25], version=4)
+    """
+
+    logprobs: list[float]
+    version: int
+
+    @classmethod
+    def of(cls, result: Result, context_len: int) -> Scores:
+        """The scores in ``result`` of a :func:`score_spec` job whose context was ``context_len``
+        tokens (NaN where the replica gave none)."""
+        lps = result.prompt_logprobs or []
+        return cls([math.nan if x is None else x for x in lps[context_len:]], _scoring_version(result))
+
+
+def _scoring_version(result: Result) -> int:
+    """The version that computed a scoring job's prompt logprobs: its span's, or, across a
+    swap, the first version when the sampled token still came before the swap (the prompt was
+    scored before it too); otherwise not known."""
+    v0 = result.version_start
+    if result.version_end == v0:
+        return v0
+    s = result.samples[0] if len(result.samples) == 1 else None
+    if s is not None and s.versions is not None and s.single_version(v0) == v0:
+        return v0
+    return UNKNOWN_START

@@ -3,16 +3,73 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from .arrays import unpack_f32, unpack_i32
 from .limits import SCHEMA_VERSION
+from .sampling import SamplingParams
 
 #: ``Sample.versions`` start index of a version whose first token is not known (the
 #: request was off the device, e.g. preempted, when that version was swapped in).
 UNKNOWN_START = -1
+
+
+class LogprobSource(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Which distribution a sample's logprobs are of, and the sampling transform that
+    applied to the tokens.
+
+    ``kind``: ``"raw"``, the ``log_softmax`` of the model's logits (vLLM's default
+    ``logprobs_mode="raw_logprobs"``), or ``"processed"``, the logprobs of the distribution
+    the tokens were drawn from, after the transform below (``"processed_logprobs"``). The
+    other fields are the sampling transform of the job, at their identity values where it
+    did not apply: raw logprobs are the probabilities the tokens were sampled from only when
+    all of them are. ``min_tokens`` counts only where it masked stop tokens.
+
+    A sample from a replica that does not send this struct (one older than it, an engine
+    that does not know) reads as :data:`RAW_LOGPROBS`: raw, no transform known.
+
+    >>> LogprobSource.of(SamplingParams(temperature=0.7), "processed")
+    LogprobSource(kind='processed', temperature=0.7, top_p=1.0, top_k=0, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, min_tokens=0)
+    >>> LogprobSource.of(SamplingParams(top_p=0.9), "raw").transformed()
+    ['top_p=0.9']
+    """
+
+    kind: Literal["raw", "processed"] = "raw"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    #: 0: no top-k (vLLM's -1 is stored as 0).
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+
+    @classmethod
+    def of(cls, sp: SamplingParams, kind: Literal["raw", "processed"]) -> LogprobSource:
+        """The source of logprobs of ``kind`` from a job sampled with ``sp``."""
+        masks_stops = not sp.ignore_eos or bool(sp.stop_token_ids)
+        return cls(
+            kind=kind, temperature=sp.temperature, top_p=sp.top_p, top_k=max(0, sp.top_k), min_p=sp.min_p,
+            presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty, min_tokens=sp.min_tokens if masks_stops else 0,
+        )
+
+    def transformed(self) -> list[str]:
+        """The fields of the transform that applied (not at their identity value), as
+        ``name=value``, in the order vLLM applies them after the temperature."""
+        ident = _IDENTITY
+        return [f"{name}={getattr(self, name)!r}" for name in _TRANSFORM_FIELDS if getattr(self, name) != getattr(ident, name)]
+
+
+#: Logprobs of the raw logits, with no transform known: what a sample without a
+#: :class:`LogprobSource` holds.
+RAW_LOGPROBS = LogprobSource()
+_IDENTITY = RAW_LOGPROBS
+_TRANSFORM_FIELDS = ("temperature", "min_p", "top_k", "top_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens")
 
 
 class Sample(msgspec.Struct, array_like=True, gc=False):
@@ -22,6 +79,8 @@ class Sample(msgspec.Struct, array_like=True, gc=False):
     landed during the generation (update policy ``keep``): ``[(version, first token index),
     ...]`` in order, starting with ``(version_start, 0)``. None: every token was generated
     at the result's ``version_start``. See :meth:`token_versions`.
+
+    ``lp_source`` says what ``logprobs`` are the logprobs of (see :attr:`logprob_source`).
     """
 
     tokens: bytes  # little-endian int32
@@ -29,6 +88,13 @@ class Sample(msgspec.Struct, array_like=True, gc=False):
     text: str | None = None
     finish_reason: str | None = None
     versions: list[tuple[int, int]] | None = None
+    lp_source: LogprobSource | None = None
+
+    @property
+    def logprob_source(self) -> LogprobSource:
+        """What :attr:`token_logprobs` are the logprobs of: :data:`RAW_LOGPROBS` for a sample
+        that does not say (results of replicas before this field, engines that do not know)."""
+        return self.lp_source or RAW_LOGPROBS
 
     @property
     def token_ids(self) -> list[int]:
@@ -92,7 +158,8 @@ class Result(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     #: the submitter has them), little-endian int32.
     prompt_ids: bytes | None = None
     #: ``sampling.prompt_logprobs``: each prompt token's logprob given the tokens before it,
-    #: little-endian float32 (the first token has none: NaN).
+    #: little-endian float32 (the first token has none: NaN). Of the raw logits in every
+    #: ``logprobs_mode`` (vLLM applies no sampling transform to prompt tokens).
     prompt_lps: bytes | None = None
 
     @property
@@ -116,6 +183,12 @@ class Result(msgspec.Struct, array_like=True, kw_only=True, gc=False):
         if self.prompt_lps is None:
             return None
         return [None if math.isnan(x) else x for x in unpack_f32(self.prompt_lps)]
+
+    @property
+    def logprob_source(self) -> LogprobSource:
+        """What the samples' logprobs are the logprobs of (a job's samples share their
+        sampling; see :class:`LogprobSource`)."""
+        return self.samples[0].logprob_source if self.samples else RAW_LOGPROBS
 
     def token_versions(self, sample: int = 0) -> list[int]:
         """The policy version that generated each token of sample ``sample`` (see

@@ -8,7 +8,9 @@
 from .grpo import (
     GrpoConfig,
     GrpoTrainer,
+    SamplingTransformError,
     StepStats,
+    behavior_temperature,
     group_advantages,
     grpo_loss,
     logprob_agreement,
@@ -26,7 +28,9 @@ __all__ = [
     # trainer
     "GrpoConfig",
     "GrpoTrainer",
+    "SamplingTransformError",
     "StepStats",
+    "behavior_temperature",
     "group_advantages",
     "grpo_loss",
     "logprob_agreement",

@@ -4,8 +4,15 @@ One job is one GRPO group: the ``n`` samples of one prompt. Each sample's advant
 reward normalised within its group (``(r - mean) / std``; 0 when the group agrees), and the
 loss is PPO's clipped surrogate on the importance ratio between the trainer's current
 policy and the *behavior* policy, whose per-token logprobs the replica returned with the
-sample (``sampling.logprobs=0``; vLLM reports the raw ``log_softmax`` of the logits, so
-samples must be drawn at temperature 1 for the ratio to mean anything).
+sample (``sampling.logprobs=0``). The ratio means something only when both are logprobs of
+the distribution the tokens were drawn from. Each sample says what its logprobs are
+(:class:`~rollq.protocol.LogprobSource`): vLLM's raw ``log_softmax`` of the logits (its
+default) is that distribution only at temperature 1 with no top-p, top-k, min-p or
+penalties; a replica with ``VllmEngineConfig(logprobs_mode="processed_logprobs")`` returns
+the logprobs after them. The trainer applies the same temperature to its own logits
+(``log_softmax(logits / T)``) and refuses with :class:`SamplingTransformError`, naming the
+field, a result whose transform it cannot reproduce (raw logprobs at T != 1, top-p, top-k,
+min-p, penalties, greedy samples).
 
 >>> import torch
 >>> group_advantages(torch.tensor([[0.0, 1.0], [0.5, 0.5]]))
@@ -34,6 +41,8 @@ log = logging.getLogger(__name__)
 __all__ = [
     "GrpoConfig",
     "GrpoTrainer",
+    "SamplingTransformError",
+    "behavior_temperature",
     "StepStats",
     "group_advantages",
     "grpo_loss",
@@ -67,6 +76,66 @@ def single_version(result: Any) -> int | None:
         return None  # a span without per-token marks: which tokens came from which is unknown
     got = {s.single_version(result.version_start) for s in result.samples}
     return got.pop() if len(got) == 1 else None
+
+
+# ----------------------------------------------------------------------------------------
+# What the behavior logprobs are
+# ----------------------------------------------------------------------------------------
+class SamplingTransformError(ValueError):
+    """A result's behavior logprobs are not the probabilities its tokens were sampled from,
+    and the trainer cannot compute the same ones: the message starts with the field."""
+
+
+#: Temperatures below this are greedy in vLLM (its ``_SAMPLING_EPS``).
+_GREEDY_BELOW = 1e-5
+
+
+def behavior_temperature(result: Any) -> float:
+    """The temperature ``T`` at which the trainer's ``log_softmax(logits / T)`` is the
+    distribution of ``result``'s behavior logprobs; raises :class:`SamplingTransformError`
+    naming the field where no such ``T`` exists.
+
+    >>> from rollq.protocol import LogprobSource, Result, Sample, SamplingParams, pack_i32
+    >>> def res(kind, **sp):
+    ...     src = LogprobSource.of(SamplingParams(ignore_eos=True, **sp), kind)
+    ...     return Result(id="j", samples=[Sample(tokens=pack_i32([5]), lp_source=src)])
+    >>> behavior_temperature(res("processed", temperature=0.7))
+    0.7
+    >>> behavior_temperature(res("raw", temperature=0.7))
+    Traceback (most recent call last):
+    ...
+    rollq.rl.grpo.SamplingTransformError: temperature=0.7: job 'j' holds vLLM's raw logprobs ...
+    >>> behavior_temperature(res("processed", top_p=0.9))
+    Traceback (most recent call last):
+    ...
+    rollq.rl.grpo.SamplingTransformError: top_p=0.9: the trainer cannot apply the same transform; ...
+    """
+    temps = {_sample_temperature(result.id, s.logprob_source) for s in result.samples}
+    if len(temps) > 1:
+        raise SamplingTransformError(f"temperature: the samples of job {result.id!r} were drawn at {sorted(temps)}")
+    return temps.pop() if temps else 1.0
+
+
+def _sample_temperature(job_id: str, src: Any) -> float:
+    if src.temperature < _GREEDY_BELOW:
+        raise SamplingTransformError(
+            f"temperature={src.temperature!r}: job {job_id!r} was sampled greedily, which has no "
+            "distribution to take a ratio with; sample at a temperature > 0")
+    changed = src.transformed()
+    if src.kind == "raw":
+        if changed:
+            raise SamplingTransformError(
+                f"{changed[0]}: job {job_id!r} holds vLLM's raw logprobs (of the logits before "
+                "the sampling transform), not the probabilities its tokens were sampled from; serve it "
+                "from a replica with VllmEngineConfig(logprobs_mode='processed_logprobs'), or sample "
+                "at temperature 1 with no top-p, top-k, min-p or penalties")
+        return 1.0
+    beyond = [c for c in changed if not c.startswith("temperature=")]
+    if beyond:
+        raise SamplingTransformError(
+            f"{beyond[0]}: the trainer cannot apply the same transform; job {job_id!r} must be "
+            "sampled with it at its neutral value (the trainer reproduces the temperature only)")
+    return float(src.temperature)
 
 
 # ----------------------------------------------------------------------------------------
@@ -124,11 +193,15 @@ class _PickedLogprobs(torch.nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, tok: torch.Tensor, temp: torch.Tensor | None
+    ) -> torch.Tensor:
         decoder = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
         hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
         h = hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         logits = self.lm.get_output_embeddings()(h).float()
+        if temp is not None:  # per row, in float32, as vLLM's sampler divides
+            logits = logits / temp.view(-1, 1, 1)
         return torch.log_softmax(logits, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
 
@@ -137,12 +210,15 @@ def token_logprobs(
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
     state: Mapping[str, torch.Tensor] | None = None,
+    temperature: float | Sequence[float] = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of each completion's tokens after its prompt, in one right-padded batch.
 
     Returns ``(logp, mask)``, both ``[len(completions), longest completion]`` (float32).
     With ``state`` the model is evaluated at those weights (``torch.func.functional_call``)
-    instead of its own. Gradients flow unless called under ``torch.no_grad()``.
+    instead of its own. ``temperature`` (one, or one per completion): the logprobs are
+    ``log_softmax(logits / T)``, those of sampling at ``T``. Gradients flow unless called
+    under ``torch.no_grad()``.
 
     >>> logp, mask = token_logprobs(model, [[5, 6, 7]], [[100, 200]])   # doctest: +SKIP
     """
@@ -167,9 +243,13 @@ def token_logprobs(
         pos[i, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
         tok[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
         mask[i, : len(c)] = True
+    temps = [float(temperature)] * n if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
+    if len(temps) != n:
+        raise ValueError(f"{len(temps)} temperatures for {n} completions")
     dev = next(model.parameters()).device
+    temp = None if all(t == 1.0 for t in temps) else torch.tensor(temps, dtype=torch.float32, device=dev)
     picker = _PickedLogprobs(model)
-    args = (ids.to(dev), attn.to(dev), pos.to(dev), tok.to(dev))
+    args = (ids.to(dev), attn.to(dev), pos.to(dev), tok.to(dev), temp)
     if state is None:
         logp = picker(*args)
     else:
@@ -179,15 +259,19 @@ def token_logprobs(
     return logp[:, :longest], mask[:, :longest]
 
 
-def _behavior(results: Sequence[Any]) -> list[list[float]]:
-    out = []
+def _behavior(results: Sequence[Any]) -> tuple[list[list[float]], list[float]]:
+    """The behavior logprobs of every sample of ``results`` and the temperature of each
+    (:func:`behavior_temperature`; raises :class:`SamplingTransformError`)."""
+    out, temps = [], []
     for r in results:
+        t = behavior_temperature(r)
         for s in r.samples:
             lp = s.token_logprobs
             if lp is None or len(lp) != len(s.tokens) // 4:
                 raise ValueError(f"job {r.id!r}: samples need per-token logprobs (submit with sampling logprobs=0)")
             out.append(lp)
-    return out
+            temps.append(t)
+    return out, temps
 
 
 def logprob_agreement(
@@ -201,17 +285,19 @@ def logprob_agreement(
 
     ``results[i]`` was generated from ``prompts[i]`` at the version whose weights are the
     model's (or ``state``). Callers pass only results generated entirely at that version
-    (:func:`single_version`). Float32 on CPU agrees to ~1e-6 per token on the tiny model; a
-    stale or mis-loaded tensor gives differences of order 0.1 or more.
+    (:func:`single_version`). The trainer's logprobs are taken at each result's
+    :func:`behavior_temperature` (a result whose transform it cannot apply raises
+    :class:`SamplingTransformError`). Float32 on CPU agrees to ~1e-6 per token on the tiny
+    model; a stale or mis-loaded tensor gives differences of order 0.1 or more.
 
     >>> mean, worst, n = logprob_agreement(model, results, prompts)   # doctest: +SKIP
     """
     rows = [(prompts[i], s.token_ids) for i, r in enumerate(results) for s in r.samples]
     if not rows:
         return 0.0, 0.0, 0
-    behavior = _behavior(results)
+    behavior, temps = _behavior(results)
     with torch.no_grad():
-        logp, mask = token_logprobs(model, [p for p, _ in rows], [c for _, c in rows], state)
+        logp, mask = token_logprobs(model, [p for p, _ in rows], [c for _, c in rows], state, temps)
     return _diff(logp, mask, behavior)
 
 
@@ -273,7 +359,10 @@ class GrpoTrainer:
     rewards, makes one Adam step, and advances :attr:`version` (the caller publishes the new
     weights as that version). Along the way it measures the logprob agreement of every group
     generated entirely at a version it still has weights for: the current one (from the
-    training forward pass itself) or one of the last ``snapshots`` versions.
+    training forward pass itself) or one of the last ``snapshots`` versions. The policy is
+    taken at the samples' temperature (:func:`behavior_temperature`); a batch holding a
+    result whose sampling transform the trainer cannot reproduce raises
+    :class:`SamplingTransformError` before any update.
 
     >>> trainer = GrpoTrainer.from_pretrained(model_dir, GrpoConfig(lr=3e-3))   # doctest: +SKIP
     >>> stats = trainer.step(batch, rewards)                                   # doctest: +SKIP
@@ -355,14 +444,14 @@ class GrpoTrainer:
                 prompts.append(prompt)
                 comps.append(s.token_ids)
                 owner.append(g)
-        behavior = _behavior([r for _, r in batch])
+        behavior, temps = _behavior([r for _, r in batch])  # refuses what it cannot reproduce
         widths = {len(r) for r in rewards}
         if len(widths) == 1:
             adv_g = group_advantages(torch.tensor([list(r) for r in rewards], dtype=torch.float32))
             adv = adv_g.reshape(-1)
         else:  # groups of different sizes (a failed sample): normalise each on its own
             adv = torch.cat([group_advantages(torch.tensor([list(r)], dtype=torch.float32))[0] for r in rewards])
-        logp, mask = token_logprobs(self.model, prompts, comps)
+        logp, mask = token_logprobs(self.model, prompts, comps, temperature=temps)
         b = _padded(behavior, logp)
         loss, st = grpo_loss(logp, b, adv.to(logp.device), mask, self.config.clip_eps)
         # Agreement: groups generated entirely at the current version use this forward pass.

@@ -405,3 +405,18 @@ async def test_stop_fails_running_requests_with_engine_dead():
     assert isinstance(await fut, EngineDead)
     assert llm.shut_down and engine.llm is None
     assert isinstance(await run(engine, job(tokens=[1], max_tokens=1)), EngineDead)
+
+
+@pytest.mark.parametrize("config, says", [
+    ({"logprobs_mode": "processed_logits"}, "logprobs_mode must be one of"),
+    ({"engine_kwargs": {"logprobs_mode": "processed_logprobs"}}, "set VllmEngineConfig.logprobs_mode"),
+])
+async def test_logprobs_mode_rollq_cannot_label_is_refused(config, says):
+    pytest.importorskip("vllm")
+    from rollq.consumer.vllm_api import engine_args
+    from rollq.consumer.vllm_engine import VllmEngineConfig, _vllm
+
+    with pytest.raises(ValueError, match=says):
+        engine_args(_vllm(), VllmEngineConfig(model="fake", **config))
+    args = engine_args(_vllm(), VllmEngineConfig(model="fake", logprobs_mode="processed_logprobs"))
+    assert args.logprobs_mode == "processed_logprobs"

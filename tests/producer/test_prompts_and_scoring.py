@@ -77,8 +77,12 @@ async def test_scoring_job_returns_the_logprobs_generation_sampled(replica, redi
         gen = await (await p.submit(prompt_token_ids=context, sampling={"max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 0})).result(timeout=60)
         cont, behavior = gen.samples[0].token_ids, gen.samples[0].token_logprobs
         scored = await p.score(context, cont, timeout=60)
-        assert len(scored) == len(cont)
-        assert max(abs(a - b) for a, b in zip(scored, behavior)) < 1e-4
+        assert scored.version == gen.version_start == 0 and len(scored.logprobs) == len(cont)
+        assert max(abs(a - b) for a, b in zip(scored.logprobs, behavior)) < 1e-4
+        # The version is the replica's when it scored (here: the same weights, called 3).
+        replica.set_version(3)
+        again = await p.score(context, cont, timeout=60, min_version=3)
+        assert again.version == 3 and max(abs(a - b) for a, b in zip(again.logprobs, scored.logprobs)) < 1e-6
         # The batch form: the whole prompt's logprobs, the first token without one.
         r = await (await p.submit(**score_spec(context, cont))).result(timeout=60)
         lps = r.prompt_logprobs

@@ -11,14 +11,18 @@ import pytest
 from rollq.errors import InvalidJob, ProtocolError, SchemaVersionError
 from rollq.protocol import (
     MAX_LOGPROBS,
+    RAW_LOGPROBS,
     SCHEMA_VERSION,
+    UNKNOWN_START,
     DeadLetter,
     ErrorInfo,
     Job,
+    LogprobSource,
     Message,
     Result,
     Sample,
     SamplingParams,
+    Scores,
     decode_dead_letter,
     decode_job,
     decode_result,
@@ -122,6 +126,36 @@ def test_result_round_trip():
     err = Result(id="j2", error=ErrorInfo(type="JobRejected", message="nope"))
     back = decode_result(encode_result(err))
     assert not back.ok and back.error == ErrorInfo("JobRejected", "nope")
+
+
+def test_samples_say_what_their_logprobs_are_and_old_results_read_as_raw():
+    src = LogprobSource.of(SamplingParams(temperature=0.7, top_p=0.9, ignore_eos=True), "processed")
+    r = Result(id="j1", samples=[Sample(tokens=pack_i32([5, 6]), logprobs=pack_f32([-0.5, -1.0]), lp_source=src)])
+    back = decode_result(encode_result(r))
+    assert back.samples[0].logprob_source == src and back.logprob_source == src
+    assert (src.kind, src.temperature, src.top_p) == ("processed", 0.7, 0.9)
+    assert src.transformed() == ["temperature=0.7", "top_p=0.9"]
+    # A result from a replica before the field: its samples are arrays of 5, read as raw.
+    raw = msgspec.msgpack.decode(encode_result(r))
+    raw[2] = [s[:5] for s in raw[2]]
+    old = decode_result(encode(raw))
+    assert old.samples[0].lp_source is None and old.logprob_source == RAW_LOGPROBS
+    assert RAW_LOGPROBS.kind == "raw" and RAW_LOGPROBS.transformed() == []
+    assert old.samples[0].token_logprobs == [-0.5, -1.0]
+
+
+def test_scores_carry_the_version_that_computed_them():
+    lps = pack_f32([math.nan, -1.0, -2.0, -3.0])
+    one = Sample(tokens=pack_i32([9]))
+    assert Scores.of(Result(id="s", prompt_lps=lps, version_start=5, version_end=5, samples=[one]), 2) == ([-2.0, -3.0], 5)
+    # Across a swap: known only when the sampled token (after the whole prompt) came before it.
+    before = Sample(tokens=pack_i32([9]), versions=[(5, 0), (6, 1)])
+    after = Sample(tokens=pack_i32([9]), versions=[(5, 0), (6, 0)])
+    unknown = Sample(tokens=pack_i32([9]), versions=[(5, 0), (6, UNKNOWN_START)])
+    for sample, version in ((before, 5), (after, UNKNOWN_START), (unknown, UNKNOWN_START), (one, UNKNOWN_START)):
+        got = Scores.of(Result(id="s", prompt_lps=lps, version_start=5, version_end=6, samples=[sample]), 1)
+        assert got.version == version and got.logprobs == [-1.0, -2.0, -3.0], sample
+    assert Scores.of(Result(id="s", version_start=2, version_end=2), 1) == Scores([], 2)  # no prompt logprobs
 
 
 def test_dead_letter_round_trip():

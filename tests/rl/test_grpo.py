@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
-from rollq.protocol import Result, Sample, pack_f32, pack_i32
+from rollq.protocol import LogprobSource, Result, Sample, SamplingParams, pack_f32, pack_i32
 from rollq.rl import (
     GrpoConfig,
     GrpoTrainer,
+    SamplingTransformError,
     busy_fraction,
     group_advantages,
     grpo_loss,
@@ -80,18 +81,20 @@ def trainer(tiny_model_path):
     return GrpoTrainer.from_pretrained(str(tiny_model_path), GrpoConfig(lr=5e-3), seed=0)
 
 
-def _sample(model, prompt, n, length, gen):
-    """Sample ``n`` completions from ``model`` itself at temperature 1, with their logprobs."""
+def _sample(model, prompt, n, length, gen, temperature=1.0, source=None):
+    """Sample ``n`` completions from ``model`` itself at ``temperature``, with the logprobs of
+    the distribution sampled from (labelled ``source``)."""
     ids = torch.tensor([prompt] * n)
     lps = []
     with torch.no_grad():
         for _ in range(length):
-            lp = torch.log_softmax(model(input_ids=ids).logits[:, -1].float(), -1)
+            lp = torch.log_softmax(model(input_ids=ids).logits[:, -1].float() / temperature, -1)
             t = torch.multinomial(lp.exp(), 1, generator=gen)
             lps.append(lp.gather(-1, t))
             ids = torch.cat([ids, t], 1)
     toks, lps = ids[:, len(prompt):], torch.cat(lps, 1)
-    return [Sample(tokens=pack_i32(toks[i].tolist()), logprobs=pack_f32(lps[i].tolist())) for i in range(n)]
+    return [Sample(tokens=pack_i32(toks[i].tolist()), logprobs=pack_f32(lps[i].tolist()), lp_source=source)
+            for i in range(n)]
 
 
 def test_token_logprobs_of_a_padded_batch_equal_one_sequence_at_a_time(trainer):
@@ -131,6 +134,60 @@ def test_trainer_step_measures_agreement_lags_and_keeps_snapshots(trainer):
     # A second step on the same (now one version old) samples: lag 1, agreement from the snapshot.
     st2 = trainer.step(batch, rewards)
     assert st2.lags == [1, 1, 1, 1] and st2.diff_tokens == 64 and st2.diff_max < 1e-4
+
+
+def _source(kind, **sampling):
+    return LogprobSource.of(SamplingParams(ignore_eos=True, **sampling), kind)
+
+
+def test_trainer_takes_processed_logprobs_at_their_temperature(trainer):
+    """Samples drawn at T=0.7 with the logprobs of that distribution: the trainer's step and
+    agreement compare ``log_softmax(logits / 0.7)``, so they agree exactly; at T=1 they would not."""
+    gen = torch.Generator().manual_seed(1)
+    v0 = trainer.version
+    batch = []
+    for b in range(2):
+        prompt = [40 + b] * 6
+        samples = _sample(trainer.model, prompt, 4, 5, gen, 0.7, _source("processed", temperature=0.7))
+        batch.append((prompt, Result(id=f"t{b}", samples=samples, version_start=v0, version_end=v0)))
+    results, prompts = [r for _, r in batch], [p for p, _ in batch]
+    mean, worst, n = logprob_agreement(trainer.model, results, prompts)
+    assert n == 40 and worst < 1e-5, (mean, worst)
+    with torch.no_grad():
+        at_one, _ = token_logprobs(trainer.model, [p for p in prompts for _ in range(4)],
+                                   [s.token_ids for r in results for s in r.samples])
+    behaviour = torch.tensor([s.token_logprobs for r in results for s in r.samples])
+    assert (at_one - behaviour).abs().mean() > 1e-2  # T=1 logprobs are another distribution
+    st = trainer.step(batch, [[0.0, 1.0, 0.0, 1.0]] * 2)
+    assert st.diff_tokens == 40 and st.diff_max < 1e-5 and st.extra["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("kind, sampling, field", [
+    ("raw", {"temperature": 0.7}, "temperature=0.7"),
+    ("raw", {"top_k": 5}, "top_k=5"),
+    ("processed", {"temperature": 0.7, "top_p": 0.9}, "top_p=0.9"),
+    ("processed", {"min_p": 0.05}, "min_p=0.05"),
+    ("processed", {"top_k": 5}, "top_k=5"),
+    ("processed", {"repetition_penalty": 1.1}, "repetition_penalty=1.1"),
+    ("processed", {"presence_penalty": 0.5}, "presence_penalty=0.5"),
+    ("processed", {"temperature": 0.0}, "temperature=0.0"),
+])
+def test_trainer_refuses_logprobs_whose_transform_it_cannot_apply(trainer, kind, sampling, field):
+    gen = torch.Generator().manual_seed(2)
+    samples = _sample(trainer.model, [7, 8, 9], 2, 3, gen, 1.0, _source(kind, **sampling))
+    res = Result(id="x", samples=samples, version_start=trainer.version, version_end=trainer.version)
+    before = trainer.version
+    with pytest.raises(SamplingTransformError, match=f"^{field}: "):
+        logprob_agreement(trainer.model, [res], [[7, 8, 9]])
+    with pytest.raises(SamplingTransformError, match=f"^{field}: "):
+        trainer.step([([7, 8, 9], res)], [[0.0, 1.0]])
+    assert trainer.version == before  # refused before any update
+
+
+def test_min_tokens_counts_only_where_it_masks_stop_tokens():
+    assert _source("processed", min_tokens=3).transformed() == []  # ignore_eos, no stop ids
+    masked = LogprobSource.of(SamplingParams(min_tokens=3), "processed")
+    assert masked.transformed() == ["min_tokens=3"]
 
 
 def test_plot_writes_a_png_and_its_data(tmp_path):

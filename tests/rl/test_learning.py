@@ -10,6 +10,7 @@ import torch
 
 from rollq.rl import BucketTask, GrpoConfig, GrpoTrainer, LoopConfig, Replicas, run_loop
 from rollq.weightsync import WeightPublisher
+from tests.helpers.agreement import agreement_bounds
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -50,7 +51,8 @@ async def test_grpo_through_rollq_learns_the_bucket_task(vllm_engine, tiny_model
         assert first < 0.4 and report.time_to_reward(first + 0.25) is not None, r
         assert last > first + 0.15, r
         assert set(s["lag_histogram"]) <= {"0", "1"}, s["lag_histogram"]
-        assert s["logprob_tokens_compared"] > 0 and s["logprob_abs_diff_mean"] <= 1e-3, s
+        print(f"GRPO run: {s['logprob_tokens_compared']} tokens compared, mean |diff| {s['logprob_abs_diff_mean']:.2e}")
+        assert s["logprob_tokens_compared"] > 0 and s["logprob_abs_diff_mean"] <= agreement_bounds(vllm_engine).mean, s
         assert s["failed_jobs"] == 0 and s["versions"] == rec.version + 24
         # leave the shared engine as found
         rec = await pub.publish_weights(base)

