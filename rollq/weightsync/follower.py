@@ -375,10 +375,12 @@ class WeightFollower:
         if not served or not rec.dtypes:
             return
         named = self.manifest.dtype_named if self.manifest is not None else False
+        own = {m.dtype for m in self.manifest.tensors} & {"float64", "float32", "float16", "bfloat16"} if self.manifest else set()
+        checkpoint = next(iter(own)) if len(own) == 1 else None
         converted = []
         for sent in rec.dtypes:
             try:
-                how = conversion(sent, served, named)
+                how = conversion(sent, served, named, checkpoint)
             except ValueError as e:
                 raise WeightMismatch(f"policy version {rec.version} is {', '.join(rec.dtypes)}; replica {self.consumer.id} "
                                      f"serves {served} ({e}): publish it in {served}, or start the replica with "

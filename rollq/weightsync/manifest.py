@@ -132,21 +132,29 @@ def float_dtypes(items: Sequence[tuple[str, Any]]) -> list[str]:
     return sorted({_dtype_name(t) for _, t in items} & _FLOATS)
 
 
-def conversion(sent: str, served: str, named: bool) -> str | None:
+def conversion(sent: str, served: str, named: bool, checkpoint: str | None = None) -> str | None:
     """How a floating-point tensor of dtype ``sent`` is served in ``served``: None (as it is),
-    ``"exact"`` (converted without loss), ``"rounded"`` (lossy, accepted because the user
-    named ``served``); raises ValueError for a lossy conversion nobody asked for.
+    ``"exact"`` (converted without loss) or ``"rounded"``. A conversion is accepted when the
+    user named ``served`` (``named``), or when ``sent`` is the ``checkpoint``'s own dtype and
+    ``served`` holds it exactly (a bfloat16 checkpoint served in float32 on CPU); any other
+    raises ValueError, since the replica's logprobs would not be the trainer's.
 
-    >>> conversion("float32", "float32", False), conversion("bfloat16", "float32", False), conversion("float32", "bfloat16", True)
-    (None, 'exact', 'rounded')
+    >>> conversion("float32", "float32", False), conversion("float32", "bfloat16", True)
+    (None, 'rounded')
+    >>> conversion("bfloat16", "float32", False, checkpoint="bfloat16")
+    'exact'
+    >>> conversion("float32", "bfloat16", False)
+    Traceback (most recent call last):
+    ...
+    ValueError: sent float32, served bfloat16: the replica would round it (name its dtype to accept that)
     """
     if sent == served:
         return None
-    if sent in _HOLDS.get(served, ()):
-        return "exact"
-    if named:
-        return "rounded"
-    raise ValueError(f"sent {sent}, served {served}: the replica would round it (name its dtype to accept that)")
+    exact = sent in _HOLDS.get(served, ())
+    if named or (exact and sent == checkpoint):
+        return "exact" if exact else "rounded"
+    how = "round" if not exact else "compute in another dtype than the trainer with"
+    raise ValueError(f"sent {sent}, served {served}: the replica would {how} it (name its dtype to accept that)")
 
 
 def read_manifest(model: str, served_dtype: str | None = None, dtype_named: bool = False) -> Manifest | None:
@@ -239,7 +247,7 @@ def diff(metas: Sequence[TensorMeta], manifest: Manifest) -> Mismatch:
         if ref.dtype in _FLOATS and m.dtype in _FLOATS:
             serves = manifest.served_dtype or ref.dtype
             try:
-                conversion(m.dtype, serves, manifest.dtype_named)
+                conversion(m.dtype, serves, manifest.dtype_named, ref.dtype)
             except ValueError:
                 out.dtype.append((m.name, m.dtype, serves))
         elif m.dtype != ref.dtype:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from rollq.consumer.vllm_api import unfinished
 from rollq.consumer.engine import EngineOutput
 from rollq.errors import InvalidJob, PromptTooLong
 from rollq.protocol import Job, Message, SamplingParams, pack_i32
@@ -193,7 +194,7 @@ async def test_duplicate_request_id_is_refused(vllm_engine):
     with pytest.raises(ValueError):
         vllm_engine.submit("dup", j, lambda *_: None)
     vllm_engine.abort("dup")
-    await wait_until(lambda: vllm_engine.llm.get_num_unfinished_requests() == 0)
+    await wait_until(lambda: unfinished(vllm_engine.llm) == 0)
 
 
 # -- abort ----------------------------------------------------------------------------
@@ -203,9 +204,9 @@ async def test_abort_long_request(vllm_engine):
     before = vllm_engine.stats().generated_tokens
     vllm_engine.submit(j.id, j, lambda *a: calls.append(a))
     await wait_until(lambda: vllm_engine.stats().generated_tokens > before + 5)  # it is decoding
-    assert vllm_engine.llm.get_num_unfinished_requests() == 1
+    assert unfinished(vllm_engine.llm) == 1
     vllm_engine.abort(j.id)
-    await wait_until(lambda: vllm_engine.llm.get_num_unfinished_requests() == 0)
+    await wait_until(lambda: unfinished(vllm_engine.llm) == 0)
     assert vllm_engine.stats().extra["inflight_jobs"] == 0
     # vLLM's scheduler let it go too: the next step reports nothing running.
     await ok(vllm_engine, job(tokens=[1], max_tokens=1))
@@ -225,7 +226,7 @@ async def test_abort_right_after_submit(vllm_engine):
         vllm_engine.abort(j.id)
     vllm_engine.abort("never-submitted")  # a no-op
     await asyncio.sleep(0.5)
-    await wait_until(lambda: vllm_engine.llm.get_num_unfinished_requests() == 0)
+    await wait_until(lambda: unfinished(vllm_engine.llm) == 0)
     assert calls == []
 
 
@@ -255,7 +256,7 @@ async def test_stats(vllm_engine):
     await wait_until(lambda: vllm_engine.stats().running == 1)
     assert vllm_engine.stats().kv_usage > 0
     vllm_engine.abort(j.id)
-    await wait_until(lambda: vllm_engine.llm.get_num_unfinished_requests() == 0)
+    await wait_until(lambda: unfinished(vllm_engine.llm) == 0)
 
 
 async def test_pause_keep_then_resume(vllm_engine):
@@ -321,7 +322,11 @@ async def test_collective_rpc_reaches_worker_extension(vllm_engine):
 async def test_engine_metadata(vllm_engine):
     assert vllm_engine.name == "vllm"
     assert vllm_engine.capacity_hint() and vllm_engine.capacity_hint() >= 1
-    assert vllm_engine.device == "cpu"
+    import torch
+
+    # "cpu", or the GPU's kind and name ("cuda:NVIDIA H200")
+    assert vllm_engine.device == "cpu" if not torch.cuda.is_available() else vllm_engine.device.startswith("cuda:")
+    assert vllm_engine.dtype == "float32"  # the tiny checkpoint's dtype, served as is on a GPU too
     assert vllm_engine.max_model_len == TEST_MAX_MODEL_LEN
     assert vllm_engine.vllm_version
 

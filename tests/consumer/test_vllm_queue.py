@@ -9,6 +9,7 @@ import time
 import pytest
 import pytest_asyncio
 
+from rollq.consumer.vllm_api import unfinished
 from rollq import Consumer, ConsumerSettings, Producer
 from rollq.consumer.engine import Engine
 from rollq.errors import EngineDead, JobCancelled, JobExpired
@@ -83,10 +84,10 @@ async def test_cancel_and_deadline_abort_the_vllm_request(replica, vllm_engine, 
             await h2.result(timeout=30)
         assert time.monotonic() - t0 < 10  # aborted, not run to its end
     for _ in range(200):  # the vLLM requests were aborted, not left running
-        if vllm_engine.llm.get_num_unfinished_requests() == 0:
+        if unfinished(vllm_engine.llm) == 0:
             break
         await asyncio.sleep(0.05)
-    assert vllm_engine.llm.get_num_unfinished_requests() == 0
+    assert unfinished(vllm_engine.llm) == 0
 
 
 class DyingEngine(Engine):
