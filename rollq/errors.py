@@ -176,6 +176,11 @@ class RedisAuthError(RollqError):
     permission. Not retried: backing off would not make the password right."""
 
 
+class RedisTLSError(RedisAuthError):
+    """Redis' TLS certificate failed the check (an unknown authority, another host name, an
+    expired certificate). Not retried: backing off would not make the certificate right."""
+
+
 class SubmitInterrupted(RollqError):
     """Redis stayed unreachable while a submission was under way (longer than
     ``RedisSettings.command_timeout`` without progress).
