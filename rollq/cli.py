@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from .connection import RETRYABLE
-from .errors import RedisAuthError, ShardCountMismatch
+from .errors import BadQueueData, RedisAuthError, ShardCountMismatch
 from .settings import DEFAULT_QUEUE, ENV_URL, ENV_URL_FILE, ConsumerSettings, RedisSettings, read_url_file
 
 log = logging.getLogger("rollq.cli")
@@ -332,9 +332,22 @@ async def _status(a: argparse.Namespace) -> int:
     client = connect(RedisSettings.from_url(a.url))
     try:
         while True:
-            # no --queue: every queue in use, one JSON line (or table) each, sorted by name
+            # no --queue: every queue in use, one JSON line (or table) each, sorted by name; a
+            # queue holding a stray value is shown as unreadable (naming the key), the rest as usual
+            bad = 0
             for name in [a.queue] if a.queue is not None else await queues_in_use(client):
-                st = await queue_status(client, QueueKeys(name))
+                try:
+                    st = await queue_status(client, QueueKeys(name))
+                except BadQueueData as e:
+                    bad += 1
+                    if a.json:
+                        _out({"queue": name, "ok": False, "error": str(e), "key": e.key, "field": e.field})
+                    else:
+                        from rich.console import Console
+                        from rich.text import Text
+
+                        Console().print(Text(f"queue {name}: unreadable: {e}", style="bold red"))
+                    continue
                 if a.json:
                     _out(st.to_dict())
                 else:
@@ -342,7 +355,7 @@ async def _status(a: argparse.Namespace) -> int:
 
                     Console().print(render_status(st))
             if not a.watch:
-                return 0
+                return 1 if bad else 0
             await asyncio.sleep(a.watch)
     finally:
         await client.aclose()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ssl
 from functools import lru_cache
 from importlib import resources
 from typing import Any, Sequence
@@ -71,16 +72,32 @@ def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Cl
 @lru_cache(maxsize=None)
 def _auth_fails_fast(base: type) -> type:
     """``base`` (redis-py's connection class the URL chose: TCP, TLS or unix socket) whose
-    handshake raises :class:`~rollq.errors.RedisAuthError` when Redis refuses the credentials.
+    handshake raises :class:`~rollq.errors.RedisAuthError` when Redis refuses the credentials,
+    and :class:`~rollq.errors.RedisTLSError` when its TLS certificate fails the check.
 
     redis-py reports a wrong password as ``AuthenticationError``, a kind of
     ``ConnectionError``, which every retry loop here (and redis-py's own retry) takes for an
     outage and retries forever."""
     from redis.exceptions import AuthenticationError, AuthorizationError, NoPermissionError
 
-    from .errors import RedisAuthError
+    from .errors import RedisAuthError, RedisTLSError
 
     class FailFastAuth(base):  # type: ignore[misc, valid-type]
+        async def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                await super().connect_check_health(*args, **kwargs)
+            except RedisConnectionError as e:
+                # redis-py reports a certificate that fails the check as a ConnectionError
+                # raised while handling the ssl error: an outage to every retry loop.
+                cert = e.__cause__ or e.__context__
+                if not isinstance(cert, ssl.SSLCertVerificationError):
+                    raise
+                where = f"Redis at {self.host}:{self.port}" if hasattr(self, "host") else "Redis"
+                raise RedisTLSError(
+                    f"{where}: TLS certificate check failed: {cert.verify_message or cert} (check ssl_ca_certs "
+                    "and the server's certificate and host name; ssl_cert_reqs=none turns the check off)"
+                ) from None
+
         async def on_connect_check_health(self, *args: Any, **kwargs: Any) -> None:
             try:
                 await super().on_connect_check_health(*args, **kwargs)

@@ -42,6 +42,17 @@ class ShardCountMismatch(RollqError):
     """A producer or consumer named a number of shards other than the queue's recorded one."""
 
 
+class BadQueueData(RollqError):
+    """A key of a queue holds a value rollq never writes there (a stray ``SET``, a counter
+    that is not an integer, a registry entry that is not msgpack): the views report the queue
+    as unreadable, naming ``key`` (and ``field``, for a hash), and show the other queues."""
+
+    def __init__(self, message: str, *, key: str, field: str | None = None):
+        super().__init__(message)
+        self.key = key
+        self.field = field
+
+
 class InvalidJob(RollqError, ValueError):
     """A job failed validation (bad prompt, bad sampling params, unknown fields)."""
 
@@ -163,6 +174,11 @@ class RedisServerError(RollqError):
 class RedisAuthError(RollqError):
     """Redis refused our credentials (wrong password or user) or the ACL user lacks a
     permission. Not retried: backing off would not make the password right."""
+
+
+class RedisTLSError(RedisAuthError):
+    """Redis' TLS certificate failed the check (an unknown authority, another host name, an
+    expired certificate). Not retried: backing off would not make the certificate right."""
 
 
 class SubmitInterrupted(RollqError):

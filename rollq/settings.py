@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from .protocol.limits import MAX_RESULT_BYTES
+
 #: Environment variable consulted when no URL is given.
 ENV_URL = "ROLLQ_REDIS_URL"
 #: A file holding the URL (its first line), for a URL with a password: a URL on the command
@@ -169,7 +171,7 @@ class ConsumerSettings:
     #: Largest encoded result a replica records; a larger one fails its job with
     #: ResultTooLarge (Redis refuses values over 512 MiB, and a huge one delays every result
     #: recorded after it).
-    max_result_bytes: int = 64 << 20
+    max_result_bytes: int = MAX_RESULT_BYTES
     #: Bytes of a dead-lettered entry kept in its dead letter (the rest is cut; a cut entry
     #: cannot be requeued). ``dlq_maxlen`` bounds how many dead letters are kept.
     dlq_payload_bytes: int = 64 << 10

@@ -24,10 +24,11 @@ import msgspec
 from redis.exceptions import ResponseError
 
 from .connection import SUBMIT, Client
+from .errors import BadQueueData, ShardCountMismatch
 from .keys import FIELD, GROUP, QueueKeys
-from .protocol import LATENCY_BUCKETS_MS, DeadLetter, ReplicaInfo, decode_dead_letter, decode_job, encode_job
+from .protocol import LATENCY_BUCKETS_MS, DeadLetter, ReplicaInfo, decode_dead_letter, decode_job, encode_job, short
 from .replicas import heartbeating
-from .shards import check_shards, home_shard, read_shards
+from .shards import SHARDS_FIELD, check_shards, home_shard, read_shards
 
 _FIELD = FIELD.encode()
 
@@ -75,6 +76,49 @@ def _s(v: Any) -> str:
 
 def _int(v: Any) -> int:
     return int(v) if v is not None else 0
+
+
+def _number(v: Any, key: str, field: Any) -> int:
+    """``v``, a value rollq keeps as an integer at ``key`` (``field`` of a hash), as an int.
+
+    Raises:
+        BadQueueData: it is not an integer (anything can write Redis).
+    """
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        name = _s(field) if isinstance(field, bytes) else field
+        raise BadQueueData(
+            f"key {key!r} field {short(name, 60)!r} holds {short(_s(v), 60)!r}, not an integer",
+            key=key, field=name,
+        ) from None
+
+
+def _checked(results: list[Any], keys: list[str]) -> list[Any]:
+    """The replies of a pipeline run with ``raise_on_error=False``, one per key of ``keys``: a
+    command Redis refused (a key holding another type) raises :class:`BadQueueData` naming its
+    key; any other error (the connection) raises as it is."""
+    for r, key in zip(results, keys):
+        if isinstance(r, ResponseError):
+            raise BadQueueData(f"key {key!r} cannot be read: {short(str(r), 120)}", key=key) from r
+        if isinstance(r, Exception):
+            raise r
+    return results
+
+
+async def read_shard_count(client: Client, keys: QueueKeys) -> int:
+    """The queue's recorded shard count for the views (1 if none is recorded).
+
+    Raises:
+        BadQueueData: the record is not a valid count, or its hash is not a hash.
+    """
+    config = keys.base.config
+    try:
+        return await read_shards(client, keys)
+    except ShardCountMismatch as e:
+        raise BadQueueData(f"key {config!r} field {SHARDS_FIELD!r}: {e}", key=config, field=SHARDS_FIELD) from None
+    except ResponseError as e:
+        raise BadQueueData(f"key {config!r} cannot be read: {short(str(e), 120)}", key=config) from e
 
 
 def histogram_quantile(buckets: dict[int, int], q: float) -> float | None:
@@ -154,9 +198,15 @@ async def queue_status(client: Client, keys: QueueKeys, shards: int | None = Non
     Figures of a sharded queue are summed over its shards (``shard_depth`` and
     ``shard_in_flight`` keep each shard's). ``shards``: the queue's shard count where the
     caller already knows it (the dashboard re-reads it now and then); None reads the record.
+
+    Raises:
+        BadQueueData: a key of the queue holds a value rollq does not write there (a counter,
+            a latency bucket, the version or the shard count that is not an integer, a
+            registry entry that is not a replica's record, a key of another type). The error
+            names the key; the views show the queue as unreadable and go on with the others.
     """
     keys = keys.base
-    k = await _shard_count(client, keys, shards)
+    k = check_shards(shards) if shards is not None else await read_shard_count(client, keys)
     parts = keys.shards(k)
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(keys.stats)
@@ -164,17 +214,19 @@ async def queue_status(client: Client, keys: QueueKeys, shards: int | None = Non
     pipe.hgetall(keys.consumers)
     pipe.xlen(keys.dlq)
     pipe.hget(keys.version, "v")
+    read = [keys.stats, keys.latency, keys.consumers, keys.dlq, keys.version]
     for part in parts[1:]:  # every shard counts its own jobs and keeps its own dead letters
         pipe.hgetall(part.stats)
         pipe.xlen(part.dlq)
-    res = await pipe.execute()
+        read += [part.stats, part.dlq]
+    res = _checked(await pipe.execute(raise_on_error=False), read)
     stats_raw, lat, registry, dlq_len, version = res[:5]
     stats: dict[str, int] = {}
-    for h in (stats_raw, *res[5::2]):
+    for h, key in zip((stats_raw, *res[5::2]), (keys.stats, *read[5::2])):
         for name, v in h.items():
-            stats[_s(name)] = stats.get(_s(name), 0) + int(v)
+            stats[_s(name)] = stats.get(_s(name), 0) + _number(v, key, name)
     dlq_len = int(dlq_len) + sum(int(n) for n in res[6::2])
-    buckets = {int(b): int(v) for b, v in lat.items()}
+    buckets = {_number(b, keys.latency, b): _number(v, keys.latency, b) for b, v in lat.items()}
 
     groups = await _groups_info(client, [part.jobs for part in parts])
     shard_depth = [g[0] for g in groups]
@@ -187,14 +239,20 @@ async def queue_status(client: Client, keys: QueueKeys, shards: int | None = Non
         alive = await heartbeating(client, keys, names)
         now = time.time()
         for n, a in zip(names, alive):
-            info = msgspec.msgpack.decode(registry[n.encode()], type=ReplicaInfo)
+            try:
+                info = msgspec.msgpack.decode(registry[n.encode()], type=ReplicaInfo)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise BadQueueData(
+                    f"key {keys.consumers!r} field {short(n, 60)!r} is not a replica's record: {short(str(e), 120)}",
+                    key=keys.consumers, field=n,
+                ) from None
             d = msgspec.structs.asdict(info)
             home = home_shard(n, k)  # jobs targeted at a replica wait in its home shard
             d2, p2, _ = await _group_info(client, parts[home].replica_jobs(n))
             shard_depth[home] += d2
             shard_in_flight[home] += p2
             replicas.append(ReplicaView(id=n, alive=bool(a), heartbeat_age_s=round(now - info.heartbeat_at, 3), info=d))
-    ver = int(version) if version is not None else None
+    ver = _number(version, keys.version, "v") if version is not None else None
     return QueueStatus(
         queue=keys.queue, depth=sum(shard_depth), in_flight=sum(shard_in_flight), oldest_waiting_s=oldest,
         submitted=stats.get("submitted", 0), completed=stats.get("completed", 0),

@@ -83,3 +83,55 @@ def test_cli_log_lines_are_cut_and_not_highlighted():
     rec = logging.LogRecord("rollq", logging.WARNING, __file__, 1, "dead-lettered job %s", ("x" * 40_000,), None)
     assert _CutLongMessages().filter(rec)
     assert len(rec.getMessage()) < MAX_LOG_CHARS + 40 and rec.getMessage().endswith("(40018 characters)")
+
+
+@pytest.fixture
+def tls_redis(tmp_path):
+    """A redis-server with a TLS port whose certificate a CA of the test's own signed (no
+    client trusts it by default); the plain port stays for the fixture's readiness check."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("openssl"):
+        pytest.skip("needs openssl to make a certificate")
+    ca_key, ca, key, csr, cert = (str(tmp_path / n) for n in ("ca.key", "ca.crt", "srv.key", "srv.csr", "srv.crt"))
+    ext = tmp_path / "san.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", "/CN=rollq-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1")
+    run("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert, "-days", "2",
+        "-extfile", str(ext))
+    from rollq.server import free_port
+
+    tls_port = free_port()
+    srv = RedisServer(extra_args=["--tls-port", str(tls_port), "--tls-cert-file", cert, "--tls-key-file", key,
+                                  "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"])
+    try:
+        srv.start()
+    except Exception as e:  # a redis-server built without TLS
+        pytest.skip(f"redis-server cannot serve TLS here: {e}")
+    yield f"rediss://127.0.0.1:{tls_port}/0", ca
+    srv.cleanup()
+
+
+async def test_a_certificate_that_fails_the_check_fails_fast_as_a_wrong_password(tls_redis, queue):
+    """A TLS consumer whose certificate check failed retried as if Redis were down (it raises
+    RedisTLSError, a RedisAuthError)."""
+    url, ca = tls_redis
+    good = connect(url, ssl_ca_certs=ca)  # the server is fine: trusting its CA, the check passes
+    assert await good.ping()
+    await good.aclose()
+    with pytest.raises(RedisAuthError, match="TLS certificate check failed"):
+        await connect(url).ping()
+    c = Consumer(EchoEngine(), url, queue)
+    with pytest.raises(RedisAuthError, match="TLS certificate check failed"):
+        await asyncio.wait_for(c.run(), 20)  # retried until the wait ran out
+    with pytest.raises(RedisAuthError, match="TLS certificate check failed"):
+        async with Producer(url, queue):
+            pass
+    r = rollq("consume", "--url", url, "--queue", queue, "--engine", "echo", "--burst")
+    assert r.returncode == 2 and "certificate" in r.stderr and "Traceback" not in r.stderr, r.stderr

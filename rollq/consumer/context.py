@@ -97,6 +97,9 @@ class ReplicaContext:
     update_info: dict[str, Any] = field(default_factory=dict)
     #: dtypes of the current policy version that the engine converts to the one it serves.
     converted_from: list[str] = field(default_factory=list)
+    #: Keys found holding another type than rollq writes there (a stray ``SET``): key -> the
+    #: type found. Each is logged once as an error, and again once it is usable.
+    bad_keys: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.intake.set()
@@ -173,13 +176,46 @@ class ReplicaContext:
                  self.id, self.queue, k, home.shard_index)
         self.set_shards(k)
 
-    async def ensure_group(self, stream: str) -> None:
-        """Create the consumer group of ``stream`` (and the stream) unless it exists."""
+    async def ensure_group(self, stream: str) -> bool:
+        """Create the consumer group of ``stream`` (and the stream) unless it exists.
+
+        Returns False when the key holds something else than a stream (logged once, see
+        :meth:`key_is_bad`): the puller skips it and tries again later."""
         try:
             await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
         except ResponseError as e:
+            if wrong_type(e):
+                await self.stream_is_bad(stream)
+                return False
             if "BUSYGROUP" not in str(e):
                 raise
+        self.key_is_good(stream)
+        return True
+
+    async def stream_is_bad(self, key: str) -> str | None:
+        """A command on job stream ``key`` was refused with WRONGTYPE: read what the key holds
+        (``TYPE``) and log an error naming it, once until it is usable again. Returns the type
+        found (None if the key holds a stream again, or nothing: worth reading at once)."""
+        found = await self.redis.type(key)
+        found = found.decode() if isinstance(found, bytes) else str(found)
+        if found in ("stream", "none"):
+            return None
+        if self.bad_keys.get(key) != found:
+            log.error("consumer %s: key %r holds a %s, not a job stream: skipping it (the other streams "
+                      "and shards are served; it is tried again with backoff until it is repaired)",
+                      self.id, key, found)
+        self.bad_keys[key] = found
+        return found
+
+    def key_is_good(self, key: str) -> None:
+        """``key`` was used without error: if it was bad, say it is usable again."""
+        if self.bad_keys.pop(key, None) is not None:
+            log.info("consumer %s: key %r is usable again", self.id, key)
+
+
+def wrong_type(e: ResponseError) -> bool:
+    """Redis refused a command because a key holds another type (``WRONGTYPE``)."""
+    return str(e).startswith("WRONGTYPE")
 
 
 async def guarded(log: logging.Logger, what: str, step: Callable[[], Awaitable[Any]]) -> None:

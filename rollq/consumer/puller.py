@@ -28,7 +28,7 @@ from redis.exceptions import ResponseError
 
 from ..connection import RETRYABLE, deadline
 from ..keys import FIELD, GROUP
-from .context import ReplicaContext
+from .context import ReplicaContext, wrong_type
 from .finisher import Finisher
 from .jobs import Jobs
 
@@ -50,6 +50,8 @@ class Puller:
         self._to_look: deque[int] = deque()  # other shards to read before blocking again
         self._turn = 0  # where the next look at the other shards starts
         self._looked_at = time.monotonic()  # when the last look at them ended
+        #: Streams holding a stray value (WRONGTYPE): stream -> (next try, current delay).
+        self._skipped: dict[str, tuple[float, float]] = {}
 
     async def run(self) -> None:
         """Read until stop (or, in burst mode, until nothing is left); admit what is read."""
@@ -74,43 +76,56 @@ class Puller:
             streams = ctx.other_reads.get(shard) if shard is not None else ctx.streams
             if streams is None:
                 continue  # gone (the shard list changed)
-            try:
-                if shard is None:
-                    async with read_deadline:
-                        resp = await ctx.block_redis.xreadgroup(
-                            GROUP, ctx.id, {k: ">" for k in streams}, count=count,
-                            block=50 if ctx.burst else block_ms,
-                        )
-                else:
-                    async with deadline(ctx.redis_settings.command_timeout, "a read of another shard's job stream"):
-                        resp = await ctx.block_redis.xreadgroup(GROUP, ctx.id, {k: ">" for k in streams}, count=count)
+            streams = self._usable(streams) if self._skipped else streams
+            if not streams:  # every stream of this read holds a stray value for now: skipped
+                if shard is not None:
                     if not self._to_look:
                         self._looked_at = time.monotonic()
-                backoff = s.backoff_initial
-            except ResponseError as e:
-                if not _stream_gone(e):
-                    raise
-                # A stream or its group is gone: Redis lost its data (no persistence), or a
-                # peer that took this replica for dead deleted its empty targeted stream
-                # (RECLAIM), which ends a read blocked on it. Nothing was delivered.
-                log.warning("consumer %s: a job stream or its group is missing (%s); recreating it", ctx.id, str(e)[:120])
+                    continue
+                # The home shard's turn: wait what a blocking read would, then the other shards.
+                await ctx.wait_any(ctx.stopping.wait(), timeout=0.05 if ctx.burst else s.block)
+                resp = None
+            else:
                 try:
-                    for stream in streams:
-                        await ctx.ensure_group(stream)
-                except RETRYABLE as e2:
-                    if shard is not None:
-                        self._to_look.appendleft(shard)
-                    log.warning("redis unavailable while recreating the group (%s); retrying in %.2fs", e2, backoff)
+                    resp = await self._read(shard, streams, count, block_ms, read_deadline)
+                    backoff = s.backoff_initial
+                except ResponseError as e:
+                    if wrong_type(e):
+                        # A stray value at one of these keys (a SET over a job stream): name it,
+                        # skip it with backoff, serve the rest. Nothing was delivered.
+                        try:
+                            found = await self._skip_bad(streams)
+                        except RETRYABLE:
+                            found = False
+                        if not found:
+                            await ctx.wait_any(ctx.stopping.wait(), timeout=backoff)
+                            backoff = min(backoff * 2, s.backoff_max)
+                        continue
+                    if not _stream_gone(e):
+                        raise
+                    # A stream or its group is gone: Redis lost its data (no persistence), or a
+                    # peer that took this replica for dead deleted its empty targeted stream
+                    # (RECLAIM), which ends a read blocked on it. Nothing was delivered.
+                    log.warning("consumer %s: a job stream or its group is missing (%s); recreating it", ctx.id, str(e)[:120])
+                    try:
+                        for stream in streams:
+                            await ctx.ensure_group(stream)
+                    except RETRYABLE as e2:
+                        if shard is not None:
+                            self._to_look.appendleft(shard)
+                        log.warning("redis unavailable while recreating the group (%s); retrying in %.2fs", e2, backoff)
+                        await ctx.wait_any(ctx.stopping.wait(), timeout=backoff * (0.5 + random.random()))
+                        backoff = min(backoff * 2, s.backoff_max)
+                    continue
+                except RETRYABLE as e:
+                    ctx.counters.reconnects += 1
+                    log.warning("redis read failed (%s); reconnecting in %.2fs", e, backoff)
                     await ctx.wait_any(ctx.stopping.wait(), timeout=backoff * (0.5 + random.random()))
                     backoff = min(backoff * 2, s.backoff_max)
-                continue
-            except RETRYABLE as e:
-                ctx.counters.reconnects += 1
-                log.warning("redis read failed (%s); reconnecting in %.2fs", e, backoff)
-                await ctx.wait_any(ctx.stopping.wait(), timeout=backoff * (0.5 + random.random()))
-                backoff = min(backoff * 2, s.backoff_max)
-                self._lost_read = True  # its reply may have been lost after Redis delivered
-                continue
+                    self._lost_read = True  # its reply may have been lost after Redis delivered
+                    continue
+                if self._skipped:
+                    self._read_fine(streams)
             if self._lost_read:
                 self._lost_read = False
                 try:
@@ -130,6 +145,49 @@ class Puller:
                 # Jobs that finished at once (a fast engine, rejected entries): let the
                 # finisher send them before the next read, which may block.
                 await asyncio.sleep(0)
+
+    async def _read(self, shard: int | None, streams: list[str], count: int, block_ms: int, read_deadline: Any) -> Any:
+        """One XREADGROUP: blocking on the home shard's streams (``shard`` None), else one
+        read of another shard's."""
+        ctx = self._ctx
+        if shard is None:
+            async with read_deadline:
+                return await ctx.block_redis.xreadgroup(
+                    GROUP, ctx.id, {k: ">" for k in streams}, count=count, block=50 if ctx.burst else block_ms,
+                )
+        async with deadline(ctx.redis_settings.command_timeout, "a read of another shard's job stream"):
+            resp = await ctx.block_redis.xreadgroup(GROUP, ctx.id, {k: ">" for k in streams}, count=count)
+        if not self._to_look:
+            self._looked_at = time.monotonic()
+        return resp
+
+    # -- streams holding a stray value ----------------------------------------------------------
+    def _usable(self, streams: list[str]) -> list[str]:
+        """``streams`` less those skipped for a stray value whose next try is not due yet."""
+        now = time.monotonic()
+        skipped = self._skipped
+        return [k for k in streams if k not in skipped or skipped[k][0] <= now]
+
+    async def _skip_bad(self, streams: list[str]) -> bool:
+        """A read of ``streams`` was refused with WRONGTYPE: skip the streams that hold another
+        type, each until a delay that doubles at every refusal (``backoff_initial`` to
+        ``backoff_max``). Returns whether one was found."""
+        ctx, s = self._ctx, self._ctx.settings
+        found = False
+        for stream in streams:
+            if await ctx.stream_is_bad(stream) is None:
+                continue
+            found = True
+            last = self._skipped.get(stream)
+            delay = s.backoff_initial if last is None else min(last[1] * 2, s.backoff_max)
+            self._skipped[stream] = (time.monotonic() + delay, delay)
+        return found
+
+    def _read_fine(self, streams: list[str]) -> None:
+        """A read of ``streams`` went through: none of them is skipped any more."""
+        for stream in streams:
+            if self._skipped.pop(stream, None) is not None:
+                self._ctx.key_is_good(stream)
 
     def _look_elsewhere(self) -> None:
         """Queue one read of every other shard, starting one further along each time."""
@@ -197,7 +255,7 @@ class Puller:
                 try:
                     groups = await r.xinfo_groups(stream)
                 except ResponseError as e:  # the stream is gone (see _stream_gone): nothing in it
-                    if "no such key" not in str(e).lower():
+                    if "no such key" not in str(e).lower() and not wrong_type(e):  # or skipped
                         raise
                     continue
                 for g in groups:

@@ -37,11 +37,13 @@ import random
 import time
 from typing import Awaitable, Callable
 
+from redis.exceptions import ResponseError
+
 from ..connection import RECLAIM
 from ..keys import GROUP, QueueKeys
 from ..replicas import heartbeating
 from ..shards import home_shard
-from .context import ReplicaContext, guarded
+from .context import ReplicaContext, guarded, wrong_type
 from .jobs import Jobs
 from .puller import entry_payload
 
@@ -86,7 +88,12 @@ class Reclaimer:
         for shard in list(ctx.shards):
             if await self._elect(shard):
                 self._roles.add(shard.shard_index)
-                taken += await self._scan(shard)
+                try:
+                    taken += await self._scan(shard)
+                except ResponseError as e:  # a stray value at the shard's stream: the others go on
+                    if not wrong_type(e):
+                        raise
+                    await ctx.stream_is_bad(shard.jobs)
             else:
                 self._roles.discard(shard.shard_index)
         self.holding = bool(self._roles)

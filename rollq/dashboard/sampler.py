@@ -41,15 +41,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from ..connection import Client, connect
+from ..errors import BadQueueData
 from ..keys import QueueKeys
 from ..protocol import LATENCY_BUCKETS_MS, SCHEMA_VERSION
 from ..registry import queues_in_use
 from ..settings import DEFAULT_QUEUE, RedisSettings
-from ..shards import read_shards
-from ..status import QueueStatus, dlq_list, histogram_quantile, queue_status
+from ..status import QueueStatus, dlq_list, histogram_quantile, queue_status, read_shard_count
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +318,12 @@ class Sampler:
         t0 = time.monotonic()
         try:
             st, lat, lag = await self._read(q)
+        except BadQueueData as e:  # a stray value at one of its keys: named, the queue shown as bad
+            self._failed(q, f"unreadable: {e}")
+            return
+        except ResponseError as e:
+            self._failed(q, f"redis refused a read: {e}")
+            return
         except (RedisError, OSError) as e:
             self._failed(q, f"redis unreachable: {type(e).__name__}: {e}")
             return
@@ -345,7 +351,7 @@ class Sampler:
         now = time.monotonic()
         refresh = now - q.lists_at >= self.settings.refresh_lists
         if refresh or q.shards is None:  # recorded once per queue: no need to read it every sample
-            q.shards = await read_shards(client, keys)
+            q.shards = await read_shard_count(client, keys)
         st = await queue_status(client, keys, q.shards)
         read_versions = refresh or st.version != q.versions_key
         pipe = client.pipeline(transaction=False)

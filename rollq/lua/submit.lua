@@ -21,6 +21,31 @@
 -- refused call did nothing and is not recorded.
 -- Returns {skipped ids, refused (0/1), admission limit or -1, entry ids ('' where skipped),
 -- owners of the skipped ids}.
+-- What the call reads or writes is checked before it writes anything: a stray value at one
+-- of these keys (a SET over a hash, a counter that is not an integer) fails the whole call,
+-- with an error naming the key, and the call changes nothing.
+local function stray(key, what)
+  return redis.error_reply('ERR rollq: key ' .. key .. ' ' .. what .. '; the call submitted nothing')
+end
+local function holds(key, kind)
+  local t = redis.call('TYPE', key)['ok']
+  return t == kind or t == 'none', t
+end
+for i, kind in ipairs({'stream', 'hash', 'hash', 'hash', 'hash', 'hash', 'hash'}) do
+  if KEYS[i] then
+    local ok, t = holds(KEYS[i], kind)
+    if not ok then return stray(KEYS[i], 'holds a ' .. t .. ', not a ' .. kind) end
+  end
+end
+local checks = {{3, 'submitted'}, {4, 'max_lag'}, {4, 'batch'}, {5, 'v'}, {6, 'admitted'}, {7, 'lo'}}
+for _, c in ipairs(checks) do
+  local key = KEYS[c[1]]
+  local v = key and redis.call('HGET', key, c[2])
+  -- an integer HINCRBY can add a call's jobs to without overflow
+  if v and not (#v <= 18 and string.match(v, '^%-?%d+$')) then
+    return stray(key, 'field ' .. c[2] .. ' holds ' .. string.format('%q', string.sub(v, 1, 40)) .. ', not an integer')
+  end
+end
 local rec, fresh_rec = KEYS[7], false
 if rec then
   local r = redis.call('HMGET', rec, ARGV[4], 'inc', 'lo')

@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator, Iterable, Sequence
 from ..connection import CANCEL, DROP_EMPTY, RETRYABLE, Client, connect, deadline, raw_replies
 from ..errors import InvalidJob, job_error
 from ..keys import GROUP, QueueKeys, check_name
-from ..protocol import SPECS_END, Job, Result, Scores, job_from_spec, score_spec, token_jobs
+from ..protocol import SPECS_END, Job, Result, Scores, job_from_spec, score_spec, token_jobs, token_list
 from ..registry import register_queue
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
 from ..shards import declare_shards, shard_of_id, split_budget
@@ -270,6 +270,10 @@ class Producer(Submission):
         >>> await p.score([1, 2, 3], [4, 5])            # doctest: +SKIP
         Scores(logprobs=[-6.91, -6.87], version=3)
         """
+        # Every argument is checked before the job is enqueued (the token ids read once).
+        context, continuation = token_list(context, "context"), token_list(continuation, "continuation")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0):
+            raise InvalidJob(f"score(timeout=...) must be None or seconds >= 0, got {timeout!r}")
         r = await (await self.submit(**score_spec(context, continuation, **fields))).result(timeout=timeout)
         return Scores.of(r, len(context))
 

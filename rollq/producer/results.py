@@ -25,8 +25,12 @@ log = logging.getLogger(__name__)
 
 #: Milliseconds one XREAD blocks for.
 READ_BLOCK_MS = 1000
-#: Backoff between failed reads: first delay and cap, in seconds.
+#: Backoff between failed reads while Redis does not answer: first delay and cap, in seconds.
 READ_BACKOFF = (0.05, 5.0)
+#: Most seconds between reads once Redis answers (the failed read had its connection): after
+#: a run of cut connections, results flow again within this of the last cut. While a longer
+#: backoff runs, Redis is asked this often whether it answers again (one server).
+ANSWERED_BACKOFF = 0.2
 
 
 class ResultReader:
@@ -52,6 +56,9 @@ class ResultReader:
         self.arrived = arrived
         self.read_deadline = deadline(1.0 + command_timeout, "a blocking read of the result stream(s)")
         self.stopped = False
+        #: Seconds to wait after the next failed read (see :meth:`_failed`).
+        self.delay = READ_BACKOFF[0]
+        self._answered = False  # the current read's connection was made (Redis answered)
 
     def stop(self) -> None:
         """Read no more (the task is cancelled by its owner)."""
@@ -59,11 +66,11 @@ class ResultReader:
 
     async def run(self) -> None:
         last = dict.fromkeys(self.keys, b"0-0")  # stream -> last entry id read
-        backoff = READ_BACKOFF[0]
         taken: dict[str, list[bytes]] = {}  # stream -> entries delivered, to delete
         conn = None
         try:
             while not self.stopped:
+                self._answered = False
                 try:
                     async with self.read_deadline:
                         if not self.cluster:
@@ -73,22 +80,22 @@ class ResultReader:
                         else:
                             resp = await self._read_pipelined(last, taken)
                     taken = {}
-                    backoff = READ_BACKOFF[0]
+                    self.delay = READ_BACKOFF[0]
                 except (*RETRYABLE, ResponseError) as e:
-                    log.warning("result stream read failed (%s); retrying in %.2fs", e, backoff)
+                    delay = self._failed()
+                    log.warning("result stream read failed (%s); retrying in %.2fs", e, delay)
                     if conn is not None:
                         await conn.disconnect()  # replies may be left unread: start clean
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, READ_BACKOFF[1])
+                    await self._wait(delay, conn)
                     continue
                 except Exception:
                     # Anything else (a client library's own error): a reader that ended here
                     # would leave its streams' results unread for good, so it reads on.
-                    log.exception("result stream read of %s failed unexpectedly; retrying in %.2fs", self.keys, backoff)
+                    delay = self._failed()
+                    log.exception("result stream read of %s failed unexpectedly; retrying in %.2fs", self.keys, delay)
                     if conn is not None:
                         await conn.disconnect()
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, READ_BACKOFF[1])
+                    await self._wait(delay, conn)
                     continue
                 self._take(resp, taken, last)
                 if resp:
@@ -99,12 +106,42 @@ class ResultReader:
             if conn is not None:
                 await self.client.connection_pool.release(conn)
 
+    def _failed(self) -> float:
+        """The wait after a failed read; sets :attr:`delay` for the next one. It doubles from
+        ``READ_BACKOFF[0]`` up to ``READ_BACKOFF[1]`` while Redis does not answer; once it
+        answers (the read had its connection and was cut, or timed out), it is at most
+        :data:`ANSWERED_BACKOFF`, so a long run of cuts leaves no long wait behind."""
+        if self._answered:
+            delay = min(self.delay, ANSWERED_BACKOFF)
+            self.delay = min(2 * delay, ANSWERED_BACKOFF)
+        else:
+            delay = self.delay
+            self.delay = min(2 * delay, READ_BACKOFF[1])
+        return delay
+
+    async def _wait(self, delay: float, conn: Any) -> None:
+        """Sleep ``delay`` seconds; on one server, ask every :data:`ANSWERED_BACKOFF` seconds
+        whether Redis answers again (a connection), and end the wait once it does."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + delay
+        while (left := end - loop.time()) > 0:
+            await asyncio.sleep(min(left, ANSWERED_BACKOFF))
+            if conn is None or loop.time() >= end:
+                continue
+            try:
+                await conn.connect()
+            except RETRYABLE:
+                continue
+            self.delay = min(self.delay, ANSWERED_BACKOFF)
+            return
+
     async def _read_once(self, conn: Any, last: dict[str, bytes], taken: dict[str, list[bytes]]) -> Any:
         """XDEL what was taken (one per stream, if any) and a blocking XREAD of every stream,
         in one write; the XREAD's reply."""
         cmds: list[tuple[Any, ...]] = [("XDEL", key, *eids) for key, eids in taken.items()]
         cmds.append(("XREAD", "COUNT", self.count, "BLOCK", READ_BLOCK_MS, "STREAMS", *last, *last.values()))
         await conn.send_packed_command(conn.pack_commands(cmds))
+        self._answered = True  # connected (handshake done) and sent: a failure now is a cut
         for _ in taken:
             await conn.read_response()
         return await conn.read_response()

@@ -43,7 +43,7 @@ from .limits import (
     MAX_TOKENS_LIMIT,
     SCHEMA_VERSION,
 )
-from .prompts import Scores, prompt_parts, score_spec
+from .prompts import SCORE_SETS, Scores, prompt_parts, score_spec, token_list
 from .replica import LATENCY_BUCKETS_MS, ReplicaInfo, latency_bucket
 from .results import RAW_LOGPROBS, UNKNOWN_START, DeadLetter, ErrorInfo, LogprobSource, Result, Sample
 from .sampling import SamplingParams, validated_sampling
@@ -57,7 +57,7 @@ __all__ = [
     "SamplingParams", "validated_sampling",
     # jobs and prompts
     "Job", "Message", "make_job", "job_from_spec", "token_jobs", "TOKEN_SPEC_KEYS", "SPECS_END", "validate_job", "check_meta",
-    "prompt_parts", "score_spec", "Scores",
+    "prompt_parts", "score_spec", "Scores", "token_list", "SCORE_SETS",
     # results
     "Result", "Sample", "ErrorInfo", "DeadLetter", "UNKNOWN_START", "LogprobSource", "RAW_LOGPROBS",
     # codec

@@ -35,7 +35,7 @@ def pack_i32(values: Iterable[int] | bytes | None) -> bytes:
         packer = _I32.get(len(values)) or i32_packer(len(values))
         try:
             return packer.pack(*values)
-        except struct.error as e:
+        except (struct.error, TypeError) as e:  # a float, or an object that is no index
             raise InvalidJob(f"token ids must be integers that fit in int32: {e}") from e
     if values is None:
         return b""
@@ -43,9 +43,17 @@ def pack_i32(values: Iterable[int] | bytes | None) -> bytes:
         return bytes(values)
     tobytes = getattr(values, "numpy", None)
     if tobytes is not None:  # torch tensor
-        values = values.numpy()  # type: ignore[union-attr]
+        try:
+            values = values.numpy()  # type: ignore[union-attr]
+        except (TypeError, RuntimeError) as e:  # bfloat16, a tensor on a device, ...
+            raise InvalidJob(f"token ids must be an integer tensor on the CPU: {e}") from e
     if hasattr(values, "astype") and hasattr(values, "tobytes"):  # numpy
-        if values.size and values.dtype.itemsize > 4 and (values.min() < -(2**31) or values.max() >= 2**31):  # type: ignore[union-attr]
+        dtype = values.dtype  # type: ignore[union-attr]
+        # A cast would turn 1.7 into 1 and NaN into -2**31, and wrap large unsigned ids.
+        if dtype.kind not in "iu":
+            raise InvalidJob(f"token ids must be integers, got an array of {dtype}")
+        if values.size and (dtype.itemsize > 4 or (dtype.kind == "u" and dtype.itemsize == 4)) and (
+                values.min() < -(2**31) or values.max() >= 2**31):  # type: ignore[union-attr]
             raise InvalidJob("token ids must fit in int32")
         return values.astype("<i4", copy=False).tobytes()  # type: ignore[union-attr]
     try:

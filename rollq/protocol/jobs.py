@@ -15,8 +15,9 @@ import msgspec
 from ..errors import InvalidJob, SchemaVersionError
 from ..keys import check_name
 from .arrays import pack_i32, unpack_i32
-from .limits import MAX_JOB_TOKENS, MAX_META_BYTES, MAX_META_DEPTH, SCHEMA_VERSION
+from .limits import MAX_JOB_TOKENS, MAX_META_BYTES, MAX_META_DEPTH, MAX_RESULT_BYTES, SCHEMA_VERSION
 from .prompts import prompt_parts
+from .results import result_bound
 from .sampling import SamplingParams, validated_sampling
 from .text import short
 
@@ -110,13 +111,16 @@ def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: boo
 _meta_enc = msgspec.msgpack.Encoder()
 
 
-def check_meta(meta: Any, encoded_within: int | None = None) -> None:
+def check_meta(meta: Any, encoded_within: int | None = None) -> int | None:
     """Refuse a ``meta`` nested deeper than :data:`MAX_META_DEPTH` or larger than
     :data:`MAX_META_BYTES` encoded (iteratively: the check itself never recurses).
     ``encoded_within``: the size of an encoded message that holds ``meta`` (a decoded job):
     at most :data:`MAX_META_BYTES` of it, and ``meta`` is not encoded again to be measured.
 
+    Returns ``meta``'s size encoded (None when ``encoded_within`` spared the encoding).
+
     >>> check_meta({"a": [1, 2, {"b": None}]})
+    10
     >>> nested = []
     >>> for _ in range(40): nested = [nested]
     >>> check_meta(nested)
@@ -127,7 +131,12 @@ def check_meta(meta: Any, encoded_within: int | None = None) -> None:
     if meta is None or isinstance(meta, (str, int, float, bool, bytes)):
         if isinstance(meta, (str, bytes)) and len(meta) > MAX_META_BYTES:
             raise InvalidJob(f"meta of {len(meta)} bytes exceeds the limit of {MAX_META_BYTES}")
-        return
+        if encoded_within is not None:
+            return None
+        try:
+            return len(_meta_enc.encode(meta))
+        except OverflowError as e:
+            raise InvalidJob(f"meta must be msgpack-serializable (str, numbers, lists, dicts): {e}") from e
     stack: list[tuple[Any, int]] = [(meta, 1)]
     seen = 0
     while stack:
@@ -142,13 +151,43 @@ def check_meta(meta: Any, encoded_within: int | None = None) -> None:
             if isinstance(child, (dict, list, tuple)):
                 stack.append((child, depth + 1))
     if encoded_within is not None and encoded_within <= MAX_META_BYTES:
-        return
+        return None
     try:
         size = len(_meta_enc.encode(meta))
     except (TypeError, OverflowError) as e:
         raise InvalidJob(f"meta must be msgpack-serializable (str, numbers, lists, dicts): {e}") from e
     if size > MAX_META_BYTES:
         raise InvalidJob(f"meta of {size} bytes encoded exceeds the limit of {MAX_META_BYTES}")
+    return size
+
+
+def check_result_bound(sp: SamplingParams, job_id: str, prompt_tokens: int, prompt_ids: bool,
+                       meta_bytes: int | None) -> None:
+    """Refuse a job whose result could be larger than :data:`MAX_RESULT_BYTES` encoded (see
+    :func:`~rollq.protocol.results.result_bound`): it would fail with ResultTooLarge only
+    after it ran. ``prompt_tokens``: the prompt's length in tokens (at most, for a text or
+    chat prompt, whose ids the result carries: ``prompt_ids``)."""
+    size = result_bound(
+        id_bytes=len(job_id.encode()), n=sp.n, max_tokens=sp.max_tokens, logprobs=sp.logprobs is not None,
+        prompt_tokens=prompt_tokens, prompt_ids=prompt_ids, prompt_logprobs=sp.prompt_logprobs is not None,
+        meta_bytes=meta_bytes,
+    )
+    if size > MAX_RESULT_BYTES:
+        raise InvalidJob(
+            f"the result of this job can take {size} bytes encoded ({sp.n} samples of up to {sp.max_tokens} tokens"
+            f"{', with logprobs' if sp.logprobs is not None else ''}"
+            f"{', with prompt logprobs' if sp.prompt_logprobs is not None else ''}), over the limit of "
+            f"{MAX_RESULT_BYTES} bytes a replica records; lower n, max_tokens or logprobs"
+        )
+
+
+def _fits_any_id(sp: SamplingParams) -> bool:
+    """Whether every job of ``sp`` with a token prompt and no meta or prompt logprobs fits
+    :data:`MAX_RESULT_BYTES`, whatever its id (up to 256 characters of 4 bytes)."""
+    return result_bound(
+        id_bytes=4 * 256, n=sp.n, max_tokens=sp.max_tokens, logprobs=sp.logprobs is not None, prompt_tokens=0,
+        prompt_ids=False, prompt_logprobs=False, meta_bytes=None,
+    ) <= MAX_RESULT_BYTES
 
 
 def make_job(
@@ -202,6 +241,7 @@ def token_jobs(specs: Iterator[Any], out: list[Job], reply: str, max_prompt_byte
     append, now = out.append, time.time
     last_in: Any = SPECS_END  # the sampling params of the last spec
     sp = None
+    fits = False  # every job of sp fits MAX_RESULT_BYTES (no meta, no prompt logprobs)
     for s in specs:
         if type(s) is not dict:
             return s
@@ -213,6 +253,7 @@ def token_jobs(specs: Iterator[Any], out: list[Job], reply: str, max_prompt_byte
         sampling = s.get("sampling")
         if sampling is not last_in:
             sp = validated_sampling(sampling)
+            fits = _fits_any_id(sp)
             # Frozen params (or none) are the same for the next spec that holds them; a dict may change.
             last_in = sampling if sampling is None or isinstance(sampling, SamplingParams) else SPECS_END
         if max_prompt_bytes is not None and 4 * len(tokens) > max_prompt_bytes:
@@ -225,8 +266,9 @@ def token_jobs(specs: Iterator[Any], out: list[Job], reply: str, max_prompt_byte
         if tracked and not 0 < len(jid) <= 256:
             raise InvalidJob("job id must be 1-256 characters")
         meta = s.get("meta")
-        if meta is not None:
-            check_meta(meta)
+        meta_bytes = check_meta(meta) if meta is not None else None
+        if not fits or meta is not None or sp.prompt_logprobs is not None:
+            check_result_bound(sp, jid, len(tokens), False, meta_bytes)
         append(Job(id=jid, reply=reply, tokens=pack_i32(tokens), sampling=sp, submitted=now(), meta=meta, tracked=tracked))
     return SPECS_END
 
@@ -269,4 +311,11 @@ def job_from_spec(spec: Mapping[str, Any], id: str, reply: str, max_prompt_bytes
         meta=get("meta"),
         tracked=tracked,
     )
-    return validate_job(job, max_prompt_bytes=max_prompt_bytes, sampling=False)
+    validate_job(job, max_prompt_bytes=max_prompt_bytes, sampling=False)
+    if job.tokens is not None:
+        prompt, ids = len(job.tokens) // 4, False
+    else:  # a text or chat prompt: at most one token per byte (byte-level tokenizers), ids returned
+        text = job.text if job.text is not None else "".join(m.role + m.content for m in job.messages or ())
+        prompt, ids = len(text.encode()), True
+    check_result_bound(job.sampling, job.id, prompt, ids, check_meta(job.meta) if job.meta is not None else None)
+    return job

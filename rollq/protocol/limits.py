@@ -9,6 +9,10 @@ MAX_TOKENS_LIMIT = 1 << 20
 #: that many tokens with logprobs and text stays well under Redis' 512 MiB bulk limit.
 MAX_JOB_TOKENS = 1 << 23
 MAX_N = 1024
+#: Largest encoded result a replica records (the default of
+#: ``ConsumerSettings.max_result_bytes``); a job whose worst-case result is larger
+#: (:func:`~rollq.protocol.results.result_bound`) is refused at submission.
+MAX_RESULT_BYTES = 64 << 20
 MAX_LOGPROBS = 20
 MAX_STOP = 64
 #: ``meta`` may nest this deep (lists and maps) and take this many bytes encoded: decoding

@@ -36,7 +36,7 @@ def prompt_parts(prompt: Any) -> tuple[str | None, Any]:
             ids = prompt["prompt_token_ids"]
             if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__len__"):
                 raise InvalidJob(f"prompt_token_ids must be a sequence of token ids, got {type(ids).__name__}")
-            return None, ids if isinstance(ids, list) else list(ids)
+            return None, ids if isinstance(ids, list) else token_list(ids, "prompt_token_ids")
         if "prompt" in prompt and "prompt_token_ids" not in prompt and isinstance(prompt["prompt"], str):
             return prompt["prompt"], None
         raise InvalidJob("a prompt dict needs exactly one of 'prompt_token_ids' (a list of ints) or 'prompt' (a str)")
@@ -52,16 +52,56 @@ def prompt_parts(prompt: Any) -> tuple[str | None, Any]:
     )
 
 
+#: Job fields a scoring job sets itself (:func:`score_spec`): given, they would override it.
+SCORE_SETS = ("prompt", "prompt_token_ids", "messages", "sampling")
+
+
+def token_list(ids: Any, what: str) -> list[int]:
+    """``ids`` (a list, tuple, iterator, 1-D numpy array or tensor of token ids) as a list of
+    ints, read once; anything else (a float, a bool, a str) is refused with
+    :class:`~rollq.errors.InvalidJob` naming ``what``.
+
+    >>> token_list(iter([1, 2]), "context")
+    [1, 2]
+    >>> token_list([1, 2.5], "context")
+    Traceback (most recent call last):
+    ...
+    rollq.errors.InvalidJob: context must hold token ids (ints); got a float
+    """
+    if isinstance(ids, (str, bytes, Mapping)):
+        raise InvalidJob(f"{what} must be a sequence of token ids, got {type(ids).__name__}")
+    if hasattr(ids, "tolist") and getattr(ids, "ndim", None) == 1:
+        ids = ids.tolist()
+    try:
+        out = list(ids)
+    except TypeError:
+        raise InvalidJob(f"{what} must be a sequence of token ids, got {type(ids).__name__}") from None
+    odd = next((t for t in out if isinstance(t, bool) or not isinstance(t, numbers.Integral)), _NO_ODD)
+    if odd is not _NO_ODD:
+        raise InvalidJob(f"{what} must hold token ids (ints); got a {type(odd).__name__}")
+    return out
+
+
 def score_spec(context: Sequence[int], continuation: Sequence[int], **fields: Any) -> dict[str, Any]:
     """A job spec that scores ``continuation`` after ``context`` (token ids) without sampling
     it: the replica returns each prompt token's logprob (vLLM's ``prompt_logprobs``), and
     ``result.prompt_logprobs[len(context):]`` are the continuation's, under the weights the
     replica serves (``result.version_start``). vLLM generates at least one token, so one
-    greedy token comes with it. Other job fields (``meta``, ``min_version``, ...) pass through.
+    greedy token comes with it. Other job fields (``meta``, ``min_version``, ...) pass through;
+    the prompt and sampling fields are the scoring job's own and are refused
+    (:data:`SCORE_SETS`), as are token ids that are not ints.
 
     >>> score_spec([1, 2], [3, 4])["sampling"]
     {'max_tokens': 1, 'temperature': 0.0, 'prompt_logprobs': 0}
+    >>> score_spec([1, 2], [3], sampling={"max_tokens": 2})
+    Traceback (most recent call last):
+    ...
+    rollq.errors.InvalidJob: a scoring job sets its own sampling: score(..., sampling=...) would override it
     """
+    for name in SCORE_SETS:
+        if name in fields:
+            raise InvalidJob(f"a scoring job sets its own {name}: score(..., {name}=...) would override it")
+    context, continuation = token_list(context, "context"), token_list(continuation, "continuation")
     if not context or not continuation:
         raise InvalidJob("scoring needs a non-empty context and a non-empty continuation")
     return {"prompt_token_ids": [*context, *continuation],

@@ -220,3 +220,60 @@ class DeadLetter(msgspec.Struct, array_like=True, kw_only=True):
     @property
     def truncated(self) -> bool:
         return self.payload_bytes > len(self.payload)
+
+
+# -- the largest result a job can have -----------------------------------------------------
+#: msgpack sizes (bytes) of what a result holds: an int or float of any value, nil.
+_NUM, _NIL = 9, 1
+#: The longest ``finish_reason`` a replica reports ("stop", "length", "abort").
+_FINISH = len("length")
+#: The longest replica name (rollq.keys.check_name).
+_REPLICA = 128
+
+
+def _str_size(n: int) -> int:
+    return n + (1 if n < 32 else 2 if n < 256 else 3 if n < 65536 else 5)
+
+
+def _bin_size(n: int) -> int:
+    return n + (2 if n < 256 else 3 if n < 65536 else 5)
+
+
+def _array_size(n: int) -> int:
+    return 1 if n < 16 else 3 if n < 65536 else 5
+
+
+def sample_bound(max_tokens: int, logprobs: bool) -> int:
+    """The largest encoded :class:`Sample` of ``max_tokens`` tokens (with their logprobs):
+    its tokens, logprobs, the longest finish reason, no text and no version marks."""
+    arr = _bin_size(4 * max_tokens)
+    return 1 + arr + (arr if logprobs else _NIL) + _NIL + _str_size(_FINISH) + _NIL
+
+
+def result_bound(*, id_bytes: int, n: int, max_tokens: int, logprobs: bool, prompt_tokens: int,
+                 prompt_ids: bool, prompt_logprobs: bool, meta_bytes: int | None) -> int:
+    """The largest encoded :class:`Result` a job can have: ``n`` samples of ``max_tokens``
+    tokens, every integer and float at its widest, the longest replica name, the job's
+    ``meta`` (``meta_bytes`` encoded, None: no meta) and, for a prompt of ``prompt_tokens``
+    tokens, its ids (``prompt_ids``: a text or chat prompt) and logprobs. Not counted: the
+    text of detokenized samples and the version marks of weight updates during the run (the
+    replica makes them; the submitter cannot know their size).
+
+    >>> from rollq.protocol import encode_result, pack_f32, pack_i32
+    >>> r = Result(id="j", samples=[Sample(tokens=pack_i32([1] * 300), logprobs=pack_f32([0.0] * 300),
+    ...            finish_reason="length")] * 2, replica="r" * 128, version_start=2**63, version_end=2**63,
+    ...            prompt_tokens=2**63, deliveries=2**63, submitted=1.0, started=1.0, finished=1.0)
+    >>> len(encode_result(r)) == result_bound(id_bytes=1, n=2, max_tokens=300, logprobs=True,
+    ...                                       prompt_tokens=3, prompt_ids=False, prompt_logprobs=False,
+    ...                                       meta_bytes=None)
+    True
+    """
+    prompt_arr = _bin_size(4 * prompt_tokens)
+    return (
+        1 + 1 + _str_size(id_bytes)  # the array of 15 fields, v, id
+        + _array_size(n) + n * sample_bound(max_tokens, logprobs)
+        + _NIL + _NUM + 2 * _NUM + _str_size(_REPLICA)  # error, prompt_tokens, version span, replica
+        + 3 * _NUM + _NUM  # submitted, started, finished, deliveries
+        + (_NIL if meta_bytes is None else meta_bytes)
+        + (prompt_arr if prompt_ids else _NIL) + (prompt_arr if prompt_logprobs else _NIL)
+    )

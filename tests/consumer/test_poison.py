@@ -6,7 +6,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from rollq.errors import ResultTooLarge
+from rollq.consumer.engine import EchoEngine
+from rollq.errors import InvalidJob, ResultTooLarge
 from rollq.keys import QueueKeys
 from rollq.protocol import SCHEMA_VERSION, Job, decode_dead_letter, encode_job
 from rollq.status import dlq_list
@@ -77,3 +78,36 @@ def test_finish_calls_are_bounded_in_bytes():
     assert batch_rows([mb] * 500, FINISH_BATCH_BYTES) == FINISH_BATCH_BYTES // mb
     assert batch_rows([600 * mb, mb], FINISH_BATCH_BYTES) == 1  # a big row goes alone
     assert batch_rows([10] * 300, FINISH_BATCH_BYTES) == 300
+
+
+def _largest_accepted(p, **sampling) -> int:
+    """The largest ``max_tokens`` the producer accepts for a job of ``sampling`` (bisection
+    over what :meth:`Producer.build_job` refuses: no Redis involved)."""
+    lo, hi = 1, 1 << 20
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            p.build_job(prompt_token_ids=[7], id="j" * 256, sampling={**sampling, "max_tokens": mid})
+            lo = mid
+        except InvalidJob:
+            hi = mid - 1
+    return lo
+
+
+async def test_the_largest_job_the_producer_accepts_has_a_result_the_replica_records(
+        queue, make_producer, make_consumer):
+    """Used to: n=128 x 65,535 tokens with logprobs passed the producer's check (n x
+    max_tokens <= 2**23) and failed after it ran with ResultTooLarge, over by 1,595 bytes:
+    the submit-time bound is now the worst-case encoded result, against the same limit."""
+    # the longest replica name a result carries; a context the largest job fits in
+    c = make_consumer(queue, EchoEngine(max_model_len=1 << 20), consumer_id="r" * 128)
+    make_consumer.start(c)
+    p = await make_producer(queue)
+    k = _largest_accepted(p, n=128, logprobs=0)
+    assert k > 60_000  # close to 64 MiB of tokens and logprobs
+    h = await p.submit(prompt_token_ids=[7], id="j" * 256, sampling={"n": 128, "max_tokens": k, "logprobs": 0})
+    r = await h.result(timeout=120)  # raised ResultTooLarge
+    assert len(r.samples) == 128 and all(len(s.tokens) == 4 * k for s in r.samples)
+    with pytest.raises(InvalidJob, match="over the limit"):
+        p.build_job(prompt_token_ids=[7], sampling={"n": 128, "max_tokens": k + 1, "logprobs": 0})
+    await make_consumer.stop(c)

@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 import math
 
+import numpy as np
 import pytest
 import pytest_asyncio
+import torch
 
 from rollq import Consumer, ConsumerSettings, InvalidJob, Producer
-from rollq.protocol import make_job, prompt_parts, score_spec
+from rollq.keys import QueueKeys
+from rollq.protocol import decode_job, make_job, prompt_parts, score_spec
+from tests.helpers import bounded
 
 
 # -- what a prompt may be ------------------------------------------------------------------
@@ -54,6 +58,59 @@ async def test_submit_takes_a_tokens_prompt_and_refuses_bad_types(redis_url, que
             await p.submit(12345)
         with pytest.raises(InvalidJob, match="prompt_logprobs must be"):
             await p.submit([1, 2], sampling={"prompt_logprobs": 99})
+
+
+# -- every argument is checked before anything is enqueued ---------------------------------
+async def _nothing_queued(redis_client, queue) -> bool:
+    k = QueueKeys(queue)
+    return await redis_client.xlen(k.jobs) == 0 and await redis_client.hget(k.stats, "submitted") is None
+
+
+@pytest.mark.parametrize("kw, says", [
+    ({"prompt_token_ids": [9, 9]}, "sets its own prompt_token_ids"),
+    ({"prompt": "hi"}, "sets its own prompt"),
+    ({"sampling": {"max_tokens": 2}}, "sets its own sampling"),
+    ({"timeout": "5"}, "timeout"),
+    ({"nonsense": 1}, "unknown job field"),
+])
+async def test_score_refuses_what_would_override_or_break_it_before_enqueueing(
+        kw, says, make_producer, queue, redis_client):
+    """Used to: prompt_token_ids= silently replaced the context, sampling= silently made the
+    result hold no logprobs ([] returned), and a bad timeout raised after the job ran."""
+    p = await make_producer(queue)
+    with pytest.raises(InvalidJob, match=says):
+        await bounded(p.score([1, 2], [3], **kw), 10, "score() to refuse")  # no replica: never answered
+    assert await _nothing_queued(redis_client, queue)
+
+
+async def test_score_reads_an_iterator_of_token_ids_once(make_producer, make_consumer, queue):
+    """Used to: ``len(context)`` raised TypeError after the job had been enqueued and run."""
+    c = make_consumer(queue)
+    make_consumer.start(c)
+    p = await make_producer(queue)
+    assert (await bounded(p.score(iter([1, 2]), iter([3, 4])), 20, "the score")).logprobs == [-0.5, -0.5]  # EchoEngine's logprobs
+    await make_consumer.stop(c)
+
+
+@pytest.mark.parametrize("ids", [
+    np.array([1.7, 2.0]), np.array([np.nan, 1.0]), np.array([1, 2], dtype=np.float32),
+    np.array([2**31, 1], dtype=np.uint32), torch.tensor([1.0, 2.0]), torch.tensor([1.0], dtype=torch.bfloat16),
+])
+async def test_token_arrays_that_are_not_integers_are_refused(ids, make_producer, queue, redis_client):
+    """Used to: cast silently (1.7 became 1, NaN -2147483648, 2**31 wrapped to -2**31)."""
+    p = await make_producer(queue)
+    with pytest.raises(InvalidJob, match="token ids must|must hold token ids"):
+        await p.submit(prompt_token_ids=ids)
+    with pytest.raises(InvalidJob, match="token ids must|must hold token ids"):
+        await p.submit({"prompt_token_ids": ids})
+    with pytest.raises(InvalidJob, match="token ids must|must hold token ids"):
+        await p.submit_many([{"prompt_token_ids": [5]}, {"prompt_token_ids": ids}])
+    with pytest.raises(InvalidJob, match="token ids must|must hold token ids"):
+        await bounded(p.score(ids, [3]), 10, "score() to refuse")
+    k = QueueKeys(queue)
+    assert await redis_client.xlen(k.jobs) <= 1  # at most the valid job of submit_many, nothing else
+    for _, fields in await redis_client.xrange(k.jobs):
+        assert decode_job(fields[b"d"]).prompt_token_ids == [5]
 
 
 # -- through real vLLM ---------------------------------------------------------------------

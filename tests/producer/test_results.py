@@ -35,3 +35,47 @@ async def test_a_reader_survives_an_unexpected_error_in_a_read(queue, make_produ
     assert len(rs) == 12 and all(r.ok for r in rs)
     assert fails["left"] == 0
     assert "failed unexpectedly" in caplog.text and "TypeError" in caplog.text
+
+
+async def test_after_a_long_run_of_cuts_the_reader_waits_no_longer_than_a_fraction_of_a_second(
+        redis_server, queue, caplog):
+    """Used to: each cut doubled the wait between reads up to 5 s, though Redis answered
+    every reconnect, so results waited up to 5 s after the cuts ended."""
+    import asyncio
+    import logging
+    import re
+
+    from rollq.connection import connect, raw_replies
+    from rollq.keys import QueueKeys
+    from rollq.protocol import Result, encode_result
+    from rollq.testing.chaos import CutProxy
+    from tests.helpers import until
+
+    caplog.set_level(logging.WARNING, logger="rollq.producer.results")
+    proxy = await CutProxy(redis_server.port).start()
+    client = raw_replies(connect(proxy.url, socket_timeout=None), "XREAD")
+    key = QueueKeys(queue).results("p1")
+    got: list[Result] = []
+    reader = results_mod.ResultReader(client, [key], count=100, command_timeout=2.0, cluster=False,
+                                      deliver=got.append, arrived=asyncio.Event())
+    task = asyncio.create_task(reader.run())
+    try:
+        for i in range(10):  # each cut ends a blocking read whose connection Redis accepted
+            await until(lambda: proxy._pipes, 30, f"the reader to connect again (cut {i})")
+            await asyncio.sleep(0.05)  # its XREAD sent
+            proxy.cut()
+        await until(lambda: len(re.findall(r"retrying in", caplog.text)) >= 10, 30, "the last cut's failed read")
+        waits = [float(m) for m in re.findall(r"retrying in ([0-9.]+)s", caplog.text)]
+        assert max(waits) <= 0.25, waits  # a fraction of a second, not up to 5 s
+        assert reader.delay <= results_mod.ANSWERED_BACKOFF
+        writer = connect(redis_server.url)
+        await writer.xadd(key, {"d": encode_result(Result(id="j1"))})
+        await writer.aclose()
+        await until(lambda: got, 10, "the result after the cuts")
+        assert [r.id for r in got] == ["j1"]
+    finally:
+        reader.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+        await proxy.stop()
