@@ -50,7 +50,7 @@ from typing import Any, Sequence
 
 from ..errors import EngineDead, EngineFailed, InvalidJob, PromptTooLong, RollqError
 from ..protocol import Job, SamplingParams
-from . import vllm_api
+from . import vllm_api, vllm_children
 from .engine import DoneCallback, Engine, EngineOutput, EngineStats, SwapProgress
 from .vllm_api import DEFAULT_CPU_KV_CACHE_BYTES, _Api, _vllm
 from .vllm_stats import StatsSink, stat_logger_factory
@@ -173,6 +173,7 @@ class VllmEngine(Engine):
         t0 = time.perf_counter()
         vllm_api.spawn_if_cuda_in_use()
         api = self._api = await asyncio.to_thread(_vllm)  # importing vLLM is slow
+        vllm_children.install()  # its processes end with this one, even if it is SIGKILLed
         args = vllm_api.engine_args(api, self.config)
         factory = stat_logger_factory(self._sink)
         build = asyncio.ensure_future(asyncio.to_thread(api.AsyncLLM.from_engine_args, args, stat_loggers=[factory]))
