@@ -105,6 +105,12 @@ class Engine(abc.ABC):
     def stats(self) -> EngineStats:
         return EngineStats()
 
+    def failure(self) -> BaseException | None:
+        """Why the engine can no longer serve (an :class:`~rollq.errors.EngineDead`), or None
+        while it can. Cheap: the consumer asks every heartbeat, and stops at the first answer
+        (an engine whose process died must be noticed with no job running, too)."""
+        return None
+
     def capacity_hint(self) -> int | None:
         """How many requests the engine itself runs at once (vLLM: ``max_num_seqs``), if known."""
         return None

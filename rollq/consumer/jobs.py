@@ -203,17 +203,25 @@ class Jobs:
                 return
             self._finisher.complete(run, out)
         elif isinstance(out, EngineDead):
-            # Leave the job pending: a live replica will reclaim it.
-            ctx = self._ctx
-            ctx.engine_error = out
-            log.error("engine died: %s; consumer %s stops pulling and exits", out, ctx.id)
-            ctx.stop(len(self.running))
+            self.engine_died(out)  # the job stays pending: a live replica will reclaim it
             return
         elif isinstance(out, InvalidJob):
             self._finisher.fail(run, Failure(JobRejected, str(out), True, _encode_job_safe(run.job)))
         else:
             self._finisher.fail(run, Failure(EngineFailed, f"{type(out).__name__}: {out}"))
         self._ctx.room.set()
+
+    def engine_died(self, error: BaseException) -> None:
+        """The engine can no longer serve: stop pulling and exit non-zero. Every job in hand
+        stays pending in Redis; shutdown lets go of them at once and ends the lease, so a
+        live replica reclaims them (``Consumer._shutdown``)."""
+        ctx = self._ctx
+        if ctx.engine_error is not None:
+            return
+        ctx.engine_error = error
+        log.error("engine died: %s; consumer %s stops pulling, hands back %d jobs and exits", error, ctx.id,
+                  len(self.running) + len(self.held) + len(self._versions.waiting))
+        ctx.stop(len(self.running))
 
     def cancel(self, job_id: str, why: str, error: type[BaseException] = JobCancelled) -> None:
         """Abort a running job and finish it with ``error``; nothing if it is not running."""

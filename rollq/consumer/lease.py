@@ -1,7 +1,9 @@
 """Heartbeat: this replica's lease, its registry entry, and what it checks each beat.
 
-Every ``heartbeat_interval`` one pipeline renews the lease key (``lease_ttl``; peers reclaim the
-jobs of a replica whose lease expired), writes the registry entry
+Every ``heartbeat_interval`` the beat first asks the engine whether it still serves
+(:meth:`~rollq.consumer.engine.Engine.failure`; a dead one stops the replica, which hands
+its jobs back and ends its lease). Then one pipeline renews the lease key (``lease_ttl``;
+peers reclaim the jobs of a replica whose lease expired), writes the registry entry
 (:class:`~rollq.protocol.ReplicaInfo`), refreshes the queue in the registry of queues,
 adds the latency and lag histograms gathered since the last beat, and reads the cancel keys
 of running jobs. The same beat feeds the capacity controller and ends running jobs that
@@ -71,6 +73,10 @@ class Lease:
     async def beat(self) -> None:
         """One heartbeat (see the module docstring)."""
         ctx, jobs = self._ctx, self._jobs
+        dead = ctx.engine.failure()
+        if dead is not None:  # no lease for a replica that cannot run its jobs
+            jobs.engine_died(dead)
+            return
         keys = ctx.keys
         st = ctx.engine.stats()
         t, n = self._tok_window

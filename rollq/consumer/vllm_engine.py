@@ -51,7 +51,7 @@ from typing import Any, Sequence
 
 from ..errors import EngineDead, EngineFailed, InvalidJob, PromptTooLong, RollqError
 from ..protocol import Job, SamplingParams
-from . import vllm_api
+from . import vllm_api, vllm_children, vllm_liveness
 from .engine import DoneCallback, Engine, EngineOutput, EngineStats, SwapProgress
 from .vllm_api import DEFAULT_CPU_KV_CACHE_BYTES, _Api, _vllm
 from .vllm_stats import StatsSink, stat_logger_factory
@@ -188,6 +188,7 @@ class VllmEngine(Engine):
         t0 = time.perf_counter()
         vllm_api.spawn_if_cuda_in_use()
         api = self._api = await asyncio.to_thread(_vllm)  # importing vLLM is slow
+        vllm_children.install()  # its processes end with this one, even if it is SIGKILLed
         args = vllm_api.engine_args(api, self.config)
         factory = stat_logger_factory(self._sink)
         build = asyncio.ensure_future(asyncio.to_thread(api.AsyncLLM.from_engine_args, args, stat_loggers=[factory]))
@@ -421,11 +422,11 @@ class VllmEngine(Engine):
         llm = self._require()
         if mode not in ("keep", "abort", "wait"):
             raise ValueError(f"pause mode must be 'keep', 'abort' or 'wait', got {mode!r}")
-        await vllm_api.pause_generation(llm, mode, clear_cache, self.vllm_version)
+        await self._while_alive(vllm_api.pause_generation(llm, mode, clear_cache, self.vllm_version))
 
     async def resume(self) -> None:
         """Resume scheduling after :meth:`pause`."""
-        await self._require().resume_generation()
+        await self._while_alive(self._require().resume_generation())
 
     async def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
         """Make sure no new request reuses a prefix cached before this call.
@@ -436,7 +437,7 @@ class VllmEngine(Engine):
         :attr:`cache_salt` is used for every later request instead, which has the same effect
         on new requests and leaves the running ones alone. Returns whether vLLM itself reset.
         """
-        ok = await vllm_api.reset_prefix_cache(self._require(), reset_running_requests)
+        ok = await self._while_alive(vllm_api.reset_prefix_cache(self._require(), reset_running_requests))
         if not ok:
             self.new_cache_salt()
             logger.info("vLLM kept its prefix cache (requests hold KV blocks); new requests use cache_salt %r", self.cache_salt)
@@ -466,7 +467,9 @@ class VllmEngine(Engine):
 
         >>> await engine.collective_rpc("reload_from", args=("/dev/shm/w/v3",))  # doctest: +SKIP
         """
-        return await self._require().collective_rpc(method_name, timeout=timeout, args=tuple(args), kwargs=kwargs)
+        return await self._while_alive(
+            self._require().collective_rpc(method_name, timeout=timeout, args=tuple(args), kwargs=kwargs)
+        )
 
     @property
     def num_workers(self) -> int:
@@ -494,6 +497,30 @@ class VllmEngine(Engine):
         if self._llm is None:
             raise RuntimeError("the vLLM engine is not running (start() it first)")
         return self._llm
+
+    # -- liveness ----------------------------------------------------------------------
+    def failure(self) -> EngineDead | None:
+        """:meth:`Engine.failure`: the engine-core process exited (or a request found the
+        engine dead). None before :meth:`start` and once :meth:`stop` was called."""
+        if self._stopping:
+            return None
+        if self._dead is None:
+            why = vllm_liveness.core_failure(self._llm)
+            if why is None:
+                return None
+            self._dead = why
+            logger.error("vLLM engine is dead (%s); every further job fails with EngineDead", why)
+        return EngineDead(f"vLLM engine died: {self._dead}")
+
+    async def _while_alive(self, call: Any) -> Any:
+        """Await a call into the engine core; raise :class:`~rollq.errors.EngineDead` as soon
+        as the engine is dead (vLLM never answers a call whose engine core died)."""
+        api = self._api
+        assert api is not None
+        try:
+            return await vllm_liveness.until_dead(call, self.failure)
+        except api.EngineDeadError as e:
+            raise self.failure() or EngineDead(f"vLLM engine died: {type(e).__name__}") from e
 
 
 def _shutdown_when_built(build: asyncio.Future[Any]) -> None:

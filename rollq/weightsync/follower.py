@@ -41,6 +41,11 @@ waits (at most ``load_timeout``) for the next version, which it receives as a me
 trainer's next group, and only then returns, so the consumer pulls nothing before (a version
 with a memmap copy is loaded from it at once). A running replica that misses a broadcast
 version (left out of its group) keeps serving the version it holds and takes the next one.
+
+An engine that dies during an update ends the update at once (the engine adapter raises
+:class:`~rollq.errors.EngineDead` from the call that waited on it): that is no load failure
+of the version, so nothing is recorded against it, and the follower stops; the consumer
+notices the death itself and hands its jobs back.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..connection import RETRYABLE
-from ..errors import CorruptWeights, WeightMismatch, WeightSyncError, WeightSyncTimeout
+from ..errors import CorruptWeights, EngineDead, WeightMismatch, WeightSyncError, WeightSyncTimeout
 from ..protocol import Control
 from .base import Receiver, Replica
 from .load_failures import LoadFailures
@@ -302,6 +307,9 @@ class WeightFollower:
                     await self.load_failures.clear(self._client)
             except asyncio.CancelledError:
                 raise
+            except EngineDead as e:
+                log.error("replica %s: the engine died during a weight update (%s); the follower stops", self.consumer.id, e)
+                return
             except Exception as e:
                 self.failures += 1
                 log.error("weight update failed: %s: %s", type(e).__name__, e)
@@ -345,8 +353,8 @@ class WeightFollower:
                 self._check_slot(rec)
                 self._check_dtypes(rec)
                 st = await self.apply(rec, policy, acks=acks)
-            except asyncio.CancelledError:
-                raise
+            except (asyncio.CancelledError, EngineDead):
+                raise  # a dead engine says nothing about the version
             except MissedBroadcast as e:  # not a load failure: the next version comes to us
                 if from_loop:
                     if self._missed != rec.version:
