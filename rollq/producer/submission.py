@@ -40,7 +40,9 @@ class Submission:
     ``counters``, ``_client``, ``_ledger`` (room and handles), ``_numbers``
     (:class:`~rollq.producer.calls.CallNumbers`), ``_calls_key`` and ``_ref``, and with K > 1
     shards on ``shards`` (K), ``_shards`` (their keys), ``_calls_keys`` (the call record in
-    each) and ``_rr`` (round robin); it calls ``build_jobs`` and ``submit_many``.
+    each), ``_rr`` (round robin) and ``_grown`` (the queue grew: check calls); it calls
+    ``build_jobs``, ``submit_many`` and ``_follow_shards`` (a SUBMIT call found the queue's
+    count changed).
     """
 
     async def _submit_many_stream(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:

@@ -1,6 +1,7 @@
 """Exactly once under faults, checked from a history (see tests/system/soak.py): consumer
 SIGKILLs, a Redis SIGKILL with AOF, and a producer whose connection a proxy cuts every
-20-200 ms. Bounded: about a minute on 2 cores."""
+20-200 ms (about a minute on 2 cores); and through a queue's growth from 1 to 3 shards with
+caller ids resubmitted and a publisher dying between commit and mirror (a few seconds)."""
 
 from __future__ import annotations
 
