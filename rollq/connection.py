@@ -189,8 +189,10 @@ RECLAIM = Script("reclaim")
 CANCEL = Script("cancel")
 DROP_EMPTY = Script("drop_empty")
 PUBLISH_VERSION = Script("publish_version")
+RECORD_SHARDS = Script("record_shards")
+SET_BOUND = Script("set_bound")
 
 
 async def load_scripts(client: Client) -> None:
-    for s in (SUBMIT, FINISH, RECLAIM, CANCEL, DROP_EMPTY, PUBLISH_VERSION):
+    for s in (SUBMIT, FINISH, RECLAIM, CANCEL, DROP_EMPTY, PUBLISH_VERSION, RECORD_SHARDS, SET_BOUND):
         await s.ensure_loaded(client)

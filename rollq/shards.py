@@ -22,6 +22,14 @@ The number of shards is part of the queue: shard 0's config hash holds it (field
 one that names a different number is refused (:class:`~rollq.errors.ShardCountMismatch`).
 Clients that name none follow the record.
 
+A queue that ran with no record (one shard) grows when a count is first recorded. Clients
+connected before the growth still count one shard: shard 0's SUBMIT calls and staleness bound
+writes check the count they carry against the record and refuse a different one, and the
+client reads the record and routes again. Caller-chosen ids queued before the growth keep
+their record in shard 0 (field ``grown``, :func:`grew`): until none is left, a producer asks
+shard 0 about such an id (a check call) before it enqueues it in its shard under the new
+count.
+
 >>> shard_of_id("job-1", 4), shard_of_id("job-1", 4) == shard_of_id("job-1", 4)
 (3, True)
 >>> split_budget(10, 4)
@@ -35,11 +43,15 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
+from .connection import RECORD_SHARDS
 from .errors import ShardCountMismatch
 from .keys import MAX_SHARDS, QueueKeys
 
 #: Field of shard 0's config hash that holds the queue's number of shards.
 SHARDS_FIELD = "shards"
+#: Field of shard 0's config hash set when the queue grew from one shard while shard 0 held
+#: caller-chosen ids (rollq/lua/record_shards.lua); removed once none is left there.
+GROWN_FIELD = "grown"
 
 
 def check_shards(k: Any) -> int:
@@ -107,11 +119,19 @@ async def declare_shards(client: Any, keys: QueueKeys, k: int | None) -> int:
             f"queue {keys.queue!r} has a staleness bound of batch={int(bound[1])}, fewer jobs than {k} shards "
             "(each shard's budget is a part of batch, at least 1 job): set a larger batch first"
         )
-    if await client.hsetnx(base.config, SHARDS_FIELD, k):
+    recorded_now, have = await RECORD_SHARDS(client, [base.config, base.ids], [k])
+    if recorded_now:
         if k > 1:
             await _carry_over(client, keys, k, bound)
         return k
-    return _agree(keys, await read_shards(client, keys), k)
+    return _agree(keys, _parse(keys, have), k)
+
+
+async def grew(client: Any, keys: QueueKeys) -> bool:
+    """Whether the queue grew from one shard with caller-chosen ids left in shard 0's record
+    (:data:`GROWN_FIELD`): a producer checks shard 0 for such an id before it enqueues it in
+    its shard under the new count, so each id stays queued once across the growth."""
+    return bool(await client.hexists(keys.base.config, GROWN_FIELD))
 
 
 def _agree(keys: QueueKeys, have: int, k: int) -> int:

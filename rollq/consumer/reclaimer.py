@@ -11,6 +11,9 @@ channel, each replica takes one reclaim turn:
   (``QueueKeys.reclaimer``) holding one replica's id with a TTL of ``lease_ttl`` (at least
   two reclaim intervals), renewed by its holder every turn and taken with ``SET NX`` by
   whichever replica finds it gone;
+- the holder of shard 0's role on a sharded queue also mirrors the committed policy version
+  into the shards whose mirror lags it (:func:`~rollq.weightsync.versions.heal_mirrors`: a
+  publisher that died between its commit and its mirror), two reads a turn when none lags;
 - only the holder lists the group's consumers, checks their lease keys, and moves the pending
   entries of dead ones to itself with one RECLAIM script call per stream
   (``lua/reclaim.lua``: re-checks the lease, then claims); the entries then go through the
@@ -43,6 +46,7 @@ from ..connection import RECLAIM
 from ..keys import GROUP, QueueKeys
 from ..replicas import heartbeating
 from ..shards import home_shard
+from ..weightsync.versions import heal_mirrors
 from .context import ReplicaContext, guarded, wrong_type
 from .jobs import Jobs
 from .puller import entry_payload
@@ -97,6 +101,9 @@ class Reclaimer:
             else:
                 self._roles.discard(shard.shard_index)
         self.holding = bool(self._roles)
+        if 0 in self._roles and len(ctx.shards) > 1 and await heal_mirrors(ctx.redis, ctx.keys, len(ctx.shards)):
+            log.warning("queue %r: a shard's mirror of the policy version lagged its record (a publisher died "
+                        "between commit and mirror); mirrored it", ctx.queue)
         return taken
 
     async def _elect(self, shard: QueueKeys) -> bool:

@@ -17,10 +17,22 @@
 -- ARGV[4]: the call number (one sequence per producer, over every shard's record), ARGV[5]:
 -- the lowest call number whose reply the producer has not read (records below it are deleted;
 -- field 'lo' says where the last deletion stopped, so each record is deleted once), ARGV[6]: TTL of the records in ms (refreshed by every call).
+-- ARGV[7] (optional): the number of shards the producer routes over. Shard 0's config holds
+-- the queue's count (field 'shards'; no other shard's config does): a call into shard 0 from a
+-- producer that counts another number does nothing and returns code 2 with the recorded count
+-- (a producer connected before the queue grew learns the count and routes the jobs again).
+-- ARGV[8] (optional): '1' for a check call, sent to shard 0 of a queue that grew from one
+-- shard (config field 'grown') for caller-chosen ids whose shard under the new count is
+-- another: ids recorded here (queued or running since before the growth) are skipped, and
+-- nothing is enqueued; the producer sends the others to their shard. No id enters shard 0's
+-- record from a producer that counts one shard once the count is recorded, so an id not
+-- recorded here at the check is never recorded here later. A check call finding shard 0's
+-- record empty removes 'grown' (no id from before the growth is left) and returns 0 as limit.
 -- A call number already recorded returns its recorded reply and changes nothing else. A
 -- refused call did nothing and is not recorded.
--- Returns {skipped ids, refused (0/1), admission limit or -1, entry ids ('' where skipped),
--- owners of the skipped ids}.
+-- Returns {skipped ids, code, admission limit or -1, entry ids ('' where skipped), owners of
+-- the skipped ids}; code 0: done, 1: refused by the staleness bound, 2: refused, the count
+-- differs (limit: the recorded count), 3: checked (limit: 1 while 'grown' stays, else 0).
 -- What the call reads or writes is checked before it writes anything: a stray value at one
 -- of these keys (a SET over a hash, a counter that is not an integer) fails the whole call,
 -- with an error naming the key, and the call changes nothing.
@@ -71,8 +83,40 @@ if rec then
     fresh_rec = true
   end
 end
+-- Keep the reply of this call under its number (with KEYS[7]), and return it.
+local function record(reply)
+  if rec then
+    if fresh_rec then
+      redis.call('HSET', rec, ARGV[4], cmsgpack.pack(reply), 'inc', ARGV[3], 'lo', ARGV[5])
+    else
+      redis.call('HSET', rec, ARGV[4], cmsgpack.pack(reply))
+    end
+    redis.call('PEXPIRE', rec, ARGV[6])
+  end
+  return reply
+end
 local A = cmsgpack.unpack(ARGV[1])
-local cfg = redis.call('HMGET', KEYS[4], 'max_lag', 'batch')
+local cfg = redis.call('HMGET', KEYS[4], 'max_lag', 'batch', 'shards')
+if ARGV[7] and cfg[3] and tonumber(cfg[3]) ~= tonumber(ARGV[7]) then
+  return {{}, 2, tonumber(cfg[3]), {}, {}}
+end
+local dup, eids, owners = {}, {}, {}
+if ARGV[8] == '1' then
+  for i = 1, #A, 2 do
+    local owner = redis.call('HGET', KEYS[2], A[i])
+    if owner then
+      dup[#dup + 1] = A[i]
+      owners[#owners + 1] = owner
+    end
+    eids[#eids + 1] = ''
+  end
+  local grown = 1
+  if redis.call('EXISTS', KEYS[2]) == 0 then
+    redis.call('HDEL', KEYS[4], 'grown')
+    grown = 0
+  end
+  return record({dup, 3, grown, eids, owners})
+end
 local limit = -1
 if cfg[1] and cfg[2] then
   local version = tonumber(redis.call('HGET', KEYS[5], 'v') or '0')
@@ -84,7 +128,6 @@ if cfg[1] and cfg[2] then
   end
   if admitted + fresh > limit then return {{}, 1, limit, {}, {}} end
 end
-local dup, eids, owners = {}, {}, {}
 local n = 0
 for i = 1, #A, 2 do
   if A[i] == '' or redis.call('HSETNX', KEYS[2], A[i], ARGV[2]) == 1 then
@@ -100,13 +143,4 @@ if n > 0 then
   redis.call('HINCRBY', KEYS[3], 'submitted', n)
   if limit >= 0 then redis.call('HINCRBY', KEYS[6], 'admitted', n) end
 end
-local reply = {dup, 0, limit, eids, owners}
-if rec then
-  if fresh_rec then
-    redis.call('HSET', rec, ARGV[4], cmsgpack.pack(reply), 'inc', ARGV[3], 'lo', ARGV[5])
-  else
-    redis.call('HSET', rec, ARGV[4], cmsgpack.pack(reply))
-  end
-  redis.call('PEXPIRE', rec, ARGV[6])
-end
-return reply
+return record({dup, 0, limit, eids, owners})

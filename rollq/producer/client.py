@@ -24,23 +24,26 @@ over the shards' configs. With one shard, keys and commands are the unsharded qu
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import uuid
 import weakref
 from typing import Any, AsyncIterator, Iterable, Sequence
 
-from ..connection import CANCEL, DROP_EMPTY, RETRYABLE, Client, connect, deadline, raw_replies
+from ..connection import CANCEL, DROP_EMPTY, RETRYABLE, SET_BOUND, Client, connect, deadline, raw_replies
 from ..errors import InvalidJob, job_error
 from ..keys import GROUP, QueueKeys, check_name
 from ..protocol import SPECS_END, Job, Result, Scores, job_from_spec, score_spec, token_jobs, token_list
 from ..registry import register_queue
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
-from ..shards import declare_shards, shard_of_id, split_budget
+from ..shards import check_shards, declare_shards, grew, shard_of_id, split_budget
 from .calls import CALL_RECORD_TTL_MS, RESEND_BACKOFF, CallNumbers
 from .handles import DELIVERED_MEMORY, JobHandle, Ledger
 from .results import ResultReader
 from .submission import JobSpec, Submission
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Producer", "JobHandle", "JobSpec", "CANCEL_MARK_TTL", "CALL_RECORD_TTL_MS", "DELIVERED_MEMORY",
            "RESEND_BACKOFF"]
@@ -82,6 +85,9 @@ class Producer(Submission):
         self.id = check_name("producer", producer_id or f"p-{uuid.uuid4().hex[:12]}")
         self.settings = settings or ProducerSettings()
         self._set_shards(1)  # until connect() reads or records the queue's count
+        #: The queue grew from one shard with caller-chosen ids left in shard 0 (rollq/shards.py):
+        #: such an id homed in another shard is checked in shard 0 first (submit.lua's check calls).
+        self._grown = False
         self._numbers = CallNumbers()  # SUBMIT call numbers: Redis replays a number it has run
         self._seq = 0  # generated job ids: f"{_prefix}{_seq:x}"
         self._prefix = f"{self.id}-{os.getpid():x}-"
@@ -108,6 +114,28 @@ class Producer(Submission):
         self._tags = {s.tag: s for s in self._shards}
         self._rr = 0  # round robin over the shards: the next generated-id job's shard
 
+    async def _follow_shards(self, k: int) -> None:
+        """The queue has ``k`` shards, not the count this producer routed over (it grew after
+        connect()): route over ``k`` from now on and read the result stream of each (the new
+        readers start from the streams' first entries; a result read twice is dropped)."""
+        if k == self.shards:
+            return
+        check_shards(k)
+        async with self._deadline("reading whether the queue grew"):
+            grown = k > 1 and await grew(self._client, self.keys)
+        if k == self.shards:  # another call followed it meanwhile
+            return
+        self._grown = grown
+        log.info("producer %s: queue %r has %d shard(s), not %d; routing over %d", self.id, self.queue, k,
+                 self.shards, k)
+        self._set_shards(k)
+        old, self._reader = self._reader, None
+        if old is not None:
+            old.cancel()
+            await asyncio.gather(old, return_exceptions=True)
+        if not self._closed:
+            self._reader = asyncio.create_task(_run_all(self._result_readers()), name=f"rollq-results-{self.id}")
+
     def _shard_of_stream(self, stream: str) -> QueueKeys:
         """The shard whose hash tag ``stream``'s name starts with."""
         return self._tags.get(stream[: stream.find("}") + 1], self.keys)
@@ -127,6 +155,7 @@ class Producer(Submission):
                 # queue has none): the result readers need it, so it comes first.
                 async with self._deadline("connecting (reading the queue's shard count)"):
                     k = await declare_shards(self._client, self.keys, self.settings.shards)
+                    self._grown = k > 1 and await grew(self._client, self.keys)
                 if k != self.shards:
                     self._set_shards(k)
                 readers = self._result_readers()
@@ -318,27 +347,33 @@ class Producer(Submission):
 
         With K shards, shard ``i`` admits at most ``(max_lag + version + 1) * split_budget(batch,
         K)[i]`` (its SUBMIT calls check its own budget and its mirror of the version), so the
-        queue's total never exceeds the bound; ``batch`` must be at least K (ValueError)."""
+        queue's total never exceeds the bound; ``batch`` must be at least K (ValueError). Each
+        shard's part is written by ``lua/set_bound.lua``, shard 0's first: if the queue's
+        recorded count is not this producer's (it grew since connect()), nothing is written,
+        the producer follows the record and writes the parts of the new split."""
         await self.connect()
-        if max_lag is None:
-            async with self._deadline("removing the staleness bound"):
-                pipe = self._client.pipeline(transaction=False)
-                for shard in self._shards:  # one HDEL per shard (the queue's own config with one)
-                    pipe.hdel(shard.config, "max_lag", "batch")
-                await pipe.execute()
-            return
-        if batch is None or batch < 1 or max_lag < 0:
+        if max_lag is not None and (batch is None or batch < 1 or max_lag < 0):
             raise ValueError("set_staleness_bound needs max_lag >= 0 and batch >= 1")
-        if batch < self.shards:
-            raise ValueError(
-                f"set_staleness_bound: batch={batch} is smaller than the queue's {self.shards} shards "
-                "(each shard's budget is a part of batch, at least 1 job)"
-            )
-        async with self._deadline("setting the staleness bound"):
-            pipe = self._client.pipeline(transaction=False)
-            for shard, part in zip(self._shards, split_budget(batch, self.shards)):  # [batch] with one shard
-                pipe.hset(shard.config, mapping={"max_lag": max_lag, "batch": part})
-            await pipe.execute()
+        while True:
+            if max_lag is None:
+                parts = [0] * self.shards
+            elif batch < self.shards:
+                raise ValueError(
+                    f"set_staleness_bound: batch={batch} is smaller than the queue's {self.shards} shards "
+                    "(each shard's budget is a part of batch, at least 1 job)"
+                )
+            else:
+                parts = split_budget(batch, self.shards)  # [batch] with one shard
+            async with self._deadline("setting the staleness bound"):
+                recorded = 0
+                for shard, part in zip(self._shards, parts):  # one slot per call
+                    recorded = await SET_BOUND(self._client, [shard.config],
+                                               [self.shards, "" if max_lag is None else max_lag, part])
+                    if recorded:  # shard 0 refused: nothing was written
+                        break
+            if not recorded:
+                return
+            await self._follow_shards(int(recorded))
 
     async def publish_weights(self, state: Any, version: int | None = None, transport: str = "memmap", **publisher_kwargs: Any) -> Any:
         """Publish a new policy version of this queue (see

@@ -17,11 +17,15 @@ from ..connection import RETRYABLE, SUBMIT
 from ..errors import StalenessBound, SubmitInterrupted
 from ..protocol import Job, encode_job
 from ..shards import home_shard, shard_of_id
+from ..weightsync.versions import heal_mirrors
 from .calls import CALL_RECORD_TTL_MS, Call, CallStream, GaveUp, Outage, pack_args
 from .handles import Entry, JobHandle
 
 #: Jobs in the first script call of a streamed submit_many (then doubling to script_batch).
 FIRST_CALL = 64
+#: Codes of a SUBMIT reply (``lua/submit.lua``): refused by the staleness bound; refused
+#: because the queue records another shard count; a check call's answer.
+REFUSED_BOUND, REFUSED_COUNT, CHECKED = 1, 2, 3
 
 #: A job's fields as the user gives them (see :meth:`Producer.build_job`).
 JobSpec = Mapping[str, Any]
@@ -36,7 +40,9 @@ class Submission:
     ``counters``, ``_client``, ``_ledger`` (room and handles), ``_numbers``
     (:class:`~rollq.producer.calls.CallNumbers`), ``_calls_key`` and ``_ref``, and with K > 1
     shards on ``shards`` (K), ``_shards`` (their keys), ``_calls_keys`` (the call record in
-    each) and ``_rr`` (round robin); it calls ``build_jobs`` and ``submit_many``.
+    each), ``_rr`` (round robin) and ``_grown`` (the queue grew: check calls); it calls
+    ``build_jobs``, ``submit_many`` and ``_follow_shards`` (a SUBMIT call found the queue's
+    count changed).
     """
 
     async def _submit_many_stream(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
@@ -168,7 +174,7 @@ class Submission:
                 part = payloads[i : i + step]
                 args: list[Any] = [""] * (2 * len(part))  # '': a generated id, nothing to record
                 args[1::2] = part
-                call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS]
+                call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS, 1, ""]
                 number(call_args)
                 calls.append((keys, call_args, range(i, i + len(part))))
             return calls
@@ -187,9 +193,9 @@ class Submission:
             self._add_calls(calls, keys, jobs, positions)
         return calls
 
-    def _add_calls(self, calls: list[Call], keys: list[str], jobs: list[Job], positions: list[int]) -> None:
+    def _add_calls(self, calls: list[Call], keys: list[str], jobs: list[Job], positions: list[int], check: bool = False) -> None:
         """Append the numbered SUBMIT calls of ``jobs[positions]`` (one stream: ``keys``),
-        ``script_batch`` jobs per call."""
+        ``script_batch`` jobs per call (check calls with ``check``: see :meth:`_sharded_calls`)."""
         step, number, inc = self.settings.script_batch, self._numbers.number, self._numbers.incarnation
         for i in range(0, len(positions), step):
             part = positions[i : i + step]
@@ -199,19 +205,25 @@ class Submission:
                 args.append(job.id if job.tracked else "")
                 args.append(encode_job(job))
             # One msgpack argument per call, not two per job (see benchmarks/README.md).
-            call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS]
+            call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS, self.shards, "1" if check else ""]
             number(call_args)
             calls.append((keys, call_args, part))
 
-    def _sharded_calls(self, jobs: list[Job]) -> list[Call]:
+    def _sharded_calls(self, jobs: list[Job], check: bool = True) -> list[Call]:
         """SUBMIT calls for ``jobs`` on a queue of K > 1 shards: each call holds the jobs of
         one shard and one stream, and carries that shard's keys and this producer's call record
         in that shard (call numbers stay one sequence per producer; a resent call meets its
         own record). A caller-chosen id goes to ``shard_of_id``, a job targeted at a replica
-        to the replica's home shard (its stream is there), any other job round robin."""
+        to the replica's home shard (its stream is there), any other job round robin.
+
+        On a queue that grew from one shard (``_grown``, with ``check``), a caller-chosen id
+        whose shard is not 0 goes first in a check call to shard 0, where ids queued before
+        the growth are recorded (``lua/submit.lua``); :meth:`_finish_chunk` sends the ones not
+        recorded there to their shard."""
         k = self.shards
+        check = check and self._grown
         delivered = self._ledger.delivered
-        groups: dict[tuple[int, str | None], list[int]] = {}
+        groups: dict[tuple[int, str | None, bool], list[int]] = {}
         rr = self._rr
         for i, job in enumerate(jobs):
             if job.replica is not None:
@@ -220,18 +232,28 @@ class Submission:
                 shard = shard_of_id(job.id, k)
             else:
                 shard, rr = rr, rr + 1 if rr + 1 < k else 0
-            pos = groups.get((shard, job.replica))
+            checked = check and job.tracked and shard != 0
+            key = (0 if checked else shard, job.replica, checked)
+            pos = groups.get(key)
             if pos is None:
-                pos = groups[shard, job.replica] = []
+                pos = groups[key] = []
             pos.append(i)
             if job.tracked and delivered:  # a caller-chosen id may run again: its next result counts
                 delivered.discard(job.id)
         self._rr = rr
         calls: list[Call] = []
-        for (shard, replica), positions in groups.items():
+        for (shard, replica, checked), positions in groups.items():
             sk = self._shards[shard]
-            self._add_calls(calls, [*sk.submit_keys(sk.job_stream(replica)), self._calls_keys[shard]], jobs, positions)
+            keys = [*sk.submit_keys(sk.job_stream(replica)), self._calls_keys[shard]]
+            self._add_calls(calls, keys, jobs, positions, check=checked)
         return calls
+
+    def _calls_for(self, jobs: list[Job], positions: list[int], check: bool = True) -> list[Call]:
+        """SUBMIT calls for ``jobs[positions]`` routed over the shards as they are now, with
+        positions in ``jobs``."""
+        sub = [jobs[k] for k in positions]
+        calls = self._sharded_calls(sub, check) if self.shards > 1 else self._submit_calls(sub)
+        return [(keys, args, [positions[i] for i in part]) for keys, args, part in calls]
 
     async def _submit_chunk(self, jobs: list[Job]) -> list[JobHandle]:
         await self._ledger.reserve(len(jobs))
@@ -259,31 +281,61 @@ class Submission:
         dups: list[bytes] = []
         foreign: dict[str, str] = {}  # duplicate ids queued by another producer -> its id
         read: list[int] = []  # positions of the jobs whose calls' replies were read (not refused)
+        refused_limit = -1
         try:
             while pending:
                 if results is None:
                     results = await self._run_scripts(pending)
-                refused = []
-                for call, (skipped, was_refused, limit, eids, owners) in zip(pending, results):
+                refused: list[Call] = []
+                again: list[Call] = []  # to send at once: checked ids to their shard, calls routed anew
+                recorded_count = 0
+                for call, (skipped, code, limit, eids, owners) in zip(pending, results):
                     keys, args, part = call
                     numbers.read(args[3])
-                    if was_refused:
+                    if code == REFUSED_BOUND:
                         refused.append(call)
+                        refused_limit = limit
+                        continue
+                    if code == REFUSED_COUNT:  # the queue grew since we connected: nothing was done
+                        recorded_count = limit
+                        again.append(call)
                         continue
                     if skipped:
                         dups.extend(skipped)
                         for jid, owner in zip(skipped, owners):
                             if owner is not None and owner.decode() != self.id:
                                 foreign[jid.decode()] = owner.decode()
+                    if code == CHECKED:  # recorded in shard 0 since before the growth: duplicates
+                        if not limit:
+                            self._grown = False  # none is left there
+                        held = set(skipped)
+                        read.extend(k for k in part if jobs[k].id.encode() in held)
+                        forward = [k for k in part if jobs[k].id.encode() not in held]
+                        if forward:
+                            again += self._calls_for(jobs, forward, check=False)
+                        continue
                     read.extend(part)
                     stream = keys[0]
                     for k, eid in zip(part, eids):
                         if eid:
                             entries[k] = (stream, eid, jobs[k].tracked)
                 results = None
-                if refused:
+                if recorded_count:
+                    await self._follow_shards(int(recorded_count))
+                    stale = [c for c in again if c[1][6] != self.shards]
+                    again = [c for c in again if c[1][6] == self.shards]
+                    for _, _, part in stale:
+                        again += self._calls_for(jobs, list(part))
+                if refused and not again and any(self._shard_of_stream(c[0][0]).shard_index for c in refused):
+                    # A shard's mirror of the version may lag the record (a publisher died
+                    # between its commit and its mirror): heal it, and send again at once.
+                    if await self._heal_mirrors():
+                        again, refused = refused, []
+                        for _, args, _ in again:
+                            numbers.number(args)
+                if refused and not again:
                     try:
-                        await self._wait_for_admission(sum(len(c[2]) for c in refused), limit, refused[-1][0][0])
+                        await self._wait_for_admission(sum(len(c[2]) for c in refused), refused_limit, refused[-1][0][0])
                     except StalenessBound as e:
                         # Not blocking: the refused calls did nothing (each is all or nothing:
                         # one shard's jobs); the jobs of the others are enqueued, and get handles.
@@ -292,9 +344,9 @@ class Submission:
                         e.enqueued = ledger.add([jobs[k] for k in read], [entries[k] for k in read], dups, foreign)
                         e.refused = [jobs[k] for call in refused for k in call[2]]
                         raise
-                    for _, args, _ in refused:  # a refusal is not recorded: a new number
-                        numbers.number(args)
-                pending = refused
+                for _, args, _ in refused:  # a refusal is not recorded: a new number
+                    numbers.number(args)
+                pending = again + refused
         except StalenessBound:
             raise
         except GaveUp as e:
@@ -369,6 +421,11 @@ class Submission:
             if isinstance(r, Exception):
                 raise r
         return results
+
+    async def _heal_mirrors(self) -> bool:
+        """Mirror the committed version into the shards whose mirror lags it; whether one did."""
+        async with self._deadline("healing the shards' mirrors of the policy version"):
+            return await heal_mirrors(self._client, self.keys, self.shards)
 
     async def _wait_for_admission(self, n: int, limit: int, stream: str) -> None:
         """The staleness bound refused ``n`` jobs (the last refused call's ``limit``, in the

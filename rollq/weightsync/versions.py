@@ -7,9 +7,12 @@ reconcile with :func:`read_version` on start, on reconnect and periodically.
 
 The record lives in shard 0 of a sharded queue (rollq/shards.py). Each other shard's
 version hash holds a mirror of field ``v`` only, which its SUBMIT calls read for the
-staleness bound: :func:`commit_version` writes it after each commit (never lowering it). A
-mirror can lag the record (a publisher that dies between the two steps; the next commit
-heals it): a lagging shard admits less, never more, than the bound allows.
+staleness bound: :func:`commit_version` writes it after each commit (never lowering it; the
+shards live in other slots, so the two steps cannot be one script). A mirror can lag the
+record (a publisher that dies between the two steps): a lagging shard admits less, never
+more, than the bound allows, and :func:`heal_mirrors` finishes the step without a new
+version. A producer runs it when a shard other than 0 refuses a call, before it waits or
+raises, and the replica that holds shard 0's reclaimer role runs it every reclaim turn.
 """
 
 from __future__ import annotations
@@ -123,6 +126,27 @@ async def mirror_version(client: Client, keys: QueueKeys, version: int, shards: 
     for r in replies:
         if isinstance(r, Exception):
             raise r
+
+
+async def heal_mirrors(client: Client, keys: QueueKeys, shards: int) -> bool:
+    """Mirror the committed version into the shards ``1 .. shards-1`` whose mirror lags it
+    (a publisher died between its commit and :func:`mirror_version`). Returns whether one
+    lagged. Two reads when none lags: the record, then the mirrors (a commit in between
+    only makes a mirror read newer)."""
+    if shards <= 1:
+        return False
+    raw = await client.hget(keys.base.version, "v")
+    if raw is None:
+        return False
+    version = int(raw)
+    pipe = client.pipeline(transaction=False)
+    for shard in keys.shards(shards)[1:]:
+        pipe.hget(shard.version, "v")
+    mirrors = await pipe.execute()
+    if all(m is not None and int(m) >= version for m in mirrors):
+        return False
+    await mirror_version(client, keys, version, shards)
+    return True
 
 
 async def read_version(client: Client, keys: QueueKeys) -> VersionRecord | None:

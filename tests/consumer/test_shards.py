@@ -349,3 +349,28 @@ def drop_queue_keys(cluster: Any, queue: str) -> None:
             for pattern in (f"rollq:{{{queue}}}:*", f"rollq:{{{queue}~*}}:*"):
                 for key in list(c.scan_iter(match=pattern, count=1000)):
                     c.delete(key)
+
+
+async def test_the_reclaimer_mirrors_a_version_its_publisher_did_not(queue, make_consumer, redis_client):
+    """A publisher died between the commit script and the mirror: shard 0 records version 2,
+    the other shards' mirrors still say 1. The replica holding shard 0's reclaimer role
+    mirrors version 2 into them, with no newer version and no submit."""
+    from rollq.connection import PUBLISH_VERSION
+    from rollq.weightsync.versions import VersionRecord, commit_version, encode_record
+
+    keys = QueueKeys(queue)
+    await load_scripts(redis_client)
+    await declare_shards(redis_client, keys, K)
+    rec = VersionRecord(version=1, transport="memmap", checksum="0", num_tensors=0, nbytes=0)
+    await commit_version(redis_client, keys, rec)  # committed and mirrored
+    rec2 = VersionRecord(version=2, transport="memmap", checksum="0", num_tensors=0, nbytes=0)
+    await PUBLISH_VERSION(redis_client, [keys.version, keys.versions_log, keys.config],
+                          [2, encode_record(rec2), keys.control, 100])  # the commit step only
+    assert [await redis_client.hget(s.version, "v") for s in keys.shards(K)] == [b"2", b"1", b"1", b"1"]
+    c = make_consumer(queue, consumer_id="healer")
+    make_consumer.start(c)
+
+    async def mirrored() -> bool:
+        return [await redis_client.hget(s.version, "v") for s in keys.shards(K)] == [b"2"] * K
+
+    await until(mirrored, 10, "the mirrors to read version 2")
