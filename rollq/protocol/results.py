@@ -227,6 +227,8 @@ class DeadLetter(msgspec.Struct, array_like=True, kw_only=True):
 _NUM, _NIL = 9, 1
 #: The longest ``finish_reason`` a replica reports ("stop", "length", "abort").
 _FINISH = len("length")
+#: The widest encoded :class:`LogprobSource` a sample with logprobs carries.
+_LP_SOURCE = 1 + 1 + len("processed") + 6 * _NUM + 2 * _NUM
 #: The longest replica name (rollq.keys.check_name).
 _REPLICA = 128
 
@@ -245,9 +247,17 @@ def _array_size(n: int) -> int:
 
 def sample_bound(max_tokens: int, logprobs: bool) -> int:
     """The largest encoded :class:`Sample` of ``max_tokens`` tokens (with their logprobs):
-    its tokens, logprobs, the longest finish reason, no text and no version marks."""
+    its tokens, logprobs (and what they are of), the longest finish reason, no text and no
+    version marks.
+
+    >>> from rollq.protocol import SamplingParams, encode_result, pack_f32, pack_i32
+    >>> src = LogprobSource.of(SamplingParams(temperature=0.7, top_k=2**31 - 1, min_tokens=5, stop_token_ids=[1]), "processed")
+    >>> s = Sample(tokens=pack_i32([1] * 9), logprobs=pack_f32([0.0] * 9), finish_reason="length", lp_source=src)
+    >>> len(msgspec.msgpack.encode(s)) <= sample_bound(9, True)
+    True
+    """
     arr = _bin_size(4 * max_tokens)
-    return 1 + arr + (arr if logprobs else _NIL) + _NIL + _str_size(_FINISH) + _NIL
+    return 1 + arr + (arr if logprobs else _NIL) + _NIL + _str_size(_FINISH) + _NIL + (_LP_SOURCE if logprobs else _NIL)
 
 
 def result_bound(*, id_bytes: int, n: int, max_tokens: int, logprobs: bool, prompt_tokens: int,
@@ -260,8 +270,9 @@ def result_bound(*, id_bytes: int, n: int, max_tokens: int, logprobs: bool, prom
     replica makes them; the submitter cannot know their size).
 
     >>> from rollq.protocol import encode_result, pack_f32, pack_i32
+    >>> widest = LogprobSource("processed", 0.5, 0.5, 2**63 - 1, 0.5, 0.5, 0.5, 0.5, 2**63 - 1)
     >>> r = Result(id="j", samples=[Sample(tokens=pack_i32([1] * 300), logprobs=pack_f32([0.0] * 300),
-    ...            finish_reason="length")] * 2, replica="r" * 128, version_start=2**63, version_end=2**63,
+    ...            finish_reason="length", lp_source=widest)] * 2, replica="r" * 128, version_start=2**63, version_end=2**63,
     ...            prompt_tokens=2**63, deliveries=2**63, submitted=1.0, started=1.0, finished=1.0)
     >>> len(encode_result(r)) == result_bound(id_bytes=1, n=2, max_tokens=300, logprobs=True,
     ...                                       prompt_tokens=3, prompt_ids=False, prompt_logprobs=False,
