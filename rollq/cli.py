@@ -141,7 +141,7 @@ def make_engine(a: argparse.Namespace) -> Any:
     return VllmEngine(
         VllmEngineConfig(
             model=model, tensor_parallel_size=a.tensor_parallel_size, dtype=a.dtype,
-            max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization,
+            max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=getattr(a, "enforce_eager", None),
             kv_cache_memory_bytes=a.kv_cache_memory_bytes,
             # Following weight versions needs rollq's worker extension inside vLLM's workers.
             worker_extension_cls=a.worker_extension
@@ -490,6 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vllm: dtype to serve the weights in (auto: float32 on CPU, the checkpoint's own on GPU; "
                         "naming one also accepts policy versions of a wider dtype, rounded to it)")
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="vllm: no torch.compile or CUDA graphs (starts faster, decodes slower; the default on CPU)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     s.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="vllm: KV cache size in bytes (instead of a share of device memory)")

@@ -45,6 +45,24 @@ class FixtureWorkerExtension(_WorkerExtensionBase):  # type: ignore[misc,valid-t
     def rollq_param_names(self) -> list[str]:
         return sorted(name for name, _ in self.model_runner.get_model().named_parameters())
 
+    def rollq_served_digest(self) -> str:
+        """sha256 of every served parameter's bytes (vLLM's fused layout), in name order: equal
+        digests mean the same weights bit for bit, whatever the output of a generation."""
+        import hashlib
+
+        import torch
+
+        h = hashlib.sha256()
+        for name, p in sorted(self.model_runner.get_model().named_parameters()):
+            h.update(name.encode())
+            h.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+        return h.hexdigest()
+
+
+async def served_digest(engine: Any) -> str:
+    """:meth:`FixtureWorkerExtension.rollq_served_digest` of the engine's first worker."""
+    return (await engine.call_workers("rollq_served_digest"))[0]
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
@@ -64,6 +82,7 @@ async def _started_engine(model: Path, **config: Any) -> AsyncIterator[Any]:
             kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
             seed=0,
             worker_extension_cls=TEST_WORKER_EXTENSION,
+            enforce_eager=True,  # on a GPU too: no compile or CUDA graph capture at start
             **config,
         )
     )

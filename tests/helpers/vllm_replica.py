@@ -71,7 +71,7 @@ class VllmReplica:
         args = [
             sys.executable, "-m", "rollq.cli", "consume", "--engine", "vllm", "--url", url, "--queue", queue,
             "--id", replica_id, "--model", str(ensure_tiny_model()), "--max-model-len", "512",
-            "--kv-cache-memory-bytes", str(64 << 20), "--lease-ttl", "2", *extra,
+            "--kv-cache-memory-bytes", str(64 << 20), "--lease-ttl", "2", "--enforce-eager", *extra,
         ]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         self.log = tempfile.NamedTemporaryFile(prefix=f"rollq-{replica_id}-", suffix=".log", delete=False)

@@ -432,7 +432,7 @@ async def test_fsdp2_trainer_updates_two_vllm_replicas_whose_logprobs_agree(vllm
 
     second = VllmEngine(VllmEngineConfig(
         model=str(tiny_model_path), max_model_len=TEST_MAX_MODEL_LEN, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, seed=0,
-        worker_extension_cls=TEST_WORKER_EXTENSION,
+        worker_extension_cls=TEST_WORKER_EXTENSION, enforce_eager=True,
     ))
     await second.start()
     root = str(tmp_path / "w")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import pytest_asyncio
+import torch
 
 from rollq import Producer
 from rollq.connection import connect
@@ -29,6 +30,8 @@ SAMPLING = {"max_tokens": 16, "n": 2, "temperature": 1.0, "logprobs": 0, "ignore
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def tp_engine(tiny_model_path):
     pytest.importorskip("vllm")
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("tensor_parallel_size=2 on GPUs needs two of them")
     from rollq.consumer.vllm_engine import VllmEngine, VllmEngineConfig
 
     engine = VllmEngine(VllmEngineConfig(

@@ -22,7 +22,7 @@ from rollq.weightsync.manifest import Manifest, check_state, read_manifest
 from rollq.weightsync.versions import LoadError, read_load_errors
 from tests.helpers import until
 from tests.weightsync.test_vllm import PROMPT, greedy, perturbed
-from tests.vllm_fixtures import checkpoint_state, serving_replica
+from tests.vllm_fixtures import checkpoint_state, served_digest, serving_replica
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 
@@ -164,6 +164,7 @@ async def test_mismatched_state_dicts_are_refused_before_any_replica_is_touched(
     assert slots(root) == [] and await read_version(client, keys) is None and consumer.version == 0
     async with Producer(redis_url, queue) as p:
         before, _ = await greedy(p)
+        digest = await served_digest(consumer.engine)
         # the inner model's names (as TorchRL sends them), perturbed: loaded, output changes
         rec = await pub.publish_weights({k.removeprefix("model."): v for k, v in perturbed(base, 1).items()})
         assert await pub.wait_for_replicas(rec.version, timeout=60) == {"vllm-0": rec.version}
@@ -175,7 +176,10 @@ async def test_mismatched_state_dicts_are_refused_before_any_replica_is_touched(
         hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_path), dtype=torch.float32).state_dict()
         rec2 = await pub.publish_weights(hf)
         await pub.wait_for_replicas(rec2.version, timeout=60)
-        assert (await greedy(p))[0] == before
+        # The load path restored the weights bit for bit; only then is the output compared, so
+        # a difference after this line is the engine's nondeterminism, not a load that missed.
+        assert await served_digest(consumer.engine) == digest, "republishing the checkpoint did not restore the served weights"
+        assert (await greedy(p))[0] == before, "same weights bit for bit, different greedy output: engine nondeterminism"
     await pub.close()
 
 
@@ -202,6 +206,7 @@ async def test_a_version_that_fails_to_load_is_reported_once_and_the_replica_kee
         rec1 = await pub.publish_weights(base)
         await pub.wait_for_replicas(rec1.version, timeout=60)
         good, _ = await greedy(p)
+        digest = await served_digest(consumer.engine)
         loads_before = loads
         # Committed without the check: its memmap slot holds model.norm.weight of the wrong shape.
         bad = await unchecked.publish_weights(dict(base, **{"model.norm.weight": torch.ones(64)}))
@@ -227,7 +232,8 @@ async def test_a_version_that_fails_to_load_is_reported_once_and_the_replica_kee
         rec3 = await pub.publish_weights(base)
         await pub.wait_for_replicas(rec3.version, timeout=60)
         assert await read_load_errors(client, keys) == {}
-        assert (await greedy(p))[0] == good
+        assert await served_digest(consumer.engine) == digest, "republishing the checkpoint did not restore the served weights"
+        assert (await greedy(p))[0] == good, "same weights bit for bit, different greedy output: engine nondeterminism"
     await pub.close()
     await unchecked.close()
 
