@@ -180,6 +180,8 @@ async def main_async(a: argparse.Namespace) -> dict:
     binds = [str(i + 1) for i in range(a.replicas)] if pin else None
     cores = ("trainer + event loop pinned to core 0 (1 torch thread); replica i on core i+1 (VLLM_CPU_OMP_THREADS_BIND)"
              if pin else f"no pinning ({ncpu} cores{'' if a.pin else ', --no-pin'}; device {device})")
+    if a.batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by the replicas' engine processes
     with RedisServer() as srv:
         replicas = Replicas(srv.url, "rl-start", weights_root=None, count=a.replicas, model=model,
                             max_model_len=256, cpu_binds=binds, reconcile_interval=1.0, dtype=a.dtype)
@@ -188,6 +190,10 @@ async def main_async(a: argparse.Namespace) -> dict:
             log.info("%d replica(s) up in %.1fs (%s)", a.replicas, replicas.start_s, cores)
             if pin:
                 pin_trainer(0)
+            if a.batch_invariant:  # the same kernel overrides for the trainer's forward passes
+                from vllm.model_executor.layers.batch_invariant import init_batch_invariance
+
+                init_batch_invariance()
             runs = [await one_run("sync", "sync", 0, a, srv.url, replicas, model, tokenizer, device)]
             for lag in a.lags:
                 runs.append(await one_run(f"async-lag{lag}", "async", lag, a, srv.url, replicas, model, tokenizer, device))
@@ -207,6 +213,7 @@ async def main_async(a: argparse.Namespace) -> dict:
         "lr": a.lr,
         "seed": a.seed,
         "engine_start_s": round(replicas.start_s, 1),
+        "batch_invariant": a.batch_invariant,
         "runs": runs,
         "ratios": ratios(runs),
     }
@@ -227,6 +234,10 @@ def main() -> None:
                     help="the replicas' served dtype (auto: float32 on CPU, the checkpoint's own on GPU)")
     ap.add_argument("--trainer-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the trainer's weights (bfloat16 with --dtype bfloat16: the bf16-to-bf16 setup)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="GPU: vLLM's batch-invariant kernels in the replicas (VLLM_BATCH_INVARIANT=1) and its kernel "
+                         "overrides in the trainer's torch too (matmul, log_softmax, mean), to measure how close that "
+                         "brings the two and what it costs in tokens/s")
     ap.add_argument("--out", default="benchmarks/results/rl_loop")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -104,14 +104,30 @@ def _runner_counts(runner: Any) -> dict[str, int] | None:
     states = getattr(runner, "req_states", None)
     index = getattr(states, "req_id_to_index", None)
     if isinstance(index, dict) and hasattr(states, "num_computed_tokens_np") and hasattr(states, "prompt_len"):
-        return {rid: _v2_count(states, i) for rid, i in list(index.items())}
+        computed = _v2_computed(states)
+        return {rid: _v2_count(states, i, computed) for rid, i in list(index.items())}
     return None
 
 
-def _v2_count(states: Any, i: int) -> int:
+def _v2_computed(states: Any) -> Any:
+    """Computed tokens per row of the second model runner's ``req_states``, the last step
+    included. Its host copy (``num_computed_tokens_np``) holds what the scheduler sent at the
+    start of each row's last step; the device copy is advanced after every step, so it is
+    read (one small copy, which waits for the steps already launched: their tokens come from
+    the weights being replaced)."""
+    dev = getattr(getattr(states, "num_computed_tokens", None), "gpu", None)
+    if dev is not None:
+        try:
+            return dev.cpu().numpy()
+        except Exception:  # noqa: BLE001 - the host copy, one step behind, is the fallback
+            pass
+    return states.num_computed_tokens_np
+
+
+def _v2_count(states: Any, i: int, computed: Any = None) -> int:
     """Output tokens of row ``i`` of the second model runner's ``req_states``: the prompt is
     computed, then each step computes one more token and samples the next, so a request
     with ``c >= prompt`` computed tokens has sampled ``c - prompt + 1``."""
-    computed = int(states.num_computed_tokens_np[i])
+    c = int((computed if computed is not None else _v2_computed(states))[i])
     prompt = int(states.prompt_len.np[i])
-    return max(0, computed - prompt + 1) if computed >= prompt else 0
+    return max(0, c - prompt + 1) if c >= prompt else 0

@@ -21,8 +21,10 @@ from tests.helpers import FAST, until
 from tests.vllm_fixtures import checkpoint_state, serving_replica
 
 #: Largest |logprob - recompute| of a token generated under the version it is labelled with
-#: (float32 on CPU agrees to ~1e-6; a token of the other version is off by > 1e-2 here).
-EXACT = 1e-3
+#: (float32 on CPU agrees to ~1e-6; a token of the other version, or over prompt KV of the
+#: other version, is off by 1 to 17 here). On a GPU the float32 kernels differ from the CPU
+#: recompute by up to ~2e-2 over a 320-token prompt (H200, vLLM 0.26).
+EXACT = 1e-3 if not torch.cuda.is_available() else 0.1
 
 
 # -- the consumer's side, echo engine --------------------------------------------------------

@@ -21,9 +21,10 @@ class Bounds(NamedTuple):
 #: float32 served on a CPU against the float32 trainer (measured: ~2.5e-7 mean, ~3e-6 max on
 #: the tiny model), with room for other CPUs' kernels; a regression shows.
 CPU_FLOAT32 = Bounds(1e-5, 1e-4)
-#: float32 served on a GPU: other kernels (issue 22's goal; 5.7e-5 mean measured with the
-#: medium model on an H200).
-GPU_FLOAT32 = Bounds(1e-4, 1e-2)
+#: float32 served on a GPU against the float32 trainer on the CPU: other kernels (the tiny
+#: model on an H200 measured 1.25e-4 mean, 5.7e-4 max; the medium model 8.5e-5 mean in
+#: benchmarks/rl_loop.py). A mis-loaded tensor is three orders of magnitude above.
+GPU_FLOAT32 = Bounds(1e-3, 1e-2)
 #: bf16 or fp16 served to a float32 trainer (3.2e-3 mean measured with the medium model on an
 #: H200; the max not measured yet).
 HALF = Bounds(1e-2, 0.5)
