@@ -1,7 +1,8 @@
 """Exactly once under faults, checked from a history (see tests/system/soak.py): consumer
 SIGKILLs, a Redis SIGKILL with AOF, and a producer whose connection a proxy cuts every
 20-200 ms (about a minute on 2 cores); and through a queue's growth from 1 to 3 shards with
-caller ids resubmitted and a publisher dying between commit and mirror (a few seconds)."""
+caller ids resubmitted and a publisher process SIGKILLed between commit and mirror (a few
+seconds)."""
 
 from __future__ import annotations
 
@@ -38,10 +39,14 @@ async def test_history_through_shard_growth_resubmitted_ids_and_a_publisher_dyin
     - version 1 (commit and mirrors); round B from "new": 100 caller ids ``b-*`` and 100
       generated (shard 0 admits 180 of its 200), then "old" resubmits the ``b-*`` ids; the
       consumers start;
-    - version 2 is committed by a publisher that dies before the mirror (the commit script
-      alone: shards 1 and 2 keep version 1); round C from "new", blocking: 150 caller ids in
-      shard 1 and 150 in shard 2, more than they admit at their mirrored version 1 (200 each,
-      about 60 taken) and within what they admit at version 2;
+    - version 2 is published by a publisher process (tests/helpers/publisher_proc.py, through
+      ``WeightPublisher.publish_weights``) SIGKILLed between its commit and its mirror: a proxy
+      holds the mirror's EVALSHA, the process blocks on its reply and is killed there (shards 1
+      and 2 keep version 1); round C from "new", blocking: 150 caller ids in shard 1 and 150
+      in shard 2, more than they admit at their mirrored version 1 (200 each, about 60 taken)
+      and within what they admit at version 2. It is admitted with no new version: the
+      reclaimer or the submit heals the mirrors (``heal_mirrors``; without it the submit waits
+      for version 3, which comes only after it);
     - version 3 (commit and mirrors).
 
     The checker: every job enqueued has one result and no other (0 lost, 0 results twice),
@@ -50,16 +55,20 @@ async def test_history_through_shard_growth_resubmitted_ids_and_a_publisher_dyin
     (0 + version + 1) * 300 at any sample (the version read after the counters)."""
     import asyncio
     import os
+    import signal
+    import subprocess
+    import sys
 
-    from rollq.connection import PUBLISH_VERSION, connect, load_scripts
+    from rollq.connection import connect, load_scripts
     from rollq.keys import QueueKeys
     from rollq.producer.client import Producer
     from rollq.server import RedisServer
     from rollq.settings import ProducerSettings
     from rollq.shards import shard_of_id
     from rollq.testing.chaos import HistoryLog, check_history, read_history
-    from rollq.weightsync.versions import VersionRecord, commit_version, encode_record
-    from tests.helpers import Proc, bounded
+    from rollq.weightsync.versions import MIRROR_VERSION, VersionRecord, commit_version, read_version
+    from tests.helpers import ROOT, Proc, bounded
+    from tests.helpers.hold_proxy import HoldProxy
 
     batch, queue, k = 300, "grow", 3
     hist_path = str(tmp_path / "history.jsonl")
@@ -121,13 +130,35 @@ async def test_history_through_shard_growth_resubmitted_ids_and_a_publisher_dyin
         for proc in procs:
             await proc.ready()
 
-        # The publisher of version 2 dies between its commit and its mirror.
-        await PUBLISH_VERSION(r, [keys.version, keys.versions_log, keys.config],
-                              [2, encode_record(version_record(2)), keys.control, 100])
-        assert [await r.hget(s.version, "v") for s in keys.shards(k)][1:] == [b"1", b"1"]
+        # The publisher of version 2 (a process) dies between its commit and its mirror: its
+        # connection goes through a proxy that holds the mirror's EVALSHA, so the process
+        # blocks there, waiting for the reply; it is SIGKILLed then.
+        proxy = await HoldProxy(srv.port, MIRROR_VERSION.sha).start()
+        publisher = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.publisher_proc", proxy.url, queue, str(tmp_path / "w"), "2"],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE)
+        try:
+            await bounded(proxy.held.wait(), 60, "the publisher of version 2 to send its mirror")
+            assert publisher.poll() is None, publisher.stderr.read().decode()[-2000:] if publisher.stderr else ""
+            publisher.kill()
+            assert publisher.wait(10) == -signal.SIGKILL
+        finally:
+            if publisher.poll() is None:
+                publisher.kill()
+                publisher.wait(10)
+            await proxy.stop()
+        record = await read_version(r, keys)
+        assert record is not None and record.version == 2 and record.trainer == "publisher_proc", record
+        # Committed, not mirrored, unless a healer (the reclaimer) already ran
+        mirrors = [await r.hget(s.version, "v") for s in keys.shards(k)][1:]
+        assert mirrors in ([b"1", b"1"], [b"2", b"2"]), mirrors
         c_ids = [i for s in (1, 2) for i in [f"c{s}-{j}" for j in range(2000) if shard_of_id(f"c{s}-{j}", k) == s][:150]]
         c_specs = [{"id": i, "prompt_token_ids": [6], "sampling": {"max_tokens": 2}} for i in c_ids]
-        submitted("new", await bounded(new.submit_many(c_specs), 60, "round C at version 2 (mirrors at 1)"))
+        submitted("new", await bounded(new.submit_many(c_specs), 30, "round C at version 2 (mirrors at 1)"))
+        # Admitted without a new version: the mirrors were healed (by the reclaimer or the submit).
+        assert int(await r.hget(keys.version, "v")) == 2
+        assert [await r.hget(s.version, "v") for s in keys.shards(k)] == [b"2"] * k
         await commit_version(r, keys, version_record(3))
 
         for who, p in (("old", old), ("new", new)):
