@@ -18,6 +18,7 @@ from rollq import Consumer, ConsumerSettings, Producer
 from rollq.consumer.engine import EchoEngine
 from rollq.weightsync import WeightPublisher
 from tests.helpers import FAST, until
+from tests.helpers.agreement import model_at, recompute
 from tests.vllm_fixtures import checkpoint_state, serving_replica
 
 #: Largest |logprob - recompute| of a token generated under the version it is labelled with
@@ -69,21 +70,6 @@ async def test_a_failed_swap_finishes_the_held_outputs_as_they_are(redis_url, qu
 
 
 # -- real vLLM -------------------------------------------------------------------------------
-def _recompute(model, prompt: list[int], tokens: list[int]) -> list[float]:
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-
-
-def _model(model_dir, state):
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    m.load_state_dict(state, strict=False)
-    return m.eval()
-
-
 def _mislabelled(result, prompt: list[int], models: dict[int, object]) -> list[str]:
     """Tokens labelled with the result's first version whose logprob disagrees with a
     recompute under that version. (Tokens after a boundary were sampled on the new weights
@@ -96,7 +82,7 @@ def _mislabelled(result, prompt: list[int], models: dict[int, object]) -> list[s
         if not k:
             continue
         toks, lps = s.token_ids, s.token_logprobs
-        ref = _recompute(models[v0], prompt, toks[:k])
+        ref = recompute(models[v0], prompt, toks[:k])
         for i in range(k):
             if abs(lps[i] - ref[i]) > EXACT:
                 bad.append(f"job {result.id} sample {j} token {i} of {len(toks)}: labelled v{v0} ({s.versions}), "
@@ -156,7 +142,7 @@ async def test_results_finishing_while_the_follower_is_delayed_label_every_token
             v2 = (await pub.publish_weights(new)).version
             rs = await p.gather(hs, timeout=180)
             delayed.clear()
-            models = {v1: _model(tiny_model_path, base), v2: _model(tiny_model_path, new)}
+            models = {v1: model_at(tiny_model_path, base), v2: model_at(tiny_model_path, new)}
             bad = [b for r, pr in zip(rs, prompts) for b in _mislabelled(r, pr, models)]
             assert not bad, f"{len(bad)} tokens labelled with a version that did not make them: {bad[:5]}"
             # The update landed while jobs ran: some results span it, and none that ended
@@ -200,10 +186,10 @@ async def test_a_request_waiting_in_vllm_across_a_swap_reuses_no_prefix_of_the_o
             finally:
                 await vllm_engine.resume()
             r = await h.result(timeout=60)
-            m2 = _model(tiny_model_path, new)
+            m2 = model_at(tiny_model_path, new)
             for s in r.samples:
                 assert set(s.token_versions(r.version_start)) == {v2}, s.versions
-                ref = _recompute(m2, prompt, s.token_ids)
+                ref = recompute(m2, prompt, s.token_ids)
                 worst = max(abs(a - b) for a, b in zip(s.token_logprobs, ref))
                 assert worst < EXACT, f"tokens labelled v{v2} differ from its recompute by {worst:.3g}: the prompt's KV was not v{v2}'s"
             assert r.policy_version == (v2, v2), r.policy_version

@@ -17,6 +17,7 @@ from rollq.producer.batch import results_to_tensordict
 from rollq.protocol import UNKNOWN_START, Result, Sample, pack_i32
 from rollq.weightsync import WeightPublisher
 from tests.helpers import FAST, until
+from tests.helpers.agreement import model_at, recompute
 from tests.vllm_fixtures import checkpoint_state, serving_replica
 
 
@@ -83,19 +84,6 @@ def test_missing_requests_count_as_not_started_only_when_the_report_is_complete(
 
 
 # -- real vLLM ---------------------------------------------------------------------------
-def _recompute(model_dir, state, prompt: list[int], tokens: list[int]) -> list[float]:
-    """The logprob of each of ``tokens`` after ``prompt`` under ``state``, in transformers."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.load_state_dict(state, strict=False)
-    model.eval()
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-
-
 @pytest_asyncio.fixture(loop_scope="session")
 async def keep_replica(vllm_engine, redis_url, queue, tmp_path):  # noqa: F811
     root = str(tmp_path / "w")
@@ -129,7 +117,7 @@ async def test_keep_update_mid_generation_marks_the_first_token_of_the_new_versi
                 assert (va, start_a, vb) == (v1, 0, v2)
                 assert 0 < b < 400, s.versions  # the update landed mid-generation
                 toks, lps = s.token_ids, s.token_logprobs
-                hf_old = _recompute(tiny_model_path, base, prompt, toks[: b + 1])
+                hf_old = recompute(model_at(tiny_model_path, base), prompt, toks[: b + 1])
                 # Every token before the boundary was sampled on version 1 exactly ...
                 assert max(abs(x - y) for x, y in zip(lps[:b], hf_old[:b])) < 1e-3
                 # ... and the first one after it was not (the new weights differ by far).

@@ -74,3 +74,18 @@ async def agreement(p: Any, model: torch.nn.Module, state: Any, version: int, pr
     difference from ``model``'s logprobs with ``state`` loaded."""
     results = await generate(p, version, prompts, sampling, timeout)
     return logprob_agreement(model, results, prompts, state=state)
+
+
+def model_at(path: str | Path, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The tiny model (float32, eval) with ``state`` loaded over its checkpoint."""
+    m = trainer_model(path)
+    m.load_state_dict(state, strict=False)
+    return m
+
+
+def recompute(model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:
+    """The logprob of each of ``tokens`` after ``prompt`` under ``model``, in one forward pass."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(list(tokens))[:, None])[:, 0].tolist()
