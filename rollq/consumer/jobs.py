@@ -104,7 +104,8 @@ class Jobs:
 
     def idle(self) -> bool:
         """Nothing held, waiting, running or waiting to be recorded."""
-        return not self.running and not self.held and not self._versions.waiting and not len(self._finisher)
+        return (not self.running and not self.held and not self._versions.waiting and not len(self._finisher)
+                and not self.deferred)
 
     def known_eids(self) -> set[bytes]:
         """Entries this replica has in hand, or whose outcome it has not recorded yet."""
@@ -113,6 +114,8 @@ class Jobs:
         known.update(w.eid for w in self._versions.waiting)
         known.update(self._finisher.eids())
         known.update(p.eid for p in self.parked)
+        known.update(r.eid for _, r, _ in self.deferred)
+        known.update(r.eid for r in self.restarted)
         return known
 
     # -- in ------------------------------------------------------------------------------------
@@ -234,6 +237,7 @@ class Jobs:
         self._ctx.engine.abort(rid)
         del self.running[rid]
         del self.by_job[job_id]
+        self._restarts.pop(job_id, None)
         self._finisher.fail(run, Failure(error, why))
         self._ctx.room.set()
 
@@ -337,6 +341,7 @@ class Jobs:
             if run.eid not in owned:
                 del self.running[rid]
                 self.by_job.pop(run.job.id, None)
+                self._restarts.pop(run.job.id, None)
                 self._ctx.engine.abort(rid)
                 log.info("job %s is owned by another replica now; aborted our copy", run.job.id)
         self._versions.keep_only(owned)
@@ -348,6 +353,8 @@ class Jobs:
             self._ctx.engine.abort(rid)
         self.running.clear()
         self.by_job.clear()
+        self._restarts.clear()
+        self.restarted.clear()
         self.held.clear()
         self._versions.waiting.clear()
 
