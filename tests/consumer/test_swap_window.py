@@ -14,10 +14,10 @@ import pytest
 import pytest_asyncio
 import torch
 
-from rollq import Consumer, ConsumerSettings, Producer
+from rollq import Producer
 from rollq.consumer.engine import EchoEngine
 from rollq.weightsync import WeightPublisher
-from tests.helpers import FAST, until
+from tests.helpers import until
 from tests.helpers.agreement import model_at, recompute
 from tests.vllm_fixtures import checkpoint_state, serving_replica
 
@@ -29,44 +29,37 @@ EXACT = 1e-3 if not torch.cuda.is_available() else 0.1
 
 
 # -- the consumer's side, echo engine --------------------------------------------------------
-async def test_outputs_that_arrive_during_a_swap_wait_for_its_report(redis_url, queue):
+async def test_outputs_that_arrive_during_a_swap_wait_for_its_report(queue, make_consumer, make_producer):
     engine = EchoEngine(delay_per_token=0.01)
-    c = Consumer(engine, redis_url, queue, settings=ConsumerSettings(**FAST))
-    task = asyncio.create_task(c.run())
-    try:
-        async with Producer(redis_url, queue) as p:
-            h = await p.submit(prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 20})
-            await until(lambda: c.running_count() == 1, 10, "the job running")
-            with c.swapping():
-                await until(lambda: c.running_count() == 0, 10, "the job's output")
-                await asyncio.sleep(0.2)
-                assert not h.done(), "an output that arrived during the swap was recorded before its report"
-                c.set_version(1, engine.swap_progress(None))
-            r = await h.result(timeout=10)
-        # Every token was made before version 1 went in: the result does not claim it.
-        assert r.policy_version == (0, 0)
-        assert r.samples[0].versions == [(0, 0), (1, 20)] and r.token_versions(0) == [0] * 20
-    finally:
-        c.stop()
-        await asyncio.wait_for(task, 10)
+    c = make_consumer(queue, engine)
+    make_consumer.start(c)
+    p = await make_producer(queue)
+    h = await p.submit(prompt_token_ids=[1, 2, 3], sampling={"max_tokens": 20})
+    await until(lambda: c.running_count() == 1, 10, "the job running")
+    with c.swapping():
+        await until(lambda: c.running_count() == 0, 10, "the job's output")
+        await asyncio.sleep(0.2)
+        assert not h.done(), "an output that arrived during the swap was recorded before its report"
+        c.set_version(1, engine.swap_progress(None))
+    r = await h.result(timeout=10)
+    # Every token was made before version 1 went in: the result does not claim it.
+    assert r.policy_version == (0, 0)
+    assert r.samples[0].versions == [(0, 0), (1, 20)] and r.token_versions(0) == [0] * 20
+    assert await make_consumer.stop(c) == 0
 
 
-async def test_a_failed_swap_finishes_the_held_outputs_as_they_are(redis_url, queue):
-    engine = EchoEngine(delay_per_token=0.005)
-    c = Consumer(engine, redis_url, queue, settings=ConsumerSettings(**FAST))
-    task = asyncio.create_task(c.run())
-    try:
-        async with Producer(redis_url, queue) as p:
-            h = await p.submit(prompt_token_ids=[4, 5], sampling={"max_tokens": 10})
-            await until(lambda: c.running_count() == 1, 10, "the job running")
-            with pytest.raises(RuntimeError), c.swapping():
-                await until(lambda: c.running_count() == 0, 10, "the job's output")
-                raise RuntimeError("the load failed")
-            r = await h.result(timeout=10)
-        assert r.policy_version == (0, 0) and r.samples[0].versions is None
-    finally:
-        c.stop()
-        await asyncio.wait_for(task, 10)
+async def test_a_failed_swap_finishes_the_held_outputs_as_they_are(queue, make_consumer, make_producer):
+    c = make_consumer(queue, EchoEngine(delay_per_token=0.005))
+    make_consumer.start(c)
+    p = await make_producer(queue)
+    h = await p.submit(prompt_token_ids=[4, 5], sampling={"max_tokens": 10})
+    await until(lambda: c.running_count() == 1, 10, "the job running")
+    with pytest.raises(RuntimeError), c.swapping():
+        await until(lambda: c.running_count() == 0, 10, "the job's output")
+        raise RuntimeError("the load failed")
+    r = await h.result(timeout=10)
+    assert r.policy_version == (0, 0) and r.samples[0].versions is None
+    assert await make_consumer.stop(c) == 0
 
 
 # -- real vLLM -------------------------------------------------------------------------------
