@@ -250,6 +250,13 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(a: argparse.Namespace, res: dict) -> None:
+    """``<out>.json`` and ``<out>.md``."""
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
+    Path(a.out + ".md").write_text(markdown(res))
+
+
 async def main_async(a: argparse.Namespace) -> dict:
     import torch
     from transformers import AutoTokenizer
@@ -284,31 +291,34 @@ async def main_async(a: argparse.Namespace) -> dict:
                 for arm in a.arms:
                     name = f"async-lag{lag}" if a.arms == ["ratio"] else f"async-lag{lag}-{arm}"
                     runs.append(await one_run(name, "async", lag, a, srv.url, replicas, model, tokenizer, device, arm))
+            # Written before the replicas stop: an engine that hangs on shutdown loses no figures.
+            res = {
+                "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
+                "machine": f"{platform.machine()}, {ncpu} cores, {device}",
+                "cores": cores,
+                "model_size": a.model_size,
+                "replicas": a.replicas,
+                "steps": a.steps,
+                "groups_per_step": a.groups,
+                "group_size": a.group_size,
+                "lr": a.lr,
+                "seed": a.seed,
+                "stress": a.stress,
+                "min_tokens": a.min_tokens,
+                "max_tokens": a.max_tokens,
+                "arms": a.arms,
+                "tis_cap": a.tis_cap,
+                "engine_start_s": round(replicas.start_s, 1),
+                "batch_invariant": a.batch_invariant,
+                "runs": runs,
+                "ratios": ratios(runs),
+            }
+            write_results(a, res)
         finally:
             await replicas.stop()
             for root in ROOTS:
                 shutil.rmtree(root, ignore_errors=True)
-    return {
-        "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {ncpu} cores, {device}",
-        "cores": cores,
-        "model_size": a.model_size,
-        "replicas": a.replicas,
-        "steps": a.steps,
-        "groups_per_step": a.groups,
-        "group_size": a.group_size,
-        "lr": a.lr,
-        "seed": a.seed,
-        "stress": a.stress,
-        "min_tokens": a.min_tokens,
-        "max_tokens": a.max_tokens,
-        "arms": a.arms,
-        "tis_cap": a.tis_cap,
-        "engine_start_s": round(replicas.start_s, 1),
-        "batch_invariant": a.batch_invariant,
-        "runs": runs,
-        "ratios": ratios(runs),
-    }
+    return res
 
 
 def main() -> None:
@@ -349,12 +359,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    res = asyncio.run(main_async(a))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
-    md = markdown(res)
-    Path(a.out + ".md").write_text(md)
-    print(md)
+    print(markdown(asyncio.run(main_async(a))))
 
 
 if __name__ == "__main__":  # AsyncLLM starts processes: this guard is needed
