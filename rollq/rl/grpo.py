@@ -4,12 +4,13 @@ One job is one GRPO group: the ``n`` samples of one prompt. Each sample's advant
 reward normalised within its group (``(r - mean) / std``; 0 when the group agrees), and the
 loss is PPO's clipped surrogate on the importance ratio between the trainer's current
 policy and the *behavior* policy, whose per-token logprobs the replica returned with the
-sample (``sampling.logprobs=0``). The ratio means something only when both are logprobs of
-the distribution the tokens were drawn from. Each sample says what its logprobs are
-(:class:`~rollq.protocol.LogprobSource`): vLLM's raw ``log_softmax`` of the logits (its
-default) is that distribution only at temperature 1 with no top-p, top-k, min-p or
-penalties; a replica with ``VllmEngineConfig(logprobs_mode="processed_logprobs")`` returns
-the logprobs after them. The trainer applies the same temperature to its own logits
+sample (``sampling.logprobs=0``); :class:`GrpoConfig` can cap that ratio instead (truncated
+importance weighting, ``tis_cap``) or fix it at 1 (``importance_ratio=False``, a control
+arm). The ratio means something only when both are logprobs of the distribution the tokens
+were drawn from. Each sample says what its logprobs are (:class:`~rollq.protocol.LogprobSource`):
+vLLM's raw ``log_softmax`` of the logits (its default) is that distribution only at
+temperature 1 with no top-p, top-k, min-p or penalties; a replica with
+``VllmEngineConfig(logprobs_mode="processed_logprobs")`` returns the logprobs after them. The trainer applies the same temperature to its own logits
 (``log_softmax(logits / T)``) and refuses with :class:`SamplingTransformError`, naming the
 field, a result whose transform it cannot reproduce (raw logprobs at T != 1, top-p, top-k,
 min-p, penalties, greedy samples).
