@@ -2,6 +2,7 @@
 
     python benchmarks/rl_loop.py [--steps 40] [--lags 1 2] [--replicas 1] [--seed 0]
                                  [--model-size tiny|small|medium] [--out benchmarks/results/rl_loop]
+    python benchmarks/rl_loop.py --stress [--tis-cap 2] [--out benchmarks/results/rl_loop_stress]
 
 One process, one embedded Redis, the same replicas for every run (each run gets a fresh
 queue; the replicas are reset to the initial weights by publishing them as the run's first
@@ -14,6 +15,23 @@ version). Runs, each from the same initial weights and prompt seed:
 Reported, as ratios to ``sync``: time to reach reward 0.8 (trailing mean of 3 steps), rollout
 tokens/s, the fraction of wall time the replicas sat idle (no job running), final reward
 (mean of the last 5 steps). The JSON also has every step's generate wait / train / publish.
+
+Off-policy under stress (``--stress``: ``--lags 4 8 --min-tokens 32 --max-tokens 64 --arms
+ratio no-ratio tis``, each settable on its own): completions of 32-64 tokens (a length drawn
+per job) under a staleness bound of 4 and 8 versions, so weight swaps land mid-generation
+(update policy ``keep``: a request continues on the new weights, its tokens stamped with the
+version that generated each). Each async lag runs once per arm of the trainer's importance
+ratio against the behaviour logprobs (:class:`rollq.rl.GrpoConfig`):
+
+- ``ratio``: PPO's clipped ratio against the behaviour logprobs (the default);
+- ``no-ratio``: the ratio fixed at 1 (``importance_ratio=False``), the control;
+- ``tis``: truncated importance weighting, the ratio capped at ``--tis-cap`` (``tis_cap``).
+
+Reported per run: the share of tokens that span a swap (their version differs from their
+sample's first token's), the |behaviour - trainer| logprob difference by token lag (0, 1,
+2+; at the trainer's weights when it trains on them), the mean clip fraction (tokens where the
+clip was active), ratio and TIS figures, the reward. The JSON keeps every step's ``diff_*``,
+``diff_by_lag``, ``clip_frac`` and ratio stats (``runs[].per_step``).
 
 Cores: on vLLM's CPU backend the trainer and the replicas compete for cores. By default each
 replica ``i`` gets ``VLLM_CPU_OMP_THREADS_BIND=<i + 1>`` (its own core) and, once the engines
@@ -70,18 +88,65 @@ def pin_trainer(core: int) -> bool:
     return True
 
 
+#: --arms: the trainer's treatment of the importance ratio (see the module doc).
+ARMS = ("ratio", "no-ratio", "tis")
+
+
+def grpo_config(arm: str, a: argparse.Namespace):
+    from rollq.rl import GrpoConfig
+
+    if arm == "no-ratio":
+        return GrpoConfig(lr=a.lr, importance_ratio=False)
+    if arm == "tis":
+        return GrpoConfig(lr=a.lr, tis_cap=a.tis_cap)
+    return GrpoConfig(lr=a.lr)
+
+
+def make_task(vocab_size: int, min_tokens: int, max_tokens: int):
+    """The bucket task with completions of ``min_tokens..max_tokens`` tokens (a length drawn per
+    job; the reward, the in-bucket fraction, does not depend on it)."""
+    from rollq.rl import BucketTask
+
+    if min_tokens == max_tokens:
+        return BucketTask(vocab_size=vocab_size, length=max_tokens)
+
+    class VariableLengthTask(BucketTask):
+        def job_specs(self, tokenizer, rng, count, group_size):
+            specs = super().job_specs(tokenizer, rng, count, group_size)
+            for spec in specs:
+                spec["sampling"] = dict(spec["sampling"], max_tokens=rng.randint(min_tokens, max_tokens))
+            return specs
+
+    return VariableLengthTask(vocab_size=vocab_size, length=max_tokens)
+
+
+#: StepRecord fields kept per step in the JSON.
+PER_STEP = ("step", "version", "reward", "wait_s", "train_s", "publish_s", "elapsed_s", "tokens", "lags", "swap_tokens",
+            "loss", "clip_frac", "diff_sum", "diff_max", "diff_tokens", "diff_by_lag", "loss_stats")
+
+
+def _rounded(v):
+    if isinstance(v, float):
+        return float(f"{v:.4g}")
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return v
+
+
 async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv_url: str, replicas, model: str,
-                  tokenizer, device: str) -> dict:
+                  tokenizer, device: str, arm: str = "ratio") -> dict:
     import torch
 
-    from rollq.rl import BucketTask, GrpoConfig, GrpoTrainer, LoopConfig, run_loop
+    from rollq.rl import GrpoTrainer, LoopConfig, run_loop
     from rollq.weightsync.publisher import WeightPublisher
 
     queue = f"rl-{name}"
     root = tempfile.mkdtemp(prefix=f"rollq-rl-{name}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     await replicas.attach(queue, weights_root=root)
     torch.manual_seed(a.seed)
-    trainer = GrpoTrainer.from_pretrained(model, GrpoConfig(lr=a.lr), seed=a.seed)
+    trainer = GrpoTrainer.from_pretrained(model, grpo_config(arm, a), seed=a.seed)
     trainer.model.to(getattr(torch, a.trainer_dtype))
     trainer.rebase(0)  # the snapshot of version 0 in the trainer's dtype
     trainer.to(device)
@@ -90,7 +155,7 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     rec = await pub.publish_weights(trainer.state_dict())
     trainer.rebase(rec.version)
     await replicas.wait_version(rec.version)
-    task = BucketTask(vocab_size=len(tokenizer))
+    task = make_task(len(tokenizer), a.min_tokens, a.max_tokens)
     cfg = LoopConfig(steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode=mode, max_lag=max_lag, seed=a.seed)
 
     def on_step(r) -> None:
@@ -105,12 +170,14 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
         ROOTS.append(root)  # removed once the replicas stopped (they may still read its slots)
     s = report.summary()
     s["name"] = name
+    s["arm"] = arm
     s.update(served_dtype=replicas.served_dtype, trainer_dtype=trainer.dtype, converted_from=replicas.converted_from())
-    s["per_step"] = [
-        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items() if k in
-         ("step", "version", "reward", "wait_s", "train_s", "publish_s", "elapsed_s", "tokens", "lags")}
-        for d in report.per_step()
-    ]
+    steps = report.per_step()
+    s["per_step"] = [{k: _rounded(d[k]) for k in PER_STEP} for d in steps]
+    stats = [d["loss_stats"] for d in steps if d["loss_stats"]]
+    s["ratio_mean"] = _rounded(sum(x["ratio_mean"] for x in stats) / len(stats)) if stats else None
+    s["ratio_max"] = _rounded(max(x["ratio_max"] for x in stats)) if stats else None
+    s["tis_frac_mean"] = _rounded(sum(x["tis_frac"] for x in stats) / len(stats)) if stats else None
     return s
 
 
@@ -162,7 +229,32 @@ def markdown(res: dict) -> str:
     lines += ["", "Ratios to sync:", "", "| run | time to 0.8 | tokens/s | idle fraction | final reward |", "| --- | --- | --- | --- | --- |"]
     for q in res["ratios"]:
         lines.append(f"| {q['run']} | {q['time_to_reward_0.8']} | {q['rollout_tokens_per_s']} | {q['replica_idle_fraction']} | {q['final_reward']} |")
+    lines += [
+        "",
+        f"Off-policy figures (completions of {res['min_tokens']}-{res['max_tokens']} tokens; TIS cap {res['tis_cap']}). "
+        "|diff| by lag: mean |behaviour - trainer| logprob at the trainer's weights when it trained on the tokens "
+        "(tokens compared); clip: mean share of tokens where the clip was active; ratio: against the behaviour logprobs.",
+        "",
+        "| run | arm | tokens spanning a swap | \\|diff\\| lag 0 | lag 1 | lag 2+ | clip | ratio mean / max | TIS capped | final reward | time to 0.8 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in res["runs"]:
+        by = r.get("logprob_abs_diff_by_lag", {})
+        lag = [f"{_g(by[k]['mean'])} ({by[k]['tokens']})" if k in by else "-" for k in ("0", "1", "2+")]
+        t = r["time_to_reward_0.8_s"]
+        lines.append(
+            f"| {r['name']} | {r['arm']} | {r['swap_tokens']} of {r['rollout_tokens']} ({100 * r['swap_token_share']:.1f}%) | "
+            f"{' | '.join(lag)} | {r['clip_frac_mean']:.3f} | {_g(r.get('ratio_mean'))} / {_g(r.get('ratio_max'))} | "
+            f"{_g(r.get('tis_frac_mean'))} | {r['reward_last']:.3f} | {'not reached' if t is None else f'{t:.1f} s'} |"
+        )
     return "\n".join(lines) + "\n"
+
+
+def write_results(a: argparse.Namespace, res: dict) -> None:
+    """``<out>.json`` and ``<out>.md``."""
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
+    Path(a.out + ".md").write_text(markdown(res))
 
 
 async def main_async(a: argparse.Namespace) -> dict:
@@ -196,27 +288,37 @@ async def main_async(a: argparse.Namespace) -> dict:
                 init_batch_invariance()
             runs = [await one_run("sync", "sync", 0, a, srv.url, replicas, model, tokenizer, device)]
             for lag in a.lags:
-                runs.append(await one_run(f"async-lag{lag}", "async", lag, a, srv.url, replicas, model, tokenizer, device))
+                for arm in a.arms:
+                    name = f"async-lag{lag}" if a.arms == ["ratio"] else f"async-lag{lag}-{arm}"
+                    runs.append(await one_run(name, "async", lag, a, srv.url, replicas, model, tokenizer, device, arm))
+            # Written before the replicas stop: an engine that hangs on shutdown loses no figures.
+            res = {
+                "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
+                "machine": f"{platform.machine()}, {ncpu} cores, {device}",
+                "cores": cores,
+                "model_size": a.model_size,
+                "replicas": a.replicas,
+                "steps": a.steps,
+                "groups_per_step": a.groups,
+                "group_size": a.group_size,
+                "lr": a.lr,
+                "seed": a.seed,
+                "stress": a.stress,
+                "min_tokens": a.min_tokens,
+                "max_tokens": a.max_tokens,
+                "arms": a.arms,
+                "tis_cap": a.tis_cap,
+                "engine_start_s": round(replicas.start_s, 1),
+                "batch_invariant": a.batch_invariant,
+                "runs": runs,
+                "ratios": ratios(runs),
+            }
+            write_results(a, res)
         finally:
             await replicas.stop()
             for root in ROOTS:
                 shutil.rmtree(root, ignore_errors=True)
-    return {
-        "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
-        "machine": f"{platform.machine()}, {ncpu} cores, {device}",
-        "cores": cores,
-        "model_size": a.model_size,
-        "replicas": a.replicas,
-        "steps": a.steps,
-        "groups_per_step": a.groups,
-        "group_size": a.group_size,
-        "lr": a.lr,
-        "seed": a.seed,
-        "engine_start_s": round(replicas.start_s, 1),
-        "batch_invariant": a.batch_invariant,
-        "runs": runs,
-        "ratios": ratios(runs),
-    }
+    return res
 
 
 def main() -> None:
@@ -224,7 +326,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--lags", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--lags", type=int, nargs="+", help="async runs' max lag (default 1 2; --stress: 4 8)")
+    ap.add_argument("--stress", action="store_true",
+                    help="off-policy under stress: the defaults become --lags 4 8 --min-tokens 32 --max-tokens 64 "
+                         "--arms ratio no-ratio tis (each still settable)")
+    ap.add_argument("--min-tokens", type=int, help="shortest completion (default 4; --stress: 32)")
+    ap.add_argument("--max-tokens", type=int, help="longest completion, a length drawn per job (default 4; --stress: 64)")
+    ap.add_argument("--arms", nargs="+", choices=ARMS,
+                    help="the async runs' importance-ratio arms (default ratio; --stress: all three)")
+    ap.add_argument("--tis-cap", type=float, default=2.0, help="the tis arm's cap on the importance ratio")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -240,15 +350,16 @@ def main() -> None:
                          "brings the two and what it costs in tokens/s")
     ap.add_argument("--out", default="benchmarks/results/rl_loop")
     a = ap.parse_args()
+    for key, normal, stress in (("lags", [1, 2], [4, 8]), ("min_tokens", 4, 32), ("max_tokens", 4, 64),
+                                ("arms", ["ratio"], list(ARMS))):
+        if getattr(a, key) is None:
+            setattr(a, key, stress if a.stress else normal)
+    if not 1 <= a.min_tokens <= a.max_tokens:
+        ap.error(f"--min-tokens {a.min_tokens} / --max-tokens {a.max_tokens}: need 1 <= min <= max")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    res = asyncio.run(main_async(a))
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
-    md = markdown(res)
-    Path(a.out + ".md").write_text(md)
-    print(md)
+    print(markdown(asyncio.run(main_async(a))))
 
 
 if __name__ == "__main__":  # AsyncLLM starts processes: this guard is needed

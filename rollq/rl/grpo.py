@@ -4,12 +4,13 @@ One job is one GRPO group: the ``n`` samples of one prompt. Each sample's advant
 reward normalised within its group (``(r - mean) / std``; 0 when the group agrees), and the
 loss is PPO's clipped surrogate on the importance ratio between the trainer's current
 policy and the *behavior* policy, whose per-token logprobs the replica returned with the
-sample (``sampling.logprobs=0``). The ratio means something only when both are logprobs of
-the distribution the tokens were drawn from. Each sample says what its logprobs are
-(:class:`~rollq.protocol.LogprobSource`): vLLM's raw ``log_softmax`` of the logits (its
-default) is that distribution only at temperature 1 with no top-p, top-k, min-p or
-penalties; a replica with ``VllmEngineConfig(logprobs_mode="processed_logprobs")`` returns
-the logprobs after them. The trainer applies the same temperature to its own logits
+sample (``sampling.logprobs=0``); :class:`GrpoConfig` can cap that ratio instead (truncated
+importance weighting, ``tis_cap``) or fix it at 1 (``importance_ratio=False``, a control
+arm). The ratio means something only when both are logprobs of the distribution the tokens
+were drawn from. Each sample says what its logprobs are (:class:`~rollq.protocol.LogprobSource`):
+vLLM's raw ``log_softmax`` of the logits (its default) is that distribution only at
+temperature 1 with no top-p, top-k, min-p or penalties; a replica with
+``VllmEngineConfig(logprobs_mode="processed_logprobs")`` returns the logprobs after them. The trainer applies the same temperature to its own logits
 (``log_softmax(logits / T)``) and refuses with :class:`SamplingTransformError`, naming the
 field, a result whose transform it cannot reproduce (raw logprobs at T != 1, top-p, top-k,
 min-p, penalties, greedy samples).
@@ -156,27 +157,69 @@ def grpo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float = 0.2,
+    *,
+    tis_cap: float | None = None,
+    importance_ratio: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clipped GRPO surrogate, averaged over the tokens where ``mask`` is set.
 
     ``logp`` (with grad) and ``behavior_logp`` are ``[samples, tokens]``; ``advantages`` is
-    ``[samples]`` (one per sample, broadcast over its tokens). Returns the loss and stats
-    (``clip_frac``: tokens whose ratio left ``[1 - eps, 1 + eps]``; ``ratio_mean``).
+    ``[samples]`` (one per sample, broadcast over its tokens). Three ways to treat the
+    importance ratio ``exp(logp - behavior_logp)`` against the behavior policy:
+
+    - default: PPO's clipped surrogate on that ratio;
+    - ``tis_cap=C`` (truncated importance weighting, as TIS / MIS do): each token's
+      policy-gradient term is weighted by ``min(ratio, C)``, detached; PPO's clip applies to
+      the ratio against the trainer's own policy at this step (1 for rollq's one update per
+      batch, so the clip stays inactive);
+    - ``importance_ratio=False`` (a control arm): the ratio is fixed at 1, the gradient is
+      the on-policy one ``advantage * grad(logp)``, whatever the behavior logprobs say.
+
+    Returns the loss and stats: ``clip_frac``, the share of tokens where the clip was active
+    (the clipped term was the smaller one, so the token gave no gradient); ``ratio_mean`` and
+    ``ratio_max`` of the ratio against the behavior logprobs (whichever way it is used);
+    ``tis_frac``, the share of tokens whose ratio exceeded ``tis_cap`` (0 without it).
 
     >>> z = torch.zeros(2, 3)
     >>> loss, st = grpo_loss(z.requires_grad_(), torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3))
     >>> abs(float(loss)), st["clip_frac"]
     (0.0, 0.0)
+    >>> logp = torch.tensor([[0.0, 2.0]], requires_grad=True)   # the second token: ratio e^2 = 7.4
+    >>> loss, st = grpo_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), tis_cap=2.0)
+    >>> loss.backward(); logp.grad                                # weights 1 and 2 (capped), / 2 tokens
+    tensor([[-0.5000, -1.0000]])
+    >>> st["tis_frac"], round(st["ratio_max"], 2)
+    (0.5, 7.39)
     """
-    mask = mask.to(logp.dtype)
-    ratio = torch.exp(logp - behavior_logp)
+    if tis_cap is not None and not importance_ratio:
+        raise ValueError("tis_cap: truncated importance weighting needs importance_ratio=True")
+    mask_f = mask.to(logp.dtype)
+    n = mask_f.sum().clamp(min=1)
     adv = advantages.unsqueeze(-1)
-    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
-    n = mask.sum().clamp(min=1)
-    loss = -(surrogate * mask).sum() / n
+    log_ratio = logp - behavior_logp
+    if importance_ratio and tis_cap is None:
+        ratio = torch.exp(log_ratio)
+        weight = None
+    else:  # the ratio against the trainer's own policy at this step: 1, with logp's gradient
+        ratio = torch.exp(logp - logp.detach())
+        weight = None if tis_cap is None else torch.exp(log_ratio.detach()).clamp(max=tis_cap)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+    surrogate = torch.minimum(unclipped, clipped)
+    if weight is not None:
+        surrogate = weight * surrogate
+    loss = -(surrogate * mask_f).sum() / n
     with torch.no_grad():
-        clipped = ((ratio - 1).abs() > clip_eps).to(mask.dtype)
-        stats = {"clip_frac": float((clipped * mask).sum() / n), "ratio_mean": float((ratio * mask).sum() / n)}
+        active = (clipped < unclipped).to(mask_f.dtype) * mask_f  # min() took the clipped term
+        behavior_ratio = torch.exp(log_ratio.detach())
+        on = mask.bool()
+        capped = (behavior_ratio > tis_cap).to(mask_f.dtype) * mask_f if tis_cap is not None else torch.zeros_like(mask_f)
+        stats = {
+            "clip_frac": float(active.sum() / n),
+            "ratio_mean": float((behavior_ratio * mask_f).sum() / n),
+            "ratio_max": float(behavior_ratio[on].max()) if bool(on.any()) else 0.0,
+            "tis_frac": float(capped.sum() / n),
+        }
     return loss, stats
 
 
@@ -321,7 +364,15 @@ def _diff(logp: torch.Tensor, mask: torch.Tensor, behavior: list[list[float]]) -
 # ----------------------------------------------------------------------------------------
 @dataclass
 class GrpoConfig:
-    """Hyperparameters of :class:`GrpoTrainer`."""
+    """Hyperparameters of :class:`GrpoTrainer`; invalid values raise ValueError naming the field.
+
+    >>> GrpoConfig(tis_cap=2.0).tis_cap
+    2.0
+    >>> GrpoConfig(tis_cap=0.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: tis_cap must be >= 1 (a cap below 1 would down-weight on-policy tokens), got 0.5
+    """
 
     #: Adam learning rate.
     lr: float = 3e-3
@@ -331,6 +382,29 @@ class GrpoConfig:
     max_grad_norm: float = 1.0
     #: State dicts of the last versions kept to recompute logprobs of older samples.
     snapshots: int = 3
+    #: Truncated importance weighting (TIS / MIS): the ratio against the behavior logprobs,
+    #: capped at this value and detached, weights each token's policy gradient
+    #: (:func:`grpo_loss`). None: PPO's clipped ratio against the behavior logprobs.
+    tis_cap: float | None = None
+    #: False: the importance ratio is fixed at 1 (the behavior logprobs only feed the
+    #: diagnostics), the control arm that shows what the off-policy correction does.
+    importance_ratio: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps!r}")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm must be >= 0 (0: off), got {self.max_grad_norm!r}")
+        if self.snapshots < 1:
+            raise ValueError(f"snapshots must be >= 1, got {self.snapshots!r}")
+        if self.tis_cap is not None:
+            if not self.tis_cap >= 1:  # also refuses NaN
+                raise ValueError(f"tis_cap must be >= 1 (a cap below 1 would down-weight on-policy tokens), got {self.tis_cap!r}")
+            if not self.importance_ratio:
+                raise ValueError("tis_cap: truncated importance weighting needs importance_ratio=True (the ratio-off "
+                                 "control has no ratio to cap)")
 
 
 @dataclass
@@ -348,7 +422,14 @@ class StepStats:
     diff_sum: float = 0.0
     diff_max: float = 0.0
     diff_tokens: int = 0
+    #: |behavior - trainer| at the trainer's current weights, by the lag of each token (the
+    #: trainer version minus the version that generated it; ``"0"``, ``"1"``, ``"2+"``):
+    #: ``[sum, max, tokens]``. Lag 0 is the weight-sync check; lags 1 and 2+ show how far
+    #: off-policy the behavior logprobs are. Tokens of an unknown version are left out.
+    diff_by_lag: dict[str, list[float]] = field(default_factory=dict)
     train_s: float = 0.0
+    #: The loss's stats beyond ``clip_frac`` (:func:`grpo_loss`): ``ratio_mean``,
+    #: ``ratio_max``, ``tis_frac``.
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -453,7 +534,10 @@ class GrpoTrainer:
             adv = torch.cat([group_advantages(torch.tensor([list(r)], dtype=torch.float32))[0] for r in rewards])
         logp, mask = token_logprobs(self.model, prompts, comps, temperature=temps)
         b = _padded(behavior, logp)
-        loss, st = grpo_loss(logp, b, adv.to(logp.device), mask, self.config.clip_eps)
+        cfg = self.config
+        loss, st = grpo_loss(logp, b, adv.to(logp.device), mask, cfg.clip_eps, tis_cap=cfg.tis_cap,
+                             importance_ratio=cfg.importance_ratio)
+        by_lag = self._diff_by_lag(logp.detach(), b, mask, [vs for _, r in batch for vs in _versions(r)])
         # Agreement: groups generated entirely at the current version use this forward pass.
         lags = [self.version - res.version_start for _, res in batch]
         dsum, dmax, dn = 0.0, 0.0, 0
@@ -480,6 +564,29 @@ class GrpoTrainer:
         flat = [x for r in rewards for x in r]
         return StepStats(
             version=trained_at, reward_mean=sum(flat) / max(1, len(flat)), loss=float(loss.detach()),
-            clip_frac=st["clip_frac"], lags=lags, diff_sum=dsum, diff_max=dmax, diff_tokens=dn,
-            train_s=time.perf_counter() - t0, extra={"ratio_mean": st["ratio_mean"]},
+            clip_frac=st.pop("clip_frac"), lags=lags, diff_sum=dsum, diff_max=dmax, diff_tokens=dn,
+            diff_by_lag=by_lag, train_s=time.perf_counter() - t0, extra=st,
         )
+
+    def _diff_by_lag(
+        self, logp: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor, versions: list[list[int]]
+    ) -> dict[str, list[float]]:
+        """``{bucket: [sum, max, tokens]}`` of |logp - behavior| by token lag (see :class:`StepStats`)."""
+        lag = torch.full(logp.shape, -1, dtype=torch.long)
+        for i, vs in enumerate(versions):
+            row = torch.tensor(vs, dtype=torch.long)
+            lag[i, : len(vs)] = torch.where(row >= 0, self.version - row, torch.full_like(row, -1))
+        lag = lag.to(logp.device)
+        d = (logp - behavior).abs()
+        out: dict[str, list[float]] = {}
+        for name, sel in (("0", lag == 0), ("1", lag == 1), ("2+", lag >= 2)):
+            sel = sel & mask
+            k = int(sel.sum())
+            if k:
+                out[name] = [float(d[sel].sum()), float(d[sel].max()), k]
+        return out
+
+
+def _versions(result: Any) -> list[list[int]]:
+    """The per-token versions of each sample of ``result`` (-1: not known exactly)."""
+    return [s.token_versions(result.version_start) for s in result.samples]

@@ -27,6 +27,11 @@ versions from 0: for a run that starts at ``trainer.version = v0`` on a fresh qu
 sets ``max_lag - v0``, exact while ``v0 <= max_lag``; beyond that the bound is looser and
 ``min_version``, which replicas honour without holding capacity, keeps the lag.)
 
+``publish=False`` is the negative control: the trainer trains every step but no version is
+published, so the replicas keep sampling from the initial weights and the reward must stay
+at the random policy's level. Nothing then waits on a version: no staleness bound, no
+``min_version``, every batch is submitted at once (async) or as the step comes (sync).
+
 >>> report = await run_loop(url, "grpo", trainer, task, tokenizer, publisher, LoopConfig(steps=40))  # doctest: +SKIP
 >>> report.summary()["reward_last"]                                                               # doctest: +SKIP
 0.99
@@ -67,6 +72,9 @@ class LoopConfig:
     seed: int = 0
     #: Seconds without any result before the loop gives up (TimeoutError).
     result_timeout: float = 300.0
+    #: Publish each new version to the replicas. False: the negative control (module doc);
+    #: the trainer still trains, the replicas keep the initial weights.
+    publish: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -97,11 +105,18 @@ class StepRecord:
     #: Distinct version_start of the groups trained on.
     sample_versions: list[int] = field(default_factory=list)
     failed: int = 0
+    #: Tokens whose version differs from their sample's first token's (a swap landed before
+    #: them, mid-sample), or is not known exactly.
+    swap_tokens: int = 0
     loss: float = 0.0
     clip_frac: float = 0.0
     diff_sum: float = 0.0
     diff_max: float = 0.0
     diff_tokens: int = 0
+    #: :attr:`~rollq.rl.grpo.StepStats.diff_by_lag`: ``{"0"|"1"|"2+": [sum, max, tokens]}``.
+    diff_by_lag: dict[str, list[float]] = field(default_factory=dict)
+    #: The loss's other stats (``ratio_mean``, ``ratio_max``, ``tis_frac``; :func:`~rollq.rl.grpo.grpo_loss`).
+    loss_stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,10 +152,16 @@ class LoopReport:
         lags = Counter(lag for s in self.steps for lag in s.lags)
         dn = sum(s.diff_tokens for s in self.steps)
         tokens = sum(s.tokens for s in self.steps)
+        by_lag: dict[str, list[float]] = {}
+        for s in self.steps:
+            for k, (dsum, dmax, n) in s.diff_by_lag.items():
+                acc = by_lag.setdefault(k, [0.0, 0.0, 0])
+                acc[0], acc[1], acc[2] = acc[0] + dsum, max(acc[1], dmax), acc[2] + n
         upd = [u.update_s for u in self.updates]
         pause = [u.pause_s for u in self.updates]
         return {
             "mode": self.config.mode,
+            "publish": self.config.publish,
             "max_lag": self.config.max_lag if self.config.mode == "async" else 0,
             "steps": len(self.steps),
             "groups_per_step": self.config.groups_per_step,
@@ -163,6 +184,13 @@ class LoopReport:
             "logprob_abs_diff_mean": sum(s.diff_sum for s in self.steps) / dn if dn else None,
             "logprob_abs_diff_max": max((s.diff_max for s in self.steps), default=0.0) if dn else None,
             "logprob_tokens_compared": dn,
+            "logprob_abs_diff_by_lag": {
+                k: {"mean": by_lag[k][0] / by_lag[k][2], "max": by_lag[k][1], "tokens": int(by_lag[k][2])}
+                for k in ("0", "1", "2+") if k in by_lag
+            },
+            "swap_tokens": sum(s.swap_tokens for s in self.steps),
+            "swap_token_share": round(sum(s.swap_tokens for s in self.steps) / tokens, 4) if tokens else 0.0,
+            "clip_frac_mean": round(_mean([s.clip_frac for s in self.steps]), 4),
             "time_to_reward_0.8_s": _round(self.time_to_reward(0.8)),
             "failed_jobs": sum(s.failed for s in self.steps),
             "step_wait_s": round(sum(s.wait_s for s in self.steps), 3),
@@ -227,7 +255,8 @@ async def run_loop(
     ``trainer`` is a :class:`~rollq.rl.grpo.GrpoTrainer` (None: queue only, nothing trained or
     published, e.g. on the echo engine), ``task`` a :class:`~rollq.rl.task.BucketTask`,
     ``publisher`` a :class:`~rollq.weightsync.publisher.WeightPublisher` (with a broadcast
-    ``sender`` for ``transport="broadcast"``). ``on_step`` is called after every step.
+    ``sender`` for ``transport="broadcast"``; unused, may be None, with ``publish=False``).
+    ``on_step`` is called after every step.
 
     One function on purpose: it reads top to bottom as the algorithm (submit, wait for the
     step's batch, train, publish), with the async submitter in :func:`_submit_all`.
@@ -242,7 +271,9 @@ async def run_loop(
     publish_transport = "nccl" if config.transport == "broadcast" else "memmap"
     async with Producer(url, queue, producer_id=producer_id) as p:
         await p.set_update_policy("keep")
-        bounded = config.mode == "async" and trainer is not None
+        # Versions reach the replicas only when published: without that nothing waits on one.
+        versioned = trainer is not None and config.publish
+        bounded = config.mode == "async" and versioned
         # The bound counts versions from 0: a run starting at version v0 (its weights published
         # to replicas that held others) is bounded with max_lag - v0 (see the module doc).
         bound = max(0, config.max_lag - trainer.version) if bounded else None
@@ -253,7 +284,7 @@ async def run_loop(
         buffered: dict[int, list[Any]] = {}
         if config.mode == "async":
             # Batch k needs version v0 + k - max_lag (no trainer: no versions to wait for).
-            base = trainer.version - config.max_lag if trainer is not None else None
+            base = trainer.version - config.max_lag if versioned else None
             submitter = asyncio.create_task(_submit_all(p, task, tokenizer, rng, config, batch_of, base), name="rl-submitter")
         results = p.results(timeout=config.result_timeout).__aiter__()
         try:
@@ -262,7 +293,7 @@ async def run_loop(
                 t0 = time.perf_counter()
                 if submitter is None:  # sync: this batch runs on the current version
                     specs = task.job_specs(tokenizer, rng, B, config.group_size)
-                    hs = await p.submit_many([_with(s, step, version) for s in specs])
+                    hs = await p.submit_many([_with(s, step, version if versioned else None) for s in specs])
                     batch_of.update((h.id, step) for h in hs)
                 while len(buffered.get(step, ())) < B:
                     r = await _next(results, submitter, config.result_timeout)
@@ -279,10 +310,11 @@ async def run_loop(
                 jobs.extend((r.replica, r.started, r.finished) for r in ok)
                 rewards = [task.rewards(r) for r in ok]
                 tokens = sum(len(s.tokens) // 4 for r in ok for s in r.samples)
+                swaps = sum(_swap_tokens(s.token_versions(r.version_start)) for r in ok for s in r.samples)
                 rec = StepRecord(
                     step=step, version=version, reward=_mean([x for rw in rewards for x in rw]),
                     lags=[version - r.version_start for r in ok], wait_s=wait_s, train_s=0.0, publish_s=0.0,
-                    elapsed_s=0.0, tokens=tokens, failed=len(batch) - len(ok),
+                    elapsed_s=0.0, tokens=tokens, failed=len(batch) - len(ok), swap_tokens=swaps,
                     sample_versions=sorted({r.version_start for r in ok}),
                 )
                 if trainer is not None:
@@ -291,10 +323,12 @@ async def run_loop(
                         st = await asyncio.to_thread(trainer.step, [(prompts[int(r.meta["bucket"])], r) for r in ok], rewards)
                         rec.loss, rec.clip_frac = st.loss, st.clip_frac
                         rec.diff_sum, rec.diff_max, rec.diff_tokens = st.diff_sum, st.diff_max, st.diff_tokens
+                        rec.diff_by_lag, rec.loss_stats = st.diff_by_lag, dict(st.extra)
                     else:  # nothing to learn from; the next version is published all the same
                         trainer.advance()
                     t2 = time.perf_counter()
-                    await publisher.publish_weights(trainer.state_dict(), version=trainer.version, transport=publish_transport)
+                    if config.publish:
+                        await publisher.publish_weights(trainer.state_dict(), version=trainer.version, transport=publish_transport)
                     rec.train_s, rec.publish_s = t2 - t1, time.perf_counter() - t2
                 rec.elapsed_s = time.perf_counter() - t_start
                 steps.append(rec)
@@ -328,6 +362,15 @@ async def _submit_all(
         floor = None if base is None else max(0, base + k)
         hs = await p.submit_many([_with(s, k, floor) for s in specs])
         batch_of.update((h.id, k) for h in hs)
+
+
+def _swap_tokens(versions: Sequence[int]) -> int:
+    """Tokens of one sample whose version is not its first token's (-1, unknown, counts).
+
+    >>> _swap_tokens([3, 3, 4, 4]), _swap_tokens([3, -1]), _swap_tokens([])
+    (2, 1, 0)
+    """
+    return sum(v != versions[0] for v in versions) if versions else 0
 
 
 def _with(spec: dict[str, Any], batch: int, min_version: int | None) -> dict[str, Any]:

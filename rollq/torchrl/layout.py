@@ -6,8 +6,13 @@ ragged (TorchRL's ``pad_output=False`` layout: a lazy stack; read padded with
 ``td.get(key, as_padded_tensor=True, padding_side=...)``):
 
 - ``tokens``: ``prompt``, ``response``, ``full`` (prompt + response), int64
-- ``log_probs``: ``response`` (the replica's behaviour logprobs), ``full`` (0 over the prompt,
-  or the prompt logprobs when the job asked for them), ``prompt`` (with prompt logprobs)
+- ``log_probs``: ``response`` (the replica's behaviour logprobs; NaN where the job asked for
+  none), ``full`` (prompt + response: the prompt logprobs when the job asked for them, else
+  NaN over the prompt), ``prompt`` (only with prompt logprobs). NaN is TorchRL's alignment
+  pad (its ``vLLMWrapper`` fills the prompt slice of ``full`` so when the engine gave no
+  prompt scores): ``GRPOLoss`` keeps non-finite positions out of the importance ratio, with
+  any ``masking_strategy``, where 0.0 would count as a logprob of 1. A prompt position
+  without a score (the first) is NaN too.
 - ``masks``: ``all_attention_mask`` (all True), ``all_assistant_mask`` (the response), over ``full``
 - ``text``: ``prompt`` / ``response`` where the replica detokenized
 - rollq's own: ``policy_version`` (per response token, -1: not known exactly),
@@ -48,13 +53,15 @@ def results_to_llm_tensordict(
             raise InvalidJob(f"result {r.id}: a token prompt's ids are not in its result; pass prompts=")
         prompt = torch.tensor(ids, dtype=torch.int64)
         plp = r.prompt_logprobs
-        prompt_lp = None if plp is None else torch.tensor([0.0 if x is None else x for x in plp], dtype=torch.float32)
+        nan = float("nan")
+        prompt_lp = None if plp is None else torch.tensor([nan if x is None else x for x in plp], dtype=torch.float32)
+        prompt_pad = prompt_lp if prompt_lp is not None else torch.full((len(prompt),), nan)
         prompt_text = texts[gi] if texts is not None else None
         for s in r.samples:
             response = torch.tensor(s.token_ids, dtype=torch.int64)
             lps = s.token_logprobs
-            resp_lp = torch.tensor(lps if lps is not None else [0.0] * len(response), dtype=torch.float32)
-            full_lp = torch.cat([prompt_lp if prompt_lp is not None else torch.zeros(len(prompt)), resp_lp])
+            resp_lp = torch.tensor(lps, dtype=torch.float32) if lps is not None else torch.full((len(response),), nan)
+            full_lp = torch.cat([prompt_pad, resp_lp])
             assistant = torch.cat([torch.zeros(len(prompt), dtype=torch.bool), torch.ones(len(response), dtype=torch.bool)])
             rows.append(TensorDict(
                 tokens=Tokens(prompt=prompt, response=response, full=torch.cat([prompt, response]), padded=False),

@@ -196,3 +196,105 @@ def test_plot_writes_a_png_and_its_data(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((tmp_path / "run.json").read_text())
     assert data["reward"][-1] == pytest.approx(0.65) and data["lag_mean"] == [0.5] * 5
+
+
+# -- the importance ratio: clip activity, truncation, the ratio-off control --------------
+def test_clip_frac_counts_the_tokens_where_the_clip_was_active():
+    # Per token: ratio e^0.5 (above 1 + eps) with advantage +1: clipped, no gradient;
+    # the same ratio with advantage -1: the unclipped term is the smaller, the clip is idle;
+    # ratio e^-0.5 (below 1 - eps) with advantage -1: clipped; ratio 1: idle; a masked token
+    # with a huge ratio: not counted. Two active clips out of four tokens.
+    logp = torch.tensor([[0.5, 0.0], [0.5, -0.5], [0.0, 3.0]], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0, -1.0])
+    mask = torch.tensor([[True, False], [True, True], [True, False]])
+    loss, st = grpo_loss(logp, torch.zeros(3, 2), adv, mask, clip_eps=0.2)
+    loss.backward()
+    assert st["clip_frac"] == pytest.approx(2 / 4)
+    assert (logp.grad == 0).tolist() == [[True, True], [False, True], [False, True]]  # active clips: no gradient
+    assert st["ratio_max"] == pytest.approx(float(torch.exp(torch.tensor(0.5))))
+
+
+def test_truncated_importance_weighting_caps_the_weight_of_each_token():
+    logp = torch.tensor([[0.0, 0.5, 2.0, -1.0]], requires_grad=True)
+    behavior = torch.zeros(1, 4)
+    loss, st = grpo_loss(logp, behavior, torch.tensor([1.0]), torch.ones(1, 4), tis_cap=1.5)
+    loss.backward()
+    ratio = torch.exp(logp.detach())
+    weight = ratio.clamp(max=1.5)
+    assert torch.allclose(logp.grad, -weight / 4)  # d/dlogp of -(w * exp(logp - sg(logp))) / n
+    assert weight[0, 1:3].tolist() == [1.5, 1.5] and st["tis_frac"] == pytest.approx(2 / 4)  # e^0.5, e^2 capped
+    assert st["clip_frac"] == 0.0  # the PPO clip applies to the step's own ratio, 1 here
+    assert st["ratio_max"] == pytest.approx(float(ratio.max()))
+    # Without the cap the token with ratio e^2 would have been clipped away (no gradient).
+    logp2 = logp.detach().clone().requires_grad_()
+    grpo_loss(logp2, behavior, torch.tensor([1.0]), torch.ones(1, 4))[0].backward()
+    assert logp2.grad[0, 2] == 0.0 and logp.grad[0, 2] < 0
+
+
+def test_grpo_config_refuses_options_that_mean_nothing():
+    with pytest.raises(ValueError, match="^tis_cap must be >= 1"):
+        GrpoConfig(tis_cap=0.9)
+    with pytest.raises(ValueError, match="^tis_cap must be >= 1"):
+        GrpoConfig(tis_cap=float("nan"))
+    with pytest.raises(ValueError, match="^tis_cap: .*importance_ratio=True"):
+        GrpoConfig(tis_cap=2.0, importance_ratio=False)
+    with pytest.raises(ValueError, match="^clip_eps must be in"):
+        GrpoConfig(clip_eps=0.0)
+    with pytest.raises(ValueError, match="^lr must be > 0"):
+        GrpoConfig(lr=0.0)
+    with pytest.raises(ValueError, match="^snapshots must be >= 1"):
+        GrpoConfig(snapshots=0)
+    with pytest.raises(ValueError, match="^tis_cap: "):
+        grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), tis_cap=2.0, importance_ratio=False)
+
+
+def _param_grads(model, loss):
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+def test_ratio_off_gives_the_on_policy_gradient_of_a_real_model(trainer):
+    """With the ratio fixed at 1 the gradient is the on-policy one (behavior = the trainer's own
+    logprobs) even when the behavior logprobs are far off; with the ratio it is not."""
+    m = trainer.model
+    gen = torch.Generator().manual_seed(3)
+    prompt = [30] * 6
+    samples = _sample(m, prompt, 4, 5, gen)
+    comps = [s.token_ids for s in samples]
+    adv = group_advantages(torch.tensor([[0.0, 1.0, 0.25, 0.5]]))[0]
+    stale = torch.randn(4, 5, generator=gen) * 0.5  # behavior logprobs of another policy
+
+    def grads(behavior, **kw):
+        logp, mask = token_logprobs(m, [prompt] * 4, comps)
+        b = logp.detach() if behavior is None else logp.detach() + behavior
+        return _param_grads(m, grpo_loss(logp, b, adv, mask, **kw)[0])
+
+    on_policy = grads(None)
+    off = grads(stale, importance_ratio=False)
+    with_ratio = grads(stale)
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(on_policy, off))
+    assert any(not torch.allclose(a, b, atol=1e-5) for a, b in zip(on_policy, with_ratio))
+    m.zero_grad(set_to_none=True)
+
+
+def test_trainer_step_reports_ratio_tis_and_agreement_by_lag(tiny_model_path):
+    torch.set_num_threads(1)
+    tr = GrpoTrainer.from_pretrained(str(tiny_model_path), GrpoConfig(lr=5e-3, tis_cap=2.0), seed=0)
+    gen = torch.Generator().manual_seed(4)
+    v0 = tr.version
+    prompt = [21] * 6
+    samples = _sample(tr.model, prompt, 4, 4, gen)
+    # One sample's last two tokens marked as generated one version later (a swap mid-sample).
+    samples[0] = Sample(tokens=samples[0].tokens, logprobs=samples[0].logprobs, versions=[(v0, 0), (v0 + 1, 2)])
+    batch = [(prompt, Result(id="a", samples=samples, version_start=v0, version_end=v0 + 1))]
+    st = tr.step(batch, [[0.0, 1.0, 0.0, 1.0]])
+    assert set(st.extra) == {"ratio_mean", "ratio_max", "tis_frac"}
+    assert st.extra["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and st.extra["tis_frac"] == 0.0
+    # Trained at v0: 14 tokens of lag 0 that agree to float tolerance; the two "newer" ones
+    # count apart (lag -1: from a version the trainer had not made yet, no bucket).
+    assert list(st.diff_by_lag) == ["0"] and st.diff_by_lag["0"][2] == 14 and st.diff_by_lag["0"][1] < 1e-4
+    # A second step on the same samples: the trainer is one version on, lags 1 and 0.
+    st2 = tr.step(batch, [[0.0, 1.0, 0.0, 1.0]])
+    assert st2.diff_by_lag["1"][2] == 14 and st2.diff_by_lag["0"][2] == 2
+    assert st2.diff_by_lag["1"][0] / 14 > 1e-4  # the weights moved: lag-1 logprobs are off

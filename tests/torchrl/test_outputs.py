@@ -61,7 +61,8 @@ def test_llm_layout_has_torchrls_keys_one_row_per_sample():
     full = td.get(("tokens", "full"), as_list=True)
     assert [f.tolist() for f in full] == [[10, 11, 12, 5, 6, 7], [10, 11, 12, 8]]
     assert td.get(("tokens", "response"), as_list=True)[1].tolist() == [8]
-    assert td.get(("log_probs", "full"), as_list=True)[0].tolist() == [0.0, -1.5, -2.5, -0.5, -0.25, -1.0]
+    full_lp = td.get(("log_probs", "full"), as_list=True)[0].tolist()
+    assert math.isnan(full_lp[0]) and full_lp[1:] == [-1.5, -2.5, -0.5, -0.25, -1.0]  # no score: NaN, TorchRL's pad
     assert td.get(("masks", "all_assistant_mask"), as_list=True)[0].tolist() == [False] * 3 + [True] * 3
     assert bool(td.get(("masks", "all_attention_mask"), as_list=True)[1].all())
     assert td.get("policy_version", as_list=True)[0].tolist() == [3, 3, 4]

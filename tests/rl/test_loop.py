@@ -1,0 +1,28 @@
+"""LoopReport's off-policy figures from step records (no queue, no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollq.rl import LoopConfig, LoopReport, StepRecord
+
+
+def _step(i, tokens, swaps, by_lag, clip):
+    return StepRecord(step=i, version=i, reward=0.25, lags=[0], wait_s=0.0, train_s=0.0, publish_s=0.0,
+                      elapsed_s=float(i), tokens=tokens, swap_tokens=swaps, diff_by_lag=by_lag, clip_frac=clip)
+
+
+def test_summary_reports_swaps_agreement_by_lag_and_clip():
+    steps = [
+        _step(0, 100, 0, {"0": [1e-5, 1e-6, 100]}, 0.0),
+        _step(1, 300, 30, {"0": [2e-5, 3e-6, 100], "1": [20.0, 0.9, 100], "2+": [60.0, 2.0, 100]}, 0.2),
+    ]
+    s = LoopReport(config=LoopConfig(steps=2, publish=False), steps=steps, wall_s=1.0, random_policy_reward=0.25).summary()
+    assert s["publish"] is False
+    assert s["swap_tokens"] == 30 and s["swap_token_share"] == pytest.approx(30 / 400)
+    by = s["logprob_abs_diff_by_lag"]
+    assert list(by) == ["0", "1", "2+"]
+    assert by["0"] == {"mean": pytest.approx(3e-5 / 200), "max": 3e-6, "tokens": 200}
+    assert by["1"]["mean"] == pytest.approx(0.2) and by["2+"] == {"mean": pytest.approx(0.6), "max": 2.0, "tokens": 100}
+    assert s["clip_frac_mean"] == pytest.approx(0.1)
+
