@@ -11,11 +11,24 @@ from rollq.server import RedisServer
 
 # The vLLM session fixtures live here, defined once: a fixture imported into several test
 # modules is a fixture of each of them, and each would start an engine of its own (~4 GB).
-from tests.vllm_fixtures import tiny_model_path, vllm_engine, vllm_engine_processed  # noqa: E402,F401
+from tests.vllm_fixtures import (  # noqa: E402,F401
+    check_engines_left_as_found,
+    tiny_model_path,
+    vllm_engine,
+    vllm_engine_processed,
+)
 # Factory and cluster fixtures, available to every test module (importing a fixture into a
 # module that takes it as an argument reads as a redefinition: ruff F811).
 from tests.cluster_fixtures import redis_cluster, valkey_binary, valkey_server  # noqa: E402,F401
 from tests.helpers import make_consumer, make_producer, spawn  # noqa: E402,F401
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test that used a session vLLM engine (its own fixtures torn down): the engine
+    serves its checkpoint again, or the test fails (:func:`check_engines_left_as_found`)."""
+    if nextitem is not None and {"vllm_engine", "vllm_engine_processed"} & set(getattr(item, "fixturenames", ())):
+        check_engines_left_as_found(item.nodeid)
 
 
 def pytest_collection_modifyitems(config, items):

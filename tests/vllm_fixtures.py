@@ -61,6 +61,44 @@ class FixtureWorkerExtension(_WorkerExtensionBase):  # type: ignore[misc,valid-t
         return out
 
 
+    def rollq_restore_checkpoint(self) -> None:
+        """Load the served model folder's checkpoint into the live weights through rollq's own
+        load path (:meth:`~rollq.weightsync.worker_state.WorkerState.load_live`)."""
+        self.rollq_state.load_live(checkpoint_state(self.vllm_config.model_config.model).items())
+
+
+#: The session engines while they run: id -> (engine, its event loop, its served digest right
+#: after it started, i.e. the weights of its checkpoint).
+_SESSION_ENGINES: dict[int, tuple[Any, asyncio.AbstractEventLoop, dict[str, str]]] = {}
+
+
+def checkpoint_digest(engine: Any) -> dict[str, str]:
+    """:func:`served_digest` of a session engine as it started: the weights of its checkpoint."""
+    return _SESSION_ENGINES[id(engine)][2]
+
+
+async def _restore_if_changed(engine: Any) -> tuple[dict[str, Any], bool]:
+    changes = digest_changes(checkpoint_digest(engine), await served_digest(engine))
+    if not changes:
+        return changes, True
+    await engine.call_workers("rollq_restore_checkpoint")
+    return changes, not digest_changes(checkpoint_digest(engine), await served_digest(engine))
+
+
+def check_engines_left_as_found(test: str) -> None:
+    """Every test that publishes to a session engine must leave it serving its checkpoint
+    (later tests compare against it). Called after such a test (``tests/conftest.py``): an
+    engine left on other weights is given its checkpoint back, and ``test`` fails, naming a
+    tensor it left changed. Runs on the engine's own (idle, between tests) session loop."""
+    for engine, loop, _ in list(_SESSION_ENGINES.values()):
+        if loop.is_closed() or loop.is_running():
+            continue
+        changes, restored = loop.run_until_complete(_restore_if_changed(engine))
+        if changes:
+            pytest.fail(f"{test} left the shared vLLM engine off its checkpoint ({len(changes)} tensors changed, "
+                        f"e.g. {next(iter(changes))}); {'restored' if restored else 'NOT restored'}", pytrace=False)
+
+
 async def served_digest(engine: Any) -> dict[str, str]:
     """:meth:`FixtureWorkerExtension.rollq_served_digest` of the engine's first worker."""
     return (await engine.call_workers("rollq_served_digest"))[0]
@@ -95,8 +133,10 @@ async def _started_engine(model: Path, **config: Any) -> AsyncIterator[Any]:
     )
     await engine.start()
     try:
+        _SESSION_ENGINES[id(engine)] = (engine, asyncio.get_running_loop(), await served_digest(engine))
         yield engine
     finally:
+        _SESSION_ENGINES.pop(id(engine), None)
         await engine.stop()
 
 

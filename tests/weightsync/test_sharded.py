@@ -115,10 +115,19 @@ def _fsdp_tiny_model(model_dir: str):
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mesh = _cpu_mesh()
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
+
+
+def _cpu_mesh():
+    """The gloo ranks' mesh, on the CPU: ``fully_shard``'s default mesh is CUDA wherever a GPU
+    is visible, which would put these CPU trainer ranks' shards on one GPU behind gloo."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
 def _publisher_worker(rank: int, world: int, port: int, url: str, queue: str, root: str, model_dir: str, out: str) -> None:
@@ -277,9 +286,10 @@ def _broadcast_worker(rank: int, world: int, port: int, url: str, queue: str, ro
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = _small_model()
+        mesh = _cpu_mesh()
         for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(3.0)
@@ -446,8 +456,13 @@ async def test_fsdp2_trainer_updates_two_vllm_replicas_whose_logprobs_agree(vllm
                 consumers = [c for c, _ in replicas]
                 for proc in procs:
                     proc.start()
+                def at(version: int) -> bool:
+                    dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                    assert not dead, f"a trainer rank exited with {dead} before version {version} reached the replicas"
+                    return all(c.version >= version for c in consumers)
+
                 for version, state in ((1, states[0]), (2, states[1])):
-                    await until(lambda: all(c.version >= version for c in consumers), 180, f"both replicas at version {version}")
+                    await until(lambda: at(version), 180, f"both replicas at version {version}")
                     got = await _results_from_both(p, [c.id for c in consumers], version)
                     for replica, (results, prompts) in got.items():
                         mean, worst, n = logprob_agreement(ref, results, prompts, state=state)

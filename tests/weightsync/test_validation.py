@@ -22,7 +22,7 @@ from rollq.weightsync.manifest import Manifest, check_state, read_manifest
 from rollq.weightsync.versions import LoadError, read_load_errors
 from tests.helpers import until
 from tests.weightsync.test_vllm import PROMPT, greedy, perturbed
-from tests.vllm_fixtures import checkpoint_state, digest_changes, served_digest, serving_replica
+from tests.vllm_fixtures import checkpoint_digest, checkpoint_state, digest_changes, served_digest, serving_replica
 
 session_loop = pytest.mark.asyncio(loop_scope="session")
 
@@ -164,7 +164,9 @@ async def test_mismatched_state_dicts_are_refused_before_any_replica_is_touched(
     assert slots(root) == [] and await read_version(client, keys) is None and consumer.version == 0
     async with Producer(redis_url, queue) as p:
         before, _ = await greedy(p)
-        digest = await served_digest(consumer.engine)
+        # the weights vLLM loaded from the checkpoint at start (every earlier test left them so)
+        digest = checkpoint_digest(consumer.engine)
+        assert not digest_changes(digest, await served_digest(consumer.engine))
         # the inner model's names (as TorchRL sends them), perturbed: loaded, output changes
         rec = await pub.publish_weights({k.removeprefix("model."): v for k, v in perturbed(base, 1).items()})
         assert await pub.wait_for_replicas(rec.version, timeout=60) == {"vllm-0": rec.version}
