@@ -143,3 +143,35 @@ async def test_calls_through_fake_workers_return_typed_results():
     weight = engine.workers[1].model_runner.model.module[0].weight
     assert (await calls.weight_sample(name_contains="weight", offset=4))[1] == weight.detach().reshape(-1)[4:8].tolist()
     assert await calls.weight_sample(name_contains="nothing") == [[], []]
+
+
+async def test_a_swap_hands_the_workers_progress_to_the_engine_as_the_struct_it_crossed_in(redis_url, queue, tmp_path):
+    """The swap progress keeps one form from the worker's report to ``Engine.swap_progress``:
+    the :class:`~rollq.weightsync.wire.Progress` the stub decoded (no map in between)."""
+    from rollq import Consumer
+    from rollq.weightsync import WeightFollower, WeightPublisher
+
+    class Recording(FakeWorkerEngine):
+        def __init__(self, *a: Any, **kw: Any):
+            super().__init__(*a, **kw)
+            self.reports: list[Any] = []
+
+        def swap_progress(self, report: Progress | None) -> None:
+            self.reports.append(report)
+            return None
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+    root = str(tmp_path / "w")
+    pub = WeightPublisher(redis_url, queue, root=root)
+    engine = Recording(model)
+    follower = WeightFollower(Consumer(engine, redis_url, queue), root=root, reconcile_interval=0.2)
+    try:
+        await pub.publish_weights({k: torch.full_like(v, 2.0) for k, v in model().state_dict().items()})
+        await follower.start()
+        assert follower.consumer.version == 1
+        assert engine.reports and all(type(r) is Progress for r in engine.reports), engine.reports
+    finally:
+        await follower.stop()
+        await pub.close()
