@@ -203,6 +203,7 @@ async def engine_main(a: argparse.Namespace) -> None:
     from rollq import Consumer, ConsumerSettings, RedisServer
     from rollq.consumer.vllm_engine import VllmEngine, VllmEngineConfig
     from rollq.weightsync.follower import WeightFollower
+    from rollq.weightsync.worker_calls import WorkerCalls
 
     out: dict = {"phases": {}, "env": {}}
     res_path = Path(a.out + ".json")
@@ -319,11 +320,11 @@ async def engine_main(a: argparse.Namespace) -> None:
             """When version ``v`` is really serving: the follower has recorded it and the
             swap's device copies (enqueued without a host wait) have finished."""
             for _ in range(2000):
-                done = (await engine.call_workers("rollq_swap_done"))[0]
-                if done.get("version") != v:
+                done = (await WorkerCalls(engine).swap_done())[0]
+                if done.version != v:
                     return t_follower  # not swapped from the shadow: the follower waited for it
-                if done.get("done_at"):
-                    return max(t_follower, done["done_at"])
+                if done.done_at:
+                    return max(t_follower, done.done_at)
                 await asyncio.sleep(0.001)
             raise TimeoutError(f"swap of version {v} did not finish on the device")
 
@@ -334,7 +335,7 @@ async def engine_main(a: argparse.Namespace) -> None:
             h, kv, inter = 3584, 512, 18944
             where = [("embed_tokens", 0), ("layers.0.self_attn.qkv_proj", 0), ("layers.0.self_attn.qkv_proj", (h + kv) * h),
                      ("layers.13.mlp.gate_up_proj", inter * h), ("layers.27.mlp.down_proj", 0), ("lm_head", 0)]
-            got = [(await engine.call_workers("rollq_weight_sample", n, off))[0] for n, off in where]
+            got = [(await WorkerCalls(engine).weight_sample(name_contains=n, offset=off))[0] for n, off in where]
             return all(g == [mark] * 4 for g in got)
 
         async def step_gaps(m0: float) -> dict:

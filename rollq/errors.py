@@ -7,7 +7,7 @@ Errors cross process boundaries as ``(type, message)`` pairs and are rebuilt her
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 
 class RollqError(Exception):
@@ -195,7 +195,7 @@ class SubmitInterrupted(RollqError):
     """
 
     def __init__(self, message: str, *, enqueued: list, in_doubt: list, not_sent: list,
-                 remaining: object = None, resume: object = None):
+                 remaining: object = None, resume: Callable[[], Awaitable[list]] | None = None):
         super().__init__(message)
         self.enqueued = enqueued
         self.in_doubt = in_doubt

@@ -13,10 +13,13 @@ import abc
 import asyncio
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import InvalidJob
 from ..protocol import Job, Sample, pack_f32, pack_i32, unpack_i32
+
+if TYPE_CHECKING:
+    from ..weightsync.wire import Progress
 
 _LOGPROB_BYTES = pack_f32([-0.5] * 4096)
 
@@ -122,8 +125,10 @@ class Engine(abc.ABC):
     async def resume(self) -> None:  # noqa: B027
         """Resume generating after :meth:`pause`."""
 
-    async def reset_prefix_cache(self) -> None:  # noqa: B027
-        """Drop cached prefixes computed with older weights."""
+    async def reset_prefix_cache(self) -> bool | None:
+        """Drop cached prefixes computed with older weights (False: the engine kept them;
+        None: it has none)."""
+        return None
 
     def new_cache_salt(self) -> str | None:
         """Make later requests ignore prefixes cached so far, without an engine call (used
@@ -131,17 +136,23 @@ class Engine(abc.ABC):
         prefix cache have nothing to do."""
         return None
 
-    async def call_workers(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+    @property
+    def num_workers(self) -> int:
+        """Workers that hold the weights (each joins weight broadcasts)."""
+        return 1
+
+    async def call_workers(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``method`` of the weight-sync worker extension in every worker; one result each.
+        Weight sync calls it only through :class:`~rollq.weightsync.worker_calls.WorkerCalls`.
 
         Engines without weights (the echo engine) have nothing to load and return ``[]``.
         """
         return []
 
-    def swap_progress(self, report: Any) -> SwapProgress | None:
-        """Read the progress report a worker returned from a weight swap (its ``progress``
-        entry) into tokens generated per running request. None: this engine cannot tell,
-        and the swap's first token is recorded as unknown for every running request."""
+    def swap_progress(self, report: Progress | None) -> SwapProgress | None:
+        """Read the progress a worker reported from a weight swap (its report's ``progress``)
+        into tokens generated per running request. None: this engine cannot tell, and the
+        swap's first token is recorded as unknown for every running request."""
         return None
 
 
@@ -240,7 +251,7 @@ class EchoEngine(Engine):
     def stats(self) -> EngineStats:
         return EngineStats(running=len(self._timers), waiting=len(self._held), generated_tokens=self._generated)
 
-    def swap_progress(self, report: Any) -> SwapProgress:
+    def swap_progress(self, report: Progress | None) -> SwapProgress:
         """Echo generates every token when a request starts: all of them precede any swap."""
         return SwapProgress(tokens={rid: dict(n) for rid, n in (*self._finished.items(), *self._lengths.items())}, complete=True)
 

@@ -47,14 +47,18 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import EngineDead, EngineFailed, InvalidJob, PromptTooLong, RollqError
 from ..protocol import Job, SamplingParams
+from ..weightsync.worker_calls import WorkerCalls
 from . import vllm_api, vllm_children, vllm_liveness
 from .engine import DoneCallback, Engine, EngineOutput, EngineStats, SwapProgress
 from .vllm_api import DEFAULT_CPU_KV_CACHE_BYTES, _Api, _vllm
 from .vllm_stats import StatsSink, stat_logger_factory
+
+if TYPE_CHECKING:
+    from ..weightsync.wire import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +191,8 @@ class VllmEngine(Engine):
             return
         t0 = time.perf_counter()
         vllm_api.spawn_if_cuda_in_use()
-        api = self._api = await asyncio.to_thread(_vllm)  # importing vLLM is slow
+        api: _Api = await asyncio.to_thread(_vllm)  # importing vLLM is slow
+        self._api = api
         vllm_children.install()  # its processes end with this one, even if it is SIGKILLed
         args = vllm_api.engine_args(api, self.config)
         factory = stat_logger_factory(self._sink)
@@ -215,7 +220,7 @@ class VllmEngine(Engine):
         self._dead, self._stopping = None, False
         if self.config.worker_extension_cls:
             try:  # per-token versions: workers remember requests they let go of
-                got = await llm.collective_rpc("rollq_track_progress", timeout=30)
+                got = await WorkerCalls(self).track_progress(timeout=30)
                 self._progress_complete = bool(got) and all(got)
             except Exception as e:  # noqa: BLE001 - an extension without the method
                 logger.info("workers do not track request progress (%s); version boundaries of "
@@ -450,10 +455,10 @@ class VllmEngine(Engine):
         self.cache_salt = f"rollq-prefix-{self._salt_generation}"
         return self.cache_salt
 
-    async def call_workers(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        """:meth:`Engine.call_workers`: ``method(*args)`` in every vLLM worker (a method of
-        ``worker_extension_cls``), one result per worker."""
-        return await self.collective_rpc(method, args=args, timeout=timeout)
+    async def call_workers(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """:meth:`Engine.call_workers`: ``method(*args, **kwargs)`` in every vLLM worker (a
+        method of ``worker_extension_cls``), one result per worker."""
+        return await self.collective_rpc(method, args=args, kwargs=kwargs or None, timeout=timeout)
 
     async def collective_rpc(
         self,
@@ -479,19 +484,19 @@ class VllmEngine(Engine):
             return int(getattr(pc, "world_size", self.config.tensor_parallel_size))
         return self.config.tensor_parallel_size
 
-    def swap_progress(self, report: Any) -> SwapProgress | None:
-        """Map a worker's swap report (``{"tokens": {engine request id: count}, "complete":
-        bool}``, see ``RollqWorkerExtension._rollq_progress``) to this adapter's request ids
-        (vLLM's own request ids are read by :func:`rollq.consumer.vllm_api.request_of`)."""
-        if not isinstance(report, dict) or not isinstance(report.get("tokens"), dict):
+    def swap_progress(self, report: Progress | None) -> SwapProgress | None:
+        """Map a worker's swap progress (tokens per engine request id, see
+        :meth:`rollq.weightsync.worker_progress.RequestTracker.report`) to this adapter's
+        request ids (vLLM's own request ids are read by :func:`rollq.consumer.vllm_api.request_of`)."""
+        if report is None:
             return None
         running = set(self._tasks).union(self._recent)  # a request may have reported since the swap
         out: dict[str, dict[int, int]] = {}
-        for eid, n in report["tokens"].items():
-            rid, j = vllm_api.request_of(str(eid), running)
+        for eid, n in report.tokens.items():
+            rid, j = vllm_api.request_of(eid, running)
             if rid is not None:
-                out.setdefault(rid, {})[j] = int(n)
-        return SwapProgress(tokens=out, complete=bool(report.get("complete")) and self._progress_complete)
+                out.setdefault(rid, {})[j] = n
+        return SwapProgress(tokens=out, complete=report.complete and self._progress_complete)
 
     def _require(self) -> Any:
         if self._llm is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from typing import Iterable
+from typing import Any, Iterable
 
 from ..errors import InvalidJob
 
@@ -41,21 +41,22 @@ def pack_i32(values: Iterable[int] | bytes | None) -> bytes:
         return b""
     if isinstance(values, (bytes, bytearray, memoryview)):
         return bytes(values)
-    tobytes = getattr(values, "numpy", None)
-    if tobytes is not None:  # torch tensor
+    arr: Any = values  # a tensor or an array, tested by its methods
+    if getattr(arr, "numpy", None) is not None:  # torch tensor
         try:
-            values = values.numpy()  # type: ignore[union-attr]
+            arr = values = arr.numpy()
         except (TypeError, RuntimeError) as e:  # bfloat16, a tensor on a device, ...
             raise InvalidJob(f"token ids must be an integer tensor on the CPU: {e}") from e
-    if hasattr(values, "astype") and hasattr(values, "tobytes"):  # numpy
-        dtype = values.dtype  # type: ignore[union-attr]
+    if hasattr(arr, "astype") and hasattr(arr, "tobytes"):  # numpy
+        dtype = arr.dtype
         # A cast would turn 1.7 into 1 and NaN into -2**31, and wrap large unsigned ids.
         if dtype.kind not in "iu":
             raise InvalidJob(f"token ids must be integers, got an array of {dtype}")
-        if values.size and (dtype.itemsize > 4 or (dtype.kind == "u" and dtype.itemsize == 4)) and (
-                values.min() < -(2**31) or values.max() >= 2**31):  # type: ignore[union-attr]
+        if arr.size and (dtype.itemsize > 4 or (dtype.kind == "u" and dtype.itemsize == 4)) and (
+                arr.min() < -(2**31) or arr.max() >= 2**31):
             raise InvalidJob("token ids must fit in int32")
-        return values.astype("<i4", copy=False).tobytes()  # type: ignore[union-attr]
+        packed: bytes = arr.astype("<i4", copy=False).tobytes()
+        return packed
     try:
         a = array("i", values if isinstance(values, (list, tuple)) else list(values))
     except (OverflowError, TypeError) as e:
@@ -76,8 +77,10 @@ def unpack_i32(data: bytes) -> list[int]:
 def pack_f32(values: Iterable[float] | None) -> bytes:
     if values is None:
         return b""
-    if hasattr(values, "astype") and hasattr(values, "tobytes"):
-        return values.astype("<f4", copy=False).tobytes()  # type: ignore[union-attr]
+    arr: Any = values  # an array, tested by its methods
+    if hasattr(arr, "astype") and hasattr(arr, "tobytes"):
+        packed: bytes = arr.astype("<f4", copy=False).tobytes()
+        return packed
     a = array("f", values)
     if not _LITTLE:
         a.byteswap()

@@ -240,7 +240,7 @@ def token_jobs(specs: Iterator[Any], out: list[Job], reply: str, max_prompt_byte
     """
     append, now = out.append, time.time
     last_in: Any = SPECS_END  # the sampling params of the last spec
-    sp = None
+    sp = SamplingParams()  # replaced at the first spec (last_in is no spec's)
     fits = False  # every job of sp fits MAX_RESULT_BYTES (no meta, no prompt logprobs)
     for s in specs:
         if type(s) is not dict:

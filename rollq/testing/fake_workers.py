@@ -46,7 +46,12 @@ class FakeWorkerEngine(EchoEngine):
     def __init__(self, model_factory: Any, num_workers: int = 1, device: str | torch.device = "cpu", **kw: Any):
         super().__init__(**kw)
         self.workers = [FakeWorker(model_factory(), rank=i, device=device) for i in range(num_workers)]
-        self.num_workers = num_workers
 
-    async def call_workers(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        return [await asyncio.to_thread(getattr(w, method), *args) for w in self.workers]
+    @property
+    def num_workers(self) -> int:
+        return len(self.workers)
+
+    async def call_workers(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """``method`` of the worker extension in each fake worker, in turn, in a thread (as
+        vLLM runs it in each worker process); the arguments by name, as through vLLM."""
+        return [await asyncio.to_thread(getattr(w, method), *args, **kwargs) for w in self.workers]

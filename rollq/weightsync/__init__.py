@@ -5,7 +5,7 @@ contracts between the parts: :mod:`.base`):
 
 - trainer: :mod:`.publisher`, :mod:`.sender`;
 - replica (the consumer's process): :mod:`.follower`, :mod:`.overlap`, :mod:`.load_failures`,
-  :mod:`.replica`;
+  :mod:`.replica`, :mod:`.worker_calls` (its calls into the workers);
 - vLLM worker: :mod:`.worker_ext` (the RPC surface), :mod:`.worker_state`, :mod:`.receiver`,
   :mod:`.listener`, :mod:`.worker_swap`, :mod:`.worker_memmap`, :mod:`.worker_progress`,
   :mod:`.shadow`, :mod:`.swap_kernel`;
@@ -24,7 +24,7 @@ from typing import Any
 
 _GROUPS: dict[str, dict[str, str]] = {
     "trainer": {"WeightPublisher": "publisher", "BroadcastSender": "sender"},
-    "replica": {"WeightFollower": "follower", "UpdateStats": "follower"},
+    "replica": {"WeightFollower": "follower", "UpdateStats": "follower", "WorkerCalls": "worker_calls"},
     "worker": {"RollqWorkerExtension": "worker_ext", "WorkerState": "worker_state"},
     "storage": {"MemmapStore": "memmap", "state_checksum": "checksum", "tensor_checksum": "checksum"},
     "versions": {
@@ -33,7 +33,7 @@ _GROUPS: dict[str, dict[str, str]] = {
     },
     "manifests": {"Manifest": "manifest", "read_manifest": "manifest", "check_state": "manifest"},
     "contracts": {
-        "Sender": "base", "Receiver": "base", "Replica": "base",
+        "Sender": "base", "Receiver": "base", "Replica": "base", "WorkerEngine": "base",
         "SwapReport": "wire", "WorkerError": "wire", "Ack": "wire", "Offer": "wire", "GroupInfo": "wire",
     },
 }

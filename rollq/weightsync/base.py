@@ -4,8 +4,11 @@
   drives for ``transport="nccl"`` (:class:`~rollq.weightsync.sender.BroadcastSender`);
 - replica side: a :class:`Receiver` is what :class:`~rollq.weightsync.follower.WeightFollower`
   asks which versions arrived while serving
-  (:class:`~rollq.weightsync.replica.ReplicaReceiver`), and :class:`Replica` is what weight
-  sync needs from the consumer it updates (:class:`rollq.Consumer` provides it);
+  (:class:`~rollq.weightsync.replica.ReplicaReceiver`), :class:`Replica` is what weight
+  sync needs from the consumer it updates (:class:`rollq.Consumer` provides it), and
+  :class:`WorkerEngine` what it needs from that consumer's engine (every
+  :class:`~rollq.consumer.engine.Engine` provides it); calls into the engine's workers go
+  through :class:`~rollq.weightsync.worker_calls.WorkerCalls`;
 - worker side: :class:`~rollq.weightsync.receiver.ReceiveSink` (in
   :mod:`rollq.weightsync.receiver`) is what a broadcast receiver hands the bytes to.
 
@@ -23,6 +26,9 @@ from .versions import VersionRecord
 if TYPE_CHECKING:
     import torch
 
+    from ..consumer.engine import SwapProgress
+    from .wire import Progress, SwapReport
+
 
 class Sender(Protocol):
     """Moves one version from the trainer to every replica's workers."""
@@ -37,7 +43,8 @@ class Sender(Protocol):
 class Receiver(Protocol):
     """A replica's side of a sender: which committed versions its workers already hold."""
 
-    num_workers: int
+    @property
+    def num_workers(self) -> int: ...
 
     def fields(self) -> list[str]:
         """This replica's workers' fields in a version's ack hash."""
@@ -49,8 +56,30 @@ class Receiver(Protocol):
     async def staged_for(self, rec: VersionRecord, acks: list[Any] | None = None) -> int | None:
         """``rec.version`` when every worker holds it (``acks``: their acks, already read)."""
 
-    async def apply_staged(self, rec: VersionRecord, staged: int, timeout: float) -> dict[str, Any]:
+    async def apply_staged(self, rec: VersionRecord, staged: int, timeout: float) -> SwapReport:
         """Swap the held version in; the first worker's report."""
+
+
+class WorkerEngine(Protocol):
+    """What weight sync needs from a replica's engine: calls into its workers (only through
+    :class:`~rollq.weightsync.worker_calls.WorkerCalls`), pausing it around a load, and how
+    far running requests had got at a swap."""
+
+    @property
+    def num_workers(self) -> int:
+        """Workers of the engine; each joins weight broadcasts."""
+
+    async def call_workers(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """``method(*args, **kwargs)`` of the worker extension in every worker; one result each."""
+
+    async def pause(self, mode: str = "keep") -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def reset_prefix_cache(self) -> bool | None: ...
+
+    def swap_progress(self, report: Progress | None) -> SwapProgress | None:
+        """A swap report's progress (engine request ids) as the consumer's (its request ids)."""
 
 
 class Replica(Protocol):
@@ -59,7 +88,8 @@ class Replica(Protocol):
     id: str
     keys: Any  # rollq.keys.QueueKeys
     redis_settings: Any  # rollq.settings.RedisSettings
-    engine: Any  # rollq.consumer.engine.Engine
+    @property
+    def engine(self) -> WorkerEngine: ...
     version: int  # the policy version the engine serves
     converted_from: list[str]  # dtypes of the last version that the engine converts to its own
 
@@ -75,7 +105,7 @@ class Replica(Protocol):
 
     def record_update(self, update_s: float, pause_s: float) -> None: ...
 
-    def set_version(self, version: int, progress: Any = None) -> None: ...
+    def set_version(self, version: int, progress: SwapProgress | None = None) -> None: ...
 
     async def announce(self) -> None: ...
 

@@ -2,7 +2,7 @@
 
 Runs in the consumer's process, on its event loop, and drives the consumer only through its
 weight-sync seam (:class:`~rollq.weightsync.base.Replica`) and its workers only through
-``engine.call_workers`` (:mod:`rollq.weightsync.worker_ext`).
+:class:`~rollq.weightsync.worker_calls.WorkerCalls` (:mod:`rollq.weightsync.worker_ext`).
 
 >>> follower = WeightFollower(consumer, root="/dev/shm/rollq-weights")      # doctest: +SKIP
 >>> await follower.start()      # loads the current version before the consumer pulls  # doctest: +SKIP
@@ -64,7 +64,8 @@ from .load_failures import LoadFailures
 from .manifest import Manifest, conversion, diff, encode_manifest, read_manifest
 from .overlap import OverlappedSwap
 from .versions import TensorMeta, VersionRecord, decode_record
-from .wire import StageStatus, State, SwapReport, from_wire, to_wire
+from .wire import State, SwapReport, to_wire
+from .worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class WeightFollower:
     ):
         self.consumer = consumer
         self.engine = consumer.engine
+        self.workers = WorkerCalls(consumer.engine)
         self.root = root
         self.reconcile_interval = reconcile_interval
         self.load_timeout = load_timeout
@@ -335,9 +337,10 @@ class WeightFollower:
             pipe = self._client.pipeline(transaction=False)
             pipe.hget(keys.version, "d")
             pipe.hget(keys.config, "update_policy")
-            hinted = self._hinted if self.receiver is not None and self._hinted > self.consumer.version else 0
-            if hinted:
-                pipe.hmget(keys.weights_acks(hinted), self.receiver.fields())
+            receiver = self.receiver
+            hinted = self._hinted if receiver is not None and self._hinted > self.consumer.version else 0
+            if receiver is not None and hinted:
+                pipe.hmget(keys.weights_acks(hinted), receiver.fields())
             got = await pipe.execute()
             rec = decode_record(got[0]) if got[0] else None
             if rec is None or rec.version <= self.consumer.version:
@@ -419,10 +422,10 @@ class WeightFollower:
     def _can_overlap(self) -> bool:
         return self.receiver is not None and self.overlap.possible(self.receiver.num_workers, self._policy)
 
-    def _overlapped(self, version: int, load: dict[str, Any], update_s: float, pause_s: float) -> None:
+    def _overlapped(self, version: int, report: SwapReport, update_s: float, pause_s: float) -> None:
         """An overlapped swap made ``version`` live (under the lock)."""
         self.history.append(self._updated(UpdateStats(
-            version, "keep", "nccl", update_s, pause_s, load, timings={"load_call_s": pause_s, "read_s": 0.0, "hinted_at": 0.0},
+            version, "keep", "nccl", update_s, pause_s, to_wire(report), timings={"load_call_s": pause_s, "read_s": 0.0, "hinted_at": 0.0},
         )))
         self.failures = 0
 
@@ -438,11 +441,12 @@ class WeightFollower:
                 if policy not in ("keep", "drain"):
                     aborted = c.abort_running()
                 t_pause = time.perf_counter()  # generation stops for at most this long
-                load = await self._swap(rec, staged, policy)
+                report = await self._swap(rec, staged, policy)
                 pause_s = time.perf_counter() - t_pause
             finally:
                 if aborted:  # before intake reopens
                     c.restart(aborted)
+        load = dict(staged.report if staged is not None else {}, **to_wire(report))
         return self._updated(UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load,
                                          timings={"load_call_s": self._load_call_s}))
 
@@ -461,7 +465,7 @@ class WeightFollower:
             return await self._stage_memmap(rec)
         return None
 
-    async def _swap(self, rec: VersionRecord, staged: _Staged | None, policy: str) -> dict[str, Any]:
+    async def _swap(self, rec: VersionRecord, staged: _Staged | None, policy: str) -> SwapReport:
         """Load ``rec`` (intake is closed): after the running requests finished (``drain``),
         beside them (``keep``), or with the engine paused after aborting them (``abort``)."""
         abort = policy not in ("keep", "drain")
@@ -474,16 +478,16 @@ class WeightFollower:
             # swap's report says how far each request had got (the engine may finish a
             # request on the new weights before this coroutine resumes).
             with self.consumer.swapping():
-                load = await self._load(rec, staged)
+                report = await self._load(rec, staged)
                 # set_version also gives later requests a fresh prefix-cache salt, so none
                 # reuses a prefix of the old weights while running requests hold the cache.
-                self._set_version(rec.version, from_wire(load, SwapReport, "the swap"))
+                self._set_version(rec.version, report)
             if policy != "keep":
                 await self.engine.reset_prefix_cache()  # nothing runs: free the old blocks
         finally:
             if abort:
                 await self.engine.resume()
-        return load
+        return report
 
     def _updated(self, st: UpdateStats) -> UpdateStats:
         """Account for an applied update on the consumer (status, paused total) and log it."""
@@ -499,8 +503,7 @@ class WeightFollower:
     def _set_version(self, v: int, report: SwapReport) -> None:
         """The engine serves ``v`` now; ``report`` (the swap call's) carries how far each
         running request had got, for the per-token versions of their results."""
-        progress = to_wire(report.progress) if report.progress is not None else None
-        self.consumer.set_version(v, self.engine.swap_progress(progress))
+        self.consumer.set_version(v, self.engine.swap_progress(report.progress))
 
     async def _wait_drained(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
@@ -509,10 +512,10 @@ class WeightFollower:
 
     async def _stage_memmap(self, rec: VersionRecord) -> _Staged | None:
         """Have every worker stage ``rec`` in a thread of its own, polling until all did."""
+        assert self.root is not None and rec.memmap_slot is not None  # _staged checked both
         started = await asyncio.wait_for(
-            self.engine.call_workers(
-                "rollq_stage_memmap", self.root, rec.memmap_slot, rec.version, rec.checksum, self.memmap_chunks_in_flight
-            ),
+            self.workers.stage_memmap(root=self.root, slot=rec.memmap_slot, version=rec.version, checksum=rec.checksum,
+                                      chunks_in_flight=self.memmap_chunks_in_flight),
             self.load_timeout,
         )
         if not started:  # an engine without weights (echo): nothing to stage
@@ -520,8 +523,7 @@ class WeightFollower:
         deadline = time.monotonic() + self.load_timeout
         delay = 0.005
         while True:
-            raw = await self.engine.call_workers("rollq_staged_status")
-            states = [from_wire(s, StageStatus, "rollq_staged_status") for s in raw]
+            states = await self.workers.staged_status()
             if all(s.state is State.STAGED and s.version == rec.version for s in states):
                 return _Staged(rec.version, memmap=True, report=states[0].report())
             bad = [s for s in states if s.state is State.FAILED or s.version not in (0, rec.version)]
@@ -535,21 +537,21 @@ class WeightFollower:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.01)
 
-    async def _load(self, rec: VersionRecord, staged: _Staged | None) -> dict[str, Any]:
+    async def _load(self, rec: VersionRecord, staged: _Staged | None) -> SwapReport:
         t0 = time.perf_counter()
         try:
             return await self._load_now(rec, staged)
         finally:
             self._load_call_s = time.perf_counter() - t0
 
-    async def _load_now(self, rec: VersionRecord, staged: _Staged | None) -> dict[str, Any]:
+    async def _load_now(self, rec: VersionRecord, staged: _Staged | None) -> SwapReport:
         """The swap call: a staged version swapped in, else ``rec`` loaded from memmap now."""
         if staged is not None and staged.memmap:
             try:
-                res = await asyncio.wait_for(self.engine.call_workers("rollq_apply_staged", staged.version), self.load_timeout)
+                res = await asyncio.wait_for(self.workers.apply_staged(version=staged.version), self.load_timeout)
             except asyncio.TimeoutError as e:
                 raise WeightSyncTimeout(f"swapping in version {rec.version} took longer than {self.load_timeout}s") from e
-            return dict(staged.report, **(res[0] if res else {}))
+            return res[0] if res else SwapReport()
         if staged is not None:
             assert self.receiver is not None
             return await self.receiver.apply_staged(rec, staged.version, timeout=self.load_timeout)
@@ -562,7 +564,7 @@ class WeightFollower:
             raise WeightSyncError("version is in memmap storage but this replica has no weights root (--weights-root)")
         try:
             res = await asyncio.wait_for(
-                self.engine.call_workers("rollq_load_memmap", self.root, rec.memmap_slot, rec.version, rec.checksum),
+                self.workers.load_memmap(root=self.root, slot=rec.memmap_slot, version=rec.version, checksum=rec.checksum),
                 self.load_timeout,
             )
         except asyncio.TimeoutError as e:
@@ -570,7 +572,6 @@ class WeightFollower:
                 f"loading version {rec.version} from memmap took longer than {self.load_timeout}s (load_timeout)"
             ) from e
         for r in res:  # refused data comes back as a value, raised here as its own type
-            err = from_wire(r, SwapReport, "rollq_load_memmap").error
-            if err is not None:
-                raise err.exception(f"version {rec.version} refused: ")
-        return res[0] if res else {}
+            if r.error is not None:
+                raise r.error.exception(f"version {rec.version} refused: ")
+        return res[0] if res else SwapReport()

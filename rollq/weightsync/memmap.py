@@ -121,7 +121,7 @@ class MemmapStore:
         manifest = manifest_of(items)
         finish = self._write_pinned(d, slot, items, manifest)  # copies run while we checksum
         reused = pinned = finish is not None
-        src = TensorDict(dict(items), batch_size=[]) if not pinned else None
+        src: Any = TensorDict(dict(items), batch_size=[]) if not pinned else None
         if not pinned and (d / "meta.json").exists():
             try:
                 dst = TensorDict.load_memmap(d)

@@ -19,7 +19,8 @@ import time
 from typing import Any, Callable
 
 from .base import Replica
-from .wire import Swap, SwapReport, decode_ack, from_wire
+from .wire import Swap, SwapReport, decode_ack
+from .worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +35,20 @@ class OverlappedSwap:
     ``lock`` is the follower's: an overlapped swap and a reconcile never run together.
     ``set_version(version, report)`` records the version live (inside the pause);
     ``applied(version, report, update_s, pause_s)`` accounts for the update after it.
+    The worker waits ``RECEIVE_TIMEOUT`` seconds at most for the receive to end and
+    ``START_TIMEOUT`` for it to start.
     """
+
+    RECEIVE_TIMEOUT = 5.0
+    START_TIMEOUT = 0.05
 
     def __init__(
         self, consumer: Replica, lock: asyncio.Lock, *, set_version: Callable[[int, SwapReport], None],
-        applied: Callable[[int, dict[str, Any], float, float], None], enabled: bool = False, lead_s: float = 0.035,
+        applied: Callable[[int, SwapReport, float, float], None], enabled: bool = False, lead_s: float = 0.035,
         commit_timeout: float = 0.25, programs: int = 0, load_timeout: float = 300.0,
     ):
         self.consumer = consumer
-        self.engine = consumer.engine
+        self.workers = WorkerCalls(consumer.engine)
         self.lock = lock
         self._set_version = set_version
         self._applied = applied
@@ -91,11 +97,13 @@ class OverlappedSwap:
                 t0 = time.perf_counter()
                 with c.paused_for_update(), c.swapping():
                     res = await asyncio.wait_for(
-                        self.engine.call_workers("rollq_swap_overlapped", version, self.commit_timeout, 5.0, 0.05, self.programs),
+                        self.workers.swap_overlapped(
+                            version=version, commit_timeout=self.commit_timeout, receive_timeout=self.RECEIVE_TIMEOUT,
+                            start_timeout=self.START_TIMEOUT, programs=self.programs,
+                        ),
                         self.load_timeout,
                     )
-                    raw = res[0] if res else {}
-                    got = from_wire(raw, SwapReport, "rollq_swap_overlapped")
+                    got = res[0] if res else SwapReport()
                     if got.swap is Swap.OVERLAP:
                         self._set_version(version, got)  # a fresh prefix-cache salt too
                 pause_s = time.perf_counter() - t0
@@ -105,7 +113,7 @@ class OverlappedSwap:
                     return
                 if got.receive_s:
                     self.learn(got.receive_s)
-                self._applied(version, raw, time.monotonic() - t_offer, pause_s)
+                self._applied(version, got, time.monotonic() - t_offer, pause_s)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the usual path still applies the version once committed

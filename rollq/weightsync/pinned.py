@@ -116,7 +116,7 @@ def _release(path: str) -> None:
     except Exception as e:  # pragma: no cover - only logged
         log.debug("cudaHostUnregister %s: %s", path, e)
     view = m.view
-    m.view = None  # type: ignore[assignment]
+    m.view = None
     del view
     try:
         m.mm.close()

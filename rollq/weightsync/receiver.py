@@ -405,8 +405,11 @@ class WorkerReceiver:
             self.staged = (version, None)  # in the shadow weights, not in a buffer here
         else:
             self.staged = (version, r.items)
+        t = r.times
         self.status = ReceiveStatus(state=State.STAGED, version=version, loaded_while_receiving=r.loaded,
-                                    in_place=self.staged[1] is None, **r.times)
+                                    in_place=self.staged[1] is None, receive_s=t.get("receive_s", 0.0),
+                                    verify_s=t.get("verify_s", 0.0), setup_s=t.get("setup_s", 0.0),
+                                    enqueued_s=t.get("enqueued_s", 0.0))
         if r.progress is not None:
             r.progress.finish(True)
 

@@ -25,7 +25,8 @@ from ..errors import WeightSyncError, WeightSyncTimeout
 from ..protocol import Control
 from .base import Replica
 from .versions import VersionRecord
-from .wire import GroupInfo, Listen, State, WorkerStatus, decode_ack, from_wire, member_entry
+from .wire import GroupInfo, Listen, State, SwapReport, decode_ack, member_entry
+from .worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class ReplicaReceiver:
     def __init__(self, consumer: Replica, poll_interval: float = 1.0):
         self.consumer = consumer
         self.engine = consumer.engine
+        self.workers = WorkerCalls(consumer.engine)
         self.keys = consumer.keys
         self.poll_interval = poll_interval
         #: The group this replica's workers joined.
@@ -49,7 +51,7 @@ class ReplicaReceiver:
 
     @property
     def num_workers(self) -> int:
-        return int(getattr(self.engine, "num_workers", 1))
+        return self.engine.num_workers
 
     def fields(self) -> list[str]:
         """This replica's workers' fields in an offer's ack hash."""
@@ -71,7 +73,7 @@ class ReplicaReceiver:
             await self._client.hdel(self.keys.weights_members, self.consumer.id)
         if self.group is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.engine.call_workers("rollq_leave_group"), 30)
+                await asyncio.wait_for(self.workers.leave_group(), 30)
 
     def _on_control(self, verb: Control, arg: str) -> None:
         if verb is Control.WGROUP:
@@ -134,7 +136,7 @@ class ReplicaReceiver:
                         offer_key=self.keys.weights_offer, field=f"{self.consumer.id}/",
                         layouts_key=self.keys.weights_layouts, version_key=self.keys.version,
                         serving=self.consumer.version)
-        await self.engine.call_workers("rollq_join_group", msgspec.msgpack.encode(info), offset, msgspec.msgpack.encode(listen))
+        await self.workers.join_group(info=info, rank_offset=offset, listen=listen)
         await self._wait_joined(info, info.timeout + 5)
         self.group = info.id
         log.info("replica %s joined broadcast group %s as ranks %d..%d", self.consumer.id, info.id, offset, offset + n - 1)
@@ -142,8 +144,7 @@ class ReplicaReceiver:
     async def _wait_joined(self, info: GroupInfo, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            raw = await self.engine.call_workers("rollq_receive_status")
-            states = [from_wire(s, WorkerStatus, "rollq_receive_status") for s in raw]
+            states = await self.workers.receive_status()
             if states and all(s.group == info.id and s.joined for s in states):
                 return
             failed = [s for s in states if s.state is State.FAILED]
@@ -169,11 +170,10 @@ class ReplicaReceiver:
             return rec.version
         return None
 
-    async def apply_staged(self, rec: VersionRecord, staged: int, timeout: float) -> dict[str, Any]:
-        """Swap the staged version in; the first worker's report (a
-        :class:`~rollq.weightsync.wire.SwapReport` as a map)."""
+    async def apply_staged(self, rec: VersionRecord, staged: int, timeout: float) -> SwapReport:
+        """Swap the staged version in; the first worker's report."""
         try:
-            res = await asyncio.wait_for(self.engine.call_workers("rollq_apply_staged", staged), timeout)
+            res = await asyncio.wait_for(self.workers.apply_staged(version=staged), timeout)
         except asyncio.TimeoutError as e:
             raise WeightSyncTimeout(f"swapping in staged version {staged} took longer than {timeout}s") from e
-        return res[0] if res else {}
+        return res[0] if res else SwapReport()

@@ -77,6 +77,7 @@ def shadow_parameter(p: torch.nn.Parameter) -> torch.nn.Parameter:
     """
     data = torch.empty_like(p.data)
     cls = type(p)
+    sp: Any
     if cls is torch.nn.Parameter:
         sp = torch.nn.Parameter(data, requires_grad=False)
     else:
@@ -149,7 +150,7 @@ class ShadowWeights:
             return done
         m = copy.copy(module)  # new __dict__, shared attribute values
         self._modules[id(module)] = m
-        params = {}
+        params: dict[str, Any] = {}
         for name, p in module._parameters.items():
             if p is None:
                 params[name] = None
@@ -345,8 +346,9 @@ class ShadowWeights:
             regions = self.plan[1]
             if self._scratch is None and self._scratch_bytes:
                 self._scratch = torch.empty(self._scratch_bytes, dtype=torch.uint8, device=self.shadow[0].device)
+            scratch: Any = self._scratch  # set whenever a region lies in it (r.param < 0)
             self._views = [
-                (self._param_bytes(r.param) if r.param >= 0 else self._scratch)[r.offset : r.offset + r.nbytes]
+                (self._param_bytes(r.param) if r.param >= 0 else scratch)[r.offset : r.offset + r.nbytes]
                 for r in (regions[m.name] for m in metas)
             ]
         return list(self._views)
@@ -358,6 +360,7 @@ class ShadowWeights:
         views = self.direct_views(metas)
         if views is None:
             return None
+        assert self.plan is not None  # direct_views needs it
         with self._on(stream), torch.no_grad():
             self._begin_write(self.plan[0])  # the writes into ``views`` go on this stream, after it
         return views

@@ -309,14 +309,38 @@ class SwapReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: WorkerError | None = None
 
 
+class SwapTimes(msgspec.Struct, kw_only=True):
+    """When a worker's last swap from the shadow weights was enqueued and when its device
+    copies finished (``time.time()``; ``done_at`` None while they run; ``rollq_swap_done``).
+    ``version`` 0: no such swap yet."""
+
+    version: int = 0
+    enqueued_at: float = 0.0
+    done_at: float | None = None
+
+
+class MalformedReply(WeightSyncError):
+    """A worker's answer to a call is not what the call returns (a worker of another rollq
+    release, or an extension that is not rollq's)."""
+
+
 def to_wire(s: msgspec.Struct) -> dict[str, Any]:
     """A struct as the plain map that crosses ``collective_rpc``."""
-    return msgspec.to_builtins(s)
+    out: dict[str, Any] = msgspec.to_builtins(s)
+    return out
 
 
 def from_wire(raw: Any, cls: type[T], what: str = "") -> T:
-    """``raw`` (a worker's answer) validated into ``cls``; a clear error when it is not one."""
+    """``raw`` (a worker's answer) validated into ``cls``; :class:`MalformedReply` when it is
+    not one.
+
+    >>> from_wire({"state": "staged", "version": 3}, StageStatus).state
+    <State.STAGED: 'staged'>
+    >>> from_wire({"state": 7}, StageStatus, "rollq_staged_status")
+    Traceback (most recent call last):
+    rollq.weightsync.wire.MalformedReply: a worker answered rollq_staged_status with "{'state': 7}": Expected `str`, got `int` - at `$.state`
+    """
     try:
         return msgspec.convert(raw, cls)
     except msgspec.ValidationError as e:
-        raise WeightSyncError(f"a worker answered {what or cls.__name__} with {str(raw)[:200]!r}: {e}") from e
+        raise MalformedReply(f"a worker answered {what or cls.__name__} with {str(raw)[:200]!r}: {e}") from e

@@ -1,8 +1,9 @@
 """vLLM worker extension: loads rollq weight versions inside every vLLM worker.
 
 Pass ``worker_extension_cls="rollq.weightsync.worker_ext.RollqWorkerExtension"`` to the engine;
-the replica then calls these methods by name through ``collective_rpc`` (one call per update
-for all workers, never one per tensor). Methods run inside each worker process, next to the
+the replica then calls these methods through ``collective_rpc``, by keyword, one call per
+update for all workers (never one per tensor), only through the typed stub
+:class:`~rollq.weightsync.worker_calls.WorkerCalls`, which names each method once. Methods run inside each worker process, next to the
 model, so the weights never travel through the engine's RPC channel.
 
 This class is only the RPC surface: each method is a call into the worker's
@@ -29,6 +30,8 @@ _init_lock = threading.Lock()
 
 class RollqWorkerExtension:
     """Mixed into vLLM's worker class (``self`` is the worker)."""
+
+    model_runner: Any  # vLLM's worker has one
 
     @property
     def rollq_state(self) -> WorkerState:
@@ -95,8 +98,9 @@ class RollqWorkerExtension:
         return to_wire(swap_overlapped(self.rollq_state, version, commit_timeout, receive_timeout, start_timeout, programs))
 
     def rollq_swap_done(self) -> dict[str, Any]:
-        """When the last swap was enqueued and when its copies finished (``time.time()``)."""
-        return dict(self.rollq_state.last_swap)
+        """When the last swap was enqueued and when its copies finished: a
+        :class:`~rollq.weightsync.wire.SwapTimes`."""
+        return to_wire(self.rollq_state.last_swap)
 
     def rollq_version(self) -> int:
         return self.rollq_state.version

@@ -29,6 +29,7 @@ from .wire import (
     GroupInfo,
     Listen,
     State,
+    SwapTimes,
     WorkerError,
     WorkerStatus,
     manifest_digest,
@@ -64,7 +65,7 @@ class WorkerState:
         self.memmap = MemmapStaging(self)
         self.tracker = RequestTracker()
         #: When the last swap was enqueued and its copies finished (``time.time()``).
-        self.last_swap: dict[str, Any] = {}
+        self.last_swap = SwapTimes()
 
     @property
     def device(self) -> torch.device:
@@ -97,6 +98,7 @@ class WorkerState:
         from .shadow import ShadowWeights, shadow_supported
 
         mode = os.environ.get("ROLLQ_SHADOW_WEIGHTS", "auto").lower()
+        why: str | None
         if mode in ("0", "off", "false", "no"):
             why = "disabled by ROLLQ_SHADOW_WEIGHTS"
         elif mode == "auto" and self.device.type != "cuda":
@@ -203,11 +205,11 @@ class WorkerState:
     # -- swaps -------------------------------------------------------------------------------
     def watch_swap(self, version: int, event: Any) -> None:
         """Note (wall clock) when the swap's copies of ``version`` finished on the device."""
-        rec = self.last_swap = {"version": version, "enqueued_at": time.time(), "done_at": None}
+        rec = self.last_swap = SwapTimes(version=version, enqueued_at=time.time())
 
         def wait() -> None:
             event.synchronize()  # blocks without the GIL: no polling beside the engine
-            rec["done_at"] = time.time()
+            rec.done_at = time.time()
 
         threading.Thread(target=wait, name="rollq-swap-watch", daemon=True).start()
 

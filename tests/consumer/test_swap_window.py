@@ -17,6 +17,7 @@ import torch
 from rollq import Producer
 from rollq.consumer.engine import EchoEngine
 from rollq.weightsync import WeightPublisher
+from rollq.weightsync.worker_calls import WorkerRpc
 from tests.helpers import until
 from tests.helpers.agreement import model_at, recompute
 from tests.vllm_fixtures import checkpoint_state, serving_replica
@@ -106,7 +107,7 @@ async def test_results_finishing_while_the_follower_is_delayed_label_every_token
     consumer, root = swap_replica
     base = checkpoint_state(tiny_model_path)
     new = _perturbed(base, 11)
-    swap_calls = ("rollq_apply_staged", "rollq_load_memmap")
+    swap_calls = (WorkerRpc.APPLY_STAGED, WorkerRpc.LOAD_MEMMAP)
     real = vllm_engine.call_workers
 
     async def late(method, *args, **kw):

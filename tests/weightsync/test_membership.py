@@ -24,6 +24,7 @@ from rollq import Producer
 from rollq.keys import QueueKeys
 from rollq.weightsync import WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
+from rollq.weightsync.worker_calls import WorkerRpc
 from tests.helpers import ROOT, until
 
 TIMEOUT = 20.0  # the sender's timeout (group formation, each broadcast, the acks)
@@ -230,7 +231,7 @@ async def test_a_broadcast_that_lands_before_the_replica_has_seen_its_join_is_ap
     call_workers = engine.call_workers
 
     async def slow_status(method: str, *args: Any, **kw: Any) -> list[Any]:
-        if method == "rollq_receive_status":
+        if method == WorkerRpc.RECEIVE_STATUS:
             await asyncio.sleep(2.0)
         return await call_workers(method, *args, **kw)
 

@@ -17,6 +17,7 @@ from rollq import Consumer, Producer
 from rollq.testing.fake_workers import FakeWorkerEngine
 from rollq.weightsync import WeightFollower, WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
+from rollq.weightsync.worker_calls import WorkerCalls
 from tests.helpers import until
 from tests.vllm_fixtures import checkpoint_state, serving_replica
 from tests.weightsync.test_vllm import greedy, perturbed
@@ -42,7 +43,7 @@ async def test_vllm_replica_started_mid_run_serves_only_after_the_next_broadcast
     sender = BroadcastSender(backend="gloo", timeout=60, bucket_bytes=1 << 20, join_window=3.0)
     pub = WeightPublisher(redis_url, queue, sender=sender)
     # the session engine's workers remember the newest version they loaded (other tests' queues)
-    v0 = max(await vllm_engine.call_workers("rollq_version"))
+    v0 = max(await WorkerCalls(vllm_engine).version())
     fake = FakeWorkerEngine(lambda: Holder(base))
     first = WeightFollower(Consumer(fake, redis_url, queue, consumer_id="fake"), reconcile_interval=0.3, broadcast=True)
     await first.start()  # a member; it pulls no jobs (its consumer does not run)

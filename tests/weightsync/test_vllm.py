@@ -14,6 +14,7 @@ from rollq import Consumer, Producer
 from rollq.errors import CorruptWeights
 from rollq.weightsync import WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
+from rollq.weightsync.worker_calls import WorkerCalls
 from tests.vllm_fixtures import checkpoint_state, serving_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
@@ -131,7 +132,7 @@ async def test_an_engine_that_served_another_queue_takes_part_in_a_new_queues_fi
             await wait_version(consumer, rec.version)
         finally:
             await pub.close()
-    assert await vllm_engine.call_workers("rollq_version") == [3]
+    assert await WorkerCalls(vllm_engine).version() == [3]
 
     root = str(tmp_path / "w2")
     async with serving_replica(vllm_engine, redis_url, second, root, broadcast=True) as (consumer, _):
