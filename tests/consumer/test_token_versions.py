@@ -74,10 +74,10 @@ async def test_swap_while_running_records_boundaries(redis_url, queue):
 
 
 def test_missing_requests_count_as_not_started_only_when_the_report_is_complete():
-    from rollq.consumer.loop import _mark_versions
+    from rollq.consumer.in_hand import mark_versions
 
     samples = [Sample(tokens=pack_i32([1] * 8)), Sample(tokens=pack_i32([1] * 8))]
-    _mark_versions(samples, 3, [(4, {0: 5}, True), (5, {}, True), (6, {0: 7}, False)])
+    mark_versions(samples, 3, [(4, {0: 5}, True), (5, {}, True), (6, {0: 7}, False)])
     assert samples[0].versions == [(3, 0), (4, 5), (5, 0), (6, 7)]
     assert samples[1].versions == [(3, 0), (4, 0), (5, 0), (6, UNKNOWN_START)]
     assert SwapProgress().complete is False
