@@ -37,7 +37,7 @@ from ..keys import GROUP, QueueKeys, check_name
 from ..protocol import SPECS_END, Job, Result, Scores, job_from_spec, score_spec, token_jobs, token_list
 from ..registry import register_queue
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
-from ..shards import check_shards, declare_shards, grew, shard_of_id, split_budget
+from ..shards import ShardMap, check_shards, declare_shards, grew
 from .calls import CALL_RECORD_TTL_MS, RESEND_BACKOFF, CallNumbers
 from .handles import DELIVERED_MEMORY, JobHandle, Ledger
 from .results import ResultReader
@@ -103,15 +103,14 @@ class Producer(Submission):
 
     # -- shards --------------------------------------------------------------------------
     def _set_shards(self, k: int) -> None:
-        """Use ``k`` shards: the keys of each, this producer's result stream and call record in
-        each (index = shard), and the map from a stream's hash tag to its shard."""
+        """Use ``k`` shards: their layout (:class:`~rollq.shards.ShardMap`), and this
+        producer's result stream and call record in each (index = shard)."""
         self.shards = k
-        self._shards = self.keys.shards(k)
-        self._result_keys = [s.results(self.id) for s in self._shards]
-        self._calls_keys = [s.submit_calls(self.id) for s in self._shards]
+        self._map = ShardMap(self.keys, k)
+        self._result_keys = [s.results(self.id) for s in self._map]
+        self._calls_keys = [s.submit_calls(self.id) for s in self._map]
         self._result_key = self._result_keys[0]
         self._calls_key = self._calls_keys[0]
-        self._tags = {s.tag: s for s in self._shards}
         self._rr = 0  # round robin over the shards: the next generated-id job's shard
 
     async def _follow_shards(self, k: int) -> None:
@@ -135,10 +134,6 @@ class Producer(Submission):
             await asyncio.gather(old, return_exceptions=True)
         if not self._closed:
             self._reader = asyncio.create_task(_run_all(self._result_readers()), name=f"rollq-results-{self.id}")
-
-    def _shard_of_stream(self, stream: str) -> QueueKeys:
-        """The shard whose hash tag ``stream``'s name starts with."""
-        return self._tags.get(stream[: stream.find("}") + 1], self.keys)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def connect(self) -> Producer:
@@ -363,10 +358,10 @@ class Producer(Submission):
                     "(each shard's budget is a part of batch, at least 1 job)"
                 )
             else:
-                parts = split_budget(batch, self.shards)  # [batch] with one shard
+                parts = self._map.split(batch)  # [batch] with one shard
             async with self._deadline("setting the staleness bound"):
                 recorded = 0
-                for shard, part in zip(self._shards, parts):  # one slot per call
+                for shard, part in zip(self._map, parts):  # one slot per call
                     recorded = await SET_BOUND(self._client, [shard.config],
                                                [self.shards, "" if max_lag is None else max_lag, part])
                     if recorded:  # shard 0 refused: nothing was written
@@ -401,9 +396,9 @@ class Producer(Submission):
         entry = h._entry if h is not None else None
         if entry is not None:  # the job's shard is its stream's
             stream, eid, tracked = entry
-            shard = self._shard_of_stream(stream)
+            shard = self._map.of_key(stream)
         else:  # not queued by us (any more): mark it where a caller-chosen id goes
-            shard = self._shards[shard_of_id(job_id, self.shards)]
+            shard = self._map.of_id(job_id)
             stream, eid, tracked = shard.jobs, b"0-0", True
         async with self._deadline(f"cancelling job {job_id!r}"):
             # The hint goes out on the queue's control channel (shard 0's), for every shard.

@@ -39,7 +39,7 @@ class Submission:
     It works on the producer's ``settings``, ``redis_settings``, ``keys``, ``id``,
     ``counters``, ``_client``, ``_ledger`` (room and handles), ``_numbers``
     (:class:`~rollq.producer.calls.CallNumbers`), ``_calls_key`` and ``_ref``, and with K > 1
-    shards on ``shards`` (K), ``_shards`` (their keys), ``_calls_keys`` (the call record in
+    shards on ``shards`` (K), ``_map`` (their layout, :class:`~rollq.shards.ShardMap`), ``_calls_keys`` (the call record in
     each), ``_rr`` (round robin) and ``_grown`` (the queue grew: check calls); it calls
     ``build_jobs``, ``submit_many`` and ``_follow_shards`` (a SUBMIT call found the queue's
     count changed).
@@ -243,7 +243,7 @@ class Submission:
         self._rr = rr
         calls: list[Call] = []
         for (shard, replica, checked), positions in groups.items():
-            sk = self._shards[shard]
+            sk = self._map[shard]
             keys = [*sk.submit_keys(sk.job_stream(replica)), self._calls_keys[shard]]
             self._add_calls(calls, keys, jobs, positions, check=checked)
         return calls
@@ -326,7 +326,7 @@ class Submission:
                     again = [c for c in again if c[1][6] == self.shards]
                     for _, _, part in stale:
                         again += self._calls_for(jobs, list(part))
-                if refused and not again and any(self._shard_of_stream(c[0][0]).shard_index for c in refused):
+                if refused and not again and any(self._map.of_key(c[0][0]).shard_index for c in refused):
                     # A shard's mirror of the version may lag the record (a publisher died
                     # between its commit and its mirror): heal it, and send again at once.
                     if await self._heal_mirrors():
@@ -435,7 +435,7 @@ class Submission:
         the calls refused in one shard wait here while the other shards' are enqueued; the
         caller sends them again (new numbers) after the wait, until admitted."""
         if not self.settings.block_when_full:
-            where = "" if self.shards == 1 else f" of shard {self._shard_of_stream(stream).shard_index}/{self.shards}"
+            where = "" if self.shards == 1 else f" of shard {self._map.of_key(stream).shard_index}/{self.shards}"
             raise StalenessBound(
                 f"admitting {n} more jobs would exceed the staleness bound ({limit} jobs{where} at the current "
                 "policy version; see Producer.set_staleness_bound); publish a newer version or wait"
