@@ -106,9 +106,11 @@ async def test_keep_update_mid_generation_marks_the_first_token_of_the_new_versi
             await p.set_update_policy("keep")
             v1 = (await pub.publish_weights(base)).version
             await until(lambda: consumer.version == v1, 60, "version 1 served")
+            made = consumer.engine.stats().generated_tokens
             h = await p.submit(prompt_token_ids=prompt, sampling={"max_tokens": 400, "ignore_eos": True, "n": 2, "logprobs": 0})
             await until(lambda: consumer.running_count() == 1, 30, "the job running")
-            await asyncio.sleep(0.3)  # some tokens on version 1
+            # some tokens of each sample on version 1 (the engine's step reports count them)
+            await until(lambda: consumer.engine.stats().generated_tokens >= made + 2 * 16, 30, "tokens made on version 1")
             v2 = (await pub.publish_weights(new)).version
             r = await h.result(timeout=120)
             assert r.policy_version == (v1, v2)
