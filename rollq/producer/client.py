@@ -38,7 +38,7 @@ from ..protocol import SPECS_END, Job, Result, Scores, job_from_spec, score_spec
 from ..registry import register_queue
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
 from ..shards import ShardMap, check_shards, declare_shards, grew
-from .calls import CALL_RECORD_TTL_MS, RESEND_BACKOFF, CallNumbers
+from .calls import CALL_RECORD_TTL_MS, RESEND_BACKOFF
 from .handles import DELIVERED_MEMORY, JobHandle, Ledger
 from .results import ResultReader
 from .submission import JobSpec, Submission
@@ -56,7 +56,7 @@ SPEC_FIELDS = frozenset(
 )
 
 
-class Producer(Submission):
+class Producer:
     """Submits jobs to one queue and receives their results.
 
     Args:
@@ -84,11 +84,6 @@ class Producer(Submission):
         self.queue = queue
         self.id = check_name("producer", producer_id or f"p-{uuid.uuid4().hex[:12]}")
         self.settings = settings or ProducerSettings()
-        self._set_shards(1)  # until connect() reads or records the queue's count
-        #: The queue grew from one shard with caller-chosen ids left in shard 0 (rollq/shards.py):
-        #: such an id homed in another shard is checked in shard 0 first (submit.lua's check calls).
-        self._grown = False
-        self._numbers = CallNumbers()  # SUBMIT call numbers: Redis replays a number it has run
         self._seq = 0  # generated job ids: f"{_prefix}{_seq:x}"
         self._prefix = f"{self.id}-{os.getpid():x}-"
         self._client: Client | None = None
@@ -98,6 +93,10 @@ class Producer(Submission):
         #: Cumulative counters (submitted, duplicates, results, second results dropped, resends).
         self.counters = {"submitted": 0, "duplicates": 0, "results": 0, "duplicate_results": 0, "resends": 0}
         self._ledger = Ledger(self.settings, self.counters, self._ref)
+        #: SUBMIT calls, their numbers and their routing over the shards.
+        self._submission = Submission(self._ref, self.id, self.keys, self.settings, self.redis_settings,
+                                      self.counters, self._ledger)
+        self._set_shards(1)  # until connect() reads or records the queue's count
         self._publisher: Any = None
         self._closed = False
 
@@ -110,8 +109,7 @@ class Producer(Submission):
         self._result_keys = [s.results(self.id) for s in self._map]
         self._calls_keys = [s.submit_calls(self.id) for s in self._map]
         self._result_key = self._result_keys[0]
-        self._calls_key = self._calls_keys[0]
-        self._rr = 0  # round robin over the shards: the next generated-id job's shard
+        self._submission.router.set_shards(self._map, self._calls_keys)
 
     async def _follow_shards(self, k: int) -> None:
         """The queue has ``k`` shards, not the count this producer routed over (it grew after
@@ -124,7 +122,7 @@ class Producer(Submission):
             grown = k > 1 and await grew(self._client, self.keys)
         if k == self.shards:  # another call followed it meanwhile
             return
-        self._grown = grown
+        self._submission.router.grown = grown
         log.info("producer %s: queue %r has %d shard(s), not %d; routing over %d", self.id, self.queue, k,
                  self.shards, k)
         self._set_shards(k)
@@ -150,7 +148,7 @@ class Producer(Submission):
                 # queue has none): the result readers need it, so it comes first.
                 async with self._deadline("connecting (reading the queue's shard count)"):
                     k = await declare_shards(self._client, self.keys, self.settings.shards)
-                    self._grown = k > 1 and await grew(self._client, self.keys)
+                    self._submission.router.grown = k > 1 and await grew(self._client, self.keys)
                 if k != self.shards:
                     self._set_shards(k)
                 readers = self._result_readers()
@@ -199,7 +197,7 @@ class Producer(Submission):
                         await DROP_EMPTY(self._client, [key], [])
             except RETRYABLE:
                 pass
-        if self._client is not None and self._numbers.idle():
+        if self._client is not None and self._submission.numbers.idle():
             try:  # no call in flight: its records can go (else they expire: CALL_RECORD_TTL_MS)
                 async with self._deadline("removing the submit call records"):
                     if self.redis_settings.cluster:
@@ -281,7 +279,7 @@ class Producer(Submission):
             kw["prompt"] = prompt
         job = self.build_job(kw)
         await self.connect()
-        return (await self._submit_chunk([job]))[0]
+        return (await self._submission.submit_chunk([job]))[0]
 
     async def score(self, context: Sequence[int], continuation: Sequence[int], *, timeout: float | None = None, **fields: Any) -> Scores:
         """The logprob of each token of ``continuation`` after ``context`` (token ids) under
@@ -330,9 +328,7 @@ class Producer(Submission):
         enqueued, to submit again later; no job is in both, and none is lost).
         """
         await self.connect()
-        if self.redis_settings.cluster:
-            return await self._submit_many_chunks(specs)
-        return await self._submit_many_stream(specs)
+        return await self._submission.submit_many(specs)
 
     # -- queue settings and weights --------------------------------------------------------
     async def set_staleness_bound(self, max_lag: int | None, batch: int | None = None) -> None:
