@@ -107,17 +107,17 @@ class ShardMap(Sequence[QueueKeys]):
     KeyError: "'rollq:{other}:jobs' is in no shard of queue 'grpo' (4 shards)"
     """
 
-    __slots__ = ("base", "count", "_shards", "_by_tag")
+    __slots__ = ("base", "size", "_shards", "_by_tag")
 
     def __init__(self, keys: QueueKeys, count: int) -> None:
         #: Shard 0's keys: the queue-wide ones (versions, weight sync, registry, config).
         self.base = keys.base
-        self.count = check_shards(count)
+        self.size = check_shards(count)
         self._shards = self.base.shards(count)
         self._by_tag = {s.tag: s for s in self._shards}
 
     def __len__(self) -> int:
-        return self.count
+        return self.size
 
     @overload
     def __getitem__(self, i: int) -> QueueKeys: ...
@@ -130,7 +130,7 @@ class ShardMap(Sequence[QueueKeys]):
         return iter(self._shards)
 
     def __repr__(self) -> str:
-        return f"ShardMap({self.base.queue!r}, {self.count})"
+        return f"ShardMap({self.base.queue!r}, {self.size})"
 
     def of_key(self, key: str) -> QueueKeys:
         """The keys of the shard that ``key`` (any key name of this queue: a stream, a result
@@ -142,19 +142,19 @@ class ShardMap(Sequence[QueueKeys]):
         try:
             return self._by_tag[tag_of(key)]
         except (KeyError, ValueError):
-            raise KeyError(f"{key[:200]!r} is in no shard of queue {self.base.queue!r} ({self.count} shards)") from None
+            raise KeyError(f"{key[:200]!r} is in no shard of queue {self.base.queue!r} ({self.size} shards)") from None
 
     def of_id(self, job_id: str) -> QueueKeys:
         """The shard of a job with a caller-chosen id (:func:`shard_of_id`)."""
-        return self._shards[shard_of_id(job_id, self.count)]
+        return self._shards[shard_of_id(job_id, self.size)]
 
     def home(self, replica: str) -> QueueKeys:
         """A replica's home shard (:func:`home_shard`)."""
-        return self._shards[home_shard(replica, self.count)]
+        return self._shards[home_shard(replica, self.size)]
 
     def split(self, total: int) -> list[int]:
         """``total`` (a staleness bound's ``batch``) split over the shards (:func:`split_budget`)."""
-        return split_budget(total, self.count)
+        return split_budget(total, self.size)
 
 
 async def read_shards(client: Any, keys: QueueKeys) -> int:

@@ -165,8 +165,8 @@ def queue_document(st: QueueStatus, p: Point, points: Sequence[Point], versions:
             "labels": i.get("labels") or {},
         })
     states = {k: 0 for k in STATES}
-    for r in replicas:
-        states[r["state"]] = states.get(r["state"], 0) + 1
+    for shown in replicas:
+        states[shown["state"]] = states.get(shown["state"], 0) + 1
     first = points[0] if points else p
     recent_lag = delta_hist(p.lag, first.lag) if first is not p else dict(p.lag)
     return {

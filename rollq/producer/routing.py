@@ -44,7 +44,7 @@ class CallRouter:
     def set_shards(self, layout: ShardMap, calls_keys: list[str]) -> None:
         """Route over ``layout``, with this producer's call record in each shard (index = shard)."""
         self.layout = layout
-        self.shards = layout.count
+        self.shards = layout.size
         self._calls_keys = calls_keys
         self._rr = 0  # round robin over the shards: the next generated-id job's shard
 
@@ -58,7 +58,7 @@ class CallRouter:
         if all(job.replica is None and not job.tracked for job in jobs):  # the common case
             keys = [*self.keys.submit_keys(self.keys.jobs), rec]
             payloads = list(map(encode_job, jobs))
-            calls = []
+            calls: list[Call] = []
             for i in range(0, len(jobs), step):
                 part = payloads[i : i + step]
                 args: list[Any] = [""] * (2 * len(part))  # '': a generated id, nothing to record
@@ -76,7 +76,7 @@ class CallRouter:
             pos.append(i)
             if job.tracked and delivered:  # a caller-chosen id may run again: its next result counts
                 delivered.discard(job.id)
-        calls: list[Call] = []
+        calls = []
         for replica, positions in by_stream.items():
             keys = [*self.keys.submit_keys(self.keys.job_stream(replica)), rec]
             self._add_calls(calls, keys, jobs, positions)
