@@ -46,6 +46,8 @@ QUEUES = f"{PREFIX}:queues"
 SHARD_SEP = "~"
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+#: How every queue's key name starts: the prefix and the opening of its hash tag.
+_TAG_START = f"{PREFIX}:{{"
 
 
 def check_name(kind: str, name: str) -> str:
@@ -63,6 +65,24 @@ def check_name(kind: str, name: str) -> str:
         shown = repr(name[:64]) + (f"... ({len(name)} characters)" if len(name) > 64 else "") if isinstance(name, str) else type(name).__name__
         raise ValueError(f"invalid {kind} name {shown}: use 1-128 characters from [A-Za-z0-9_.-]")
     return name
+
+
+def tag_of(key: str) -> str:
+    """The hash tag of a queue's key name (up to its ``}``), which names the queue and the
+    shard the key belongs to; the one parser of rollq's key names
+    (:meth:`rollq.shards.ShardMap.of_key` maps it back to the shard's keys).
+
+    >>> tag_of("rollq:{grpo~2}:res:p1")
+    'rollq:{grpo~2}'
+    >>> tag_of(QUEUES)
+    Traceback (most recent call last):
+    ...
+    ValueError: 'rollq:queues' is no queue's key
+    """
+    end = key.find("}")
+    if end < 0 or not key.startswith(_TAG_START):
+        raise ValueError(f"{key[:200]!r} is no queue's key")
+    return key[: end + 1]
 
 
 @dataclass(frozen=True)

@@ -36,16 +36,19 @@ count.
 [3, 3, 2, 2]
 >>> home_shard("replica-a", 1)
 0
+
+:class:`ShardMap` is the layout of one queue over its shards, used by producers and replicas
+alike: the keys of each shard, and the shard that a key name, a job id or a replica belongs to.
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import Any, Iterator, Sequence, overload
 
 from .connection import RECORD_SHARDS
 from .errors import ShardCountMismatch
-from .keys import MAX_SHARDS, QueueKeys
+from .keys import MAX_SHARDS, QueueKeys, tag_of
 
 #: Field of shard 0's config hash that holds the queue's number of shards.
 SHARDS_FIELD = "shards"
@@ -87,6 +90,71 @@ def split_budget(total: int, k: int) -> list[int]:
     remainder); the parts add up to ``total``."""
     q, r = divmod(total, k)
     return [q + (1 if i < r else 0) for i in range(k)]
+
+
+class ShardMap(Sequence[QueueKeys]):
+    """The layout of queue ``keys.queue`` over ``count`` shards: the keys of each (index =
+    shard number), and where a key name, a job id, a replica or a budget belongs.
+
+    >>> m = ShardMap(QueueKeys("grpo"), 4)
+    >>> len(m), m[2].jobs, m.of_key(m[2].results("p1")) is m[2]
+    (4, 'rollq:{grpo~2}:jobs', True)
+    >>> m.of_id("job-1").shard_index == shard_of_id("job-1", 4), m.home("replica-a") is m[home_shard("replica-a", 4)]
+    (True, True)
+    >>> m.of_key("rollq:{other}:jobs")
+    Traceback (most recent call last):
+    ...
+    KeyError: "'rollq:{other}:jobs' is in no shard of queue 'grpo' (4 shards)"
+    """
+
+    __slots__ = ("base", "size", "_shards", "_by_tag")
+
+    def __init__(self, keys: QueueKeys, count: int) -> None:
+        #: Shard 0's keys: the queue-wide ones (versions, weight sync, registry, config).
+        self.base = keys.base
+        self.size = check_shards(count)
+        self._shards = self.base.shards(count)
+        self._by_tag = {s.tag: s for s in self._shards}
+
+    def __len__(self) -> int:
+        return self.size
+
+    @overload
+    def __getitem__(self, i: int) -> QueueKeys: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[QueueKeys]: ...
+    def __getitem__(self, i: int | slice) -> QueueKeys | list[QueueKeys]:
+        return self._shards[i]
+
+    def __iter__(self) -> Iterator[QueueKeys]:
+        return iter(self._shards)
+
+    def __repr__(self) -> str:
+        return f"ShardMap({self.base.queue!r}, {self.size})"
+
+    def of_key(self, key: str) -> QueueKeys:
+        """The keys of the shard that ``key`` (any key name of this queue: a stream, a result
+        stream, a call record) belongs to, by its hash tag (:func:`rollq.keys.tag_of`).
+
+        Raises:
+            KeyError: ``key`` belongs to no shard of this queue under this count.
+        """
+        try:
+            return self._by_tag[tag_of(key)]
+        except (KeyError, ValueError):
+            raise KeyError(f"{key[:200]!r} is in no shard of queue {self.base.queue!r} ({self.size} shards)") from None
+
+    def of_id(self, job_id: str) -> QueueKeys:
+        """The shard of a job with a caller-chosen id (:func:`shard_of_id`)."""
+        return self._shards[shard_of_id(job_id, self.size)]
+
+    def home(self, replica: str) -> QueueKeys:
+        """A replica's home shard (:func:`home_shard`)."""
+        return self._shards[home_shard(replica, self.size)]
+
+    def split(self, total: int) -> list[int]:
+        """``total`` (a staleness bound's ``batch``) split over the shards (:func:`split_budget`)."""
+        return split_budget(total, self.size)
 
 
 async def read_shards(client: Any, keys: QueueKeys) -> int:

@@ -21,6 +21,8 @@ from tests.vllm_fixtures import (  # noqa: E402,F401
 # module that takes it as an argument reads as a redefinition: ruff F811).
 from tests.cluster_fixtures import redis_cluster, valkey_binary, valkey_server  # noqa: E402,F401
 from tests.helpers import make_consumer, make_producer, spawn  # noqa: E402,F401
+# A test that hits its timeout dumps every asyncio task (where a hung test waits).
+from tests.helpers.hang_dump import pytest_timeout_set_timer  # noqa: E402,F401
 
 
 @pytest.hookimpl(trylast=True)

@@ -129,3 +129,14 @@ def test_job_targeted_at_an_impossible_replica_is_refused(name):
     p = Producer("redis://127.0.0.1:1/0", queue="q")
     with pytest.raises(InvalidJob, match="replica"):
         p.build_job(prompt="hi", replica=name)
+
+
+def test_tag_of_is_the_one_parser_of_key_names():
+    from rollq.keys import QUEUES, tag_of
+
+    for k in (QueueKeys("grpo"), QueueKeys("grpo", 7)):
+        for key in (k.jobs, k.results("p}1"), k.cancel("a}b"), k.replica_jobs("r")):
+            assert tag_of(key) == k.tag
+    for bad in (QUEUES, "other:{grpo}:jobs", "rollq:{grpo"):
+        with pytest.raises(ValueError, match="no queue's key"):
+            tag_of(bad)

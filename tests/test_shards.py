@@ -99,3 +99,42 @@ async def test_a_queue_that_ran_unsharded_carries_its_version_and_bound_over(red
         for s in keys.shards(4):
             await r.delete(s.config, s.version, s.admission, s.versions_log)
         await r.aclose()
+
+
+def test_shard_map_finds_the_shard_of_every_key_name_of_the_queue():
+    from rollq.shards import ShardMap
+
+    m = ShardMap(QueueKeys("grpo", 3), 4)  # built from any shard's keys: the queue's layout
+    assert m.base == QueueKeys("grpo") and m[0] is m.base
+    assert [s.shard_index for s in m] == [0, 1, 2, 3] and len(m) == 4 and m[1:3] == [m[1], m[2]]
+    for s in m:
+        for key in (s.jobs, s.replica_jobs("r1"), s.results("p1"), s.submit_calls("p1"), s.cancel("j:1}x"), s.config):
+            assert m.of_key(key) is s
+    # a key of another queue, of a shard beyond the count, or of no queue at all
+    for key in (QueueKeys("grpo2").jobs, QueueKeys("grpo", 4).jobs, "rollq:queues", "x}"):
+        with pytest.raises(KeyError, match="no shard of queue 'grpo'"):
+            m.of_key(key)
+    assert m.of_id("job-7") is m[shard_of_id("job-7", 4)] and m.home("r1") is m[home_shard("r1", 4)]
+    assert m.split(10) == split_budget(10, 4)
+    with pytest.raises(ValueError, match="invalid shard count"):
+        ShardMap(QueueKeys("grpo"), 0)
+
+
+def test_producer_and_replica_share_one_layout(redis_url, queue):
+    """Both sides route and resolve through ShardMap: the stream a producer routes a job to
+    is the one whose shard a replica finds for it."""
+    from rollq import Producer
+    from rollq.consumer.engine import EchoEngine
+    from rollq.consumer.loop import Consumer
+    from rollq.shards import ShardMap
+
+    p = Producer(redis_url, queue)
+    p._set_shards(4)
+    ctx = Consumer(EchoEngine(), redis_url, queue=queue, consumer_id="r1")._ctx  # not connected
+    ctx.set_shards(4)
+    assert isinstance(p._map, ShardMap) and isinstance(ctx.shards, ShardMap)
+    assert list(p._map) == list(ctx.shards)
+    # a stream of another replica's home (met in a reclaim) resolves by its name alone
+    other = ctx.shards.home("r2").replica_jobs("r2")
+    assert ctx.shards.of_key(other) == p._map.home("r2")
+    assert ctx.home == p._map.home("r1") and ctx.streams[0] == ctx.home.replica_jobs("r1")

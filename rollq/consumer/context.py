@@ -20,7 +20,7 @@ from ..connection import RETRYABLE, Client
 from ..keys import GROUP, QueueKeys
 from ..protocol import LATENCY_BUCKETS_MS
 from ..settings import ConsumerSettings, RedisSettings
-from ..shards import home_shard
+from ..shards import ShardMap
 from .capacity import CapacityController
 from .engine import Engine
 
@@ -57,8 +57,9 @@ class ReplicaContext:
     engine: Engine
     counters: ConsumerCounters
     capacity: CapacityController
-    #: The queue's shards (index = shard number; ``[keys]`` for an unsharded queue).
-    shards: list[QueueKeys] = field(default_factory=list)
+    #: The queue's shards (index = shard number; one for an unsharded queue): their keys,
+    #: and the shard of a stream this replica read (``shards.of_key(stream)``).
+    shards: ShardMap = field(init=False)
     #: This replica's home shard: where it blocks and where jobs targeted at it go.
     home: QueueKeys | None = None
     #: What this replica reads: the home shard's targeted and shared streams (one blocking
@@ -67,8 +68,6 @@ class ReplicaContext:
     #: The streams read from each other shard (shard number -> its shared stream, plus this
     #: replica's targeted stream there if that shard was its home before the queue grew).
     other_reads: dict[int, list[str]] = field(default_factory=dict)
-    #: Every stream this replica has read or reclaimed from -> the keys of its shard.
-    stream_shard: dict[str, QueueKeys] = field(default_factory=dict)
     #: Loaded policy version.
     version: int = 0
     #: Commands (with socket timeouts), blocking reads and FINISH calls (both without socket
@@ -103,8 +102,7 @@ class ReplicaContext:
 
     def __post_init__(self) -> None:
         self.intake.set()
-        if not self.shards:
-            self.set_shards(1)
+        self.set_shards(1)
 
     # -- shards ------------------------------------------------------------------------------
     def set_shards(self, k: int) -> None:
@@ -112,26 +110,12 @@ class ReplicaContext:
         moves to ``home_shard(id, k)``; a former home's targeted stream is still read, so
         jobs targeted here before the change are served."""
         former = self.home
-        self.shards = self.keys.shards(k)
-        self.home = self.shards[home_shard(self.id, k)]
+        self.shards = ShardMap(self.keys, k)
+        self.home = self.shards.home(self.id)
         self.streams = [self.home.replica_jobs(self.id), self.home.jobs]
         self.other_reads = {i: [s.jobs] for i, s in enumerate(self.shards) if s is not self.home}
         if former is not None and former.shard_index != self.home.shard_index:
             self.other_reads[former.shard_index].insert(0, former.replica_jobs(self.id))
-        for stream in self.read_streams():
-            self.shard_of(stream)  # remembered
-
-    def shard_of(self, stream: str) -> QueueKeys:
-        """The keys of the shard that ``stream`` (a job stream this replica read) belongs to."""
-        keys = self.stream_shard.get(stream)
-        if keys is None:
-            for s in self.shards:  # a targeted stream first met now (a reclaim): by its tag
-                if stream.startswith(s.tag + ":"):
-                    keys = self.stream_shard[stream] = s
-                    break
-            else:
-                raise KeyError(f"stream {stream!r} is in no shard of queue {self.queue!r}")
-        return keys
 
     def read_streams(self) -> list[str]:
         """Every stream this replica reads (home first)."""
@@ -166,10 +150,11 @@ class ReplicaContext:
         have = len(self.shards)
         if k <= have:
             return
-        new = self.keys.shards(k)[have:]
+        layout = ShardMap(self.keys, k)
+        new = layout[have:]
         for s in new:
             await self.redis.set(s.heartbeat(self.id), b"1", px=int(self.settings.lease_ttl * 1000))
-        home = self.keys.shard(home_shard(self.id, k))
+        home = layout.home(self.id)
         for stream in (home.replica_jobs(self.id), *(s.jobs for s in new)):
             await self.ensure_group(stream)
         log.info("consumer %s: queue %r now has %d shards; serving them all (home shard %d)",

@@ -28,7 +28,7 @@ from ..errors import ResultTooLarge
 from ..keys import GROUP, QueueKeys
 from ..protocol import DeadLetter, ErrorInfo, Result, cut, encode_dead_letter, encode_result, latency_bucket, short
 from .context import ReplicaContext
-from .jobs import Failure, JobInHand, mark_versions
+from .in_hand import Failure, JobInHand, mark_versions
 
 if TYPE_CHECKING:
     from .engine import EngineOutput
@@ -207,7 +207,7 @@ class Finisher:
         ctx = self._ctx
         rows = self.rows[: max(ctx.settings.batch, 256)]
         if len(ctx.shards) > 1:
-            shard_of = ctx.shard_of
+            shard_of = ctx.shards.of_key
             shard = shard_of(rows[0].stream)
             rows = [f for f in rows if shard_of(f.stream) is shard]
         n = batch_rows([len(f.result) + len(f.dead_letter) for f in rows], FINISH_BATCH_BYTES)
@@ -279,7 +279,7 @@ class Finisher:
         and the results of each producer packed here as the value of its one result entry
         (see finish.lua)."""
         ctx = self._ctx
-        shard = ctx.shard_of(batch[0].stream) if len(ctx.shards) > 1 else ctx.keys
+        shard = ctx.shards.of_key(batch[0].stream) if len(ctx.shards) > 1 else ctx.keys
         keys = [shard.ids, shard.stats, shard.dlq]
         index: dict[str, int] = {}
         packs: dict[int, list[bytes]] = {}

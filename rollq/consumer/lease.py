@@ -133,7 +133,7 @@ class Lease:
             by_shard = {0: (ctx.keys, list(jobs.by_job))}
         else:
             by_shard = {}
-            running, shard_of = jobs.running, ctx.shard_of
+            running, shard_of = jobs.running, ctx.shards.of_key
             for j, rid in jobs.by_job.items():
                 run = running.get(rid)
                 if run is None:
@@ -186,7 +186,7 @@ class Lease:
             for shard in ctx.shards:
                 await r.delete(shard.heartbeat(ctx.id))
             for stream in ctx.read_streams():
-                if stream != ctx.shard_of(stream).jobs:  # a targeted stream of ours
+                if stream != ctx.shards.of_key(stream).jobs:  # a targeted stream of ours
                     await DROP_EMPTY(r, [stream], [])
             if leave_group:
                 for shard in ctx.shards:

@@ -53,7 +53,8 @@ from .context import ConsumerCounters, ReplicaContext
 from .control import ControlListener
 from .engine import Engine, SwapProgress
 from .finisher import FINISH_BATCH_BYTES, Finisher, batch_rows
-from .jobs import Failure, JobInHand, Jobs, mark_versions
+from .in_hand import Failure, JobInHand
+from .jobs import Jobs
 from .lease import Lease
 from .puller import Puller
 from .reclaimer import Reclaimer
@@ -67,7 +68,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # Names this module had before the parts moved out (tests and benchmarks import them).
-_mark_versions = mark_versions
 _bucket = latency_bucket
 
 

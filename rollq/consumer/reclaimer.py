@@ -179,8 +179,6 @@ class Reclaimer:
                 [GROUP, name, ctx.id, free, "1" if stream == shard.jobs else "0"],
             )
             deliveries = {e: int(c) for e, c in zip(ids, counts)}
-            if claimed:
-                ctx.stream_shard[stream] = shard  # finish these in this shard
             for entry in claimed:
                 if not entry:
                     continue

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import VersionUnavailable
 from .context import ReplicaContext, guarded
-from .jobs import Failure, JobInHand
+from .in_hand import Failure, JobInHand
 
 if TYPE_CHECKING:
     from .finisher import Finisher

@@ -21,7 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from ..protocol import LATENCY_BUCKETS_MS
-from .sampler import COUNTERS, STATES, Sampler
+from .figures import COUNTERS, STATES
+from .sampler import Sampler
 
 #: Content type of :func:`render`: the classic text format every Prometheus version reads
 #: (metric names are plain ASCII, so nothing needs the 1.0.0 format's escaping).

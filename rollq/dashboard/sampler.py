@@ -37,7 +37,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -46,22 +46,16 @@ from redis.exceptions import RedisError, ResponseError
 from ..connection import Client, connect
 from ..errors import BadQueueData
 from ..keys import QueueKeys
-from ..protocol import LATENCY_BUCKETS_MS, SCHEMA_VERSION
+from ..protocol import SCHEMA_VERSION
 from ..registry import queues_in_use
 from ..settings import DEFAULT_QUEUE, RedisSettings
-from ..status import QueueStatus, dlq_list, histogram_quantile, queue_status, read_shard_count
+from ..status import QueueStatus, dlq_list, queue_status, read_shard_count
+from .figures import Point, history_series, make_point, queue_document
 
 log = logging.getLogger(__name__)
 
 #: Seconds :meth:`Sampler.close` waits on the loop before cancelling it again.
 _CANCEL_RETRY_S = 0.5
-
-#: Counters of the queue's ``stats`` hash that the dashboard turns into rates.
-COUNTERS = ("submitted", "completed", "failed", "dead_lettered")
-
-#: Replica states as the dashboard shows them. The first four are what a replica reports
-#: about itself while its lease is live; ``stale`` and ``dead`` are the dashboard's verdict.
-STATES = ("serving", "paused", "draining", "starting", "stale", "dead")
 
 #: Seconds one Redis command of a sample may take before the sample counts as failed.
 SAMPLE_TIMEOUT = 5.0
@@ -91,42 +85,6 @@ class DashboardSettings:
     refresh_lists: float = 30.0
 
 
-def replica_state(reported: str, lease: bool, heartbeat_age_s: float, s: DashboardSettings) -> str:
-    """What the dashboard calls a replica: its own state while it is live, else stale or dead.
-
-    >>> s = DashboardSettings()
-    >>> replica_state("serving", True, 0.5, s), replica_state("serving", False, 3, s)
-    ('serving', 'stale')
-    >>> replica_state("serving", False, 120, s), replica_state("serving", True, 30, s)
-    ('dead', 'stale')
-    """
-    if lease:
-        return "stale" if heartbeat_age_s > s.stale_after else reported
-    if reported == "stopped" or heartbeat_age_s > s.dead_after:
-        return "dead"
-    return "stale"
-
-
-def quantile_ms(buckets: dict[int, int], q: float) -> float | None:
-    """:func:`rollq.status.histogram_quantile`, with the +Inf bucket reported as the largest
-    finite bound (as Prometheus' ``histogram_quantile`` does), so the value is valid JSON."""
-    v = histogram_quantile(buckets, q)
-    if v is not None and math.isinf(v):
-        return float(LATENCY_BUCKETS_MS[-1])
-    return v
-
-
-def _delta(now: int, then: int) -> int:
-    """Increase of a counter; a counter that went down was reset (keys deleted)."""
-    return now - then if now >= then else now
-
-
-def _delta_hist(now: dict[int, int], then: dict[int, int]) -> dict[int, int]:
-    if any(now.get(k, 0) < v for k, v in then.items()):
-        return dict(now)
-    return {k: v - then.get(k, 0) for k, v in now.items() if v - then.get(k, 0) > 0}
-
-
 def _ints(h: dict[Any, Any]) -> dict[int, int]:
     out = {}
     for k, v in h.items():
@@ -154,25 +112,6 @@ def _decode_version(data: bytes) -> dict[str, Any] | None:
         "nbytes": r.get("nbytes"), "num_tensors": r.get("num_tensors"), "checksum": r.get("checksum"),
         "trainer": r.get("trainer", ""), "timings": r.get("timings") or {},
     }
-
-
-@dataclass(slots=True)
-class Point:
-    """One sample of one queue: what Redis said, and the rates derived from the samples before."""
-
-    t: float  # wall clock (display)
-    m: float  # monotonic (deltas)
-    waiting: int
-    in_flight: int
-    dlq: int
-    counters: dict[str, int]
-    latency: dict[int, int]  # cumulative latency histogram
-    lag: dict[int, int]  # cumulative policy-lag counts
-    tokens_per_s: float
-    live_replicas: int
-    rates: dict[str, float] = field(default_factory=dict)  # per second; empty on the first sample
-    p50_ms: float | None = None
-    p99_ms: float | None = None
 
 
 class _Queue:
@@ -335,9 +274,9 @@ class Sampler:
         q.error = None
         q.samples += 1
         q.duration_s = time.monotonic() - t0
-        point = self._point(q, st, lat, lag)
+        point = make_point(q.points, st, lat, lag, self.settings, m=time.monotonic())
         q.points.append(point)
-        q.doc = self._document(q, st, point)
+        q.doc = queue_document(st, point, q.points, q.versions, q.dead, self.settings)
 
     def _failed(self, q: _Queue, message: str, traceback: bool = False) -> None:
         if q.error is None:  # log the first failure of a run, not one line per interval
@@ -372,97 +311,6 @@ class Sampler:
             q.lists_at = now
         return st, lat, lag
 
-    # -- derived figures -----------------------------------------------------------------
-    @staticmethod
-    def _ref(points: deque[Point], m: float, window: float) -> Point | None:
-        """The newest earlier point at least ``window`` seconds old (else the oldest one)."""
-        ref = None
-        for p in reversed(points):
-            ref = p
-            if m - p.m >= window:
-                break
-        return ref
-
-    def _point(self, q: _Queue, st: QueueStatus, lat: dict[int, int], lag: dict[int, int]) -> Point:
-        s = self.settings
-        counters = {c: getattr(st, c) for c in COUNTERS}
-        p = Point(
-            t=st.at, m=time.monotonic(), waiting=st.depth, in_flight=st.in_flight, dlq=st.dlq_length,
-            counters=counters, latency=lat, lag=lag,
-            tokens_per_s=round(sum(float(r.info.get("tokens_per_s") or 0.0) for r in st.replicas if r.alive), 1),
-            live_replicas=sum(1 for r in st.replicas if r.alive),
-        )
-        ref = self._ref(q.points, p.m, s.rate_window)
-        if ref is not None and p.m > ref.m:
-            dt = p.m - ref.m
-            p.rates = {f"{c}_per_s": round(_delta(counters[c], ref.counters.get(c, 0)) / dt, 3) for c in COUNTERS}
-        ref = self._ref(q.points, p.m, s.latency_window)
-        if ref is not None:
-            recent = _delta_hist(p.latency, ref.latency)
-            p.p50_ms, p.p99_ms = quantile_ms(recent, 0.5), quantile_ms(recent, 0.99)
-        return p
-
-    def _document(self, q: _Queue, st: QueueStatus, p: Point) -> dict[str, Any]:
-        s = self.settings
-        replicas = []
-        for r in st.replicas:
-            i = r.info
-            age = max(0.0, r.heartbeat_age_s)
-            replicas.append({
-                "id": r.id,
-                "state": replica_state(i.get("state", "serving"), r.alive, age, s),
-                "reported_state": i.get("state"),
-                "lease": r.alive,
-                "heartbeat_at": i.get("heartbeat_at"),
-                "heartbeat_age_s": round(age, 3),
-                "version": i.get("version"),
-                "versions_behind": None if st.version is None else st.version - i["version"],
-                "inflight": i.get("inflight"), "cap": i.get("cap"),
-                "kv_usage": i.get("kv_usage"), "tokens_per_s": i.get("tokens_per_s"),
-                "completed": i.get("completed"), "failed": i.get("failed"),
-                "last_update_s": i.get("last_update_s"), "last_pause_s": i.get("last_pause_s"),
-                "paused_s_total": i.get("paused_s_total"), "updates": i.get("updates", 0),
-                "engine": i.get("engine"), "model": i.get("model"), "device": i.get("device"),
-                "host": i.get("host"), "pid": i.get("pid"), "started_at": i.get("started_at"),
-                "labels": i.get("labels") or {},
-            })
-        states = {k: 0 for k in STATES}
-        for r in replicas:
-            states[r["state"]] = states.get(r["state"], 0) + 1
-        first = q.points[0] if q.points else p
-        recent_lag = _delta_hist(p.lag, first.lag) if first is not p else dict(p.lag)
-        return {
-            "queue": {
-                "name": st.queue, "waiting": st.depth, "in_flight": st.in_flight,
-                "oldest_waiting_s": None if st.oldest_waiting_s is None else round(st.oldest_waiting_s, 3),
-                "dlq_length": st.dlq_length, "submitted": st.submitted, "completed": st.completed,
-                "failed": st.failed, "dead_lettered": st.dead_lettered,
-                # a sharded queue: the figures above are sums; each shard's (index = shard)
-                "shards": st.shards, "shard_waiting": st.shard_depth, "shard_in_flight": st.shard_in_flight,
-            },
-            "rates": {**{f"{c}_per_s": p.rates.get(f"{c}_per_s") for c in COUNTERS},
-                      "tokens_per_s": p.tokens_per_s, "window_s": s.rate_window},
-            "latency": {
-                "p50_ms": p.p50_ms, "p99_ms": p.p99_ms, "window_s": s.latency_window,
-                "all_time": {"p50_ms": quantile_ms(p.latency, 0.5), "p99_ms": quantile_ms(p.latency, 0.99),
-                             "count": sum(p.latency.values())},
-                "buckets_ms": list(LATENCY_BUCKETS_MS),
-                "buckets": [p.latency.get(i, 0) for i in range(len(LATENCY_BUCKETS_MS) + 1)],
-            },
-            "replicas": replicas,
-            "replica_states": states,
-            "versions": {
-                "current": st.version,
-                "log": q.versions,
-                "lag": {
-                    "recent": [{"lag": k, "count": v} for k, v in sorted(recent_lag.items())],
-                    "window_s": round(p.t - first.t, 1),
-                    "all_time": [{"lag": k, "count": v} for k, v in sorted(p.lag.items())],
-                },
-            },
-            "dead_letters": {"length": st.dlq_length, "total": st.dead_lettered, "latest": q.dead},
-        }
-
     # -- reading (no Redis) ----------------------------------------------------------------
     def latest(self, queue: str) -> Point | None:
         pts = self._queues[queue].points
@@ -479,20 +327,7 @@ class Sampler:
 
     def history(self, queue: str, since: float | None = None) -> dict[str, list[Any]]:
         """Chart series of the points newer than ``since`` (all kept points if None)."""
-        pts = [p for p in self._queues[queue].points if since is None or p.t > since]
-        return {
-            "t": [p.t for p in pts],
-            "waiting": [p.waiting for p in pts],
-            "in_flight": [p.in_flight for p in pts],
-            "dlq": [p.dlq for p in pts],
-            "submitted_per_s": [p.rates.get("submitted_per_s") for p in pts],
-            "completed_per_s": [p.rates.get("completed_per_s") for p in pts],
-            "failed_per_s": [p.rates.get("failed_per_s") for p in pts],
-            "p50_ms": [p.p50_ms for p in pts],
-            "p99_ms": [p.p99_ms for p in pts],
-            "tokens_per_s": [p.tokens_per_s for p in pts],
-            "live_replicas": [p.live_replicas for p in pts],
-        }
+        return history_series(self._queues[queue].points, since)
 
     def document(self, queue: str, *, since: float | None = None, history: bool = True) -> dict[str, Any]:
         """Everything the page shows about ``queue``, from the latest sample (one JSON object)."""

@@ -18,28 +18,12 @@ weight update landed mid-generation; -1 where not known and in the padding),
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import job_error
 from ..protocol import Result
-
-
-def successful(results: Sequence[Result], skip_errors: bool = True) -> Iterator[tuple[int, Result]]:
-    """``(index, result)`` for each result without an error; a failed one is skipped, or with
-    ``skip_errors=False`` its error is raised (:func:`rollq.errors.job_error`).
-
-    >>> from rollq.protocol import ErrorInfo
-    >>> rs = [Result(id="a"), Result(id="b", error=ErrorInfo(type="InvalidJob", message="bad"))]
-    >>> [(i, r.id) for i, r in successful(rs)]
-    [(0, 'a')]
-    """
-    for i, r in enumerate(results):
-        if r.error is None:
-            yield i, r
-        elif not skip_errors:
-            raise job_error(r.error.type, r.error.message, r.id)
+from ..protocol.results import successful
 
 
 def results_to_tensordict(

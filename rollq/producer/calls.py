@@ -95,14 +95,14 @@ class CallStream:
     unreachable for ``RedisSettings.command_timeout`` (GaveUp).
     """
 
-    def __init__(self, producer: Any, conn: Any):
-        self.producer = producer
+    def __init__(self, submission: Any, conn: Any):
+        self.submission = submission
         self.conn = conn
         self.inflight: deque[tuple[list[Job], list[Call], Any]] = deque()
         #: Set when a call met NOSCRIPT and ran again: read every reply in flight first.
         self.reran: list[bool] = []
         self.handles: list[JobHandle] = []
-        self.outage = Outage(producer.redis_settings.command_timeout)
+        self.outage = Outage(submission.redis_settings.command_timeout)
 
     def pack(self, calls: list[Call]) -> Any:
         return self.conn.pack_commands([("EVALSHA", SUBMIT.sha, len(keys), *keys, *args) for keys, args, _ in calls])
@@ -119,7 +119,7 @@ class CallStream:
         while True:
             await self.conn.disconnect()
             await self.outage.wait(error, f"submitting {sum(len(j) for j, _, _ in self.inflight)} jobs")
-            self.producer.counters["resends"] += 1
+            self.submission.counters["resends"] += 1
             try:
                 for _, _, packed in self.inflight:
                     await self.conn.send_packed_command(packed, check_health=False)
@@ -132,13 +132,13 @@ class CallStream:
         jobs, calls, _ = self.inflight[0]
         while True:
             try:
-                results = await self.producer._read_replies(self.conn, calls, self.reran)
+                results = await self.submission._read_replies(self.conn, calls, self.reran)
                 break
             except RETRYABLE as e:
                 await self._resend(e)
         self.outage.reset()
         self.inflight.popleft()
-        self.handles.extend(await self.producer._finish_chunk(jobs, calls, results))
+        self.handles.extend(await self.submission._finish_chunk(jobs, calls, results))
 
     async def take_window(self) -> None:
         """The window is full: take the oldest call (and, after NOSCRIPT, every one)."""
@@ -156,9 +156,9 @@ class CallStream:
 
     async def close(self, pool: Any) -> None:
         if self.inflight:
-            numbers = self.producer._numbers
+            numbers = self.submission.numbers
             for jobs, calls, _ in self.inflight:  # no reply read: whether Redis ran them is not known
-                self.producer._ledger.release(len(jobs))
+                self.submission.ledger.release(len(jobs))
                 for _, args, _ in calls:
                     numbers.forget(args[3])
             await self.conn.disconnect()  # replies may be left unread: start clean

@@ -37,8 +37,8 @@ from ..keys import GROUP, QueueKeys, check_name
 from ..protocol import SPECS_END, Job, Result, Scores, job_from_spec, score_spec, token_jobs, token_list
 from ..registry import register_queue
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
-from ..shards import check_shards, declare_shards, grew, shard_of_id, split_budget
-from .calls import CALL_RECORD_TTL_MS, RESEND_BACKOFF, CallNumbers
+from ..shards import ShardMap, check_shards, declare_shards, grew
+from .calls import CALL_RECORD_TTL_MS, RESEND_BACKOFF
 from .handles import DELIVERED_MEMORY, JobHandle, Ledger
 from .results import ResultReader
 from .submission import JobSpec, Submission
@@ -56,7 +56,7 @@ SPEC_FIELDS = frozenset(
 )
 
 
-class Producer(Submission):
+class Producer:
     """Submits jobs to one queue and receives their results.
 
     Args:
@@ -84,11 +84,6 @@ class Producer(Submission):
         self.queue = queue
         self.id = check_name("producer", producer_id or f"p-{uuid.uuid4().hex[:12]}")
         self.settings = settings or ProducerSettings()
-        self._set_shards(1)  # until connect() reads or records the queue's count
-        #: The queue grew from one shard with caller-chosen ids left in shard 0 (rollq/shards.py):
-        #: such an id homed in another shard is checked in shard 0 first (submit.lua's check calls).
-        self._grown = False
-        self._numbers = CallNumbers()  # SUBMIT call numbers: Redis replays a number it has run
         self._seq = 0  # generated job ids: f"{_prefix}{_seq:x}"
         self._prefix = f"{self.id}-{os.getpid():x}-"
         self._client: Client | None = None
@@ -98,21 +93,23 @@ class Producer(Submission):
         #: Cumulative counters (submitted, duplicates, results, second results dropped, resends).
         self.counters = {"submitted": 0, "duplicates": 0, "results": 0, "duplicate_results": 0, "resends": 0}
         self._ledger = Ledger(self.settings, self.counters, self._ref)
+        #: SUBMIT calls, their numbers and their routing over the shards.
+        self._submission = Submission(self._ref, self.id, self.keys, self.settings, self.redis_settings,
+                                      self.counters, self._ledger)
+        self._set_shards(1)  # until connect() reads or records the queue's count
         self._publisher: Any = None
         self._closed = False
 
     # -- shards --------------------------------------------------------------------------
     def _set_shards(self, k: int) -> None:
-        """Use ``k`` shards: the keys of each, this producer's result stream and call record in
-        each (index = shard), and the map from a stream's hash tag to its shard."""
+        """Use ``k`` shards: their layout (:class:`~rollq.shards.ShardMap`), and this
+        producer's result stream and call record in each (index = shard)."""
         self.shards = k
-        self._shards = self.keys.shards(k)
-        self._result_keys = [s.results(self.id) for s in self._shards]
-        self._calls_keys = [s.submit_calls(self.id) for s in self._shards]
+        self._map = ShardMap(self.keys, k)
+        self._result_keys = [s.results(self.id) for s in self._map]
+        self._calls_keys = [s.submit_calls(self.id) for s in self._map]
         self._result_key = self._result_keys[0]
-        self._calls_key = self._calls_keys[0]
-        self._tags = {s.tag: s for s in self._shards}
-        self._rr = 0  # round robin over the shards: the next generated-id job's shard
+        self._submission.router.set_shards(self._map, self._calls_keys)
 
     async def _follow_shards(self, k: int) -> None:
         """The queue has ``k`` shards, not the count this producer routed over (it grew after
@@ -125,7 +122,7 @@ class Producer(Submission):
             grown = k > 1 and await grew(self._client, self.keys)
         if k == self.shards:  # another call followed it meanwhile
             return
-        self._grown = grown
+        self._submission.router.grown = grown
         log.info("producer %s: queue %r has %d shard(s), not %d; routing over %d", self.id, self.queue, k,
                  self.shards, k)
         self._set_shards(k)
@@ -135,10 +132,6 @@ class Producer(Submission):
             await asyncio.gather(old, return_exceptions=True)
         if not self._closed:
             self._reader = asyncio.create_task(_run_all(self._result_readers()), name=f"rollq-results-{self.id}")
-
-    def _shard_of_stream(self, stream: str) -> QueueKeys:
-        """The shard whose hash tag ``stream``'s name starts with."""
-        return self._tags.get(stream[: stream.find("}") + 1], self.keys)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def connect(self) -> Producer:
@@ -155,7 +148,7 @@ class Producer(Submission):
                 # queue has none): the result readers need it, so it comes first.
                 async with self._deadline("connecting (reading the queue's shard count)"):
                     k = await declare_shards(self._client, self.keys, self.settings.shards)
-                    self._grown = k > 1 and await grew(self._client, self.keys)
+                    self._submission.router.grown = k > 1 and await grew(self._client, self.keys)
                 if k != self.shards:
                     self._set_shards(k)
                 readers = self._result_readers()
@@ -204,7 +197,7 @@ class Producer(Submission):
                         await DROP_EMPTY(self._client, [key], [])
             except RETRYABLE:
                 pass
-        if self._client is not None and self._numbers.idle():
+        if self._client is not None and self._submission.numbers.idle():
             try:  # no call in flight: its records can go (else they expire: CALL_RECORD_TTL_MS)
                 async with self._deadline("removing the submit call records"):
                     if self.redis_settings.cluster:
@@ -286,7 +279,7 @@ class Producer(Submission):
             kw["prompt"] = prompt
         job = self.build_job(kw)
         await self.connect()
-        return (await self._submit_chunk([job]))[0]
+        return (await self._submission.submit_chunk([job]))[0]
 
     async def score(self, context: Sequence[int], continuation: Sequence[int], *, timeout: float | None = None, **fields: Any) -> Scores:
         """The logprob of each token of ``continuation`` after ``context`` (token ids) under
@@ -335,9 +328,7 @@ class Producer(Submission):
         enqueued, to submit again later; no job is in both, and none is lost).
         """
         await self.connect()
-        if self.redis_settings.cluster:
-            return await self._submit_many_chunks(specs)
-        return await self._submit_many_stream(specs)
+        return await self._submission.submit_many(specs)
 
     # -- queue settings and weights --------------------------------------------------------
     async def set_staleness_bound(self, max_lag: int | None, batch: int | None = None) -> None:
@@ -363,10 +354,10 @@ class Producer(Submission):
                     "(each shard's budget is a part of batch, at least 1 job)"
                 )
             else:
-                parts = split_budget(batch, self.shards)  # [batch] with one shard
+                parts = self._map.split(batch)  # [batch] with one shard
             async with self._deadline("setting the staleness bound"):
                 recorded = 0
-                for shard, part in zip(self._shards, parts):  # one slot per call
+                for shard, part in zip(self._map, parts):  # one slot per call
                     recorded = await SET_BOUND(self._client, [shard.config],
                                                [self.shards, "" if max_lag is None else max_lag, part])
                     if recorded:  # shard 0 refused: nothing was written
@@ -401,9 +392,9 @@ class Producer(Submission):
         entry = h._entry if h is not None else None
         if entry is not None:  # the job's shard is its stream's
             stream, eid, tracked = entry
-            shard = self._shard_of_stream(stream)
+            shard = self._map.of_key(stream)
         else:  # not queued by us (any more): mark it where a caller-chosen id goes
-            shard = self._shards[shard_of_id(job_id, self.shards)]
+            shard = self._map.of_id(job_id)
             stream, eid, tracked = shard.jobs, b"0-0", True
         async with self._deadline(f"cancelling job {job_id!r}"):
             # The hint goes out on the queue's control channel (shard 0's), for every shard.

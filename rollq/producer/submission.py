@@ -1,7 +1,9 @@
 """Submission: batches of jobs to SUBMIT calls of ``ProducerSettings.script_batch`` jobs
 each (one msgpack argument per call), streamed on one server, pipelined in chunks on a
 cluster; refusals of the staleness bound; :class:`~rollq.errors.SubmitInterrupted` and its
-``resume()``. The calls themselves are :mod:`rollq.producer.calls`'.
+``resume()``. A :class:`~rollq.producer.client.Producer` holds one :class:`Submission` and is
+its :class:`SubmitHost`. The calls are built and routed by :mod:`rollq.producer.routing`,
+numbered and resent by :mod:`rollq.producer.calls`.
 """
 
 from __future__ import annotations
@@ -9,17 +11,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import weakref
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol
 
 from redis.exceptions import NoScriptError
 
-from ..connection import RETRYABLE, SUBMIT
+from ..connection import RETRYABLE, SUBMIT, Client, deadline
 from ..errors import StalenessBound, SubmitInterrupted
-from ..protocol import Job, encode_job
-from ..shards import home_shard, shard_of_id
+from ..keys import QueueKeys
+from ..protocol import Job
+from ..settings import ProducerSettings, RedisSettings
 from ..weightsync.versions import heal_mirrors
-from .calls import CALL_RECORD_TTL_MS, Call, CallStream, GaveUp, Outage, pack_args
-from .handles import Entry, JobHandle
+from .calls import Call, CallNumbers, CallStream, GaveUp, Outage
+from .handles import Entry, JobHandle, Ledger
+from .routing import CallRouter
 
 #: Jobs in the first script call of a streamed submit_many (then doubling to script_batch).
 FIRST_CALL = 64
@@ -31,19 +35,75 @@ REFUSED_BOUND, REFUSED_COUNT, CHECKED = 1, 2, 3
 JobSpec = Mapping[str, Any]
 
 
-class Submission:
-    """The submission half of :class:`~rollq.producer.client.Producer`: ``submit_many``'s
-    streamed (one server) and chunked (cluster) paths, SUBMIT calls, resends, refusals of the
-    staleness bound, and :class:`~rollq.errors.SubmitInterrupted`.
+class SubmitHost(Protocol):
+    """What a :class:`Submission` asks of the producer it submits for: the connected client,
+    the jobs built from specs, and to follow the queue's shard count when a SUBMIT call finds
+    it changed (the producer routes its submission anew: ``router.set_shards``)."""
 
-    It works on the producer's ``settings``, ``redis_settings``, ``keys``, ``id``,
-    ``counters``, ``_client``, ``_ledger`` (room and handles), ``_numbers``
-    (:class:`~rollq.producer.calls.CallNumbers`), ``_calls_key`` and ``_ref``, and with K > 1
-    shards on ``shards`` (K), ``_shards`` (their keys), ``_calls_keys`` (the call record in
-    each), ``_rr`` (round robin) and ``_grown`` (the queue grew: check calls); it calls
-    ``build_jobs``, ``submit_many`` and ``_follow_shards`` (a SUBMIT call found the queue's
-    count changed).
+    _client: Client | None
+
+    def build_jobs(self, specs: Iterable[JobSpec | Job]) -> list[Job]: ...
+
+    async def _follow_shards(self, k: int) -> None: ...
+
+
+class Submission:
+    """The submission part of a :class:`~rollq.producer.client.Producer`: ``submit_many``'s
+    streamed (one server) and chunked (cluster) paths, resends, refusals of the staleness
+    bound, and :class:`~rollq.errors.SubmitInterrupted`; the calls themselves are its
+    ``router``'s (:class:`~rollq.producer.routing.CallRouter`), numbered by its ``numbers``.
+
+    It holds its producer weakly (``host``: a weak reference to a :class:`SubmitHost`), and
+    the producer's ledger of outstanding jobs and counters.
+
+    >>> import asyncio
+    >>> from rollq.producer.handles import Ledger
+    >>> from rollq.settings import ProducerSettings, RedisSettings
+    >>> settings, counters = ProducerSettings(), {"resends": 0}
+    >>> sub = Submission(lambda: None, "p1", QueueKeys("grpo"), settings, RedisSettings(),
+    ...                  counters, Ledger(settings, counters, lambda: None))
+    >>> asyncio.run(sub.submit_many([]))
+    Traceback (most recent call last):
+    ...
+    RuntimeError: the producer of this submission is gone
     """
+
+    def __init__(self, host: Callable[[], SubmitHost | None], producer_id: str, keys: QueueKeys,
+                 settings: ProducerSettings, redis_settings: RedisSettings, counters: dict[str, int],
+                 ledger: Ledger) -> None:
+        self._host = host
+        self.id = producer_id
+        self.keys = keys
+        self.settings = settings
+        self.redis_settings = redis_settings
+        self.counters = counters
+        #: Room for outstanding jobs and their handles (the producer's).
+        self.ledger = ledger
+        #: SUBMIT call numbers: Redis replays the reply of a number it has run.
+        self.numbers = CallNumbers()
+        #: The calls for built jobs, routed over the queue's shards (``router.set_shards``).
+        self.router = CallRouter(producer_id, keys, settings.script_batch, numbers=self.numbers, ledger=ledger)
+        self._ref = weakref.ref(self)
+
+    @property
+    def _producer(self) -> SubmitHost:
+        host = self._host()
+        if host is None:
+            raise RuntimeError("the producer of this submission is gone")
+        return host
+
+    @property
+    def _client(self) -> Any:
+        return self._producer._client
+
+    def _deadline(self, what: str) -> deadline:
+        return deadline(self.redis_settings.command_timeout, what)
+
+    async def submit_many(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
+        """:meth:`Producer.submit_many <rollq.producer.client.Producer.submit_many>` once connected."""
+        if self.redis_settings.cluster:
+            return await self._submit_many_chunks(specs)
+        return await self._submit_many_stream(specs)
 
     async def _submit_many_stream(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
         """One server: script calls written on one pooled connection as soon as they are
@@ -52,13 +112,13 @@ class Submission:
         window = max(1, self.settings.chunk_size // step)  # calls whose replies are not read yet
         size = min(step, FIRST_CALL)  # small first calls: Redis starts while the rest is built
         it = iter(specs)
-        ledger = self._ledger
+        ledger = self.ledger
         pool = self._client.connection_pool
         stream = CallStream(self, await pool.get_connection())
         try:
             while True:
                 try:
-                    jobs = self.build_jobs(itertools.islice(it, size))
+                    jobs = self._producer.build_jobs(itertools.islice(it, size))
                     if jobs:
                         if stream.inflight and ledger.outstanding + len(jobs) > self.settings.max_outstanding:
                             # Room comes back as results are consumed, which counts only for
@@ -76,7 +136,7 @@ class Submission:
                     break
                 size = min(2 * size, step)
                 try:
-                    calls = self._submit_calls(jobs)
+                    calls = self.router.calls(jobs)
                     packed = stream.pack(calls)
                 except BaseException:
                     ledger.release(len(jobs))
@@ -129,7 +189,7 @@ class Submission:
         handles: list[JobHandle] = []
         chunk = min(self.settings.script_batch, self.settings.chunk_size)
         it = iter(specs)
-        build = self.build_jobs
+        build = self._producer.build_jobs
         inflight: asyncio.Task | None = None
         batch: list[Job] = []
         try:
@@ -142,9 +202,9 @@ class Submission:
                     return handles
                 if len(batch) < chunk and not handles:  # the only chunk: no overlap to gain
                     only, batch = batch, []
-                    handles.extend(await self._submit_chunk(only))
+                    handles.extend(await self.submit_chunk(only))
                     return handles
-                inflight = asyncio.ensure_future(self._submit_chunk(batch))
+                inflight = asyncio.ensure_future(self.submit_chunk(batch))
                 batch = []
                 await asyncio.sleep(0)  # let it write its pipeline before we build the next chunk
                 chunk = min(2 * chunk, self.settings.chunk_size)
@@ -159,108 +219,13 @@ class Submission:
             if inflight is not None and not inflight.done():
                 await asyncio.shield(inflight)
 
-    def _submit_calls(self, jobs: list[Job]) -> list[Call]:
-        """SUBMIT calls for ``jobs``, each numbered, ``script_batch`` jobs per call and one
-        stream per call (the queue's, or a replica's for targeted jobs)."""
-        if self.shards > 1:
-            return self._sharded_calls(jobs)
-        step = self.settings.script_batch
-        number, rec, inc = self._numbers.number, self._calls_key, self._numbers.incarnation
-        if all(job.replica is None and not job.tracked for job in jobs):  # the common case
-            keys = [*self.keys.submit_keys(self.keys.jobs), rec]
-            payloads = list(map(encode_job, jobs))
-            calls = []
-            for i in range(0, len(jobs), step):
-                part = payloads[i : i + step]
-                args: list[Any] = [""] * (2 * len(part))  # '': a generated id, nothing to record
-                args[1::2] = part
-                call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS, 1, ""]
-                number(call_args)
-                calls.append((keys, call_args, range(i, i + len(part))))
-            return calls
-        by_stream: dict[str | None, list[int]] = {}
-        delivered = self._ledger.delivered
-        for i, job in enumerate(jobs):
-            pos = by_stream.get(job.replica)
-            if pos is None:
-                pos = by_stream[job.replica] = []
-            pos.append(i)
-            if job.tracked and delivered:  # a caller-chosen id may run again: its next result counts
-                delivered.discard(job.id)
-        calls: list[Call] = []
-        for replica, positions in by_stream.items():
-            keys = [*self.keys.submit_keys(self.keys.job_stream(replica)), rec]
-            self._add_calls(calls, keys, jobs, positions)
-        return calls
-
-    def _add_calls(self, calls: list[Call], keys: list[str], jobs: list[Job], positions: list[int], check: bool = False) -> None:
-        """Append the numbered SUBMIT calls of ``jobs[positions]`` (one stream: ``keys``),
-        ``script_batch`` jobs per call (check calls with ``check``: see :meth:`_sharded_calls`)."""
-        step, number, inc = self.settings.script_batch, self._numbers.number, self._numbers.incarnation
-        for i in range(0, len(positions), step):
-            part = positions[i : i + step]
-            args: list[Any] = []
-            for k in part:
-                job = jobs[k]
-                args.append(job.id if job.tracked else "")
-                args.append(encode_job(job))
-            # One msgpack argument per call, not two per job (see benchmarks/README.md).
-            call_args = [pack_args(args), self.id, inc, 0, 0, CALL_RECORD_TTL_MS, self.shards, "1" if check else ""]
-            number(call_args)
-            calls.append((keys, call_args, part))
-
-    def _sharded_calls(self, jobs: list[Job], check: bool = True) -> list[Call]:
-        """SUBMIT calls for ``jobs`` on a queue of K > 1 shards: each call holds the jobs of
-        one shard and one stream, and carries that shard's keys and this producer's call record
-        in that shard (call numbers stay one sequence per producer; a resent call meets its
-        own record). A caller-chosen id goes to ``shard_of_id``, a job targeted at a replica
-        to the replica's home shard (its stream is there), any other job round robin.
-
-        On a queue that grew from one shard (``_grown``, with ``check``), a caller-chosen id
-        whose shard is not 0 goes first in a check call to shard 0, where ids queued before
-        the growth are recorded (``lua/submit.lua``); :meth:`_finish_chunk` sends the ones not
-        recorded there to their shard."""
-        k = self.shards
-        check = check and self._grown
-        delivered = self._ledger.delivered
-        groups: dict[tuple[int, str | None, bool], list[int]] = {}
-        rr = self._rr
-        for i, job in enumerate(jobs):
-            if job.replica is not None:
-                shard = home_shard(job.replica, k)
-            elif job.tracked:
-                shard = shard_of_id(job.id, k)
-            else:
-                shard, rr = rr, rr + 1 if rr + 1 < k else 0
-            checked = check and job.tracked and shard != 0
-            key = (0 if checked else shard, job.replica, checked)
-            pos = groups.get(key)
-            if pos is None:
-                pos = groups[key] = []
-            pos.append(i)
-            if job.tracked and delivered:  # a caller-chosen id may run again: its next result counts
-                delivered.discard(job.id)
-        self._rr = rr
-        calls: list[Call] = []
-        for (shard, replica, checked), positions in groups.items():
-            sk = self._shards[shard]
-            keys = [*sk.submit_keys(sk.job_stream(replica)), self._calls_keys[shard]]
-            self._add_calls(calls, keys, jobs, positions, check=checked)
-        return calls
-
-    def _calls_for(self, jobs: list[Job], positions: list[int], check: bool = True) -> list[Call]:
-        """SUBMIT calls for ``jobs[positions]`` routed over the shards as they are now, with
-        positions in ``jobs``."""
-        sub = [jobs[k] for k in positions]
-        calls = self._sharded_calls(sub, check) if self.shards > 1 else self._submit_calls(sub)
-        return [(keys, args, [positions[i] for i in part]) for keys, args, part in calls]
-
-    async def _submit_chunk(self, jobs: list[Job]) -> list[JobHandle]:
-        await self._ledger.reserve(len(jobs))
+    async def submit_chunk(self, jobs: list[Job]) -> list[JobHandle]:
+        """Submit ``jobs`` (built) in one round of SUBMIT calls, after room for them."""
+        await self.ledger.reserve(len(jobs))
         try:
-            calls = self._submit_calls(jobs)
+            calls = self.router.calls(jobs)
         except BaseException:
-            self._ledger.release(len(jobs))
+            self.ledger.release(len(jobs))
             raise
         return await self._finish_chunk(jobs, calls, None)
 
@@ -270,7 +235,7 @@ class Submission:
         ``len(jobs)`` reserved places are released for jobs that are not sent.
 
         Raises SubmitInterrupted if Redis stays unreachable (see :meth:`_run_scripts`)."""
-        numbers, ledger = self._numbers, self._ledger
+        numbers, ledger = self.numbers, self.ledger
         if results is not None and len(pending) == 1 and not ledger.orphans:
             numbers.read(pending[0][1][3])
             skipped, was_refused, _, eids, _ = results[0]
@@ -307,12 +272,12 @@ class Submission:
                                 foreign[jid.decode()] = owner.decode()
                     if code == CHECKED:  # recorded in shard 0 since before the growth: duplicates
                         if not limit:
-                            self._grown = False  # none is left there
+                            self.router.grown = False  # none is left there
                         held = set(skipped)
                         read.extend(k for k in part if jobs[k].id.encode() in held)
                         forward = [k for k in part if jobs[k].id.encode() not in held]
                         if forward:
-                            again += self._calls_for(jobs, forward, check=False)
+                            again += self.router.calls_for(jobs, forward, check=False)
                         continue
                     read.extend(part)
                     stream = keys[0]
@@ -321,12 +286,12 @@ class Submission:
                             entries[k] = (stream, eid, jobs[k].tracked)
                 results = None
                 if recorded_count:
-                    await self._follow_shards(int(recorded_count))
-                    stale = [c for c in again if c[1][6] != self.shards]
-                    again = [c for c in again if c[1][6] == self.shards]
+                    await self._producer._follow_shards(int(recorded_count))
+                    stale = [c for c in again if c[1][6] != self.router.shards]
+                    again = [c for c in again if c[1][6] == self.router.shards]
                     for _, _, part in stale:
-                        again += self._calls_for(jobs, list(part))
-                if refused and not again and any(self._shard_of_stream(c[0][0]).shard_index for c in refused):
+                        again += self.router.calls_for(jobs, list(part))
+                if refused and not again and any(self.router.layout.of_key(c[0][0]).shard_index for c in refused):
                     # A shard's mirror of the version may lag the record (a publisher died
                     # between its commit and its mirror): heal it, and send again at once.
                     if await self._heal_mirrors():
@@ -369,7 +334,7 @@ class Submission:
         (held unread until then, so their records stay), then submits the rest."""
         doubt = [(jobs, calls) for jobs, calls in doubt if jobs]
         numbers = [args[3] for _, calls in doubt for _, args, _ in calls]
-        self._numbers.pin(numbers)
+        self.numbers.pin(numbers)
         resume = _Resume(self._ref, doubt, not_sent, remaining)
         err = SubmitInterrupted(
             message + "; jobs enqueued: {}, in doubt (sent, reply lost): {}, not sent: {}{}; "
@@ -383,7 +348,7 @@ class Submission:
         err._doubt = doubt
         # The records of the calls in doubt are kept until resume() reads them, or until the
         # error is gone (then nothing can resend them).
-        err._unpin = resume.unpin = weakref.finalize(err, self._numbers.unpin, numbers)
+        err._unpin = resume.unpin = weakref.finalize(err, self.numbers.unpin, numbers)
         return err
 
     async def _run_scripts(self, calls: list[Call]) -> list[Any]:
@@ -425,7 +390,7 @@ class Submission:
     async def _heal_mirrors(self) -> bool:
         """Mirror the committed version into the shards whose mirror lags it; whether one did."""
         async with self._deadline("healing the shards' mirrors of the policy version"):
-            return await heal_mirrors(self._client, self.keys, self.shards)
+            return await heal_mirrors(self._client, self.keys, self.router.shards)
 
     async def _wait_for_admission(self, n: int, limit: int, stream: str) -> None:
         """The staleness bound refused ``n`` jobs (the last refused call's ``limit``, in the
@@ -435,7 +400,7 @@ class Submission:
         the calls refused in one shard wait here while the other shards' are enqueued; the
         caller sends them again (new numbers) after the wait, until admitted."""
         if not self.settings.block_when_full:
-            where = "" if self.shards == 1 else f" of shard {self._shard_of_stream(stream).shard_index}/{self.shards}"
+            where = "" if self.router.shards == 1 else f" of shard {self.router.layout.of_key(stream).shard_index}/{self.router.shards}"
             raise StalenessBound(
                 f"admitting {n} more jobs would exceed the staleness bound ({limit} jobs{where} at the current "
                 "policy version; see Producer.set_staleness_bound); publish a newer version or wait"
@@ -445,7 +410,7 @@ class Submission:
 
 class _Resume:
     """:meth:`SubmitInterrupted.resume`: the calls in doubt again, under their numbers, then
-    the jobs not sent and the specs not read. Holds the producer weakly."""
+    the jobs not sent and the specs not read. Holds the submission weakly."""
 
     def __init__(self, ref: Any, doubt: list[tuple[list[Job], list[Call]]], not_sent: list[Job],
                  remaining: Iterator[Any] | None):
@@ -456,23 +421,23 @@ class _Resume:
         self.unpin: weakref.finalize | None = None
 
     async def __call__(self) -> list[JobHandle]:
-        producer = self.ref()
-        if producer is None:
+        sub = self.ref()
+        if sub is None or sub._host() is None:
             raise RuntimeError("cannot resume the submission: its producer is gone")
         self.unpin.detach()  # from here on, what is not read is held by the next error, if any
         out: list[JobHandle] = []
         for i, (jobs, calls) in enumerate(self.doubt):
-            await producer._ledger.reserve(len(jobs))
+            await sub.ledger.reserve(len(jobs))
             try:
-                out += await producer._finish_chunk(jobs, calls, None)
+                out += await sub._finish_chunk(jobs, calls, None)
             except SubmitInterrupted as e:
                 e._unpin.detach()
                 rest = [*e._doubt, *self.doubt[i + 1 :]]
-                raise producer._interrupted(str(e), out + e.enqueued, rest, self.not_sent, self.remaining) from e.__cause__
+                raise sub._interrupted(str(e), out + e.enqueued, rest, self.not_sent, self.remaining) from e.__cause__
         if self.not_sent or self.remaining is not None:
             rest_specs = itertools.chain(self.not_sent, self.remaining or ())
             try:
-                out += await producer.submit_many(rest_specs)
+                out += await sub.submit_many(rest_specs)
             except SubmitInterrupted as e:
                 e.enqueued[:0] = out
                 raise

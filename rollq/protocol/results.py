@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Iterator, Literal, Sequence
 
 import msgspec
 
+from ..errors import job_error
 from .arrays import unpack_f32, unpack_i32
 from .limits import SCHEMA_VERSION
 from .sampling import SamplingParams
@@ -288,3 +289,19 @@ def result_bound(*, id_bytes: int, n: int, max_tokens: int, logprobs: bool, prom
         + (_NIL if meta_bytes is None else meta_bytes)
         + (prompt_arr if prompt_ids else _NIL) + (prompt_arr if prompt_logprobs else _NIL)
     )
+
+
+def successful(results: Sequence[Result], skip_errors: bool = True) -> Iterator[tuple[int, Result]]:
+    """``(index, result)`` for each result without an error; a failed one is skipped, or with
+    ``skip_errors=False`` its error is raised (:func:`rollq.errors.job_error`).
+
+    >>> from rollq.protocol import ErrorInfo
+    >>> rs = [Result(id="a"), Result(id="b", error=ErrorInfo(type="InvalidJob", message="bad"))]
+    >>> [(i, r.id) for i, r in successful(rs)]
+    [(0, 'a')]
+    """
+    for i, r in enumerate(results):
+        if r.error is None:
+            yield i, r
+        elif not skip_errors:
+            raise job_error(r.error.type, r.error.message, r.id)

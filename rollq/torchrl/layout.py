@@ -27,8 +27,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..errors import InvalidJob
-from ..producer.batch import successful
 from ..protocol import Result
+from ..protocol.results import successful
 
 
 def results_to_llm_tensordict(

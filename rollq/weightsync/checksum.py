@@ -91,7 +91,7 @@ def state_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 def combine_checksums(named: Iterable[tuple[str, int]]) -> str:
     """:func:`state_checksum` from each tensor's :func:`tensor_checksum`, computed anywhere
-    (a sharded trainer's ranks each checksum some of the tensors).
+    (the ranks of a trainer with parameter shards each checksum some of the tensors).
 
     >>> import torch
     >>> t = torch.arange(6.0)

@@ -167,7 +167,7 @@ class MemmapStore:
         os.replace(tmp, d / COMMIT)
         return nbytes
 
-    # -- writes in parts (the ranks of a sharded trainer, rollq.weightsync.sharded) ---------
+    # -- writes in parts (the ranks of a trainer with parameter shards, param_shards.py) ----
     def open_slot(self, slot: str, manifest: list[TensorMeta]) -> bool:
         """Make ``slot`` (:meth:`slot_for` the version) ready for :meth:`write_part` (one
         process does this, before any part is written): its commit marker removed, and one

@@ -44,7 +44,7 @@ from ..replicas import heartbeating
 from ..settings import DEFAULT_QUEUE, RedisSettings
 from .base import Sender
 from .manifest import Manifest, check_state, decode_manifest, float_dtypes, read_manifest
-from . import sharded
+from . import param_shards as sharded  # parameter shards: the ranks of an FSDP2 trainer
 from .memmap import MemmapStore, SlotInfo, named_tensors
 from .sender import GroupBroken
 from .versions import (

@@ -262,9 +262,9 @@ class BroadcastSender:
         ``timings["missing"]`` counts the others. Raises :class:`GroupBroken` when the
         broadcast itself failed, :class:`~rollq.errors.WeightSyncError` when no worker acked.
 
-        ``items`` may instead be a streamed source described by ``manifest`` (a sharded
-        trainer's tensors, gathered bucket by bucket as they are read:
-        :class:`~rollq.weightsync.sharded.StreamedItems`); it is read in manifest order only."""
+        ``items`` may instead be a streamed source described by ``manifest`` (the
+        tensors of a trainer with parameter shards, gathered bucket by bucket as they are read:
+        :class:`~rollq.weightsync.param_shards.StreamedItems`); it is read in manifest order only."""
         why = await self.regroup_reason(client, keys)
         if why is not None:
             if self.pg is not None:

@@ -26,6 +26,7 @@ from rollq.keys import GROUP, QueueKeys
 from rollq.protocol import Result, decode_result, encode_job, job_from_spec
 from rollq.shards import SHARDS_FIELD, declare_shards, home_shard, shard_of_id
 from tests.helpers import bounded, pending_of, run_burst, until
+from tests.helpers.blocked import addrs_of, blocked_in
 
 K = 4
 PRODUCER = "p0"
@@ -166,7 +167,12 @@ async def test_a_shard_that_is_no_replicas_home_is_served(queue, make_consumer, 
     for c in cs:
         make_consumer.start(c)
     await until(lambda: all(c.state == "serving" for c in cs), 10, "the replicas to serve")
-    await asyncio.sleep(0.3)  # both are blocked on their home shards now
+
+    async def both_blocked() -> bool:
+        blocked = await blocked_in(redis_client, "xreadgroup")
+        return all(addrs_of(c._block_client) & blocked for c in cs)
+
+    await until(both_blocked, 10, "both replicas blocked on their home shards")
     jid = ids_in(3, K, 1, prefix="orphan-")[0]
     await put(redis_client, keys, jid, K)
 

@@ -74,10 +74,10 @@ async def test_swap_while_running_records_boundaries(redis_url, queue):
 
 
 def test_missing_requests_count_as_not_started_only_when_the_report_is_complete():
-    from rollq.consumer.loop import _mark_versions
+    from rollq.consumer.in_hand import mark_versions
 
     samples = [Sample(tokens=pack_i32([1] * 8)), Sample(tokens=pack_i32([1] * 8))]
-    _mark_versions(samples, 3, [(4, {0: 5}, True), (5, {}, True), (6, {0: 7}, False)])
+    mark_versions(samples, 3, [(4, {0: 5}, True), (5, {}, True), (6, {0: 7}, False)])
     assert samples[0].versions == [(3, 0), (4, 5), (5, 0), (6, 7)]
     assert samples[1].versions == [(3, 0), (4, 0), (5, 0), (6, UNKNOWN_START)]
     assert SwapProgress().complete is False
@@ -106,9 +106,11 @@ async def test_keep_update_mid_generation_marks_the_first_token_of_the_new_versi
             await p.set_update_policy("keep")
             v1 = (await pub.publish_weights(base)).version
             await until(lambda: consumer.version == v1, 60, "version 1 served")
+            made = consumer.engine.stats().generated_tokens
             h = await p.submit(prompt_token_ids=prompt, sampling={"max_tokens": 400, "ignore_eos": True, "n": 2, "logprobs": 0})
             await until(lambda: consumer.running_count() == 1, 30, "the job running")
-            await asyncio.sleep(0.3)  # some tokens on version 1
+            # some tokens of each sample on version 1 (the engine's step reports count them)
+            await until(lambda: consumer.engine.stats().generated_tokens >= made + 2 * 16, 30, "tokens made on version 1")
             v2 = (await pub.publish_weights(new)).version
             r = await h.result(timeout=120)
             assert r.policy_version == (v1, v2)

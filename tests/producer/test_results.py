@@ -50,6 +50,7 @@ async def test_after_a_long_run_of_cuts_the_reader_waits_no_longer_than_a_fracti
     from rollq.protocol import Result, encode_result
     from rollq.testing.chaos import CutProxy
     from tests.helpers import until
+    from tests.helpers.blocked import addrs_of_writers, blocked_in
 
     caplog.set_level(logging.WARNING, logger="rollq.producer.results")
     proxy = await CutProxy(redis_server.port).start()
@@ -59,10 +60,14 @@ async def test_after_a_long_run_of_cuts_the_reader_waits_no_longer_than_a_fracti
     reader = results_mod.ResultReader(client, [key], count=100, command_timeout=2.0, cluster=False,
                                       deliver=got.append, arrived=asyncio.Event())
     task = asyncio.create_task(reader.run())
+    admin = connect(redis_server.url)
+
+    async def xread_blocked() -> bool:  # through the proxy: its upstream end is the client
+        return bool(addrs_of_writers(up for _, up in proxy._pipes) & await blocked_in(admin, "xread"))
+
     try:
         for i in range(10):  # each cut ends a blocking read whose connection Redis accepted
-            await until(lambda: proxy._pipes, 30, f"the reader to connect again (cut {i})")
-            await asyncio.sleep(0.05)  # its XREAD sent
+            await until(xread_blocked, 30, f"the reader's XREAD blocked again (cut {i})")
             proxy.cut()
         await until(lambda: len(re.findall(r"retrying in", caplog.text)) >= 10, 30, "the last cut's failed read")
         waits = [float(m) for m in re.findall(r"retrying in ([0-9.]+)s", caplog.text)]
@@ -78,4 +83,5 @@ async def test_after_a_long_run_of_cuts_the_reader_waits_no_longer_than_a_fracti
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await client.aclose()
+        await admin.aclose()
         await proxy.stop()

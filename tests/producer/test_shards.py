@@ -257,14 +257,14 @@ async def test_cancel_a_queued_job_in_shard_3(queue, make_producer, redis_client
 # -- 5. a cluster: the chunked path, lost replies ------------------------------------------
 @pytest.mark.slow
 async def test_cluster_chunks_over_three_shards_with_lost_replies(redis_cluster, monkeypatch):
-    from rollq.producer import client as client_mod
+    from rollq.producer import submission as submission_mod
 
     k = 3
     queue = redis_cluster.queue_on(0)
     keys = QueueKeys(queue)
     p = Producer(redis_cluster.url, queue, settings=ProducerSettings(shards=k, script_batch=200, chunk_size=1000))
     c = connect(redis_cluster.url)
-    real = client_mod.Producer._run_scripts_now
+    real = submission_mod.Submission._run_scripts_now
     lost = []
 
     async def lose_replies(self, calls):
@@ -274,7 +274,7 @@ async def test_cluster_chunks_over_three_shards_with_lost_replies(redis_cluster,
             raise RedisConnectionError("reply lost")
         return out
 
-    monkeypatch.setattr(client_mod.Producer, "_run_scripts_now", lose_replies)
+    monkeypatch.setattr(submission_mod.Submission, "_run_scripts_now", lose_replies)
     try:
         await p.connect()
         handles = await bounded(p.submit_many([{"prompt": f"x{i}", "sampling": SAMPLING} for i in range(3000)]), 60, "3000 jobs")
@@ -304,7 +304,7 @@ async def test_submit_interrupted_and_resumed_over_shards(queue, redis_server, r
     p = Producer(rs, queue, settings=ProducerSettings(chunk_size=20, script_batch=5, shards=k))
     try:
         await p.connect()
-        real = p._read_replies
+        real = p._submission._read_replies
         reads = []
 
         async def read_then_go_dark(conn, calls, reran):
@@ -314,7 +314,7 @@ async def test_submit_interrupted_and_resumed_over_shards(queue, redis_server, r
                 proxy.cut()
             return await real(conn, calls, reran)
 
-        p._read_replies = read_then_go_dark
+        p._submission._read_replies = read_then_go_dark
         jobs = p.build_jobs([{"prompt_token_ids": [i + 1], "sampling": SAMPLING} for i in range(80)])
         with pytest.raises(SubmitInterrupted) as ei:
             await bounded(p.submit_many(jobs), 15, "the interrupted submission")
@@ -322,7 +322,7 @@ async def test_submit_interrupted_and_resumed_over_shards(queue, redis_server, r
         parts = [[h.id for h in err.enqueued], [j.id for j in err.in_doubt], [j.id for j in err.not_sent]]
         assert err.enqueued and err.in_doubt
         proxy.dark = False
-        del p._read_replies
+        del p._submission._read_replies
         more = await bounded(err.resume(), 10, "the resumed submission")
         assert sorted(parts[0] + [h.id for h in more]) == sorted(j.id for j in jobs)
         every = Counter(i for ids in await shard_ids(redis_client, keys, k) for i in ids)

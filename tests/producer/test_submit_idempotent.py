@@ -239,13 +239,13 @@ async def test_record_hash_is_bounded_and_deleted_on_close(queue, redis_url, red
 async def test_lost_reply_resend_is_idempotent(queue, redis_url, redis_client, monkeypatch, path):
     """submit() and the chunked (cluster) path: the reply of a call that ran is lost; the
     resend (same call numbers) returns it, nothing doubles."""
-    from rollq.producer import client as client_mod
+    from rollq.producer import submission as submission_mod
     from rollq.producer.client import Producer
 
     k = QueueKeys(queue)
     p = Producer(redis_url, queue, settings=ProducerSettings(chunk_size=10, script_batch=5))
     await p.connect()
-    real = client_mod.Producer._run_scripts_now
+    real = submission_mod.Submission._run_scripts_now
     lost = []
 
     async def lose_replies(self, calls):
@@ -255,13 +255,13 @@ async def test_lost_reply_resend_is_idempotent(queue, redis_url, redis_client, m
             raise RedisConnectionError("reply lost")
         return out
 
-    monkeypatch.setattr(client_mod.Producer, "_run_scripts_now", lose_replies)
+    monkeypatch.setattr(submission_mod.Submission, "_run_scripts_now", lose_replies)
     try:
         if path == "submit":
             handles = [await bounded(p.submit("x", sampling={"max_tokens": 1}), 10, "the resent submit")]
         else:
             specs = [{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}} for i in range(25)]
-            handles = await bounded(p._submit_many_chunks(specs), 10, "the resent chunks")
+            handles = await bounded(p._submission._submit_many_chunks(specs), 10, "the resent chunks")
         assert len(lost) == 2 and p.counters["resends"] == 2 and not any(h.duplicate for h in handles)
         entries = await redis_client.xrange(k.jobs)
         assert [decode_job(f[b"d"]).id for _, f in entries] == [h.id for h in handles]
@@ -281,7 +281,7 @@ async def test_submit_many_unreachable_raises_submit_interrupted(queue, proxy, r
     p = Producer(rs, queue, settings=ProducerSettings(chunk_size=20, script_batch=5))
     await p.connect()
     try:
-        real = p._read_replies
+        real = p._submission._read_replies
         reads = []
 
         async def read_then_go_dark(conn, calls, reran):
@@ -291,7 +291,7 @@ async def test_submit_many_unreachable_raises_submit_interrupted(queue, proxy, r
                 proxy.cut()
             return await real(conn, calls, reran)
 
-        p._read_replies = read_then_go_dark
+        p._submission._read_replies = read_then_go_dark
         jobs = p.build_jobs([{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}} for i in range(40)])
         t0 = time.monotonic()
         with pytest.raises(SubmitInterrupted, match="command_timeout") as ei:
@@ -304,7 +304,7 @@ async def test_submit_many_unreachable_raises_submit_interrupted(queue, proxy, r
         order = [j.id for j in (*[h for h in err.enqueued], *err.in_doubt, *err.not_sent)]
         assert order == [j.id for j in jobs[: len(order)]], "enqueued, in doubt, not sent, remaining: in order"
         proxy.dark = False
-        del p._read_replies
+        del p._submission._read_replies
         more = await bounded(err.resume(), 10, "the resumed submission")
         assert [h.id for h in more] == [j.id for j in jobs[len(err.enqueued) :]]
         ids = await _stream_ids(redis_client, k.jobs)

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 import rollq.producer.client as client_mod
+import rollq.producer.submission as submission_mod
 from redis.exceptions import ConnectionError as RedisConnectionError
 from rollq.consumer.engine import EchoEngine
 from rollq.errors import JobCancelled, JobExpired, JobRejected, QueueFull
@@ -112,13 +113,13 @@ async def test_submit_many_streams_script_calls(queue, make_producer, make_consu
     """One server: a call per script_batch jobs, written as soon as built, at most
     chunk_size // script_batch calls unanswered, replies read in order."""
     calls: list[int] = []
-    real_reply = client_mod.Producer._read_replies
+    real_reply = submission_mod.Submission._read_replies
 
     async def counting(self, conn, script_calls, reran):
         calls.append(sum(len(c[2]) for c in script_calls))
         return await real_reply(self, conn, script_calls, reran)
 
-    monkeypatch.setattr(client_mod.Producer, "_read_replies", counting)
+    monkeypatch.setattr(submission_mod.Submission, "_read_replies", counting)
     p = await make_producer(queue, chunk_size=21, script_batch=7)
     specs = [{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}, "meta": i} for i in range(50)]
     handles = await p.submit_many(specs)
@@ -131,16 +132,16 @@ async def test_submit_many_streams_script_calls(queue, make_producer, make_consu
 async def test_submit_many_chunks(queue, make_producer, make_consumer, redis_client, monkeypatch):
     """The chunked path (a cluster's): one pipelined round trip per chunk."""
     calls: list[int] = []
-    real = client_mod.Producer._run_scripts
+    real = submission_mod.Submission._run_scripts
 
     async def counting(self, script_calls):  # one pipeline = one round trip
         calls.append(sum(len(positions) for _, _, positions in script_calls))
         return await real(self, script_calls)
 
-    monkeypatch.setattr(client_mod.Producer, "_run_scripts", counting)
+    monkeypatch.setattr(submission_mod.Submission, "_run_scripts", counting)
     p = await make_producer(queue, chunk_size=7)
     specs = [{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}, "meta": i} for i in range(50)]
-    handles = await p._submit_many_chunks(specs)
+    handles = await p._submission._submit_many_chunks(specs)
     assert len(handles) == 50 and len({h.id for h in handles}) == 50
     assert calls == [7] * 7 + [1], "one round trip per chunk_size jobs"
     await _check_order_and_results(queue, p, handles, redis_client, make_consumer, 50)
@@ -160,7 +161,7 @@ async def test_submit_many_resends_after_a_failed_read(queue, make_producer, red
     """A read that fails after a reply was read: every call in flight is written again on a new
     connection (a call that ran replays its reply), the batch completes, nothing doubles."""
     p = await make_producer(queue, chunk_size=20, script_batch=5)
-    real_reply = client_mod.Producer._read_replies
+    real_reply = submission_mod.Submission._read_replies
     seen = []
 
     async def failing(self, conn, script_calls, reran):
@@ -169,7 +170,7 @@ async def test_submit_many_resends_after_a_failed_read(queue, make_producer, red
             raise RedisConnectionError("dropped")
         return await real_reply(self, conn, script_calls, reran)
 
-    monkeypatch.setattr(client_mod.Producer, "_read_replies", failing)
+    monkeypatch.setattr(submission_mod.Submission, "_read_replies", failing)
     handles = await p.submit_many([{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}} for i in range(40)])
     assert len(handles) == 40 and p.outstanding == 40 and p.counters["resends"] == 1
     assert await redis_client.xlen(QueueKeys(queue).jobs) == 40, "the resent calls replayed their replies"
@@ -185,7 +186,7 @@ async def test_submit_many_releases_room_when_redis_stays_unreachable(queue, red
 
     rs = dataclasses.replace(RedisSettings.from_url(redis_url), command_timeout=0.3)
     p = await client_mod.Producer(rs, queue, settings=ProducerSettings(chunk_size=20, script_batch=5)).connect()
-    real_reply = client_mod.Producer._read_replies
+    real_reply = submission_mod.Submission._read_replies
     seen = []
 
     async def failing(self, conn, script_calls, reran):
@@ -194,13 +195,13 @@ async def test_submit_many_releases_room_when_redis_stays_unreachable(queue, red
             raise RedisConnectionError("dropped")
         return await real_reply(self, conn, script_calls, reran)
 
-    monkeypatch.setattr(client_mod.Producer, "_read_replies", failing)
+    monkeypatch.setattr(submission_mod.Submission, "_read_replies", failing)
     try:
         with pytest.raises(SubmitInterrupted, match="command_timeout=0.3s") as ei:
             await p.submit_many([{"prompt_token_ids": [i + 1], "sampling": {"max_tokens": 1}} for i in range(40)])
         assert len(ei.value.enqueued) == 5 and p.outstanding == 5, "only the first call's jobs were acknowledged"
         assert ei.value.in_doubt
-        monkeypatch.setattr(client_mod.Producer, "_read_replies", real_reply)
+        monkeypatch.setattr(submission_mod.Submission, "_read_replies", real_reply)
         h = await p.submit_many([{"prompt_token_ids": [1], "sampling": {"max_tokens": 1}}])  # the pool is fine
         assert len(h) == 1 and p.outstanding == 6
     finally:

@@ -164,7 +164,7 @@ async def test_job_requiring_newer_version_waits_for_it(redis_url, queue, root):
     task = asyncio.create_task(consumer.run())
     async with Producer(redis_url, queue) as p:
         h = await p.submit("needs v2", min_version=2, sampling={"max_tokens": 2})
-        await asyncio.sleep(0.5)
+        await until(lambda: consumer.versions.waiting, 10, "the replica to hold the job for version 2")
         assert not h.done()  # the replica holds it: it is at version 1
         await pub.publish_weights(state(2.0))
         r = await h.result(timeout=10)

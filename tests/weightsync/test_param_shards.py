@@ -1,4 +1,4 @@
-"""Sharded trainers: bucketed gathering of DTensor state (2 gloo ranks, each holding half of each
+"""Parameter shards: bucketed gathering of DTensor state (2 gloo ranks, each holding half of each
 tensor), and publish_weights(group=...) from 2 FSDP2 ranks into memmap."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from rollq.errors import WeightSyncError
 from rollq.server import free_port as _free_port
-from rollq.weightsync.sharded import iter_full_buckets, plan_buckets
+from rollq.weightsync.param_shards import iter_full_buckets, plan_buckets
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def _publisher_worker(rank: int, world: int, port: int, url: str, queue: str, ro
 
     from torch.distributed.tensor import DTensor
 
-    from rollq.weightsync import WeightPublisher, sharded
+    from rollq.weightsync import WeightPublisher, param_shards
     from rollq.weightsync.memmap import MemmapStore
     from rollq.weightsync.versions import TensorMeta
 
@@ -145,7 +145,7 @@ def _publisher_worker(rank: int, world: int, port: int, url: str, queue: str, ro
         model = _fsdp_tiny_model(model_dir)
         state = model.state_dict()
         assert all(isinstance(t, DTensor) for t in state.values())
-        write_parts = sharded.write_parts
+        write_parts = param_shards.write_parts
         seen: list[_Allocations] = []
 
         def tracked(*args):  # the writer path, with every tensor it creates counted
@@ -153,7 +153,7 @@ def _publisher_worker(rank: int, world: int, port: int, url: str, queue: str, ro
                 seen.append(a)
                 return write_parts(*args)
 
-        sharded.write_parts = tracked
+        param_shards.write_parts = tracked
         open_slot = MemmapStore.open_slot
 
         def untracked_open_slot(self, *args):  # file-backed tensors: tensordict's own subclass
@@ -358,7 +358,7 @@ def _sgd_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> 
 
 
 def _rl_trainer(rank: int, world: int, port: int, url: str, queue: str, root: str, model_dir: str, out: str) -> None:
-    """A sharded trainer rank: step, publish through memmap; wait for the test; step, publish
+    """A rank of a trainer with parameter shards: step, publish through memmap; wait for the test; step, publish
     through the gloo broadcast."""
     import asyncio
     import pathlib

@@ -1,5 +1,6 @@
-"""Publishing from a sharded trainer (FSDP2 ``fully_shard`` / DTensor): every rank takes part,
-no rank holds the whole model.
+"""Parameter shards: publishing from a trainer whose parameters are split over its ranks
+(FSDP2 ``fully_shard`` / DTensor): every rank takes part, no rank holds the whole model.
+(A queue's shards, the streams one queue spreads over, are :mod:`rollq.shards`'.)
 
 Every rank of the trainer group calls
 :meth:`WeightPublisher.publish_weights(state, group=...) <rollq.weightsync.publisher.WeightPublisher.publish_weights>`
