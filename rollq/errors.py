@@ -194,6 +194,11 @@ class SubmitInterrupted(RollqError):
     in-doubt jobs any other way may enqueue them twice.
     """
 
+    #: Set by the submission that raised it, for :meth:`resume`: the in-doubt jobs with their
+    #: calls, and the finalizer that frees those calls' numbers once the error is dropped.
+    _doubt: list[Any]
+    _unpin: Any
+
     def __init__(self, message: str, *, enqueued: list, in_doubt: list, not_sent: list,
                  remaining: object = None, resume: Callable[[], Awaitable[list]] | None = None):
         super().__init__(message)

@@ -424,7 +424,8 @@ class _Resume:
         sub = self.ref()
         if sub is None or sub._host() is None:
             raise RuntimeError("cannot resume the submission: its producer is gone")
-        self.unpin.detach()  # from here on, what is not read is held by the next error, if any
+        if self.unpin is not None:
+            self.unpin.detach()  # from here on, what is not read is held by the next error, if any
         out: list[JobHandle] = []
         for i, (jobs, calls) in enumerate(self.doubt):
             await sub.ledger.reserve(len(jobs))
