@@ -202,6 +202,7 @@ class Load:
 async def engine_main(a: argparse.Namespace) -> None:
     from rollq import Consumer, ConsumerSettings, RedisServer
     from rollq.consumer.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync.follower import WeightFollower
 
     out: dict = {"phases": {}, "env": {}}
@@ -286,8 +287,8 @@ async def engine_main(a: argparse.Namespace) -> None:
     if trainer is not None:
         consumer = Consumer(engine, srv.url, queue, consumer_id="replica-0",
                             settings=ConsumerSettings(max_inflight=256, initial_inflight=256, adaptive=False, drain_timeout=2.0))
-        follower = WeightFollower(consumer, root=root, broadcast="sync" in phases, reconcile_interval=1.0, load_timeout=600,
-                                  memmap_chunks_in_flight=a.memmap_chunks)
+        follower = WeightFollower(consumer, WeightSyncSettings(root=root, broadcast="sync" in phases, reconcile_interval=1.0, load_timeout=600,
+                                  memmap_chunks_in_flight=a.memmap_chunks))
         await follower.start()
         ctask = asyncio.create_task(consumer.run())
         load = Load(srv.url, queue, 256)

@@ -159,23 +159,12 @@ def consumer_settings(a: argparse.Namespace) -> ConsumerSettings:
 
 
 async def _consume(a: argparse.Namespace) -> int:
-    from .consumer.loop import Consumer
+    from .consumer.replica import Replica
+    from .settings import WeightSyncSettings
 
-    engine = make_engine(a)
-    await engine.start()
-    consumer = Consumer(engine, a.url, a.queue, consumer_id=a.id, settings=consumer_settings(a))
-    sync = None
-    if a.weights_root or a.broadcast:
-        from .weightsync.follower import WeightFollower
-
-        sync = WeightFollower(consumer, root=a.weights_root, broadcast=a.broadcast, swap_overlap=a.swap_overlap)
-        await sync.start()
-    try:
-        return await consumer.run(burst=a.burst, install_signal_handlers=True)
-    finally:
-        if sync is not None:
-            await sync.stop()
-        await engine.stop()
+    weights = WeightSyncSettings(root=a.weights_root, broadcast=a.broadcast, swap_overlap=a.swap_overlap)
+    replica = Replica(make_engine(a), a.url, a.queue, consumer_id=a.id, settings=consumer_settings(a), weights=weights)
+    return await replica.run(burst=a.burst, install_signal_handlers=True)
 
 
 def cmd_consume(a: argparse.Namespace) -> int:

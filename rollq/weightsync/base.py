@@ -4,7 +4,7 @@
   drives for ``transport="nccl"`` (:class:`~rollq.weightsync.sender.BroadcastSender`);
 - replica side: a :class:`Receiver` is what :class:`~rollq.weightsync.follower.WeightFollower`
   asks which versions arrived while serving
-  (:class:`~rollq.weightsync.replica.ReplicaReceiver`), and :class:`Replica` is what weight
+  (:class:`~rollq.weightsync.replica.ReplicaReceiver`), and :class:`ReplicaSide` is what weight
   sync needs from the consumer it updates (:class:`rollq.Consumer` provides it);
 - worker side: :class:`~rollq.weightsync.receiver.ReceiveSink` (in
   :mod:`rollq.weightsync.receiver`) is what a broadcast receiver hands the bytes to.
@@ -53,7 +53,7 @@ class Receiver(Protocol):
         """Swap the held version in; the first worker's report."""
 
 
-class Replica(Protocol):
+class ReplicaSide(Protocol):
     """What weight sync needs from the consumer whose engine it updates."""
 
     id: str

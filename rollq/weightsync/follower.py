@@ -1,10 +1,10 @@
 """Replica side of weight sync: follow the durable version record and apply new versions.
 
 Runs in the consumer's process, on its event loop, and drives the consumer only through its
-weight-sync seam (:class:`~rollq.weightsync.base.Replica`) and its workers only through
+weight-sync seam (:class:`~rollq.weightsync.base.ReplicaSide`) and its workers only through
 ``engine.call_workers`` (:mod:`rollq.weightsync.worker_ext`).
 
->>> follower = WeightFollower(consumer, root="/dev/shm/rollq-weights")      # doctest: +SKIP
+>>> follower = WeightFollower(consumer, WeightSyncSettings(root="/dev/shm/rollq-weights"))  # doctest: +SKIP
 >>> await follower.start()      # loads the current version before the consumer pulls  # doctest: +SKIP
 
 Pub/sub ``version N`` messages only make it look sooner: the follower reconciles with the
@@ -59,7 +59,8 @@ from typing import Any
 from ..connection import RETRYABLE
 from ..errors import CorruptWeights, EngineDead, WeightMismatch, WeightSyncError, WeightSyncTimeout
 from ..protocol import Control
-from .base import Receiver, Replica
+from ..settings import WeightSyncSettings
+from .base import Receiver, ReplicaSide
 from .load_failures import LoadFailures
 from .manifest import Manifest, conversion, diff, encode_manifest, read_manifest
 from .overlap import OverlappedSwap
@@ -114,40 +115,21 @@ class _Staged:
 class WeightFollower:
     """Keeps one replica's engine at the newest committed policy version.
 
-    ``load_retries``: attempts after the first at a version whose load failed for a reason
-    other than corrupt or mismatched data, ``load_retry_delay`` seconds apart at first,
-    doubling (at most 60 s). ``swap_overlap`` and the ``overlap_*`` settings: see
-    :class:`~rollq.weightsync.overlap.OverlappedSwap` (:attr:`overlap`).
+    ``settings``: :class:`~rollq.settings.WeightSyncSettings` (a memmap ``root``, ``broadcast``,
+    timeouts, retries, ``swap_overlap``: see :class:`~rollq.weightsync.overlap.OverlappedSwap`,
+    :attr:`overlap`).
     """
 
-    def __init__(
-        self,
-        consumer: Replica,
-        *,
-        root: str | None = None,
-        reconcile_interval: float = 5.0,
-        load_timeout: float = 300.0,
-        drain_timeout: float = 120.0,
-        default_policy: str = "keep",
-        broadcast: bool = False,
-        memmap_chunks_in_flight: int = 3,
-        swap_overlap: bool = False,
-        overlap_lead_s: float = 0.035,
-        overlap_commit_timeout: float = 0.25,
-        overlap_programs: int = 0,
-        load_retries: int = 3,
-        load_retry_delay: float = 2.0,
-    ):
+    def __init__(self, consumer: ReplicaSide, settings: WeightSyncSettings | None = None):
+        s = self.settings = settings or WeightSyncSettings()
         self.consumer = consumer
         self.engine = consumer.engine
-        self.root = root
-        self.reconcile_interval = reconcile_interval
-        self.load_timeout = load_timeout
-        self.drain_timeout = drain_timeout
-        self.default_policy = default_policy
-        #: Memmap reads to the GPU: 256 MiB chunks queued at most this many at a time (0: all
-        #: at once, faster but it stalls generation; see rollq.weightsync.memmap.MemmapStore).
-        self.memmap_chunks_in_flight = memmap_chunks_in_flight
+        self.root = s.root
+        self.reconcile_interval = s.reconcile_interval
+        self.load_timeout = s.load_timeout
+        self.drain_timeout = s.drain_timeout
+        self.default_policy = s.default_policy
+        self.memmap_chunks_in_flight = s.memmap_chunks_in_flight
         #: Checkpoint manifest of the served model (None: the engine has no model folder).
         self.manifest: Manifest | None = None
         self.history: list[UpdateStats] = []
@@ -162,17 +144,17 @@ class WeightFollower:
         self._policy: str | None = None  # the queue's update policy as last read
         self._missed = 0  # a broadcast version this replica did not receive (it waits for the next)
         #: The last committed version this replica failed to load, and its retries.
-        self.load_failures = LoadFailures(consumer, load_retries, load_retry_delay)
+        self.load_failures = LoadFailures(consumer, s.load_retries, s.load_retry_delay)
         #: Broadcast receiver (rollq.weightsync.replica) whose workers stage versions while serving.
         self.receiver: Receiver | None = None
-        if broadcast:
+        if s.broadcast:
             from .replica import ReplicaReceiver
 
             self.receiver = ReplicaReceiver(consumer)
         #: Swaps of broadcast versions while they arrive (``keep`` policy, one worker).
         self.overlap = OverlappedSwap(
-            consumer, self._lock, set_version=self._set_version, applied=self._overlapped, enabled=swap_overlap,
-            lead_s=overlap_lead_s, commit_timeout=overlap_commit_timeout, programs=overlap_programs, load_timeout=load_timeout,
+            consumer, self._lock, set_version=self._set_version, applied=self._overlapped, enabled=s.swap_overlap,
+            lead_s=s.overlap_lead_s, commit_timeout=s.overlap_commit_timeout, programs=s.overlap_programs, load_timeout=s.load_timeout,
         )
 
     # -- lifecycle -------------------------------------------------------------------------

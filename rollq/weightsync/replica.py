@@ -23,7 +23,7 @@ import msgspec
 
 from ..errors import WeightSyncError, WeightSyncTimeout
 from ..protocol import Control
-from .base import Replica
+from .base import ReplicaSide
 from .versions import VersionRecord
 from .wire import GroupInfo, Listen, State, WorkerStatus, decode_ack, from_wire, member_entry
 
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 class ReplicaReceiver:
     """This replica's workers as ranks of the trainer's broadcast group."""
 
-    def __init__(self, consumer: Replica, poll_interval: float = 1.0):
+    def __init__(self, consumer: ReplicaSide, poll_interval: float = 1.0):
         self.consumer = consumer
         self.engine = consumer.engine
         self.keys = consumer.keys

@@ -28,6 +28,7 @@ import torch
 from rollq.consumer.loop import Consumer
 from rollq.settings import ConsumerSettings
 from rollq.testing.fake_workers import FakeWorkerEngine
+from rollq.settings import WeightSyncSettings
 from rollq.weightsync import WeightFollower
 
 
@@ -97,7 +98,7 @@ async def main(a: argparse.Namespace) -> int:
         write({"version": version, "lo": min(float(p.min()) for _, p in params), "hi": max(float(p.max()) for _, p in params)})
 
     consumer.set_version = set_and_report  # type: ignore[method-assign]
-    follower = WeightFollower(consumer, reconcile_interval=0.3, broadcast=True, load_timeout=120)
+    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.3, broadcast=True, load_timeout=120))
     await follower.start()
     write({"event": "serving"})
     try:

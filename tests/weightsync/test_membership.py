@@ -177,6 +177,7 @@ async def test_version_that_reached_some_workers_is_committed_for_them_and_the_o
     from rollq import Consumer
     from rollq.errors import WeightSyncError
     from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync import WeightFollower
 
     size = 32
@@ -185,7 +186,7 @@ async def test_version_that_reached_some_workers_is_committed_for_them_and_the_o
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
     engines = [FakeWorkerEngine(lambda: torch.nn.Sequential(torch.nn.Linear(size, size), torch.nn.Linear(size, 8))) for _ in range(2)]
     consumers = [Consumer(e, redis_url, queue, consumer_id=f"r{i}") for i, e in enumerate(engines)]
-    followers = [WeightFollower(c, root=root, reconcile_interval=0.3, broadcast=True) for c in consumers]
+    followers = [WeightFollower(c, WeightSyncSettings(root=root, reconcile_interval=0.3, broadcast=True)) for c in consumers]
 
     def fill_of(e: FakeWorkerEngine) -> set[float]:
         return {float(v) for p in e.workers[0].model_runner.model.named_parameters() for v in p[1].detach().flatten().unique()}
@@ -223,6 +224,7 @@ async def test_a_broadcast_that_lands_before_the_replica_has_seen_its_join_is_ap
     The version the workers acked is applied all the same, not taken for a missed broadcast."""
     from rollq import Consumer
     from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync import WeightFollower
 
     size = 32
@@ -236,7 +238,7 @@ async def test_a_broadcast_that_lands_before_the_replica_has_seen_its_join_is_ap
 
     engine.call_workers = slow_status  # type: ignore[method-assign]
     consumer = Consumer(engine, redis_url, queue, consumer_id="slow")
-    follower = WeightFollower(consumer, reconcile_interval=0.2, broadcast=True)
+    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.2, broadcast=True))
     sender = BroadcastSender(num_workers=1, backend="gloo", timeout=TIMEOUT, join_window=1.0)
     pub = WeightPublisher(redis_url, queue, sender=sender)
     try:

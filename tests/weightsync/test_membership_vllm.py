@@ -15,6 +15,7 @@ import torch
 
 from rollq import Consumer, Producer
 from rollq.testing.fake_workers import FakeWorkerEngine
+from rollq.settings import WeightSyncSettings
 from rollq.weightsync import WeightFollower, WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
 from tests.helpers import until
@@ -44,7 +45,7 @@ async def test_vllm_replica_started_mid_run_serves_only_after_the_next_broadcast
     # the session engine's workers remember the newest version they loaded (other tests' queues)
     v0 = max(await vllm_engine.call_workers("rollq_version"))
     fake = FakeWorkerEngine(lambda: Holder(base))
-    first = WeightFollower(Consumer(fake, redis_url, queue, consumer_id="fake"), reconcile_interval=0.3, broadcast=True)
+    first = WeightFollower(Consumer(fake, redis_url, queue, consumer_id="fake"), WeightSyncSettings(reconcile_interval=0.3, broadcast=True))
     await first.start()  # a member; it pulls no jobs (its consumer does not run)
     joining: asyncio.Task | None = None
     try:

@@ -302,13 +302,14 @@ def _broadcast_worker(rank: int, world: int, port: int, url: str, queue: str, ro
 async def test_fsdp2_ranks_broadcast_bucket_by_bucket_to_a_replica(tmp_path, redis_url, queue):
     from rollq import Consumer
     from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync import WeightFollower
     from tests.helpers import until
 
     root = str(tmp_path / "w")
     engine = FakeWorkerEngine(_small_model)
     consumer = Consumer(engine, redis_url, queue)
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.3, broadcast=True)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.3, broadcast=True))
     await follower.start()
     port = _free_port()
     try:

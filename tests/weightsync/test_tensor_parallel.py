@@ -98,10 +98,11 @@ async def _tp_of(client, queue: str, replica: str) -> bool:
 async def test_overlapped_swap_is_refused_on_a_tensor_parallel_replica(tp_engine, redis_url, queue, tmp_path):
     from rollq import Consumer
     from rollq.errors import WeightSyncError
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync import WeightFollower
 
     consumer = Consumer(tp_engine, redis_url, queue)
-    follower = WeightFollower(consumer, root=str(tmp_path / "w"), broadcast=True, swap_overlap=True)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path / "w"), broadcast=True, swap_overlap=True))
     with pytest.raises(WeightSyncError, match="swap_overlap needs a replica of one worker.*has 2"):
         await follower.start()
     await follower.stop()
