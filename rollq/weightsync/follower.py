@@ -57,28 +57,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..connection import RETRYABLE
-from ..errors import CorruptWeights, EngineDead, WeightMismatch, WeightSyncError, WeightSyncTimeout
+from ..errors import EngineDead, WeightMismatch, WeightSyncError, WeightSyncTimeout
 from ..protocol import Control
 from ..settings import WeightSyncSettings
 from .base import Receiver, ReplicaSide
 from .load_failures import LoadFailures
 from .manifest import Manifest, conversion, diff, encode_manifest, read_manifest
 from .overlap import OverlappedSwap
+from .transports import ReplicaTransport, Staged, replica_transport
+from .transports.broadcast import MissedBroadcast
+from .transports.memmap import MemmapReceive
 from .versions import TensorMeta, VersionRecord, decode_record
-from .wire import StageStatus, State, SwapReport, from_wire, to_wire
+from .wire import SwapReport, from_wire, to_wire
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("keep", "abort", "drain")
-
-
-class MissedBroadcast(WeightSyncError):
-    """The committed version was broadcast before this replica was in the group, and has no
-    memmap copy: the replica takes the next version instead (it is in the next group)."""
-
-    def __init__(self, version: int, group: str | None):
-        super().__init__(f"version {version} was broadcast over group {group} without this replica and has no memmap copy it can read")
-        self.version = version
 
 
 @dataclass
@@ -100,16 +94,6 @@ class UpdateStats:
     #: ``hinted_at`` (wall clock when the pub/sub announcement reached this follower; 0: the
     #: update was found by polling).
     timings: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class _Staged:
-    """A version this replica's workers hold, to swap in: received by broadcast, or staged
-    from memmap (``report``: the staging's timings and flags)."""
-
-    version: int
-    memmap: bool
-    report: dict[str, Any] = field(default_factory=dict)
 
 
 class WeightFollower:
@@ -151,6 +135,10 @@ class WeightFollower:
             from .replica import ReplicaReceiver
 
             self.receiver = ReplicaReceiver(consumer)
+        #: Replica sides of the transports, by record name (rollq.weightsync.transports.factory).
+        self._transports: dict[str, ReplicaTransport] = {}
+        #: Every transport's fallback: a record's memmap copy.
+        self.memmap = MemmapReceive(self.engine, s, self.receiver)
         #: Swaps of broadcast versions while they arrive (``keep`` policy, one worker).
         self.overlap = OverlappedSwap(
             consumer, self._lock, set_version=self._set_version, applied=self._overlapped, enabled=s.swap_overlap,
@@ -428,22 +416,26 @@ class WeightFollower:
         return self._updated(UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load,
                                          timings={"load_call_s": self._load_call_s}))
 
-    async def _staged(self, rec: VersionRecord, acks: list[Any] | None) -> _Staged | None:
-        """What this replica's workers hold of ``rec`` already (received while serving), or
-        have staged from memmap now; None: the swap loads it."""
-        if self.receiver is not None and rec.transport == "nccl":
-            version = await self.receiver.staged_for(rec, acks=acks)
-            if version is not None:
-                return _Staged(version, memmap=False)
-            if rec.memmap_slot is None:
-                # committed without this replica's workers (it joined late, or was left out)
-                raise MissedBroadcast(rec.version, rec.group)
-        if rec.memmap_slot is not None and self.root is not None:
-            # Read, copy and verify while still serving; the pause only swaps it in.
-            return await self._stage_memmap(rec)
-        return None
+    def transport(self, rec: VersionRecord) -> ReplicaTransport:
+        """The replica side of the transport ``rec`` was sent over
+        (:class:`~rollq.weightsync.transports.factory.UnknownTransport` for a name not registered)."""
+        t = self._transports.get(rec.transport)
+        if t is None:
+            t = self._transports[rec.transport] = replica_transport(rec.transport)(self.engine, self.settings, self.receiver)
+        return t
 
-    async def _swap(self, rec: VersionRecord, staged: _Staged | None, policy: str) -> dict[str, Any]:
+    async def _staged(self, rec: VersionRecord, acks: list[Any] | None) -> Staged | None:
+        """What this replica's workers hold of ``rec`` already (received while serving), or
+        have staged now (the record's memmap copy, when its own transport has nothing); None:
+        the swap loads it."""
+        transport = self.transport(rec)
+        staged = await transport.stage(rec, acks)
+        if staged is None and not isinstance(transport, MemmapReceive):
+            # Read, copy and verify while still serving; the pause only swaps it in.
+            staged = await self.memmap.stage(rec)
+        return staged
+
+    async def _swap(self, rec: VersionRecord, staged: Staged | None, policy: str) -> dict[str, Any]:
         """Load ``rec`` (intake is closed): after the running requests finished (``drain``),
         beside them (``keep``), or with the engine paused after aborting them (``abort``)."""
         abort = policy not in ("keep", "drain")
@@ -489,70 +481,15 @@ class WeightFollower:
         while self.consumer.running_count() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    async def _stage_memmap(self, rec: VersionRecord) -> _Staged | None:
-        """Have every worker stage ``rec`` in a thread of its own, polling until all did."""
-        started = await asyncio.wait_for(
-            self.engine.call_workers(
-                "rollq_stage_memmap", self.root, rec.memmap_slot, rec.version, rec.checksum, self.memmap_chunks_in_flight
-            ),
-            self.load_timeout,
-        )
-        if not started:  # an engine without weights (echo): nothing to stage
-            return None
-        deadline = time.monotonic() + self.load_timeout
-        delay = 0.005
-        while True:
-            raw = await self.engine.call_workers("rollq_staged_status")
-            states = [from_wire(s, StageStatus, "rollq_staged_status") for s in raw]
-            if all(s.state is State.STAGED and s.version == rec.version for s in states):
-                return _Staged(rec.version, memmap=True, report=states[0].report())
-            bad = [s for s in states if s.state is State.FAILED or s.version not in (0, rec.version)]
-            if bad:
-                msg = "; ".join(str(s.error or s) for s in bad)
-                if any(s.error is not None and s.error.corrupt for s in bad):
-                    raise CorruptWeights(f"version {rec.version} refused: {msg}")
-                raise WeightSyncError(f"staging version {rec.version} failed: {msg}")
-            if time.monotonic() > deadline:
-                raise WeightSyncTimeout(f"staging version {rec.version} took longer than {self.load_timeout}s (load_timeout)")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
-
-    async def _load(self, rec: VersionRecord, staged: _Staged | None) -> dict[str, Any]:
+    async def _load(self, rec: VersionRecord, staged: Staged | None) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
             return await self._load_now(rec, staged)
         finally:
             self._load_call_s = time.perf_counter() - t0
 
-    async def _load_now(self, rec: VersionRecord, staged: _Staged | None) -> dict[str, Any]:
+    async def _load_now(self, rec: VersionRecord, staged: Staged | None) -> dict[str, Any]:
         """The swap call: a staged version swapped in, else ``rec`` loaded from memmap now."""
-        if staged is not None and staged.memmap:
-            try:
-                res = await asyncio.wait_for(self.engine.call_workers("rollq_apply_staged", staged.version), self.load_timeout)
-            except asyncio.TimeoutError as e:
-                raise WeightSyncTimeout(f"swapping in version {rec.version} took longer than {self.load_timeout}s") from e
-            return dict(staged.report, **(res[0] if res else {}))
         if staged is not None:
-            assert self.receiver is not None
-            return await self.receiver.apply_staged(rec, staged.version, timeout=self.load_timeout)
-        if rec.memmap_slot is None:
-            raise WeightSyncError(
-                f"version {rec.version} was sent over {rec.transport} and this replica did not receive it; "
-                "no memmap copy is recorded yet"
-            )
-        if self.root is None:
-            raise WeightSyncError("version is in memmap storage but this replica has no weights root (--weights-root)")
-        try:
-            res = await asyncio.wait_for(
-                self.engine.call_workers("rollq_load_memmap", self.root, rec.memmap_slot, rec.version, rec.checksum),
-                self.load_timeout,
-            )
-        except asyncio.TimeoutError as e:
-            raise WeightSyncTimeout(
-                f"loading version {rec.version} from memmap took longer than {self.load_timeout}s (load_timeout)"
-            ) from e
-        for r in res:  # refused data comes back as a value, raised here as its own type
-            err = from_wire(r, SwapReport, "rollq_load_memmap").error
-            if err is not None:
-                raise err.exception(f"version {rec.version} refused: ")
-        return res[0] if res else {}
+            return await staged.transport.swap(rec, staged)
+        return await self.memmap.load(rec)

@@ -298,7 +298,7 @@ class BroadcastSender:
         pipe.delete(offer.ack_signal)
         await pipe.execute()
         return VersionRecord(
-            version=version, transport="nccl", checksum=checksum, num_tensors=len(items), nbytes=sum(m.nbytes for m in manifest),
+            version=version, transport=self.backend, checksum=checksum, num_tensors=len(items), nbytes=sum(m.nbytes for m in manifest),
             group=self.info.id, timings=dict(self.last_timings, replicas=float(len(acks)), missing=float(len(failed))),
         )
 

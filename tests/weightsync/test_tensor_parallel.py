@@ -74,7 +74,7 @@ async def test_tensor_parallel_replica_loads_every_shard_by_memmap_and_gloo(tp_e
 
                 v2 = perturbed(base, 2)
                 rec = await pub.publish_weights(v2, transport="nccl")  # gloo: both workers are ranks of the group
-                assert rec.transport == "nccl" and "nccl_failed" not in rec.timings, rec.timings
+                assert rec.transport == "gloo" and "nccl_failed" not in rec.timings, rec.timings
                 await until(lambda: consumer.version >= rec.version, 120, "the broadcast version to load")
                 mean, worst, n = await _agreement(p, model, v2, rec.version)
                 assert mean <= LOOSE.mean and worst <= LOOSE.max, (mean, worst)
