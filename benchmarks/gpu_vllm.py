@@ -540,7 +540,7 @@ def main() -> None:
     ap.add_argument("--sync-variants", default="direct",
                     help="comma list taking turns in the sync phase: direct (one broadcast per tensor, coalesced), "
                          "layout (BroadcastSender(shadow_layout=True): buckets in the receivers' flat shadow layout), "
-                         "overlap[:LEAD_MS[:PROGRAMS]] (layout, and WeightFollower(swap_overlap=True): swapped in part by part "
+                         "overlap[:LEAD_MS[:PROGRAMS]] (layout, and WeightSyncSettings(swap_overlap=True): swapped in part by part "
                          "while the last parts arrive, generation stopped from LEAD_MS before the receive's expected end; "
                          "PROGRAMS caps the exchange kernel's blocks)")
     ap.add_argument("--prompt-len", type=int, default=128)

@@ -77,7 +77,7 @@ def register(sub: Any) -> None:
     s.add_argument("--broadcast", action="store_true", help="also join the trainer's NCCL/gloo weight broadcasts")
     s.add_argument("--swap-overlap", action="store_true",
                    help="with --broadcast and the keep policy: swap a version in part by part while its last parts "
-                        "arrive (shorter end to end, longer pause; see WeightFollower(swap_overlap=True))")
+                        "arrive (shorter end to end, longer pause; see WeightSyncSettings(swap_overlap=True))")
     d = ConsumerSettings()  # the defaults below are the settings' own
     s.add_argument("--max-inflight", type=int, default=d.max_inflight, help="cap on running jobs (default: from the engine)")
     s.add_argument("--initial-inflight", type=int, default=d.initial_inflight)

@@ -356,8 +356,7 @@ class AsyncVLLM(RLvLLMEngine):
         c = self.config
         items = [(name, t.detach()) for name, t in weights]
         pub = self.publisher()
-        transport = "memmap" if c.transport == "memmap" else "nccl"
-        rec = self._run(pub.publish_weights(items, transport=transport))
+        rec = self._run(pub.publish_weights(items, transport=c.transport))
         log.info("published policy version %d of queue %r (%s)", rec.version, c.queue, rec.transport)
         if c.wait_for_replicas:
             self._run(pub.wait_for_replicas(rec.version, timeout=c.update_timeout))

@@ -2,7 +2,9 @@
 
 Runs in the consumer's process, on its event loop, and drives the consumer only through its
 weight-sync seam (:class:`~rollq.weightsync.base.ReplicaSide`) and its workers only through
-``engine.call_workers`` (:mod:`rollq.weightsync.worker_ext`).
+``engine.call_workers`` (:mod:`rollq.weightsync.worker_ext`). The record's transport name picks
+the replica side that stages a version (:mod:`rollq.weightsync.transports`); a record that
+also offers a memmap copy is loaded from it when that transport brought nothing here.
 
 >>> follower = WeightFollower(consumer, WeightSyncSettings(root="/dev/shm/rollq-weights"))  # doctest: +SKIP
 >>> await follower.start()      # loads the current version before the consumer pulls  # doctest: +SKIP

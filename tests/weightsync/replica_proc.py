@@ -4,7 +4,7 @@
 
 Runs :class:`~rollq.consumer.loop.Consumer` on a :class:`~rollq.testing.fake_workers.FakeWorkerEngine`
 (one in-process worker with the real rollq worker extension, so the real broadcast receiver,
-listener and swap) and a ``WeightFollower(broadcast=True)``, until SIGTERM. Appends one JSON
+listener and swap) and a ``WeightFollower`` with ``WeightSyncSettings(broadcast=True)``, until SIGTERM. Appends one JSON
 line to STATUS each time the served version changes (``version`` and the smallest and largest
 value of the worker's weights) and ``{"event": "serving"}`` when the consumer starts to pull.
 

@@ -113,7 +113,7 @@ async def test_nccl_versions_are_received_into_the_shadow_in_coalesced_groups(re
 
 @pytest.mark.parametrize("shadow_layout", [False, True])
 async def test_nccl_versions_swapped_in_part_by_part_while_they_arrive(redis_url, queue, shm_root, shadow_layout):
-    """WeightFollower(swap_overlap=True): each part's parameters are exchanged on the engine's
+    """WeightSyncSettings(swap_overlap=True): each part's parameters are exchanged on the engine's
     stream right after the part's CUDA event, then kept once the version is committed."""
     import asyncio
 
