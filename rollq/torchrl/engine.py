@@ -110,7 +110,7 @@ class AsyncVLLM(RLvLLMEngine):
     ):
         tok_path = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else None
         if transport in ("nccl", "gloo") and not broadcast_port:
-            from ..weightsync.transport import free_port
+            from ..weightsync.process_group import free_port
 
             broadcast_port = free_port(broadcast_host)  # vLLMUpdaterV2 asks for it before init
         self._init(EngineConfig(

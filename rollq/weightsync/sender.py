@@ -43,7 +43,7 @@ from ..protocol import Control, control_message
 from ..replicas import heartbeating
 from .checksum import state_checksum
 from .layout import Layout, flat_bytes, groups_of
-from .transport import Group, free_port, in_daemon_thread, make_group, wait_stream
+from .process_group import Group, free_port, in_daemon_thread, make_group, wait_stream
 from .versions import TensorMeta, VersionRecord
 from .wire import Ack, FlatLayout, GroupInfo, Mode, Offer, decode_ack, manifest_digest, member_workers
 
