@@ -48,10 +48,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def pause_receive_at(version: int, marker: str) -> None:
     """Make this process's receive of ``version`` stop for good after its second broadcast."""
-    from rollq.weightsync import receiver, transport
+    from rollq.weightsync import process_group, receiver
 
     seen = {"version": 0, "n": 0}
-    receive, broadcast = receiver.WorkerReceiver.receive, transport.Group.broadcast
+    receive, broadcast = receiver.WorkerReceiver.receive, process_group.Group.broadcast
 
     def counted_receive(self: Any, offer: Any) -> None:
         seen["version"], seen["n"] = offer.version, 0
@@ -66,7 +66,7 @@ def pause_receive_at(version: int, marker: str) -> None:
         return broadcast(self, buf, timeout, wait=wait)
 
     receiver.WorkerReceiver.receive = counted_receive
-    transport.Group.broadcast = paused_broadcast
+    process_group.Group.broadcast = paused_broadcast
 
 
 async def main(a: argparse.Namespace) -> int:
