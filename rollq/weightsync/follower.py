@@ -115,7 +115,6 @@ class WeightFollower:
         self.load_timeout = s.load_timeout
         self.drain_timeout = s.drain_timeout
         self.default_policy = s.default_policy
-        self.memmap_chunks_in_flight = s.memmap_chunks_in_flight
         #: Checkpoint manifest of the served model (None: the engine has no model folder).
         self.manifest: Manifest | None = None
         self.history: list[UpdateStats] = []
