@@ -126,9 +126,8 @@ async def worker_main(args: argparse.Namespace) -> dict:
     import logging
 
     from rollq.consumer.engine import EchoEngine
-    from rollq.consumer.loop import Consumer
-    from rollq.settings import ConsumerSettings
-    from rollq.weightsync.follower import WeightFollower
+    from rollq.consumer.replica import Replica
+    from rollq.settings import ConsumerSettings, WeightSyncSettings
 
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
     loop = asyncio.get_running_loop()
@@ -140,22 +139,19 @@ async def worker_main(args: argparse.Namespace) -> dict:
 
     threading.Thread(target=read_stdin, daemon=True).start()
     settings = ConsumerSettings(shards=shard_setting(args.shards))
-    consumers = [Consumer(EchoEngine(), args.url, args.queue, consumer_id=f"sim-{args.first + i:05d}", settings=settings)
-                 for i in range(args.count)]
-    tasks: list[asyncio.Task] = []
-    followers: list[WeightFollower] = []
+    # A follower each (no weights to load: echo engines), for its Redis traffic.
+    weights = WeightSyncSettings(reconcile_interval=args.reconcile_interval)
+    replicas = [Replica(EchoEngine(), args.url, args.queue, consumer_id=f"sim-{args.first + i:05d}", settings=settings,
+                        weights=weights) for i in range(args.count)]
+    consumers = [r.consumer for r in replicas]
     t0 = time.monotonic()
     # Start in waves so that 1,000 handshakes do not all queue up at once.
-    for w in range(0, len(consumers), args.wave):
-        wave = consumers[w:w + args.wave]
-        tasks += [asyncio.create_task(c.run()) for c in wave]
+    for w in range(0, len(replicas), args.wave):
+        wave = replicas[w:w + args.wave]
+        await asyncio.gather(*(r.start() for r in wave))
         deadline = time.monotonic() + 60
-        while any(c.state != "serving" for c in wave) and time.monotonic() < deadline and not stop.is_set():
+        while any(r.consumer.state != "serving" for r in wave) and time.monotonic() < deadline and not stop.is_set():
             await asyncio.sleep(0.05)
-        for c in wave:
-            f = WeightFollower(c, reconcile_interval=args.reconcile_interval)
-            await f.start()
-            followers.append(f)
     serving = sum(c.state == "serving" for c in consumers)
     _emit({"ready": serving, "count": len(consumers), "start_s": round(time.monotonic() - t0, 2), "pid": os.getpid()})
     try:
@@ -163,21 +159,16 @@ async def worker_main(args: argparse.Namespace) -> dict:
     except asyncio.TimeoutError:
         pass
     # Stop every replica at once (one by one, each await would wait behind all the others'
-    # loops on this starved event loop), then the followers, all bounded.
-    for c in consumers:
-        c.stop()
-    done, stuck = await asyncio.wait(tasks, timeout=60)
-    ends = [asyncio.ensure_future(f.stop()) for f in followers]
-    if ends:
-        await asyncio.wait(ends, timeout=30)
+    # loops on this starved event loop), each consumer bounded by 60 s.
+    in_time = await asyncio.gather(*(r.stop(timeout=60) for r in replicas))
     k = [c.counters for c in consumers]
     return {
-        "replicas": len(consumers), "serving_at_start": serving, "stuck_at_stop": len(stuck),
+        "replicas": len(consumers), "serving_at_start": serving, "stuck_at_stop": in_time.count(False),
         "pulled": sum(x.pulled for x in k), "completed": sum(x.completed for x in k),
         "failed": sum(x.failed for x in k), "reclaimed": sum(x.reclaimed for x in k),
         "completed_per_replica_max": max((x.completed for x in k), default=0),
         "replicas_with_jobs": sum(1 for x in k if x.completed),
-        "exit_codes": sorted({t.result() for t in done if not t.cancelled() and t.exception() is None}),
+        "exit_codes": sorted({c.exit_code for c, ok in zip(consumers, in_time) if ok}),
     }
 
 

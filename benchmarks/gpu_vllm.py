@@ -202,6 +202,7 @@ class Load:
 async def engine_main(a: argparse.Namespace) -> None:
     from rollq import Consumer, ConsumerSettings, RedisServer
     from rollq.consumer.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync.follower import WeightFollower
     from rollq.weightsync.worker_calls import WorkerCalls
 
@@ -287,8 +288,8 @@ async def engine_main(a: argparse.Namespace) -> None:
     if trainer is not None:
         consumer = Consumer(engine, srv.url, queue, consumer_id="replica-0",
                             settings=ConsumerSettings(max_inflight=256, initial_inflight=256, adaptive=False, drain_timeout=2.0))
-        follower = WeightFollower(consumer, root=root, broadcast="sync" in phases, reconcile_interval=1.0, load_timeout=600,
-                                  memmap_chunks_in_flight=a.memmap_chunks)
+        follower = WeightFollower(consumer, WeightSyncSettings(root=root, broadcast="sync" in phases, reconcile_interval=1.0, load_timeout=600,
+                                  memmap_chunks_in_flight=a.memmap_chunks))
         await follower.start()
         ctask = asyncio.create_task(consumer.run())
         load = Load(srv.url, queue, 256)
@@ -540,7 +541,7 @@ def main() -> None:
     ap.add_argument("--sync-variants", default="direct",
                     help="comma list taking turns in the sync phase: direct (one broadcast per tensor, coalesced), "
                          "layout (BroadcastSender(shadow_layout=True): buckets in the receivers' flat shadow layout), "
-                         "overlap[:LEAD_MS[:PROGRAMS]] (layout, and WeightFollower(swap_overlap=True): swapped in part by part "
+                         "overlap[:LEAD_MS[:PROGRAMS]] (layout, and WeightSyncSettings(swap_overlap=True): swapped in part by part "
                          "while the last parts arrive, generation stopped from LEAD_MS before the receive's expected end; "
                          "PROGRAMS caps the exchange kernel's blocks)")
     ap.add_argument("--prompt-len", type=int, default=128)

@@ -8,7 +8,7 @@ every result carries the policy version(s) that produced it.
 True
 """
 
-from .consumer import CapacityController, Consumer, EchoEngine, Engine, EngineOutput, EngineStats
+from .consumer import CapacityController, Consumer, EchoEngine, Engine, EngineOutput, EngineStats, Replica
 from .errors import (
     DeadLettered,
     EngineDead,
@@ -30,7 +30,7 @@ from .keys import QueueKeys
 from .producer import JobHandle, Producer, SyncJobHandle, SyncProducer
 from .protocol import Job, Message, Result, Sample, SamplingParams
 from .server import RedisServer
-from .settings import ConsumerSettings, ProducerSettings, RedisSettings
+from .settings import ConsumerSettings, ProducerSettings, RedisSettings, WeightSyncSettings
 
 __version__ = "0.1.0"
 
@@ -38,7 +38,7 @@ __all__ = [
     # producing
     "Producer", "SyncProducer", "JobHandle", "SyncJobHandle", "ProducerSettings",
     # consuming
-    "Consumer", "ConsumerSettings", "Engine", "EchoEngine", "EngineOutput", "EngineStats", "CapacityController",
+    "Consumer", "ConsumerSettings", "Replica", "WeightSyncSettings", "Engine", "EchoEngine", "EngineOutput", "EngineStats", "CapacityController",
     # wire types
     "Job", "Result", "Sample", "SamplingParams", "Message",
     # infrastructure

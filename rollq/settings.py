@@ -177,3 +177,50 @@ class ConsumerSettings:
     dlq_payload_bytes: int = 64 << 10
     #: Extra fields shown in the replica registry.
     labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightSyncSettings:
+    """How a replica follows policy versions (:class:`~rollq.weightsync.follower.WeightFollower`).
+
+    >>> WeightSyncSettings(root="/dev/shm/rollq-weights", broadcast=True).enabled
+    True
+    >>> WeightSyncSettings().enabled
+    False
+    """
+
+    #: The memmap store (the publisher's ``root``); None: versions arrive only by broadcast.
+    root: str | None = None
+    #: Join the trainer's broadcast group (``BroadcastSender``) and receive versions while serving.
+    broadcast: bool = False
+    #: Seconds between reads of the durable version record when no pub/sub hint arrives.
+    reconcile_interval: float = 5.0
+    #: Seconds a version may take to load (and, on start, to arrive when the committed one was missed).
+    load_timeout: float = 300.0
+    #: Seconds the ``drain`` policy waits for running requests before loading anyway.
+    drain_timeout: float = 120.0
+    #: Update policy when the queue's config names none (``keep``, ``abort``, ``drain``).
+    default_policy: str = "keep"
+    #: Memmap reads to the GPU: 256 MiB chunks queued at most this many at a time (0: all at
+    #: once, faster but it stalls generation; see :class:`~rollq.weightsync.memmap.MemmapStore`).
+    memmap_chunks_in_flight: int = 3
+    #: Swap broadcast versions in part by part while they arrive (``keep``, one worker;
+    #: :class:`~rollq.weightsync.overlap.OverlappedSwap`).
+    swap_overlap: bool = False
+    #: The overlapped swap starts this many seconds before the broadcast's estimated end (one
+    #: engine step plus the exchange of the weights).
+    overlap_lead_s: float = 0.035
+    #: Seconds the overlapped swap waits for the commit before undoing what it swapped in.
+    overlap_commit_timeout: float = 0.25
+    #: Swap programs the overlapped swap prepares (0: its default).
+    overlap_programs: int = 0
+    #: Attempts after the first at a version whose load failed for a reason other than
+    #: corrupt or mismatched data.
+    load_retries: int = 3
+    #: Seconds between those attempts at first, doubling (at most 60 s).
+    load_retry_delay: float = 2.0
+
+    @property
+    def enabled(self) -> bool:
+        """Whether there is anything to follow (a memmap root or a broadcast group)."""
+        return self.root is not None or self.broadcast

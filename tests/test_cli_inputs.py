@@ -78,10 +78,10 @@ async def test_wrong_password_fails_fast_everywhere(password_redis, queue, tmp_p
 def test_cli_log_lines_are_cut_and_not_highlighted():
     import logging
 
-    from rollq.cli import MAX_LOG_CHARS, _CutLongMessages
+    from rollq.cli.common import MAX_LOG_CHARS, CutLongMessages
 
     rec = logging.LogRecord("rollq", logging.WARNING, __file__, 1, "dead-lettered job %s", ("x" * 40_000,), None)
-    assert _CutLongMessages().filter(rec)
+    assert CutLongMessages().filter(rec)
     assert len(rec.getMessage()) < MAX_LOG_CHARS + 40 and rec.getMessage().endswith("(40018 characters)")
 
 

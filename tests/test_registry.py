@@ -82,7 +82,7 @@ async def test_status_without_queue_lists_a_producers_and_a_consumers_queue(fres
 
 
 async def test_status_parser_defaults_to_every_queue():
-    from rollq.cli import build_parser
+    from rollq.cli.main import build_parser
 
     p = build_parser()
     assert p.parse_args(["status"]).queue is None

@@ -177,10 +177,11 @@ async def serving_replica(
     """A consumer of ``queue`` on ``engine`` with its weight follower (memmap store ``root``,
     broadcasts too with ``broadcast``), serving until the block ends: ``(consumer, follower)``."""
     from rollq import Consumer, ConsumerSettings
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync import WeightFollower
 
     consumer = Consumer(engine, url, queue, consumer_id=consumer_id, settings=settings or ConsumerSettings(lease_ttl=5))
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.5, broadcast=broadcast)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.5, broadcast=broadcast))
     await follower.start()
     task = asyncio.create_task(consumer.run())
     try:

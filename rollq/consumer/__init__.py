@@ -3,5 +3,6 @@
 from .capacity import CapacityController
 from .engine import EchoEngine, Engine, EngineOutput, EngineStats
 from .loop import Consumer, ReplicaInfo
+from .replica import Replica
 
-__all__ = ["CapacityController", "Consumer", "EchoEngine", "Engine", "EngineOutput", "EngineStats", "ReplicaInfo"]
+__all__ = ["CapacityController", "Consumer", "EchoEngine", "Engine", "EngineOutput", "EngineStats", "Replica", "ReplicaInfo"]

@@ -26,7 +26,7 @@ Give each node a resource at ``ray start`` (``--resources='{"node_a": 1}'``; in 
 A replica restarted by :meth:`RayLauncher.check` asks for the same resources, so it comes
 back on the same node (or a node started in its place), waiting at most ``placement_timeout``.
 
-Weights: with ``weights=WeightsSpec(root=..., broadcast=...)`` every replica runs a
+Weights: with ``weights=WeightSyncSettings(root=..., broadcast=...)`` every replica runs a
 :class:`~rollq.weightsync.follower.WeightFollower` beside its consumer (as ``rollq consume
 --weights-root ... --broadcast`` does): ``root`` must be storage every replica's node sees
 at the same path (a shared filesystem; ``/dev/shm`` is per node).
@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..settings import ConsumerSettings
+from ..settings import ConsumerSettings, WeightSyncSettings
 
 log = logging.getLogger(__name__)
 
@@ -77,20 +77,6 @@ class EngineSpec:
 WORKER_EXTENSION = "rollq.weightsync.worker_ext.RollqWorkerExtension"
 
 
-@dataclass
-class WeightsSpec:
-    """How replicas follow policy versions (a :class:`~rollq.weightsync.follower.WeightFollower` each).
-
-    ``root``: the memmap store (the publisher's ``root``), at the same path on every node;
-    ``broadcast``: join the trainer's broadcast group (``BroadcastSender``);
-    ``reconcile_interval``: seconds between reads of the version record when no hint arrives.
-    """
-
-    root: str | None = None
-    broadcast: bool = False
-    reconcile_interval: float = 5.0
-
-
 class ReplicaActor:
     """Body of one replica actor (wrapped with ``ray.remote`` by the launcher)."""
 
@@ -103,7 +89,7 @@ class ReplicaActor:
         self.url, self.queue, self.replica_id = url, queue, replica_id
         self.spec = EngineSpec(**engine)
         self.settings = ConsumerSettings(**settings)
-        self.weights = WeightsSpec(**weights) if weights is not None else None
+        self.weights = WeightSyncSettings(**weights) if weights is not None else None
         self.consumer: Any = None
         self.engine: Any = None
         self.follower: Any = None
@@ -115,25 +101,14 @@ class ReplicaActor:
 
     async def run(self) -> int:
         """Build the engine, catch up with the committed weights (with ``weights``) and serve
-        until stopped. Returns the consumer's exit code."""
-        from .loop import Consumer
+        until stopped (:class:`~rollq.consumer.replica.Replica`). Returns the consumer's exit code."""
+        from .replica import Replica
 
-        self.engine = self.spec.build()
-        await self.engine.start()
-        consumer = Consumer(self.engine, self.url, self.queue, consumer_id=self.replica_id, settings=self.settings)
-        try:
-            if self.weights is not None:
-                from ..weightsync.follower import WeightFollower
-
-                w = self.weights
-                self.follower = WeightFollower(consumer, root=w.root, broadcast=w.broadcast, reconcile_interval=w.reconcile_interval)
-                await self.follower.start()
-            self.consumer = consumer
-            return await consumer.run()
-        finally:
-            if self.follower is not None:
-                await self.follower.stop()
-            await self.engine.stop()
+        replica = Replica(self.spec.build(), self.url, self.queue, consumer_id=self.replica_id, settings=self.settings,
+                          weights=self.weights)
+        self.engine, self.follower = replica.engine, replica.follower
+        self.consumer = replica.consumer
+        return await replica.run()
 
     async def ready(self) -> bool:
         while self.consumer is None or self.consumer.state == "starting":
@@ -180,7 +155,7 @@ class RayLauncher:
     """Starts, watches (restarts) and stops N replica actors.
 
     ``replica_resources``: custom resources per replica, to pin replicas to nodes (see the
-    module docstring); ``weights``: replicas follow policy versions (:class:`WeightsSpec`);
+    module docstring); ``weights``: replicas follow policy versions (:class:`~rollq.settings.WeightSyncSettings`);
     ``placement_timeout``: seconds to wait for a replica's placement group.
     """
 
@@ -198,7 +173,7 @@ class RayLauncher:
         max_restarts: int = 10,
         ray_init_kwargs: dict[str, Any] | None = None,
         replica_resources: Sequence[Mapping[str, float]] = (),
-        weights: WeightsSpec | None = None,
+        weights: WeightSyncSettings | None = None,
         placement_timeout: float = 600.0,
     ):
         self.url, self.queue, self.engine = url, queue, engine

@@ -5,7 +5,7 @@
 
 Without ``--queue`` both watch every queue in use (rollq/registry.py), a queue used later too.
 
-``rollq/cli.py`` calls ``register(sub)`` with its subparsers; ``python -m rollq.dashboard.cli``
+``rollq/cli/main.py`` calls ``register(sub)`` with its subparsers; ``python -m rollq.dashboard.cli``
 runs the two commands on their own. Heavy imports (starlette, uvicorn) happen only when a
 command runs.
 """

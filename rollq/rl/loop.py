@@ -268,7 +268,6 @@ async def run_loop(
     prompts = {b: task.prompt_ids(tokenizer, b) for b in range(task.buckets)}
     steps: list[StepRecord] = []
     jobs: list[tuple[str, float, float]] = []
-    publish_transport = "nccl" if config.transport == "broadcast" else "memmap"
     async with Producer(url, queue, producer_id=producer_id) as p:
         await p.set_update_policy("keep")
         # Versions reach the replicas only when published: without that nothing waits on one.
@@ -328,7 +327,7 @@ async def run_loop(
                         trainer.advance()
                     t2 = time.perf_counter()
                     if config.publish:
-                        await publisher.publish_weights(trainer.state_dict(), version=trainer.version, transport=publish_transport)
+                        await publisher.publish_weights(trainer.state_dict(), version=trainer.version, transport=config.transport)
                     rec.train_s, rec.publish_s = t2 - t1, time.perf_counter() - t2
                 rec.elapsed_s = time.perf_counter() - t_start
                 steps.append(rec)

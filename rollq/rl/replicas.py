@@ -18,7 +18,14 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..consumer.loop import Consumer
+from ..consumer.replica import Replica
+from ..settings import ConsumerSettings, WeightSyncSettings
+
+if TYPE_CHECKING:
+    from ..weightsync.follower import WeightFollower
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +71,8 @@ class Replicas:
         #: ``VllmEngineConfig.dtype`` of every replica ("auto": the checkpoint's own on GPU).
         self.dtype = dtype
         self.engines: list[Any] = []
-        self.consumers: list[Any] = []
-        self.followers: list[Any] = []
-        self._tasks: list[asyncio.Task] = []
+        #: One :class:`~rollq.consumer.replica.Replica` per engine while a queue is served.
+        self.replicas: list[Replica] = []
         #: Seconds the engines took to start.
         self.start_s = 0.0
 
@@ -112,36 +118,31 @@ class Replicas:
         """Serve ``queue`` (a consumer and a weight follower per engine), leaving the previous
         one. The engines keep the weights they hold; a follower loads the queue's committed
         version, if it has one, before its consumer pulls."""
-        from ..consumer.loop import Consumer
-        from ..settings import ConsumerSettings
-        from ..weightsync.follower import WeightFollower
-
         await self.detach()
         self.queue = queue
         if weights_root is not None:
             self.weights_root = weights_root
-        self.consumers = [
-            Consumer(e, self.url, queue, consumer_id=f"replica-{i}", settings=ConsumerSettings(lease_ttl=10.0))
-            for i, e in enumerate(self.engines)
-        ]
+        weights = None
         if self.kind == "vllm":
-            self.followers = [
-                WeightFollower(c, root=self.weights_root, reconcile_interval=self.reconcile_interval, broadcast=self.broadcast)
-                for c in self.consumers
-            ]
-            for f in self.followers:
-                await f.start()
-        self._tasks = [asyncio.create_task(c.run(), name=f"rollq-{c.id}") for c in self.consumers]
+            weights = WeightSyncSettings(root=self.weights_root, reconcile_interval=self.reconcile_interval, broadcast=self.broadcast)
+        for i, e in enumerate(self.engines):
+            replica = Replica(e, self.url, queue, consumer_id=f"replica-{i}", settings=ConsumerSettings(lease_ttl=10.0),
+                              weights=weights, own_engine=False)
+            await replica.start()
+            self.replicas.append(replica)
 
     async def detach(self) -> None:
         """Stop serving the current queue (consumers drain, followers stop); engines stay up."""
-        for c in self.consumers:
-            c.stop()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=30)
-        for f in self.followers:
-            await f.stop()
-        self._tasks, self.followers, self.consumers = [], [], []
+        replicas, self.replicas = self.replicas, []
+        await asyncio.gather(*(r.stop(timeout=30) for r in replicas))
+
+    @property
+    def consumers(self) -> list[Consumer]:
+        return [r.consumer for r in self.replicas]
+
+    @property
+    def followers(self) -> list[WeightFollower]:
+        return [r.follower for r in self.replicas if r.follower is not None]
 
     async def stop(self) -> None:
         await self.detach()

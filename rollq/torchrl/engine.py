@@ -110,7 +110,7 @@ class AsyncVLLM(RLvLLMEngine):
     ):
         tok_path = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else None
         if transport in ("nccl", "gloo") and not broadcast_port:
-            from ..weightsync.transport import free_port
+            from ..weightsync.process_group import free_port
 
             broadcast_port = free_port(broadcast_host)  # vLLMUpdaterV2 asks for it before init
         self._init(EngineConfig(
@@ -356,8 +356,7 @@ class AsyncVLLM(RLvLLMEngine):
         c = self.config
         items = [(name, t.detach()) for name, t in weights]
         pub = self.publisher()
-        transport = "memmap" if c.transport == "memmap" else "nccl"
-        rec = self._run(pub.publish_weights(items, transport=transport))
+        rec = self._run(pub.publish_weights(items, transport=c.transport))
         log.info("published policy version %d of queue %r (%s)", rec.version, c.queue, rec.transport)
         if c.wait_for_replicas:
             self._run(pub.wait_for_replicas(rec.version, timeout=c.update_timeout))

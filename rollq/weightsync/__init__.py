@@ -9,7 +9,8 @@ contracts between the parts: :mod:`.base`):
 - vLLM worker: :mod:`.worker_ext` (the RPC surface), :mod:`.worker_state`, :mod:`.receiver`,
   :mod:`.listener`, :mod:`.worker_swap`, :mod:`.worker_memmap`, :mod:`.worker_progress`,
   :mod:`.shadow`, :mod:`.swap_kernel`;
-- shared: :mod:`.transport`, :mod:`.layout` (the broadcast's plumbing; :mod:`.nccl` tells its
+- both sides of each transport, picked by name: :mod:`.transports` (memmap, broadcast);
+- shared: :mod:`.process_group`, :mod:`.layout` (the broadcast's plumbing; :mod:`.nccl` tells its
   protocol), :mod:`.memmap`, :mod:`.pinned`, :mod:`.checksum` (storage), :mod:`.manifest`,
   :mod:`.versions`.
 

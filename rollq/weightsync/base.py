@@ -4,7 +4,7 @@
   drives for ``transport="nccl"`` (:class:`~rollq.weightsync.sender.BroadcastSender`);
 - replica side: a :class:`Receiver` is what :class:`~rollq.weightsync.follower.WeightFollower`
   asks which versions arrived while serving
-  (:class:`~rollq.weightsync.replica.ReplicaReceiver`), :class:`Replica` is what weight
+  (:class:`~rollq.weightsync.replica.ReplicaReceiver`), :class:`ReplicaSide` is what weight
   sync needs from the consumer it updates (:class:`rollq.Consumer` provides it), and
   :class:`WorkerEngine` what it needs from that consumer's engine (every
   :class:`~rollq.consumer.engine.Engine` provides it); calls into the engine's workers go
@@ -82,7 +82,7 @@ class WorkerEngine(Protocol):
         """A swap report's progress (engine request ids) as the consumer's (its request ids)."""
 
 
-class Replica(Protocol):
+class ReplicaSide(Protocol):
     """What weight sync needs from the consumer whose engine it updates."""
 
     id: str

@@ -1,10 +1,13 @@
 """Replica side of weight sync: follow the durable version record and apply new versions.
 
 Runs in the consumer's process, on its event loop, and drives the consumer only through its
-weight-sync seam (:class:`~rollq.weightsync.base.Replica`) and its workers only through
-:class:`~rollq.weightsync.worker_calls.WorkerCalls` (:mod:`rollq.weightsync.worker_ext`).
+weight-sync seam (:class:`~rollq.weightsync.base.ReplicaSide`) and its workers only through
+the worker-call stub
+:class:`~rollq.weightsync.worker_calls.WorkerCalls` (:mod:`rollq.weightsync.worker_ext`). The record's transport name picks
+the replica side that stages a version (:mod:`rollq.weightsync.transports`); a record that
+also offers a memmap copy is loaded from it when that transport brought nothing here.
 
->>> follower = WeightFollower(consumer, root="/dev/shm/rollq-weights")      # doctest: +SKIP
+>>> follower = WeightFollower(consumer, WeightSyncSettings(root="/dev/shm/rollq-weights"))  # doctest: +SKIP
 >>> await follower.start()      # loads the current version before the consumer pulls  # doctest: +SKIP
 
 Pub/sub ``version N`` messages only make it look sooner: the follower reconciles with the
@@ -57,28 +60,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..connection import RETRYABLE
-from ..errors import CorruptWeights, EngineDead, WeightMismatch, WeightSyncError, WeightSyncTimeout
+from ..errors import EngineDead, WeightMismatch, WeightSyncError, WeightSyncTimeout
 from ..protocol import Control
-from .base import Receiver, Replica
+from ..settings import WeightSyncSettings
+from .base import Receiver, ReplicaSide
 from .load_failures import LoadFailures
 from .manifest import Manifest, conversion, diff, encode_manifest, read_manifest
 from .overlap import OverlappedSwap
+from .transports import ReplicaTransport, Staged, replica_transport
+from .transports.broadcast import MissedBroadcast
+from .transports.memmap import MemmapReceive
 from .versions import TensorMeta, VersionRecord, decode_record
-from .wire import State, SwapReport, to_wire
-from .worker_calls import WorkerCalls
+from .wire import SwapReport, to_wire
 
 log = logging.getLogger(__name__)
 
 POLICIES = ("keep", "abort", "drain")
-
-
-class MissedBroadcast(WeightSyncError):
-    """The committed version was broadcast before this replica was in the group, and has no
-    memmap copy: the replica takes the next version instead (it is in the next group)."""
-
-    def __init__(self, version: int, group: str | None):
-        super().__init__(f"version {version} was broadcast over group {group} without this replica and has no memmap copy it can read")
-        self.version = version
 
 
 @dataclass
@@ -102,54 +99,23 @@ class UpdateStats:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
-class _Staged:
-    """A version this replica's workers hold, to swap in: received by broadcast, or staged
-    from memmap (``report``: the staging's timings and flags)."""
-
-    version: int
-    memmap: bool
-    report: dict[str, Any] = field(default_factory=dict)
-
-
 class WeightFollower:
     """Keeps one replica's engine at the newest committed policy version.
 
-    ``load_retries``: attempts after the first at a version whose load failed for a reason
-    other than corrupt or mismatched data, ``load_retry_delay`` seconds apart at first,
-    doubling (at most 60 s). ``swap_overlap`` and the ``overlap_*`` settings: see
-    :class:`~rollq.weightsync.overlap.OverlappedSwap` (:attr:`overlap`).
+    ``settings``: :class:`~rollq.settings.WeightSyncSettings` (a memmap ``root``, ``broadcast``,
+    timeouts, retries, ``swap_overlap``: see :class:`~rollq.weightsync.overlap.OverlappedSwap`,
+    :attr:`overlap`).
     """
 
-    def __init__(
-        self,
-        consumer: Replica,
-        *,
-        root: str | None = None,
-        reconcile_interval: float = 5.0,
-        load_timeout: float = 300.0,
-        drain_timeout: float = 120.0,
-        default_policy: str = "keep",
-        broadcast: bool = False,
-        memmap_chunks_in_flight: int = 3,
-        swap_overlap: bool = False,
-        overlap_lead_s: float = 0.035,
-        overlap_commit_timeout: float = 0.25,
-        overlap_programs: int = 0,
-        load_retries: int = 3,
-        load_retry_delay: float = 2.0,
-    ):
+    def __init__(self, consumer: ReplicaSide, settings: WeightSyncSettings | None = None):
+        s = self.settings = settings or WeightSyncSettings()
         self.consumer = consumer
         self.engine = consumer.engine
-        self.workers = WorkerCalls(consumer.engine)
-        self.root = root
-        self.reconcile_interval = reconcile_interval
-        self.load_timeout = load_timeout
-        self.drain_timeout = drain_timeout
-        self.default_policy = default_policy
-        #: Memmap reads to the GPU: 256 MiB chunks queued at most this many at a time (0: all
-        #: at once, faster but it stalls generation; see rollq.weightsync.memmap.MemmapStore).
-        self.memmap_chunks_in_flight = memmap_chunks_in_flight
+        self.root = s.root
+        self.reconcile_interval = s.reconcile_interval
+        self.load_timeout = s.load_timeout
+        self.drain_timeout = s.drain_timeout
+        self.default_policy = s.default_policy
         #: Checkpoint manifest of the served model (None: the engine has no model folder).
         self.manifest: Manifest | None = None
         self.history: list[UpdateStats] = []
@@ -164,17 +130,21 @@ class WeightFollower:
         self._policy: str | None = None  # the queue's update policy as last read
         self._missed = 0  # a broadcast version this replica did not receive (it waits for the next)
         #: The last committed version this replica failed to load, and its retries.
-        self.load_failures = LoadFailures(consumer, load_retries, load_retry_delay)
+        self.load_failures = LoadFailures(consumer, s.load_retries, s.load_retry_delay)
         #: Broadcast receiver (rollq.weightsync.replica) whose workers stage versions while serving.
         self.receiver: Receiver | None = None
-        if broadcast:
+        if s.broadcast:
             from .replica import ReplicaReceiver
 
             self.receiver = ReplicaReceiver(consumer)
+        #: Replica sides of the transports, by record name (rollq.weightsync.transports.factory).
+        self._transports: dict[str, ReplicaTransport] = {}
+        #: Every transport's fallback: a record's memmap copy.
+        self.memmap = MemmapReceive(self.engine, s, self.receiver)
         #: Swaps of broadcast versions while they arrive (``keep`` policy, one worker).
         self.overlap = OverlappedSwap(
-            consumer, self._lock, set_version=self._set_version, applied=self._overlapped, enabled=swap_overlap,
-            lead_s=overlap_lead_s, commit_timeout=overlap_commit_timeout, programs=overlap_programs, load_timeout=load_timeout,
+            consumer, self._lock, set_version=self._set_version, applied=self._overlapped, enabled=s.swap_overlap,
+            lead_s=s.overlap_lead_s, commit_timeout=s.overlap_commit_timeout, programs=s.overlap_programs, load_timeout=s.load_timeout,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -450,22 +420,26 @@ class WeightFollower:
         return self._updated(UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load,
                                          timings={"load_call_s": self._load_call_s}))
 
-    async def _staged(self, rec: VersionRecord, acks: list[Any] | None) -> _Staged | None:
-        """What this replica's workers hold of ``rec`` already (received while serving), or
-        have staged from memmap now; None: the swap loads it."""
-        if self.receiver is not None and rec.transport == "nccl":
-            version = await self.receiver.staged_for(rec, acks=acks)
-            if version is not None:
-                return _Staged(version, memmap=False)
-            if rec.memmap_slot is None:
-                # committed without this replica's workers (it joined late, or was left out)
-                raise MissedBroadcast(rec.version, rec.group)
-        if rec.memmap_slot is not None and self.root is not None:
-            # Read, copy and verify while still serving; the pause only swaps it in.
-            return await self._stage_memmap(rec)
-        return None
+    def transport(self, rec: VersionRecord) -> ReplicaTransport:
+        """The replica side of the transport ``rec`` was sent over
+        (:class:`~rollq.weightsync.transports.factory.UnknownTransport` for a name not registered)."""
+        t = self._transports.get(rec.transport)
+        if t is None:
+            t = self._transports[rec.transport] = replica_transport(rec.transport)(self.engine, self.settings, self.receiver)
+        return t
 
-    async def _swap(self, rec: VersionRecord, staged: _Staged | None, policy: str) -> SwapReport:
+    async def _staged(self, rec: VersionRecord, acks: list[Any] | None) -> Staged | None:
+        """What this replica's workers hold of ``rec`` already (received while serving), or
+        have staged now (the record's memmap copy, when its own transport has nothing); None:
+        the swap loads it."""
+        transport = self.transport(rec)
+        staged = await transport.stage(rec, acks)
+        if staged is None and not isinstance(transport, MemmapReceive):
+            # Read, copy and verify while still serving; the pause only swaps it in.
+            staged = await self.memmap.stage(rec)
+        return staged
+
+    async def _swap(self, rec: VersionRecord, staged: Staged | None, policy: str) -> SwapReport:
         """Load ``rec`` (intake is closed): after the running requests finished (``drain``),
         beside them (``keep``), or with the engine paused after aborting them (``abort``)."""
         abort = policy not in ("keep", "drain")
@@ -510,68 +484,15 @@ class WeightFollower:
         while self.consumer.running_count() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
-    async def _stage_memmap(self, rec: VersionRecord) -> _Staged | None:
-        """Have every worker stage ``rec`` in a thread of its own, polling until all did."""
-        assert self.root is not None and rec.memmap_slot is not None  # _staged checked both
-        started = await asyncio.wait_for(
-            self.workers.stage_memmap(root=self.root, slot=rec.memmap_slot, version=rec.version, checksum=rec.checksum,
-                                      chunks_in_flight=self.memmap_chunks_in_flight),
-            self.load_timeout,
-        )
-        if not started:  # an engine without weights (echo): nothing to stage
-            return None
-        deadline = time.monotonic() + self.load_timeout
-        delay = 0.005
-        while True:
-            states = await self.workers.staged_status()
-            if all(s.state is State.STAGED and s.version == rec.version for s in states):
-                return _Staged(rec.version, memmap=True, report=states[0].report())
-            bad = [s for s in states if s.state is State.FAILED or s.version not in (0, rec.version)]
-            if bad:
-                msg = "; ".join(str(s.error or s) for s in bad)
-                if any(s.error is not None and s.error.corrupt for s in bad):
-                    raise CorruptWeights(f"version {rec.version} refused: {msg}")
-                raise WeightSyncError(f"staging version {rec.version} failed: {msg}")
-            if time.monotonic() > deadline:
-                raise WeightSyncTimeout(f"staging version {rec.version} took longer than {self.load_timeout}s (load_timeout)")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
-
-    async def _load(self, rec: VersionRecord, staged: _Staged | None) -> SwapReport:
+    async def _load(self, rec: VersionRecord, staged: Staged | None) -> SwapReport:
         t0 = time.perf_counter()
         try:
             return await self._load_now(rec, staged)
         finally:
             self._load_call_s = time.perf_counter() - t0
 
-    async def _load_now(self, rec: VersionRecord, staged: _Staged | None) -> SwapReport:
+    async def _load_now(self, rec: VersionRecord, staged: Staged | None) -> SwapReport:
         """The swap call: a staged version swapped in, else ``rec`` loaded from memmap now."""
-        if staged is not None and staged.memmap:
-            try:
-                res = await asyncio.wait_for(self.workers.apply_staged(version=staged.version), self.load_timeout)
-            except asyncio.TimeoutError as e:
-                raise WeightSyncTimeout(f"swapping in version {rec.version} took longer than {self.load_timeout}s") from e
-            return res[0] if res else SwapReport()
         if staged is not None:
-            assert self.receiver is not None
-            return await self.receiver.apply_staged(rec, staged.version, timeout=self.load_timeout)
-        if rec.memmap_slot is None:
-            raise WeightSyncError(
-                f"version {rec.version} was sent over {rec.transport} and this replica did not receive it; "
-                "no memmap copy is recorded yet"
-            )
-        if self.root is None:
-            raise WeightSyncError("version is in memmap storage but this replica has no weights root (--weights-root)")
-        try:
-            res = await asyncio.wait_for(
-                self.workers.load_memmap(root=self.root, slot=rec.memmap_slot, version=rec.version, checksum=rec.checksum),
-                self.load_timeout,
-            )
-        except asyncio.TimeoutError as e:
-            raise WeightSyncTimeout(
-                f"loading version {rec.version} from memmap took longer than {self.load_timeout}s (load_timeout)"
-            ) from e
-        for r in res:  # refused data comes back as a value, raised here as its own type
-            if r.error is not None:
-                raise r.error.exception(f"version {rec.version} refused: ")
-        return res[0] if res else SwapReport()
+            return await staged.transport.swap(rec, staged)
+        return await self.memmap.load(rec)

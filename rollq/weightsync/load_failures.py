@@ -18,7 +18,7 @@ from typing import Any
 
 from ..connection import RETRYABLE
 from ..errors import CorruptWeights, WeightMismatch
-from .base import Replica
+from .base import ReplicaSide
 from .versions import LoadError, report_load_error
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class Failure:
 class LoadFailures:
     """The last version ``consumer``'s replica failed to load (:attr:`current`)."""
 
-    def __init__(self, consumer: Replica, retries: int = 3, retry_delay: float = 2.0):
+    def __init__(self, consumer: ReplicaSide, retries: int = 3, retry_delay: float = 2.0):
         self.consumer = consumer
         self.retries = retries
         self.retry_delay = retry_delay

@@ -2,7 +2,7 @@
 
 The trainer is rank 0; every vLLM worker of every replica is a rank (tensor-parallel
 workers included). The group is a stateless process group over its own ``TCPStore``
-(:mod:`rollq.weightsync.transport`), so it never disturbs the trainer's own groups.
+(:mod:`rollq.weightsync.process_group`), so it never disturbs the trainer's own groups.
 
 Protocol of one update (one control message, never one RPC per tensor):
 
@@ -46,7 +46,7 @@ from .listener import OfferListener
 from .receiver import ReceiveProgress, WorkerReceiver
 from .replica import ReplicaReceiver
 from .sender import BroadcastSender
-from .transport import (
+from .process_group import (
     Group,
     free_port,
     in_daemon_thread,

@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from .base import Replica
+from .base import ReplicaSide
 from .wire import Swap, SwapReport, decode_ack
 from .worker_calls import WorkerCalls
 
@@ -43,7 +43,7 @@ class OverlappedSwap:
     START_TIMEOUT = 0.05
 
     def __init__(
-        self, consumer: Replica, lock: asyncio.Lock, *, set_version: Callable[[int, SwapReport], None],
+        self, consumer: ReplicaSide, lock: asyncio.Lock, *, set_version: Callable[[int, SwapReport], None],
         applied: Callable[[int, SwapReport, float, float], None], enabled: bool = False, lead_s: float = 0.035,
         commit_timeout: float = 0.25, programs: int = 0, load_timeout: float = 300.0,
     ):

@@ -18,13 +18,13 @@ next memmap slot, write its commit marker with the checksum, then record the ver
 Redis (durable), then announce it on pub/sub, then append it to the version log (the last
 three in one Lua script, refused unless the version is newer than the recorded one).
 
-With ``transport="nccl"`` the tensors are broadcast from this process (rank 0) to every
+With ``transport="nccl"`` (or ``"gloo"``, ``"broadcast"``: the sender's backend decides) the tensors are broadcast from this process (rank 0) to every
 replica worker of the group (:class:`~rollq.weightsync.sender.BroadcastSender`: the group
 follows the live replicas). A broadcast that breaks (a member died) is offered once more over
 a group formed anew without it; a version that reached only some workers is committed for
 those, with a memmap copy for the others when there is a store; on any other failure or
 timeout the group is dropped (formed again next time) and the same version is published
-through memmap instead.
+through memmap instead. The transports themselves live in :mod:`rollq.weightsync.transports`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from .base import Sender
 from .manifest import Manifest, check_state, decode_manifest, float_dtypes, read_manifest
 from . import param_shards as sharded  # parameter shards: the ranks of an FSDP2 trainer
 from .memmap import MemmapStore, SlotInfo, named_tensors
-from .sender import GroupBroken
+from .transports import trainer_transport
+from .transports.broadcast import BroadcastSend
 from .versions import (
     LoadError, TensorMeta, VersionRecord, commit_version, decode_record, encode_record, read_load_errors, read_version,
 )
@@ -134,16 +135,12 @@ class WeightPublisher:
         """
         if group is not None:
             return await self._publish_sharded(named_tensors(state), version, transport, group)
+        send = trainer_transport(transport)(self)  # UnknownTransport before anything is read or written
         client = await self._c()
         items = await self._checked(named_tensors(state))
         version = await self._next_version(version)
         t0 = time.perf_counter()
-        if transport == "nccl":
-            rec = await self._publish_nccl(version, items)
-        elif transport == "memmap":
-            rec = await self._publish_memmap(version, items)
-        else:
-            raise ValueError(f"unknown transport {transport!r} (memmap, nccl)")
+        rec = await send.send(version, items)
         rec.timings["total_s"] = time.perf_counter() - t0
         rec.dtypes = float_dtypes(items)
         if not await commit_version(client, self.keys, rec):
@@ -263,50 +260,12 @@ class WeightPublisher:
             raise StaleVersion(f"version {version} is not newer than the recorded version {current}")
         return version
 
-    async def _publish_memmap(self, version: int, items: list[tuple[str, torch.Tensor]], **extra: Any) -> VersionRecord:
-        if self.store is None:
-            raise WeightSyncError("memmap transport needs a root directory (WeightPublisher(root=...))")
-        info = await asyncio.to_thread(self.store.write, version, items)
-        return self._memmap_record(info, **extra)
-
     def _memmap_record(self, info: SlotInfo, **extra: Any) -> VersionRecord:
         return VersionRecord(
             version=info.version, transport="memmap", checksum=info.checksum, num_tensors=len(info.manifest),
             nbytes=info.nbytes, memmap_slot=info.slot, trainer=self.trainer_id,
             timings={"write_s": info.write_s, "checksum_s": info.checksum_s, "pinned": float(info.pinned)}, **extra,
         )
-
-    async def _publish_nccl(self, version: int, items: list[tuple[str, torch.Tensor]]) -> VersionRecord:
-        """Broadcast ``version``; a broken group is formed anew (without who broke it) and the
-        version offered once more; then, failing that, memmap for everyone. Workers that did
-        not ack a committed broadcast get a memmap copy in the same record (with a store)."""
-        if self.sender is None:
-            raise WeightSyncError("nccl transport needs a sender (WeightPublisher(sender=BroadcastSender(...)))")
-        rec: VersionRecord | None = None
-        for attempt in (1, 2):
-            try:
-                rec = await self.sender.send(version, items, await self._c(), self.keys)
-                break
-            except GroupBroken as e:
-                err: Exception = e
-                if attempt == 1:
-                    log.warning("%s; offering version %d again over a new group", e, version)
-            except Exception as e:
-                err = e
-                break
-        if rec is None:
-            log.warning("broadcast of version %d failed (%s: %s); falling back to memmap", version, type(err).__name__, err)
-            await self.sender.reset()
-            if self.store is None:
-                raise err
-            rec = await self._publish_memmap(version, items)
-            rec.timings["nccl_failed"] = 1.0
-            return rec
-        rec.trainer = self.trainer_id
-        if rec.timings.get("missing") and self.store is not None:
-            info = await asyncio.to_thread(self.store.write, version, items)
-            rec.memmap_slot, rec.checksum = info.slot, info.checksum
-        return rec
 
     # -- a sharded trainer: every rank of ``group`` calls publish_weights ---------------------
     async def _publish_sharded(self, items: list[tuple[str, torch.Tensor]], version: int | None, transport: str, group: Any) -> VersionRecord:
@@ -373,13 +332,12 @@ class WeightPublisher:
 
     async def _sharded_plan(self, items: list[tuple[str, torch.Tensor]], version: int | None, transport: str) -> _Plan:
         """Rank 0: what every rank sends, in which order and under which names, as which version."""
-        if transport not in ("memmap", "nccl"):
-            raise ValueError(f"unknown transport {transport!r} (memmap, nccl)")
-        if transport == "memmap" and self.store is None:
+        broadcast = trainer_transport(transport) is BroadcastSend  # UnknownTransport for an unknown name
+        if not broadcast and self.store is None:
             raise WeightSyncError("memmap transport needs a root directory (WeightPublisher(root=...))")
-        if transport == "nccl":
+        if broadcast:
             if self.sender is None:
-                raise WeightSyncError("nccl transport needs a sender on rank 0 (WeightPublisher(sender=BroadcastSender(...)))")
+                raise WeightSyncError("the broadcast needs a sender on rank 0 (WeightPublisher(sender=BroadcastSender(...)))")
             if getattr(self.sender, "verify", False):
                 raise WeightSyncError("a sharded trainer's broadcast cannot be verified (BroadcastSender(verify=True)): "
                                       "the checksum would need the whole state first; use verify=False")
@@ -388,8 +346,8 @@ class WeightPublisher:
         checked = await self._checked(stand_ins)
         version = await self._next_version(version)
         return _Plan(
-            version=version, transport=transport, names=[n for n, _ in checked], sources=[at[id(t)] for _, t in checked],
-            bucket_bytes=int(getattr(self.sender, "bucket_bytes", 0)) if transport == "nccl" else 0,
+            version=version, transport="broadcast" if broadcast else "memmap", names=[n for n, _ in checked], sources=[at[id(t)] for _, t in checked],
+            bucket_bytes=int(getattr(self.sender, "bucket_bytes", 0)) if broadcast else 0,
             slot=self.store.slot_for(version) if self.store is not None else "",
         )
 

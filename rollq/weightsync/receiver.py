@@ -38,7 +38,7 @@ from ..errors import WeightSyncError
 from ..protocol import Control, parse_control
 from .checksum import state_checksum
 from .layout import Layout, groups_of, typed_views
-from .transport import Group, make_group, responsive_gil, wait_stream
+from .process_group import Group, make_group, responsive_gil, wait_stream
 from .versions import TensorMeta
 from .wire import (
     FlatLayout,

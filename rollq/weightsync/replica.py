@@ -23,7 +23,7 @@ import msgspec
 
 from ..errors import WeightSyncError, WeightSyncTimeout
 from ..protocol import Control
-from .base import Replica
+from .base import ReplicaSide
 from .versions import VersionRecord
 from .wire import GroupInfo, Listen, State, SwapReport, decode_ack, member_entry
 from .worker_calls import WorkerCalls
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class ReplicaReceiver:
     """This replica's workers as ranks of the trainer's broadcast group."""
 
-    def __init__(self, consumer: Replica, poll_interval: float = 1.0):
+    def __init__(self, consumer: ReplicaSide, poll_interval: float = 1.0):
         self.consumer = consumer
         self.engine = consumer.engine
         self.workers = WorkerCalls(consumer.engine)

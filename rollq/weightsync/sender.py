@@ -43,7 +43,7 @@ from ..protocol import Control, control_message
 from ..replicas import heartbeating
 from .checksum import state_checksum
 from .layout import Layout, flat_bytes, groups_of
-from .transport import Group, free_port, in_daemon_thread, make_group, wait_stream
+from .process_group import Group, free_port, in_daemon_thread, make_group, wait_stream
 from .versions import TensorMeta, VersionRecord
 from .wire import Ack, FlatLayout, GroupInfo, Mode, Offer, decode_ack, manifest_digest, member_workers
 
@@ -298,7 +298,7 @@ class BroadcastSender:
         pipe.delete(offer.ack_signal)
         await pipe.execute()
         return VersionRecord(
-            version=version, transport="nccl", checksum=checksum, num_tensors=len(items), nbytes=sum(m.nbytes for m in manifest),
+            version=version, transport=self.backend, checksum=checksum, num_tensors=len(items), nbytes=sum(m.nbytes for m in manifest),
             group=self.info.id, timings=dict(self.last_timings, replicas=float(len(acks)), missing=float(len(failed))),
         )
 

@@ -19,7 +19,7 @@ import torch
 from ..errors import CorruptWeights, WeightSyncError
 from .checksum import state_checksum
 from .memmap import MemmapStore, manifest_of
-from .transport import responsive_gil
+from .process_group import responsive_gil
 from .wire import StageStatus, State, SwapReport, WorkerError
 
 if TYPE_CHECKING:

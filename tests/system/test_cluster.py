@@ -456,6 +456,7 @@ async def test_memmap_weight_publish_and_follow_through_the_cluster(redis_cluste
     torch = pytest.importorskip("torch")
     from rollq.producer.client import Producer
     from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync import WeightFollower, WeightPublisher
 
     def model():
@@ -466,7 +467,7 @@ async def test_memmap_weight_publish_and_follow_through_the_cluster(redis_cluste
     root = str(tmp_path / "w")
     engine = FakeWorkerEngine(model)
     c = make_consumer(q, engine=engine, consumer_id="mm-a")
-    follower = WeightFollower(c, root=root, reconcile_interval=0.3)
+    follower = WeightFollower(c, WeightSyncSettings(root=root, reconcile_interval=0.3))
     await follower.start()
     make_consumer.start(c)
     try:
@@ -491,6 +492,7 @@ async def test_gloo_broadcast_acks_through_the_cluster(redis_cluster, tmp_path):
     torch = pytest.importorskip("torch")
     from rollq.consumer.loop import Consumer
     from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync import WeightFollower, WeightPublisher
     from rollq.weightsync.nccl import BroadcastSender
 
@@ -505,7 +507,7 @@ async def test_gloo_broadcast_acks_through_the_cluster(redis_cluster, tmp_path):
     pub = WeightPublisher(redis_cluster.url, q, root=root, sender=sender)
     engine = FakeWorkerEngine(model)
     consumer = Consumer(engine, redis_cluster.url, q)
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.3, broadcast=True)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.3, broadcast=True))
     await follower.start()
     try:
         rec = await asyncio.wait_for(pub.publish_weights({"weight": torch.full((2, 4), 5.0), "bias": torch.ones(2)}, transport="nccl"), 120)

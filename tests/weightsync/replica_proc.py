@@ -4,7 +4,7 @@
 
 Runs :class:`~rollq.consumer.loop.Consumer` on a :class:`~rollq.testing.fake_workers.FakeWorkerEngine`
 (one in-process worker with the real rollq worker extension, so the real broadcast receiver,
-listener and swap) and a ``WeightFollower(broadcast=True)``, until SIGTERM. Appends one JSON
+listener and swap) and a ``WeightFollower`` with ``WeightSyncSettings(broadcast=True)``, until SIGTERM. Appends one JSON
 line to STATUS each time the served version changes (``version`` and the smallest and largest
 value of the worker's weights) and ``{"event": "serving"}`` when the consumer starts to pull.
 
@@ -28,6 +28,7 @@ import torch
 from rollq.consumer.loop import Consumer
 from rollq.settings import ConsumerSettings
 from rollq.testing.fake_workers import FakeWorkerEngine
+from rollq.settings import WeightSyncSettings
 from rollq.weightsync import WeightFollower
 
 
@@ -47,10 +48,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def pause_receive_at(version: int, marker: str) -> None:
     """Make this process's receive of ``version`` stop for good after its second broadcast."""
-    from rollq.weightsync import receiver, transport
+    from rollq.weightsync import process_group, receiver
 
     seen = {"version": 0, "n": 0}
-    receive, broadcast = receiver.WorkerReceiver.receive, transport.Group.broadcast
+    receive, broadcast = receiver.WorkerReceiver.receive, process_group.Group.broadcast
 
     def counted_receive(self: Any, offer: Any) -> None:
         seen["version"], seen["n"] = offer.version, 0
@@ -65,7 +66,7 @@ def pause_receive_at(version: int, marker: str) -> None:
         return broadcast(self, buf, timeout, wait=wait)
 
     receiver.WorkerReceiver.receive = counted_receive
-    transport.Group.broadcast = paused_broadcast
+    process_group.Group.broadcast = paused_broadcast
 
 
 async def main(a: argparse.Namespace) -> int:
@@ -97,7 +98,7 @@ async def main(a: argparse.Namespace) -> int:
         write({"version": version, "lo": min(float(p.min()) for _, p in params), "hi": max(float(p.max()) for _, p in params)})
 
     consumer.set_version = set_and_report  # type: ignore[method-assign]
-    follower = WeightFollower(consumer, reconcile_interval=0.3, broadcast=True, load_timeout=120)
+    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.3, broadcast=True, load_timeout=120))
     await follower.start()
     write({"event": "serving"})
     try:

@@ -18,6 +18,7 @@ from rollq import Consumer, EchoEngine, Producer, ProducerSettings, StalenessBou
 from rollq.errors import CorruptWeights, StaleVersion, WeightSyncError
 from rollq.keys import QueueKeys
 from rollq.testing.fake_workers import FakeWorkerEngine
+from rollq.settings import WeightSyncSettings
 from rollq.weightsync import MemmapStore, VersionRecord, WeightFollower, WeightPublisher, commit_version, read_version
 from rollq.weightsync.nccl import BroadcastSender, GroupInfo
 from tests.helpers import until
@@ -102,7 +103,7 @@ async def test_restarted_replica_catches_up_before_pulling_and_missed_hint_is_re
     await pub.publish_weights(state(2.0))
     engine = FakeWorkerEngine(small_model)
     consumer = Consumer(engine, redis_url, queue)
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.3)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.3))
     await follower.start()
     assert consumer.version == 2 and weight0(engine) == 2.0  # before the consumer pulled anything
     # A version committed without its pub/sub hint (as if the message was dropped).
@@ -122,7 +123,7 @@ async def test_update_policies_and_version_spans(redis_url, queue, root, policy)
     await pub.publish_weights(state(1.0))
     engine = FakeWorkerEngine(small_model, delay_per_token=0.02)  # 20 tokens: 0.4 s per job
     consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.2)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.2))
     await follower.start()
     task = asyncio.create_task(consumer.run())
     async with Producer(redis_url, queue) as p:
@@ -159,7 +160,7 @@ async def test_job_requiring_newer_version_waits_for_it(redis_url, queue, root):
     await pub.publish_weights(state(1.0))
     engine = FakeWorkerEngine(small_model)
     consumer = Consumer(engine, redis_url, queue)
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.2)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.2))
     await follower.start()
     task = asyncio.create_task(consumer.run())
     async with Producer(redis_url, queue) as p:
@@ -206,14 +207,14 @@ async def test_gloo_broadcast_updates_every_worker_of_every_replica(redis_url, q
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
     engines = [FakeWorkerEngine(small_model, num_workers=2), FakeWorkerEngine(small_model, num_workers=1)]
     consumers = [Consumer(e, redis_url, queue) for e in engines]
-    followers = [WeightFollower(c, root=root, reconcile_interval=0.3, broadcast=True) for c in consumers]
+    followers = [WeightFollower(c, WeightSyncSettings(root=root, reconcile_interval=0.3, broadcast=True)) for c in consumers]
     for f in followers:
         await f.start()
     rec = await pub.publish_weights(state(7.0), transport="nccl")
-    assert rec.transport == "nccl" and rec.memmap_slot is None and rec.timings["replicas"] == 3
+    assert rec.transport == "gloo" and rec.memmap_slot is None and rec.timings["replicas"] == 3
     await until(lambda: all(c.version == rec.version for c in consumers), 10, "replicas at the new version")
     assert [weight0(e, i) for e in engines for i in range(e.num_workers)] == [7.0, 7.0, 7.0]
-    assert all(f.history[-1].transport == "nccl" for f in followers)
+    assert all(f.history[-1].transport == "gloo" for f in followers)
     rec2 = await pub.publish_weights(state(8.0), transport="nccl")  # same group, staging reused
     await until(lambda: all(c.version == rec2.version for c in consumers), 10, "second update")
     assert weight0(engines[1]) == 8.0
@@ -246,13 +247,13 @@ async def test_broadcast_streams_into_shadow_weights_and_swaps(redis_url, queue,
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
     engine = FakeWorkerEngine(loadable_model)
     consumer = Consumer(engine, redis_url, queue)
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.3, broadcast=True)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.3, broadcast=True))
     await follower.start()
     worker = engine.workers[0]
     live = worker.model_runner.model
     for fill in (7.0, 8.0):
         rec = await pub.publish_weights(state(fill), transport="nccl")
-        assert rec.transport == "nccl"
+        assert rec.transport == "gloo"
         await until(lambda: consumer.version == rec.version, 10, "replica at the new version")
         assert follower.history[-1].load["swap"] == "shadow", follower.history[-1].load
         assert all(bool((p == fill).all()) for p in live.parameters())
@@ -279,8 +280,8 @@ async def test_overlapped_swap_through_a_broadcast_and_its_undo_when_the_commit_
     engine = FakeWorkerEngine(loadable_model)
     consumer = Consumer(engine, redis_url, queue)
     # a lead longer than any receive here: the swap starts as soon as the offer is seen
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.3, broadcast=True, swap_overlap=True,
-                              overlap_lead_s=5.0, overlap_commit_timeout=0.1)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.3, broadcast=True, swap_overlap=True,
+                              overlap_lead_s=5.0, overlap_commit_timeout=0.1))
     await follower.start()
     run = asyncio.create_task(consumer.run())  # its control channel brings the offers' hints
     live = engine.workers[0].model_runner.model
@@ -344,7 +345,7 @@ async def _peer_dies_mid_broadcast(redis_url: str, queue: str, root: str) -> Non
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
     engine = FakeWorkerEngine(small_model)
     consumer = Consumer(engine, redis_url, queue)
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.3, broadcast=True)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.3, broadcast=True))
     await follower.start()
 
     # The peer process starts (and imports torch) before the trainer opens its group.
@@ -576,7 +577,7 @@ async def test_receivers_report_their_shadow_layout_and_the_trainer_packs_bucket
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
     engines = [FakeWorkerEngine(loadable_model, num_workers=2), FakeWorkerEngine(loadable_model)]
     consumers = [Consumer(e, redis_url, queue) for e in engines]
-    followers = [WeightFollower(c, root=root, reconcile_interval=0.3, broadcast=True) for c in consumers]
+    followers = [WeightFollower(c, WeightSyncSettings(root=root, reconcile_interval=0.3, broadcast=True)) for c in consumers]
     for f in followers:
         await f.start()
     workers = [w for e in engines for w in e.workers]
@@ -585,7 +586,7 @@ async def test_receivers_report_their_shadow_layout_and_the_trainer_packs_bucket
 
     async def publish(fill: float) -> VersionRecord:
         rec = await pub.publish_weights(state(fill), transport="nccl")
-        assert rec.transport == "nccl", rec
+        assert rec.transport == "gloo", rec
         await until(lambda: all(c.version == rec.version for c in consumers), 10, f"version {rec.version}")
         for w in workers:
             assert all(bool((p == fill).all()) for p in w.model_runner.model.parameters())

@@ -15,6 +15,7 @@ import torch
 
 from rollq import Consumer
 from rollq.testing.fake_workers import FakeWorkerEngine
+from rollq.settings import WeightSyncSettings
 from rollq.weightsync import WeightFollower, WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
 from tests.helpers import until
@@ -64,7 +65,7 @@ def shm_root():
 async def test_memmap_versions_are_read_straight_into_the_shadow(redis_url, queue, shm_root):
     engine = FakeWorkerEngine(Fused, device="cuda:0")
     consumer = Consumer(engine, redis_url, queue)
-    follower = WeightFollower(consumer, root=shm_root, reconcile_interval=0.3)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3))
     await follower.start()
     pub = WeightPublisher(redis_url, queue, root=shm_root)
     try:
@@ -88,7 +89,7 @@ async def test_nccl_versions_are_received_into_the_shadow_in_coalesced_groups(re
         pytest.skip("needs 2 GPUs")
     engine = FakeWorkerEngine(Fused, device="cuda:1")
     consumer = Consumer(engine, redis_url, queue)
-    follower = WeightFollower(consumer, root=shm_root, reconcile_interval=0.3, broadcast=True)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3, broadcast=True))
     await follower.start()
     # 3 groups of tensors (group_bytes below one q/k/v tensor pair): coalescing is exercised
     # (with shadow_layout, versions after the first go as buckets of the receiver's flat layout)
@@ -112,7 +113,7 @@ async def test_nccl_versions_are_received_into_the_shadow_in_coalesced_groups(re
 
 @pytest.mark.parametrize("shadow_layout", [False, True])
 async def test_nccl_versions_swapped_in_part_by_part_while_they_arrive(redis_url, queue, shm_root, shadow_layout):
-    """WeightFollower(swap_overlap=True): each part's parameters are exchanged on the engine's
+    """WeightSyncSettings(swap_overlap=True): each part's parameters are exchanged on the engine's
     stream right after the part's CUDA event, then kept once the version is committed."""
     import asyncio
 
@@ -120,8 +121,8 @@ async def test_nccl_versions_swapped_in_part_by_part_while_they_arrive(redis_url
         pytest.skip("needs 2 GPUs")
     engine = FakeWorkerEngine(Fused, device="cuda:1")
     consumer = Consumer(engine, redis_url, queue)
-    follower = WeightFollower(consumer, root=shm_root, reconcile_interval=0.3, broadcast=True, swap_overlap=True,
-                              overlap_lead_s=5.0)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3, broadcast=True, swap_overlap=True,
+                              overlap_lead_s=5.0))
     await follower.start()
     run = asyncio.create_task(consumer.run())  # its control channel brings the offers' hints
     sender = BroadcastSender(1, backend="nccl", timeout=60, device="cuda:0", group_bytes=2 * 64 * 32 * 2,

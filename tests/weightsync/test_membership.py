@@ -111,7 +111,7 @@ async def test_replica_started_while_the_trainer_publishes_gets_the_next_version
     try:
         await until(lambda: any(x.get("event") == "serving" for x in a.lines()), 60, "replica a serving")
         rec1 = await pub.publish_weights(state(size, 1.0), transport="nccl")
-        assert rec1.transport == "nccl" and rec1.timings["replicas"] == 1, rec1
+        assert rec1.transport == "gloo" and rec1.timings["replicas"] == 1, rec1
         await until(lambda: at(a, 1, 1.0), 20, "replica a at version 1")
 
         b = replicas("b", "--delay-ms", "20")  # starts while version 1 is current: broadcast only
@@ -122,7 +122,7 @@ async def test_replica_started_while_the_trainer_publishes_gets_the_next_version
             assert b.versions() == [] and not any(x.get("event") == "serving" for x in b.lines())  # waits, serves nothing
 
             rec2 = await pub.publish_weights(state(size, 2.0), transport="nccl")  # the same trainer, no restart
-            assert rec2.transport == "nccl" and rec2.group != rec1.group, rec2
+            assert rec2.transport == "gloo" and rec2.group != rec1.group, rec2
             assert rec2.timings["replicas"] == 2 and sender.members == {"a": 1, "b": 1}
             await until(lambda: at(a, 2, 2.0) and at(b, 2, 2.0), 20, "both replicas at version 2")
             await until(lambda: any(x.get("event") == "serving" for x in b.lines()), 20, "replica b serving")
@@ -132,7 +132,7 @@ async def test_replica_started_while_the_trainer_publishes_gets_the_next_version
             assert {r.replica for r in late} == {"a", "b"} and {r.policy_version for r in late} == {(2, 2)}
 
         rec3 = await pub.publish_weights(state(size, 3.0), transport="nccl")  # nobody came or went: the same group
-        assert rec3.transport == "nccl" and rec3.group == rec2.group and rec3.timings["replicas"] == 2
+        assert rec3.transport == "gloo" and rec3.group == rec2.group and rec3.timings["replicas"] == 2
         await until(lambda: at(a, 3, 3.0) and at(b, 3, 3.0), 20, "both replicas at version 3")
     finally:
         await pub.close()
@@ -159,14 +159,14 @@ async def test_replica_killed_mid_broadcast_costs_a_timeout_at_most_and_the_rest
         # the broken broadcast (at once on gloo), a call the victim does not answer (join_window),
         # a new group and the same version again: bounded by the timeouts, never a hang
         rec2 = await asyncio.wait_for(publish, 2 * TIMEOUT + 2.0 + 10)
-        assert rec2.version == 2 and rec2.transport == "nccl" and rec2.memmap_slot is None, rec2
+        assert rec2.version == 2 and rec2.transport == "gloo" and rec2.memmap_slot is None, rec2
         assert rec2.timings["replicas"] == 1 and rec2.timings["missing"] == 0, rec2.timings
         assert sender.members == {"a": 1} and await members(pub) == {"a"}  # the victim is out
         await until(lambda: at(a, 2, 2.0), 20, "the survivor at version 2")
         assert [x["version"] for x in a.versions()] == [1, 2]  # never anything in between
 
         rec3 = await pub.publish_weights(state(size, 3.0), transport="nccl")  # the new group carries on
-        assert rec3.transport == "nccl" and rec3.group == rec2.group and rec3.timings["replicas"] == 1
+        assert rec3.transport == "gloo" and rec3.group == rec2.group and rec3.timings["replicas"] == 1
         await until(lambda: at(a, 3, 3.0), 20, "the survivor at version 3")
     finally:
         await pub.close()
@@ -178,6 +178,7 @@ async def test_version_that_reached_some_workers_is_committed_for_them_and_the_o
     from rollq import Consumer
     from rollq.errors import WeightSyncError
     from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync import WeightFollower
 
     size = 32
@@ -186,7 +187,7 @@ async def test_version_that_reached_some_workers_is_committed_for_them_and_the_o
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
     engines = [FakeWorkerEngine(lambda: torch.nn.Sequential(torch.nn.Linear(size, size), torch.nn.Linear(size, 8))) for _ in range(2)]
     consumers = [Consumer(e, redis_url, queue, consumer_id=f"r{i}") for i, e in enumerate(engines)]
-    followers = [WeightFollower(c, root=root, reconcile_interval=0.3, broadcast=True) for c in consumers]
+    followers = [WeightFollower(c, WeightSyncSettings(root=root, reconcile_interval=0.3, broadcast=True)) for c in consumers]
 
     def fill_of(e: FakeWorkerEngine) -> set[float]:
         return {float(v) for p in e.workers[0].model_runner.model.named_parameters() for v in p[1].detach().flatten().unique()}
@@ -203,7 +204,7 @@ async def test_version_that_reached_some_workers_is_committed_for_them_and_the_o
 
         engines[1].workers[0].rollq_state.receiver._complete = broken  # its receive of the next version fails
         rec2 = await pub.publish_weights(state(size, 2.0), transport="nccl")
-        assert rec2.transport == "nccl" and rec2.group == rec1.group, rec2
+        assert rec2.transport == "gloo" and rec2.group == rec1.group, rec2
         assert rec2.timings["replicas"] == 1 and rec2.timings["missing"] == 1 and rec2.memmap_slot is not None
         await until(lambda: all(c.version == 2 for c in consumers), 20, "both at version 2")
         assert fill_of(engines[0]) == {2.0} and fill_of(engines[1]) == {2.0}
@@ -224,6 +225,7 @@ async def test_a_broadcast_that_lands_before_the_replica_has_seen_its_join_is_ap
     The version the workers acked is applied all the same, not taken for a missed broadcast."""
     from rollq import Consumer
     from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync import WeightFollower
 
     size = 32
@@ -237,13 +239,13 @@ async def test_a_broadcast_that_lands_before_the_replica_has_seen_its_join_is_ap
 
     engine.call_workers = slow_status  # type: ignore[method-assign]
     consumer = Consumer(engine, redis_url, queue, consumer_id="slow")
-    follower = WeightFollower(consumer, reconcile_interval=0.2, broadcast=True)
+    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.2, broadcast=True))
     sender = BroadcastSender(num_workers=1, backend="gloo", timeout=TIMEOUT, join_window=1.0)
     pub = WeightPublisher(redis_url, queue, sender=sender)
     try:
         await follower.start()
         rec = await pub.publish_weights(state(size, 1.0), transport="nccl")  # no store: broadcast only
-        assert rec.transport == "nccl" and rec.timings["replicas"] == 1, rec
+        assert rec.transport == "gloo" and rec.timings["replicas"] == 1, rec
         assert follower.receiver.group != rec.group  # the replica has not seen its join yet
         await until(lambda: consumer.version == 1, 10, "the replica at version 1")
         assert follower.history[-1].load.get("swap") == "broadcast"

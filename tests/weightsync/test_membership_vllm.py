@@ -15,6 +15,7 @@ import torch
 
 from rollq import Consumer, Producer
 from rollq.testing.fake_workers import FakeWorkerEngine
+from rollq.settings import WeightSyncSettings
 from rollq.weightsync import WeightFollower, WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
 from rollq.weightsync.worker_calls import WorkerCalls
@@ -45,12 +46,12 @@ async def test_vllm_replica_started_mid_run_serves_only_after_the_next_broadcast
     # the session engine's workers remember the newest version they loaded (other tests' queues)
     v0 = max(await WorkerCalls(vllm_engine).version())
     fake = FakeWorkerEngine(lambda: Holder(base))
-    first = WeightFollower(Consumer(fake, redis_url, queue, consumer_id="fake"), reconcile_interval=0.3, broadcast=True)
+    first = WeightFollower(Consumer(fake, redis_url, queue, consumer_id="fake"), WeightSyncSettings(reconcile_interval=0.3, broadcast=True))
     await first.start()  # a member; it pulls no jobs (its consumer does not run)
     joining: asyncio.Task | None = None
     try:
         rec1 = await pub.publish_weights(perturbed(base, 1), version=v0 + 1, transport="nccl")
-        assert rec1.transport == "nccl" and rec1.timings["replicas"] == 1 and rec1.memmap_slot is None, rec1
+        assert rec1.transport == "gloo" and rec1.timings["replicas"] == 1 and rec1.memmap_slot is None, rec1
         await until(lambda: first.consumer.version == v0 + 1, 30, "the first member at the first version")
 
         started = asyncio.Event()
@@ -68,7 +69,7 @@ async def test_vllm_replica_started_mid_run_serves_only_after_the_next_broadcast
         await until(lambda: has_member(pub, "vllm"), 120, "the vLLM replica registered as a member", interval=0.1)
         assert not started.is_set()  # waiting for the next version: not serving
         rec2 = await pub.publish_weights(base, version=v0 + 2, transport="nccl")  # the same trainer
-        assert rec2.transport == "nccl" and rec2.group != rec1.group and rec2.timings["replicas"] == 2, rec2
+        assert rec2.transport == "gloo" and rec2.group != rec1.group and rec2.timings["replicas"] == 2, rec2
         await asyncio.wait_for(started.wait(), 120)
         assert seen["first_served"] == v0 + 2  # its first served version came by broadcast, whole
         async with Producer(redis_url, queue) as p:

@@ -312,13 +312,14 @@ def _broadcast_worker(rank: int, world: int, port: int, url: str, queue: str, ro
 async def test_fsdp2_ranks_broadcast_bucket_by_bucket_to_a_replica(tmp_path, redis_url, queue):
     from rollq import Consumer
     from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync import WeightFollower
     from tests.helpers import until
 
     root = str(tmp_path / "w")
     engine = FakeWorkerEngine(_small_model)
     consumer = Consumer(engine, redis_url, queue)
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.3, broadcast=True)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.3, broadcast=True))
     await follower.start()
     port = _free_port()
     try:
@@ -330,8 +331,8 @@ async def test_fsdp2_ranks_broadcast_bucket_by_bucket_to_a_replica(tmp_path, red
     finally:
         await follower.stop()
     res = [torch.load(tmp_path / f"b{r}.pt") for r in range(2)]
-    assert res[0] == res[1] and res[0]["rec"] == (1, "nccl", None)  # broadcast, no memmap fallback
-    assert follower.history[-1].transport == "nccl"
+    assert res[0] == res[1] and res[0]["rec"] == (1, "gloo", None)  # broadcast, no memmap fallback
+    assert follower.history[-1].transport == "gloo"
     live = engine.workers[0].model_runner.model.module
     for name, t in _small_model().state_dict().items():
         assert torch.equal(live.state_dict()[name], t * 3.0), name
@@ -477,7 +478,7 @@ async def test_fsdp2_trainer_updates_two_vllm_replicas_whose_logprobs_agree(vllm
                 await _exit_cleanly(procs, 120, "the trainer ranks to finish")
                 recs = [torch.load(tmp_path / f"v{v}-r{r}.pt") for v in (1, 2) for r in range(2)]
                 assert recs[0] == recs[1] and recs[2] == recs[3]  # every rank returned the same record
-                assert recs[0][:2] == (1, "memmap") and recs[2][:2] == (2, "nccl") and "nccl_failed" not in recs[2][2]
+                assert recs[0][:2] == (1, "memmap") and recs[2][:2] == (2, "gloo") and "nccl_failed" not in recs[2][2]
                 assert recs[2][2]["gathered_peak_bytes"] <= 512 << 10  # one bucket (the embedding is one of its own)
                 # leave the session engine as found
                 pub = WeightPublisher(redis_url, queue, root=root)

@@ -74,7 +74,7 @@ async def test_tensor_parallel_replica_loads_every_shard_by_memmap_and_gloo(tp_e
 
                 v2 = perturbed(base, 2)
                 rec = await pub.publish_weights(v2, transport="nccl")  # gloo: both workers are ranks of the group
-                assert rec.transport == "nccl" and "nccl_failed" not in rec.timings, rec.timings
+                assert rec.transport == "gloo" and "nccl_failed" not in rec.timings, rec.timings
                 await until(lambda: consumer.version >= rec.version, 120, "the broadcast version to load")
                 mean, worst, n = await _agreement(p, model, v2, rec.version)
                 assert mean <= LOOSE.mean and worst <= LOOSE.max, (mean, worst)
@@ -98,10 +98,11 @@ async def _tp_of(client, queue: str, replica: str) -> bool:
 async def test_overlapped_swap_is_refused_on_a_tensor_parallel_replica(tp_engine, redis_url, queue, tmp_path):
     from rollq import Consumer
     from rollq.errors import WeightSyncError
+    from rollq.settings import WeightSyncSettings
     from rollq.weightsync import WeightFollower
 
     consumer = Consumer(tp_engine, redis_url, queue)
-    follower = WeightFollower(consumer, root=str(tmp_path / "w"), broadcast=True, swap_overlap=True)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path / "w"), broadcast=True, swap_overlap=True))
     with pytest.raises(WeightSyncError, match="swap_overlap needs a replica of one worker.*has 2"):
         await follower.start()
     await follower.stop()

@@ -17,6 +17,7 @@ from rollq import Consumer, ConsumerSettings, EchoEngine, Producer
 from rollq.errors import VersionUnavailable, WeightLoadFailed, WeightMismatch, WeightSyncTimeout
 from rollq.keys import QueueKeys
 from rollq.testing.fake_workers import FakeWorkerEngine
+from rollq.settings import WeightSyncSettings
 from rollq.weightsync import VersionRecord, WeightFollower, WeightPublisher, commit_version, read_version
 from rollq.weightsync.manifest import Manifest, check_state, read_manifest
 from rollq.weightsync.versions import LoadError, read_load_errors
@@ -93,7 +94,7 @@ async def test_transient_load_failure_is_retried_a_bounded_number_of_times_and_r
     await pub.publish_weights(state)
     fast = dict(heartbeat_interval=0.2, lease_ttl=2.0, block=0.1)
     consumer = Consumer(FakeWorkerEngine(small_model), redis_url, queue, consumer_id="r0", settings=ConsumerSettings(**fast))
-    follower = WeightFollower(consumer, root=root, reconcile_interval=0.1, load_retries=2, load_retry_delay=0.05)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.1, load_retries=2, load_retry_delay=0.05))
     echo = Consumer(EchoEngine(), redis_url, queue, consumer_id="no-follower", settings=ConsumerSettings(**fast))
     await follower.start()
     tasks = [asyncio.create_task(consumer.run())]

@@ -1,0 +1,1 @@
+"""The ``rollq`` command line: one module per command group, put together in :mod:`.main`."""

@@ -1,0 +1,93 @@
+"""``rollq consume``: run one replica (:class:`~rollq.consumer.replica.Replica`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from ..settings import ConsumerSettings
+from .common import common_options
+
+
+def make_engine(a: argparse.Namespace) -> Any:
+    from ..consumer.engine import EchoEngine
+
+    if a.engine == "echo":
+        return EchoEngine(delay_per_token=a.echo_delay_ms / 1000.0)
+    from ..consumer.vllm_engine import VllmEngine, VllmEngineConfig
+
+    model = a.model
+    if not model:
+        from ..testing.tiny_model import ensure_tiny_model
+
+        model = str(ensure_tiny_model())
+    return VllmEngine(
+        VllmEngineConfig(
+            model=model, tensor_parallel_size=a.tensor_parallel_size, dtype=a.dtype,
+            max_model_len=a.max_model_len, gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=getattr(a, "enforce_eager", None),
+            kv_cache_memory_bytes=a.kv_cache_memory_bytes,
+            # Following weight versions needs rollq's worker extension inside vLLM's workers.
+            worker_extension_cls=a.worker_extension
+            or ("rollq.weightsync.worker_ext.RollqWorkerExtension" if (a.weights_root or a.broadcast) else None),
+        )
+    )
+
+
+def consumer_settings(a: argparse.Namespace) -> ConsumerSettings:
+    return ConsumerSettings(
+        max_inflight=a.max_inflight, initial_inflight=a.initial_inflight,
+        batch=a.batch, lease_ttl=a.lease_ttl, heartbeat_interval=min(1.0, a.lease_ttl / 4),
+        max_deliveries=a.max_deliveries, drain_timeout=a.drain_timeout, shards=a.shards,
+    )
+
+
+async def _consume(a: argparse.Namespace) -> int:
+    from ..consumer.replica import Replica
+    from ..settings import WeightSyncSettings
+
+    weights = WeightSyncSettings(root=a.weights_root, broadcast=a.broadcast, swap_overlap=a.swap_overlap)
+    replica = Replica(make_engine(a), a.url, a.queue, consumer_id=a.id, settings=consumer_settings(a), weights=weights)
+    return await replica.run(burst=a.burst, install_signal_handlers=True)
+
+
+def cmd_consume(a: argparse.Namespace) -> int:
+    return asyncio.run(_consume(a))
+
+def register(sub: Any) -> None:
+    """Add consume to the ``rollq`` subcommands."""
+    s = sub.add_parser("consume", help="run one replica")
+    common_options(s)
+    s.add_argument("--engine", choices=["echo", "vllm"], default="echo")
+    s.add_argument("--id", default=None, help="replica id (default: host-random)")
+    s.add_argument("--echo-delay-ms", type=float, default=0.0, help="echo engine: delay per generated token")
+    s.add_argument("--model", default=None, help="vllm: model path (default: the locally built tiny model)")
+    s.add_argument("--tensor-parallel-size", type=int, default=1)
+    s.add_argument("--dtype", default="auto",
+                   help="vllm: dtype to serve the weights in (auto: float32 on CPU, the checkpoint's own on GPU; "
+                        "naming one also accepts policy versions of a wider dtype, rounded to it)")
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="vllm: no torch.compile or CUDA graphs (starts faster, decodes slower; the default on CPU)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="vllm: KV cache size in bytes (instead of a share of device memory)")
+    s.add_argument("--worker-extension", default=None, help="vllm worker_extension_cls (weight sync)")
+    s.add_argument("--weights-root", default=None, help="follow policy versions published under this memmap root")
+    s.add_argument("--broadcast", action="store_true", help="also join the trainer's NCCL/gloo weight broadcasts")
+    s.add_argument("--swap-overlap", action="store_true",
+                   help="with --broadcast and the keep policy: swap a version in part by part while its last parts "
+                        "arrive (shorter end to end, longer pause; see WeightSyncSettings(swap_overlap=True))")
+    d = ConsumerSettings()  # the defaults below are the settings' own
+    s.add_argument("--max-inflight", type=int, default=d.max_inflight, help="cap on running jobs (default: from the engine)")
+    s.add_argument("--initial-inflight", type=int, default=d.initial_inflight)
+    s.add_argument("--batch", type=int, default=d.batch, help="most jobs taken in one read (default: %(default)s)")
+    s.add_argument("--lease-ttl", type=float, default=d.lease_ttl,
+                   help="seconds before a silent replica's jobs are reclaimed (default: %(default)s)")
+    s.add_argument("--max-deliveries", type=int, default=d.max_deliveries)
+    s.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                   help="SIGTERM: seconds to finish running jobs (default: %(default)s)")
+    s.add_argument("--burst", action="store_true", help="drain the queue, then exit")
+    s.add_argument("--shards", type=int, default=None,
+                   help="the queue's shard count (default: follow its record; see `rollq queue create`)")
+    s.set_defaults(fn=cmd_consume)

@@ -1,0 +1,74 @@
+"""The two sides of a transport: how a version's weights leave the trainer, and how they get
+into a replica's workers.
+
+A transport is a name in the durable version record (``VersionRecord.transport``) and one
+class per side, registered in :mod:`rollq.weightsync.transports.factory`: the publisher asks
+the trainer-side registry for the name it was told to publish with, and the follower asks the
+replica-side registry for the name in the record it applies. The two registries stay apart,
+as each side runs in a process of its own (vLLM's ``weight_transfer`` keeps them apart alike).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..wire import SwapReport
+from ..worker_calls import WorkerCalls
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...settings import WeightSyncSettings
+    from ..base import Receiver
+    from ..publisher import WeightPublisher
+    from ..versions import VersionRecord
+
+
+class TrainerTransport(ABC):
+    """Trainer side: moves one version's tensors and returns its record (not yet committed;
+    the publisher commits it). Built per publish from the publisher it serves."""
+
+    def __init__(self, publisher: WeightPublisher):
+        self.publisher = publisher
+
+    @abstractmethod
+    async def send(self, version: int, items: list[tuple[str, torch.Tensor]]) -> VersionRecord:
+        """Move ``items`` as ``version``; the record says how a replica finds them."""
+
+
+@dataclass
+class Staged:
+    """A version this replica's workers hold, to swap in (``report``: the staging's timings
+    and flags), and the transport that swaps it in."""
+
+    version: int
+    transport: ReplicaTransport
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class ReplicaTransport(ABC):
+    """Replica side: gets a version's weights into this replica's workers while the engine
+    serves (:meth:`stage`), then swaps them in (:meth:`swap`, intake closed).
+
+    ``engine``: the replica's engine (its workers are reached through :attr:`workers`, the
+    typed :class:`~rollq.weightsync.worker_calls.WorkerCalls`);
+    ``receiver``: the broadcast group membership, None when the replica is in no group.
+    """
+
+    def __init__(self, engine: Any, settings: WeightSyncSettings, receiver: Receiver | None):
+        self.engine = engine
+        self.workers = WorkerCalls(engine)
+        self.settings = settings
+        self.receiver = receiver
+
+    @abstractmethod
+    async def stage(self, rec: VersionRecord, acks: list[Any] | None) -> Staged | None:
+        """What the workers hold of ``rec`` (received while serving, or staged now); None:
+        nothing (the follower then falls back to the record's memmap copy, if any).
+        ``acks``: this replica's acks of ``rec``, already read (or None)."""
+
+    @abstractmethod
+    async def swap(self, rec: VersionRecord, staged: Staged) -> SwapReport:
+        """Swap the staged version in; the first worker's report."""
