@@ -44,7 +44,7 @@ from ..replicas import heartbeating
 from ..settings import DEFAULT_QUEUE, RedisSettings
 from .base import Sender
 from .manifest import Manifest, check_state, decode_manifest, float_dtypes, read_manifest
-from . import param_shards as sharded  # parameter shards: the ranks of an FSDP2 trainer
+from . import param_shards  # parameter shards: the ranks of an FSDP2 trainer
 from .memmap import MemmapStore, SlotInfo, named_tensors
 from .transports import trainer_transport
 from .transports.broadcast import BroadcastSend
@@ -100,13 +100,14 @@ class WeightPublisher:
         self._last = 0
         self._unchecked_logged = False
 
-    async def _c(self) -> Any:
+    async def redis(self) -> Any:
+        """The publisher's Redis client (connected on first use)."""
         if self._client is None:
             self._client = connect(self.redis_settings)
         return self._client
 
     async def current_version(self) -> int:
-        rec = await read_version(await self._c(), self.keys)
+        rec = await read_version(await self.redis(), self.keys)
         return rec.version if rec else 0
 
     async def publish_weights(
@@ -125,7 +126,7 @@ class WeightPublisher:
         ``group``: the ``torch.distributed`` process group of a sharded trainer (FSDP2
         ``fully_shard``, DTensor state dicts). Every rank of it calls this with its own state
         dict and gets the same record back; no rank gathers the whole model, and only the
-        group's rank 0 talks to Redis (see :mod:`rollq.weightsync.sharded` for what each
+        group's rank 0 talks to Redis (see :mod:`rollq.weightsync.param_shards` for what each
         transport costs per rank). Every rank needs the same ``root`` (shared storage
         across hosts); only rank 0 needs the ``sender``.
 
@@ -136,7 +137,7 @@ class WeightPublisher:
         if group is not None:
             return await self._publish_sharded(named_tensors(state), version, transport, group)
         send = trainer_transport(transport)(self)  # UnknownTransport before anything is read or written
-        client = await self._c()
+        client = await self.redis()
         items = await self._checked(named_tensors(state))
         version = await self._next_version(version)
         t0 = time.perf_counter()
@@ -152,7 +153,7 @@ class WeightPublisher:
     # -- checking against the served model -----------------------------------------------
     async def served_manifests(self) -> dict[str, Manifest]:
         """The checkpoint manifests published by live replicas, by replica id."""
-        client = await self._c()
+        client = await self.redis()
         raw = await client.hgetall(self.keys.manifests)
         if not raw:
             return {}
@@ -207,7 +208,7 @@ class WeightPublisher:
         >>> await pub.wait_for_replicas(rec.version, timeout=30)      # doctest: +SKIP
         {'replica-0': 4, 'replica-1': 4}
         """
-        client = await self._c()
+        client = await self.redis()
         if version is None:
             version = self._last or await self.current_version()
         wanted = None if replicas is None else list(dict.fromkeys(replicas))
@@ -260,7 +261,7 @@ class WeightPublisher:
             raise StaleVersion(f"version {version} is not newer than the recorded version {current}")
         return version
 
-    def _memmap_record(self, info: SlotInfo, **extra: Any) -> VersionRecord:
+    def memmap_record(self, info: SlotInfo, **extra: Any) -> VersionRecord:
         return VersionRecord(
             version=info.version, transport="memmap", checksum=info.checksum, num_tensors=len(info.manifest),
             nbytes=info.nbytes, memmap_slot=info.slot, trainer=self.trainer_id,
@@ -270,7 +271,7 @@ class WeightPublisher:
     # -- a sharded trainer: every rank of ``group`` calls publish_weights ---------------------
     async def _publish_sharded(self, items: list[tuple[str, torch.Tensor]], version: int | None, transport: str, group: Any) -> VersionRecord:
         """Rank 0 decides (names, version) and tells the others; every rank moves its part;
-        rank 0 commits and hands every rank the record (rollq.weightsync.sharded)."""
+        rank 0 commits and hands every rank the record (rollq.weightsync.param_shards)."""
         import torch.distributed as dist
 
         first = dist.get_rank(group) == 0
@@ -292,7 +293,7 @@ class WeightPublisher:
             if first:
                 rec, failure = await self._stream_broadcast(plan.version, items, plan.bucket_bytes)
             else:
-                await sharded.in_thread(sharded.gather_all, items, plan.bucket_bytes)
+                await param_shards.in_thread(param_shards.gather_all, items, plan.bucket_bytes)
             out = _Plan()
             if failure is not None:
                 out = _Plan(error=type(failure).__name__, message=str(failure))
@@ -303,11 +304,11 @@ class WeightPublisher:
                 raise failure if failure is not None else _remote(out.error, out.message)
             memmap = bool(out.error) or out.copy  # failed: the same version through memmap
         if memmap:
-            info = await sharded.in_thread(sharded.write_parts, self.store, plan.version, plan.slot, items, group)
+            info = await param_shards.in_thread(param_shards.write_parts, self.store, plan.version, plan.slot, items, group)
             if info is not None and rec is not None:
                 rec.memmap_slot, rec.checksum = info.slot, info.checksum
             elif info is not None:
-                rec = self._memmap_record(info)
+                rec = self.memmap_record(info)
                 if failure is not None:
                     rec.timings["nccl_failed"] = 1.0
         done = _Plan()
@@ -316,7 +317,7 @@ class WeightPublisher:
             rec.timings.update(total_s=time.perf_counter() - t0, ranks=float(dist.get_world_size(group)))
             rec.dtypes = float_dtypes(items)  # a parameter shard has its whole tensor's dtype
             try:
-                if not await commit_version(await self._c(), self.keys, rec):
+                if not await commit_version(await self.redis(), self.keys, rec):
                     raise StaleVersion(f"version {plan.version} lost a race: a newer version was recorded meanwhile")
                 done = _Plan(record=encode_record(rec))
             except Exception as e:  # noqa: BLE001 - told to every rank, then raised
@@ -341,7 +342,7 @@ class WeightPublisher:
             if getattr(self.sender, "verify", False):
                 raise WeightSyncError("a sharded trainer's broadcast cannot be verified (BroadcastSender(verify=True)): "
                                       "the checksum would need the whole state first; use verify=False")
-        stand_ins = sharded.stand_ins(items)  # global shapes, no gathering
+        stand_ins = param_shards.stand_ins(items)  # global shapes, no gathering
         at = {id(t): i for i, (_, t) in enumerate(stand_ins)}
         checked = await self._checked(stand_ins)
         version = await self._next_version(version)
@@ -354,9 +355,9 @@ class WeightPublisher:
     async def _stream_broadcast(self, version: int, items: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> tuple[VersionRecord | None, BaseException | None]:
         """Rank 0: broadcast the buckets all ranks gather; (record, None) or (None, why not)."""
         assert self.sender is not None
-        src = sharded.StreamedItems(items, bucket_bytes)
+        src = param_shards.StreamedItems(items, bucket_bytes)
         try:
-            rec = await self.sender.send(version, src, await self._c(), self.keys, manifest=src.manifest)  # type: ignore[call-arg]
+            rec = await self.sender.send(version, src, await self.redis(), self.keys, manifest=src.manifest)  # type: ignore[call-arg]
             rec.trainer = self.trainer_id
             rec.timings["gathered_peak_bytes"] = float(src.peak_bytes)
             return rec, None
@@ -365,7 +366,7 @@ class WeightPublisher:
             await self.sender.reset()
             return None, e
         finally:
-            await sharded.in_thread(src.drain)  # the other ranks gather every bucket: match them
+            await param_shards.in_thread(src.drain)  # the other ranks gather every bucket: match them
 
     async def close(self) -> None:
         if self._client is not None:
@@ -390,7 +391,7 @@ class _Plan(msgspec.Struct, omit_defaults=True):
 
 
 async def _agree(msg: _Plan, first: bool, group: Any) -> _Plan:
-    data = await sharded.in_thread(sharded.broadcast_bytes, msgspec.msgpack.encode(msg) if first else None, group)
+    data = await param_shards.in_thread(param_shards.broadcast_bytes, msgspec.msgpack.encode(msg) if first else None, group)
     return msgspec.msgpack.decode(data, type=_Plan)
 
 

@@ -86,7 +86,7 @@ async def test_versions_record_their_dtypes_and_an_unasked_conversion_is_refused
     try:
         rec = await pub.publish_weights(base)
         assert rec.dtypes == ["float32"]
-        client = await pub._c()
+        client = await pub.redis()
         assert (await read_version(client, keys)).dtypes == ["float32"]
         await pub.wait_for_replicas(rec.version, timeout=60)
         st = await queue_status(client, keys)
@@ -127,7 +127,7 @@ async def test_a_named_dtype_converts_and_says_so(named_float32, vllm_engine, re
         said = [r for r in caplog.records if "converted to float32" in r.getMessage()]
         assert len(said) == 1, [r.getMessage() for r in said]  # once, not per version
         await consumer.announce()
-        st = await queue_status(await pub._c(), keys)
+        st = await queue_status(await pub.redis(), keys)
         assert st.replicas[0].info["converted_from"] == ["bfloat16"]
         async with Producer(redis_url, queue) as p:
             r = await (await p.submit(prompt_token_ids=[5, 6, 7], sampling={"max_tokens": 3})).result(timeout=60)

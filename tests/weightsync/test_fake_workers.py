@@ -357,7 +357,7 @@ async def _peer_dies_mid_broadcast(redis_url: str, queue: str, root: str) -> Non
         raise
 
     async def peer() -> None:  # answers the group's call as replica "peer", then joins at its rank
-        raw = await pub._c()
+        raw = await pub.redis()
         deadline = time.monotonic() + 60
         while not (call := await raw.hget(keys.weights_group, "call")):
             assert time.monotonic() < deadline, "the trainer never called a group"
@@ -582,7 +582,7 @@ async def test_receivers_report_their_shadow_layout_and_the_trainer_packs_bucket
         await f.start()
     workers = [w for e in engines for w in e.workers]
     keys = QueueKeys(queue)
-    client = await pub._c()
+    client = await pub.redis()
 
     async def publish(fill: float) -> VersionRecord:
         rec = await pub.publish_weights(state(fill), transport="nccl")

@@ -89,7 +89,7 @@ def replicas(redis_url, queue, tmp_path):
 
 
 async def members(pub: WeightPublisher) -> set[str]:
-    raw = await (await pub._c()).hgetall(QueueKeys(pub.keys.queue).weights_members)
+    raw = await (await pub.redis()).hgetall(QueueKeys(pub.keys.queue).weights_members)
     return {k.decode() for k in raw}
 
 

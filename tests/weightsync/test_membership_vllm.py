@@ -96,4 +96,4 @@ async def test_vllm_replica_started_mid_run_serves_only_after_the_next_broadcast
 
 
 async def has_member(pub: WeightPublisher, rid: str) -> bool:
-    return bool(await (await pub._c()).hexists(pub.keys.weights_members, rid))
+    return bool(await (await pub.redis()).hexists(pub.keys.weights_members, rid))

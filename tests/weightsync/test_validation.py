@@ -73,7 +73,7 @@ async def test_expected_manifest_refuses_a_mismatch_before_writing_anything(redi
     base = checkpoint_state(tiny_model_path)
     with pytest.raises(WeightMismatch, match="model.norm.weight: sent"):
         await pub.publish_weights(dict(base, **{"model.norm.weight": torch.zeros(3)}))
-    assert slots(root) == [] and await read_version(await pub._c(), pub.keys) is None
+    assert slots(root) == [] and await read_version(await pub.redis(), pub.keys) is None
     rec = await pub.publish_weights({k.removeprefix("model."): v for k, v in base.items()})  # renamed, published
     assert rec.version == 1 and rec.num_tensors == len(base)
     assert WeightPublisher(redis_url, queue, root=root, validate=False, expected=str(tiny_model_path)).validate is False
@@ -101,7 +101,7 @@ async def test_transient_load_failure_is_retried_a_bounded_number_of_times_and_r
     try:
         assert await pub.wait_for_replicas(1, timeout=10) == {"r0": 1}
         # Version 2 was broadcast without this replica and has no memmap copy: it cannot load it.
-        c = await pub._c()
+        c = await pub.redis()
         await commit_version(c, keys, VersionRecord(version=2, transport="nccl", checksum="0", num_tensors=2, nbytes=0))
         with pytest.raises(WeightLoadFailed, match=r"r0 \(version 2: WeightSyncError: .*did not receive it") as ei:
             await pub.wait_for_replicas(2, timeout=20)
@@ -147,7 +147,7 @@ async def test_mismatched_state_dicts_are_refused_before_any_replica_is_touched(
     keys = QueueKeys(queue)
     base = checkpoint_state(tiny_model_path)
     pub = WeightPublisher(redis_url, queue, root=root)
-    client = await pub._c()
+    client = await pub.redis()
     published = msgspec.msgpack.decode(await client.hget(keys.manifests, "vllm-0"), type=Manifest)
     assert len(published.tensors) == len(base) and published.model == str(tiny_model_path)
     wrong_shape = dict(base, **{"model.norm.weight": torch.zeros(64)})
@@ -196,7 +196,7 @@ async def test_a_version_that_fails_to_load_is_reported_once_and_the_replica_kee
     base = checkpoint_state(tiny_model_path)
     pub = WeightPublisher(redis_url, queue, root=root)
     unchecked = WeightPublisher(redis_url, queue, root=root, validate=False)
-    client = await pub._c()
+    client = await pub.redis()
     loads = 0
     real_apply = follower.apply
 

@@ -148,7 +148,7 @@ async def test_calls_through_fake_workers_return_typed_results():
 async def test_a_swap_hands_the_workers_progress_to_the_engine_as_the_struct_it_crossed_in(redis_url, queue, tmp_path):
     """The swap progress keeps one form from the worker's report to ``Engine.swap_progress``:
     the :class:`~rollq.weightsync.wire.Progress` the stub decoded (no map in between)."""
-    from rollq import Consumer
+    from rollq import Consumer, WeightSyncSettings
     from rollq.weightsync import WeightFollower, WeightPublisher
 
     class Recording(FakeWorkerEngine):
@@ -166,7 +166,7 @@ async def test_a_swap_hands_the_workers_progress_to_the_engine_as_the_struct_it_
     root = str(tmp_path / "w")
     pub = WeightPublisher(redis_url, queue, root=root)
     engine = Recording(model)
-    follower = WeightFollower(Consumer(engine, redis_url, queue), root=root, reconcile_interval=0.2)
+    follower = WeightFollower(Consumer(engine, redis_url, queue), WeightSyncSettings(root=root, reconcile_interval=0.2))
     try:
         await pub.publish_weights({k: torch.full_like(v, 2.0) for k, v in model().state_dict().items()})
         await follower.start()

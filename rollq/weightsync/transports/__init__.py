@@ -1,7 +1,7 @@
 """Weight transports behind one interface per side (:mod:`.base`), chosen by name (:mod:`.factory`):
 memmap files (:mod:`.memmap`) and the broadcast group, over NCCL or Gloo (:mod:`.broadcast`)."""
 
-from .base import ReplicaTransport, Staged, TrainerTransport
+from .base import PublisherSide, ReplicaTransport, Staged, TrainerTransport
 from .factory import UnknownTransport, replica_transport, trainer_transport
 
-__all__ = ["ReplicaTransport", "Staged", "TrainerTransport", "UnknownTransport", "replica_transport", "trainer_transport"]
+__all__ = ["PublisherSide", "ReplicaTransport", "Staged", "TrainerTransport", "UnknownTransport", "replica_transport", "trainer_transport"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..wire import SwapReport
 from ..worker_calls import WorkerCalls
@@ -20,17 +20,34 @@ from ..worker_calls import WorkerCalls
 if TYPE_CHECKING:
     import torch
 
+    from ...keys import QueueKeys
     from ...settings import WeightSyncSettings
-    from ..base import Receiver
-    from ..publisher import WeightPublisher
+    from ..base import Receiver, Sender
+    from ..memmap import MemmapStore, SlotInfo
     from ..versions import VersionRecord
+
+
+class PublisherSide(Protocol):
+    """What a trainer transport uses of the publisher it serves
+    (:class:`~rollq.weightsync.publisher.WeightPublisher` provides it)."""
+
+    keys: QueueKeys
+    store: MemmapStore | None
+    sender: Sender | None
+    trainer_id: str
+
+    async def redis(self) -> Any:
+        """The publisher's Redis client."""
+
+    def memmap_record(self, info: SlotInfo, **extra: Any) -> VersionRecord:
+        """The record of a version written into the publisher's memmap store."""
 
 
 class TrainerTransport(ABC):
     """Trainer side: moves one version's tensors and returns its record (not yet committed;
     the publisher commits it). Built per publish from the publisher it serves."""
 
-    def __init__(self, publisher: WeightPublisher):
+    def __init__(self, publisher: PublisherSide):
         self.publisher = publisher
 
     @abstractmethod

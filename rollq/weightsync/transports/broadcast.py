@@ -48,7 +48,7 @@ class BroadcastSend(TrainerTransport):
         rec: VersionRecord | None = None
         for attempt in (1, 2):
             try:
-                rec = await pub.sender.send(version, items, await pub._c(), pub.keys)
+                rec = await pub.sender.send(version, items, await pub.redis(), pub.keys)
                 break
             except GroupBroken as e:
                 err: Exception = e

@@ -31,7 +31,7 @@ class MemmapSend(TrainerTransport):
         if pub.store is None:
             raise WeightSyncError("memmap transport needs a root directory (WeightPublisher(root=...))")
         info = await asyncio.to_thread(pub.store.write, version, items)
-        return pub._memmap_record(info, **extra)
+        return pub.memmap_record(info, **extra)
 
 
 class MemmapReceive(ReplicaTransport):
