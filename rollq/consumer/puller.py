@@ -10,6 +10,12 @@ a rotating start, each for the slots still free, and blocks again only once ever
 looked at. So a job in a shard that is no replica's home waits about one ``block`` period at
 most, and each read stays within one shard (one slot on Redis Cluster).
 
+While other live replicas advertise free slots, a read of the home shard takes this
+replica's share of what waits there, not all it has room for (:mod:`~rollq.consumer.share`):
+a burst is spread over the replicas with free capacity, in proportion to it. Alone, or
+with every peer full, a replica reads as before. The reads of other shards take what they
+have room for (they serve shards whose own replicas are full or absent).
+
 A read whose reply was lost (a dropped connection, a Redis restart) leaves entries pending
 under this consumer that it never saw; :meth:`Puller.recover_own` takes them back, and a reply
 that arrives late after all is then skipped.
@@ -31,10 +37,13 @@ from ..keys import FIELD, GROUP
 from .context import ReplicaContext, wrong_type
 from .finisher import Finisher
 from .jobs import Jobs
+from .share import fair_share, waiting
 
 log = logging.getLogger(__name__)
 
 _FIELD = FIELD.encode()
+#: Seconds a replica yields after reading its share of a burst, before it reads again.
+SHARE_YIELD = 0.01
 
 
 class Puller:
@@ -50,6 +59,9 @@ class Puller:
         self._to_look: deque[int] = deque()  # other shards to read before blocking again
         self._turn = 0  # where the next look at the other shards starts
         self._looked_at = time.monotonic()  # when the last look at them ended
+        #: Entries known to wait in the home shard's shared stream (see _share); None after
+        #: an empty read.
+        self._waiting: int | None = None
         #: Streams holding a stray value (WRONGTYPE): stream -> (next try, current delay).
         self._skipped: dict[str, tuple[float, float]] = {}
 
@@ -69,7 +81,7 @@ class Puller:
                 ctx.room.clear()
                 await ctx.wait_any(ctx.room.wait(), timeout=1.0)
                 continue
-            count = min(free, s.batch)
+            count = most = min(free, s.batch)
             # The other shards first while some were not looked at since the last blocking
             # read; else block on the home shard.
             shard = self._to_look.popleft() if self._to_look else None
@@ -86,6 +98,11 @@ class Puller:
                 await ctx.wait_any(ctx.stopping.wait(), timeout=0.05 if ctx.burst else s.block)
                 resp = None
             else:
+                if shard is None and ctx.peers_free > 0:
+                    try:
+                        count = await self._share(free, most)
+                    except RETRYABLE:
+                        pass  # the read below meets the same outage and backs off
                 try:
                     resp = await self._read(shard, streams, count, block_ms, read_deadline)
                     backoff = s.backoff_initial
@@ -133,6 +150,8 @@ class Puller:
                 except RETRYABLE:
                     self._lost_read = True
             got = self._admit_reply(resp) if resp else 0
+            if shard is None:
+                self._after_home_read(got)
             if shard is None and ctx.other_reads and (got < free or time.monotonic() - self._looked_at >= s.block):
                 self._look_elsewhere()
             if not resp:
@@ -141,10 +160,42 @@ class Puller:
                 continue
             if ctx.engine_error is not None:
                 break
-            if len(self._finisher):
+            if shard is None and count < most and got >= count:
+                # A share of a burst was read and more may wait: yield, so that the other
+                # replicas with free slots take their shares before this one reads again.
+                await ctx.wait_any(ctx.stopping.wait(), timeout=SHARE_YIELD)
+            elif len(self._finisher):
                 # Jobs that finished at once (a fast engine, rejected entries): let the
                 # finisher send them before the next read, which may block.
                 await asyncio.sleep(0)
+
+    async def _share(self, free: int, most: int) -> int:
+        """How many entries the next read of the home shard takes while peers have free slots
+        (see :mod:`~rollq.consumer.share`): one while idle (a burst wakes every blocked
+        replica with one entry each), else this replica's fair share of what waits in the
+        shared stream. No query while the backlog known from the last one is large enough
+        that the share is the whole read."""
+        ctx = self._ctx
+        if self._waiting is None:
+            return 1
+        peers = ctx.peers_free
+        if fair_share(self._waiting, mine=free, peers=peers, most=most) < most:
+            self._waiting = await waiting(ctx.redis, ctx.home.jobs)
+            if self._waiting == 0:
+                self._waiting = None
+                return 1
+        return fair_share(self._waiting, mine=free, peers=peers, most=most)
+
+    def _after_home_read(self, got: int) -> None:
+        """Track what waits in the home shard: unknown (None, idle) after an empty read;
+        else the last figure less what this replica took (the peers took some too, so it
+        only errs high, and is read again once it is small)."""
+        if not got:
+            self._waiting = None
+        elif self._waiting is not None:
+            self._waiting = max(0, self._waiting - got)
+        else:
+            self._waiting = 0  # woken by a burst: read its size before the next read
 
     async def _read(self, shard: int | None, streams: list[str], count: int, block_ms: int, read_deadline: Any) -> Any:
         """One XREADGROUP: blocking on the home shard's streams (``shard`` None), else one
