@@ -68,6 +68,29 @@ async def test_lone_replica_takes_the_whole_burst(redis_url, queue):
     assert per_replica == {"b0": 64}
 
 
+async def test_a_peer_that_advertises_room_but_reads_nothing_starves_no_job(redis_url, queue, redis_client):
+    """A peer's free slots are as of its last beat: one that stopped reading since (stuck,
+    or gone before its entry expired) still counts, and the live replica takes its share,
+    then the share of what is left, until nothing is left."""
+    from rollq.consumer.share import entry
+    from rollq.keys import QueueKeys
+
+    await redis_client.hset(QueueKeys(queue).free, "ghost", entry(10_000))
+    c = Consumer(EchoEngine(delay_per_token=0.01), redis_url, queue, consumer_id="b0", settings=_settings())
+    task = asyncio.create_task(c.run())
+    try:
+        await until(lambda: c._ctx.peers_free >= 10_000, 10, "the replica sees the ghost's free slots")
+        await asyncio.sleep(1.2)
+        async with Producer(redis_url, queue) as p:
+            hs = await p.submit_many([{"prompt": f"p{i}", "sampling": {"max_tokens": 4}} for i in range(64)])
+            await redis_client.hset(QueueKeys(queue).free, "ghost", entry(10_000))  # still "alive"
+            rs = await bounded(p.gather(hs, timeout=10), 15, "every job of the burst")
+        assert len(rs) == 64 and all(r.ok and r.replica == "b0" for r in rs)
+    finally:
+        c.stop()
+        await bounded(task, 20, "the consumer to stop")
+
+
 def test_fair_share():
     assert fair_share(64, mine=64, peers=64, most=64) == 32
     assert fair_share(64, mine=64, peers=0, most=64) == 64  # alone: everything at once
