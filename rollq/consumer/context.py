@@ -71,7 +71,7 @@ class ReplicaContext:
     stream_shard: dict[str, QueueKeys] = field(default_factory=dict)
     #: Loaded policy version.
     version: int = 0
-    #: Free slots of the other live replicas of the queue, as of their last heartbeat (read
+    #: Free slots of the other live replicas of the home shard, as of their last heartbeat (read
     #: every beat, see rollq/consumer/share.py): the puller reads its share of a burst.
     peers_free: int = 0
     #: Commands (with socket timeouts), blocking reads and FINISH calls (both without socket

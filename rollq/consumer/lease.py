@@ -95,7 +95,7 @@ class Lease:
         pipe.hset(keys.consumers, ctx.id, msgspec.msgpack.encode(self.entry()))
         now_ms = int(time.time() * 1000)
         free = jobs.free_slots() if ctx.intake.is_set() and not ctx.stopping.is_set() else 0
-        pipe.hset(keys.free, ctx.id, share.entry(free, now_ms))
+        pipe.hset(keys.free, ctx.id, share.entry(free, now_ms, ctx.home.shard_index))
         pipe.hgetall(keys.free)
         if self._registered:  # refreshed here, so a long-lived queue stays listed
             add_registration(pipe, ctx.queue, prune=False)
@@ -108,7 +108,7 @@ class Lease:
             pipe.hget(keys.config, SHARDS_FIELD)
         marks = self._cancel_reads(pipe)
         res = await pipe.execute()
-        stale = self._fleet.update(res[3], now_ms=now_ms, ttl_ms=ttl_ms)
+        stale = self._fleet.update(res[3], now_ms=now_ms, ttl_ms=ttl_ms, home=ctx.home.shard_index)
         ctx.peers_free = self._fleet.peers_free
         if stale:  # replicas gone without their release (killed): not counted, and dropped
             await ctx.redis.hdel(keys.free, *stale)

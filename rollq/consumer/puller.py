@@ -10,8 +10,9 @@ a rotating start, each for the slots still free, and blocks again only once ever
 looked at. So a job in a shard that is no replica's home waits about one ``block`` period at
 most, and each read stays within one shard (one slot on Redis Cluster).
 
-While other live replicas advertise free slots, a read of the home shard takes this
-replica's share of what waits there, not all it has room for (:mod:`~rollq.consumer.share`):
+While other live replicas of the same home shard advertise free slots, a read of the home
+shard takes this replica's share of what waits there, not all it has room for
+(:mod:`~rollq.consumer.share`):
 a burst is spread over the replicas with free capacity, in proportion to it. Alone, or
 with every peer full, a replica reads as before. The reads of other shards take what they
 have room for (they serve shards whose own replicas are full or absent).

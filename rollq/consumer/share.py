@@ -20,12 +20,18 @@ everything it has room for, in one read.
 64
 >>> fair_share(3, mine=64, peers=192, most=64)
 1
+
+On a sharded queue (:mod:`rollq.shards`) the share is per shard: a replica blocks on its
+home shard, so it shares that shard's jobs with the peers of the same home shard (each entry
+names its replica's home); the reads of other shards take what they have room for.
+
 >>> f = Fleet("r0")
->>> f.update({b"r0": b"64 1000", b"r1": b"32 1000", b"r2": b"16 10"}, now_ms=2000, ttl_ms=5000)
+>>> f.update({b"r0": b"64 1000 0", b"r1": b"32 1000 0", b"r2": b"16 10 0", b"r3": b"8 1000 1"},
+...          now_ms=2000, ttl_ms=5000, home=0)
 []
 >>> f.peers_free
 48
->>> f.update({b"r1": b"32 1000", b"r2": b"16 10"}, now_ms=9000, ttl_ms=5000)
+>>> f.update({b"r1": b"32 1000 0", b"r2": b"16 10 0"}, now_ms=9000, ttl_ms=5000, home=0)
 ['r1', 'r2']
 >>> f.peers_free
 0
@@ -53,38 +59,41 @@ def fair_share(waiting: int, *, mine: int, peers: int, most: int) -> int:
     return max(1, min(most, n))
 
 
-def entry(free: int, now_ms: int | None = None) -> bytes:
-    """This replica's value in the free-slots hash: ``b"<free> <unix ms>"``."""
+def entry(free: int, now_ms: int | None = None, home: int = 0) -> bytes:
+    """This replica's value in the free-slots hash: ``b"<free> <unix ms> <home shard>"``."""
     now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-    return f"{max(0, free)} {now_ms}".encode()
+    return f"{max(0, free)} {now_ms} {home}".encode()
 
 
 class Fleet:
-    """The peers' free slots as last read from the queue's free-slots hash."""
+    """The free slots of the peers of one home shard, as last read from the queue's
+    free-slots hash."""
 
     def __init__(self, me: str) -> None:
         self.me = me
-        #: Free slots of the other live replicas (entries younger than the lease TTL).
+        #: Free slots of the other live replicas of the home shard (entries younger than
+        #: the lease TTL).
         self.peers_free = 0
 
-    def update(self, table: dict[Any, Any], *, now_ms: int, ttl_ms: int) -> list[str]:
-        """Take in the hash as read (``HGETALL``); returns the replicas whose entry is older
-        than ``ttl_ms`` (dead or gone: the caller deletes them). Malformed entries (anything
-        that can write Redis can write the hash) count as stale."""
+    def update(self, table: dict[Any, Any], *, now_ms: int, ttl_ms: int, home: int = 0) -> list[str]:
+        """Take in the hash as read (``HGETALL``), counting the peers whose home shard is
+        ``home``; returns the replicas whose entry is older than ``ttl_ms`` (dead or gone:
+        the caller deletes them). Malformed entries (anything that can write Redis can
+        write the hash) count as stale."""
         total, stale = 0, []
         for k, v in table.items():
             name = k.decode(errors="replace") if isinstance(k, bytes) else str(k)
             if name == self.me:
                 continue
             try:
-                free_s, at_s = (v.decode() if isinstance(v, bytes) else str(v)).split()
-                free, at = int(free_s), int(at_s)
+                free_s, at_s, home_s = (v.decode() if isinstance(v, bytes) else str(v)).split()
+                free, at, their_home = int(free_s), int(at_s), int(home_s)
             except (UnicodeDecodeError, ValueError):
                 stale.append(name)
                 continue
             if now_ms - at > ttl_ms:
                 stale.append(name)
-            else:
+            elif their_home == home:
                 total += max(0, free)
         self.peers_free = total
         return stale

@@ -75,7 +75,7 @@ async def test_a_peer_that_advertises_room_but_reads_nothing_starves_no_job(redi
     from rollq.consumer.share import entry
     from rollq.keys import QueueKeys
 
-    await redis_client.hset(QueueKeys(queue).free, "ghost", entry(10_000))
+    await redis_client.hset(QueueKeys(queue).free, "ghost", entry(10_000, home=0))
     c = Consumer(EchoEngine(delay_per_token=0.01), redis_url, queue, consumer_id="b0", settings=_settings())
     task = asyncio.create_task(c.run())
     try:
@@ -83,7 +83,7 @@ async def test_a_peer_that_advertises_room_but_reads_nothing_starves_no_job(redi
         await asyncio.sleep(1.2)
         async with Producer(redis_url, queue) as p:
             hs = await p.submit_many([{"prompt": f"p{i}", "sampling": {"max_tokens": 4}} for i in range(64)])
-            await redis_client.hset(QueueKeys(queue).free, "ghost", entry(10_000))  # still "alive"
+            await redis_client.hset(QueueKeys(queue).free, "ghost", entry(10_000, home=0))  # still "alive"
             rs = await bounded(p.gather(hs, timeout=10), 15, "every job of the burst")
         assert len(rs) == 64 and all(r.ok and r.replica == "b0" for r in rs)
     finally:
@@ -101,9 +101,12 @@ def test_fair_share():
     assert fair_share(10, mine=0, peers=8, most=8) == 0  # no room, no read
 
 
-def test_fleet_counts_live_peers_only():
+def test_fleet_counts_live_peers_of_the_home_shard_only():
     f = Fleet("me")
-    stale = f.update({b"me": b"100 1000", b"a": b"10 1000", b"b": b"5 990", b"old": b"50 1",
-                      b"bad": b"x", b"neg": b"-3 1000"}, now_ms=1500, ttl_ms=1000)
+    table = {b"me": b"100 1000 2", b"a": b"10 1000 2", b"b": b"5 990 2", b"old": b"50 1 2", b"bad": b"x",
+             b"two": b"5 1000", b"neg": b"-3 1000 2", b"other": b"70 1000 1"}
+    stale = f.update(table, now_ms=1500, ttl_ms=1000, home=2)
     assert f.peers_free == 15
-    assert sorted(stale) == ["bad", "old"]
+    assert sorted(stale) == ["bad", "old", "two"]
+    f.update(table, now_ms=1500, ttl_ms=1000, home=1)
+    assert f.peers_free == 70
