@@ -139,7 +139,7 @@ class QueueKeys:
 
     @cached_property
     def free(self) -> str:
-        """Hash ``replica -> "<free slots> <unix ms> <home shard>"``: each replica's free capacity as of its
+        """Hash ``replica -> msgpack FreeSlots``: each replica's free capacity as of its
         last heartbeat, which it writes and reads every beat (rollq/consumer/share.py) to take
         its share of a burst, not the whole of it."""
         return f"{self.tag}:free"

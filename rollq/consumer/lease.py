@@ -94,8 +94,9 @@ class Lease:
         pipe.set(keys.heartbeat(ctx.id), b"1", px=ttl_ms, get=True)
         pipe.hset(keys.consumers, ctx.id, msgspec.msgpack.encode(self.entry()))
         now_ms = int(time.time() * 1000)
-        free = jobs.free_slots() if ctx.intake.is_set() and not ctx.stopping.is_set() else 0
-        pipe.hset(keys.free, ctx.id, share.entry(free, now_ms, ctx.home.shard_index))
+        open_ = ctx.intake.is_set() and not ctx.stopping.is_set()
+        free, cap = (jobs.free_slots(), ctx.capacity.cap) if open_ else (0, 0)
+        pipe.hset(keys.free, ctx.id, share.entry(free, now_ms, ctx.home.shard_index, cap))
         pipe.hgetall(keys.free)
         if self._registered:  # refreshed here, so a long-lived queue stays listed
             add_registration(pipe, ctx.queue, prune=False)
@@ -109,7 +110,7 @@ class Lease:
         marks = self._cancel_reads(pipe)
         res = await pipe.execute()
         stale = self._fleet.update(res[3], now_ms=now_ms, ttl_ms=ttl_ms, home=ctx.home.shard_index)
-        ctx.peers_free = self._fleet.peers_free
+        ctx.peers_free, ctx.peers_cap = self._fleet.peers_free, self._fleet.peers_cap
         if stale:  # replicas gone without their release (killed): not counted, and dropped
             await ctx.redis.hdel(keys.free, *stale)
         lapsed = res[0] is None

@@ -13,7 +13,7 @@ from collections import Counter
 from rollq import Producer
 from rollq.consumer.engine import EchoEngine
 from rollq.consumer.loop import Consumer
-from rollq.consumer.share import Fleet, fair_share
+from rollq.consumer.share import Fleet, entry, fair_share, fill_share
 from rollq.settings import ConsumerSettings
 from tests.helpers import bounded, until
 
@@ -72,10 +72,9 @@ async def test_a_peer_that_advertises_room_but_reads_nothing_starves_no_job(redi
     """A peer's free slots are as of its last beat: one that stopped reading since (stuck,
     or gone before its entry expired) still counts, and the live replica takes its share,
     then the share of what is left, until nothing is left."""
-    from rollq.consumer.share import entry
     from rollq.keys import QueueKeys
 
-    await redis_client.hset(QueueKeys(queue).free, "ghost", entry(10_000, home=0))
+    await redis_client.hset(QueueKeys(queue).free, "ghost", entry(10_000, home=0, cap=10_000))
     c = Consumer(EchoEngine(delay_per_token=0.01), redis_url, queue, consumer_id="b0", settings=_settings())
     task = asyncio.create_task(c.run())
     try:
@@ -83,7 +82,7 @@ async def test_a_peer_that_advertises_room_but_reads_nothing_starves_no_job(redi
         await asyncio.sleep(1.2)
         async with Producer(redis_url, queue) as p:
             hs = await p.submit_many([{"prompt": f"p{i}", "sampling": {"max_tokens": 4}} for i in range(64)])
-            await redis_client.hset(QueueKeys(queue).free, "ghost", entry(10_000, home=0))  # still "alive"
+            await redis_client.hset(QueueKeys(queue).free, "ghost", entry(10_000, home=0, cap=10_000))  # still "alive"
             rs = await bounded(p.gather(hs, timeout=10), 15, "every job of the burst")
         assert len(rs) == 64 and all(r.ok and r.replica == "b0" for r in rs)
     finally:
@@ -101,12 +100,24 @@ def test_fair_share():
     assert fair_share(10, mine=0, peers=8, most=8) == 0  # no room, no read
 
 
+def test_fill_share_fills_to_the_fleet_level():
+    # Two idle replicas of 64, each woken with one entry of 64: 31 more each.
+    assert fill_share(62, pending=2, mine_inflight=1, mine_cap=64, peers_cap=64, most=63) == 31
+    # The peer took 33 before this one asked: this one takes the rest.
+    assert fill_share(30, pending=34, mine_inflight=1, mine_cap=64, peers_cap=64, most=63) == 31  # 1 more than waits: harmless
+    # Twice the cap, twice the part.
+    assert fill_share(64, pending=0, mine_inflight=0, mine_cap=128, peers_cap=64, most=128) == 43
+    # Already above its level: still one, so a lone reader drains the stream.
+    assert fill_share(5, pending=40, mine_inflight=40, mine_cap=64, peers_cap=64, most=24) == 1
+
+
 def test_fleet_counts_live_peers_of_the_home_shard_only():
     f = Fleet("me")
-    table = {b"me": b"100 1000 2", b"a": b"10 1000 2", b"b": b"5 990 2", b"old": b"50 1 2", b"bad": b"x",
-             b"two": b"5 1000", b"neg": b"-3 1000 2", b"other": b"70 1000 1"}
+    table = {b"me": entry(100, 1000, 2, 100), b"a": entry(10, 1000, 2, 20), b"b": entry(5, 990, 2, 5),
+             b"old": entry(50, 1, 2, 50), b"bad": b"x", b"text": b"5 1000 2", b"neg": entry(-3, 1000, 2),
+             b"other": entry(70, 1000, 1, 70)}
     stale = f.update(table, now_ms=1500, ttl_ms=1000, home=2)
-    assert f.peers_free == 15
-    assert sorted(stale) == ["bad", "old", "two"]
+    assert (f.peers_free, f.peers_cap) == (15, 25)
+    assert sorted(stale) == ["bad", "old", "text"]
     f.update(table, now_ms=1500, ttl_ms=1000, home=1)
     assert f.peers_free == 70
