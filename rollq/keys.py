@@ -158,6 +158,13 @@ class QueueKeys:
         return f"{self.tag}:hb:{consumer}"
 
     @cached_property
+    def free(self) -> str:
+        """Hash ``replica -> msgpack FreeSlots``: each replica's free capacity as of its
+        last heartbeat, which it writes and reads every beat (rollq/consumer/share.py) to take
+        its share of a burst, not the whole of it."""
+        return f"{self.tag}:free"
+
+    @cached_property
     def reclaimer(self) -> str:
         """String: the id of the one replica that scans for dead peers now (the reclaimer
         role, rollq/consumer/reclaimer.py); a TTL, renewed by its holder every reclaim turn."""
@@ -269,7 +276,7 @@ class QueueKeys:
     def all_static(self) -> list[str]:
         """Every key of the queue whose name does not depend on a producer or replica."""
         return [
-            self.jobs, self.ids, self.dlq, self.consumers, self.reclaimer, self.stats, self.latency, self.lag,
+            self.jobs, self.ids, self.dlq, self.consumers, self.free, self.reclaimer, self.stats, self.latency, self.lag,
             self.config, self.version, self.versions_log, self.admission, self.weights_group, self.weights_offer,
             self.weights_layouts, self.weights_members, self.manifests, self.load_errors,
         ]

@@ -70,6 +70,11 @@ class ReplicaContext:
     other_reads: dict[int, list[str]] = field(default_factory=dict)
     #: Loaded policy version.
     version: int = 0
+    #: Free slots of the other live replicas of the home shard, as of their last heartbeat (read
+    #: every beat, see rollq/consumer/share.py): the puller reads its share of a burst.
+    peers_free: int = 0
+    #: ... and their in-flight caps.
+    peers_cap: int = 0
     #: Commands (with socket timeouts), blocking reads and FINISH calls (both without socket
     #: timeouts, bounded by ``connection.deadline``); set when the consumer connects.
     redis: Client | None = None

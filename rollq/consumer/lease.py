@@ -4,7 +4,8 @@ Every ``heartbeat_interval`` the beat first asks the engine whether it still ser
 (:meth:`~rollq.consumer.engine.Engine.failure`; a dead one stops the replica, which hands
 its jobs back and ends its lease). Then one pipeline renews the lease key (``lease_ttl``;
 peers reclaim the jobs of a replica whose lease expired), writes the registry entry
-(:class:`~rollq.protocol.ReplicaInfo`), refreshes the queue in the registry of queues,
+(:class:`~rollq.protocol.ReplicaInfo`) and its free slots, reads the peers' free slots
+(:mod:`~rollq.consumer.share`), refreshes the queue in the registry of queues,
 adds the latency and lag histograms gathered since the last beat, and reads the cancel keys
 of running jobs. The same beat feeds the capacity controller and ends running jobs that
 were cancelled or whose deadline passed.
@@ -34,6 +35,7 @@ from ..keys import GROUP
 from ..protocol import Control, ReplicaInfo, control_message
 from ..registry import add_registration, register_queue
 from ..shards import SHARDS_FIELD, check_shards
+from . import share
 from .context import ReplicaContext, guarded
 from .jobs import Jobs
 
@@ -58,6 +60,7 @@ class Lease:
         self._leased = False
         self._registered = False  # the queue is in the registry of queues (refreshed each beat)
         self._record_due = 0.0  # time.monotonic() of the next read of the queue's shard count
+        self._fleet = share.Fleet(ctx.id)  # the peers' free slots (the puller's share of a burst)
 
     async def register(self) -> None:
         """Add the queue to the registry of queues (pruning stale names), then beat once."""
@@ -90,6 +93,11 @@ class Lease:
         pipe = ctx.redis.pipeline(transaction=False)
         pipe.set(keys.heartbeat(ctx.id), b"1", px=ttl_ms, get=True)
         pipe.hset(keys.consumers, ctx.id, msgspec.msgpack.encode(self.entry()))
+        now_ms = int(time.time() * 1000)
+        open_ = ctx.intake.is_set() and not ctx.stopping.is_set()
+        free, cap = (jobs.free_slots(), ctx.capacity.cap) if open_ else (0, 0)
+        pipe.hset(keys.free, ctx.id, share.entry(free, now_ms, ctx.home.shard_index, cap))
+        pipe.hgetall(keys.free)
         if self._registered:  # refreshed here, so a long-lived queue stays listed
             add_registration(pipe, ctx.queue, prune=False)
         self._queue_stats(pipe)
@@ -101,6 +109,10 @@ class Lease:
             pipe.hget(keys.config, SHARDS_FIELD)
         marks = self._cancel_reads(pipe)
         res = await pipe.execute()
+        stale = self._fleet.update(res[3], now_ms=now_ms, ttl_ms=ttl_ms, home=ctx.home.shard_index)
+        ctx.peers_free, ctx.peers_cap = self._fleet.peers_free, self._fleet.peers_cap
+        if stale:  # replicas gone without their release (killed): not counted, and dropped
+            await ctx.redis.hdel(keys.free, *stale)
         lapsed = res[0] is None
         if len(shards) > 1:
             at = len(res) - len(marks) - follow - (len(shards) - 1)
@@ -196,6 +208,7 @@ class Lease:
                     except ResponseError:
                         pass
             await r.hdel(keys.consumers, ctx.id)
+            await r.hdel(keys.free, ctx.id)
             await r.publish(keys.control, control_message(Control.HANDBACK, ctx.id))
         except RETRYABLE:
             pass

@@ -10,6 +10,13 @@ a rotating start, each for the slots still free, and blocks again only once ever
 looked at. So a job in a shard that is no replica's home waits about one ``block`` period at
 most, and each read stays within one shard (one slot on Redis Cluster).
 
+While other live replicas of the same home shard advertise free slots, a read of the home
+shard takes this replica's share of what waits there, not all it has room for
+(:mod:`~rollq.consumer.share`):
+a burst is spread over the replicas with free capacity, in proportion to it. Alone, or
+with every peer full, a replica reads as before. The reads of other shards take what they
+have room for (they serve shards whose own replicas are full or absent).
+
 A read whose reply was lost (a dropped connection, a Redis restart) leaves entries pending
 under this consumer that it never saw; :meth:`Puller.recover_own` takes them back, and a reply
 that arrives late after all is then skipped.
@@ -31,10 +38,16 @@ from ..keys import FIELD, GROUP
 from .context import ReplicaContext, wrong_type
 from .finisher import Finisher
 from .jobs import Jobs
+from .share import fair_share, fill_share, waiting
 
 log = logging.getLogger(__name__)
 
 _FIELD = FIELD.encode()
+#: Seconds a replica yields after reading its share of a burst, before it reads again.
+SHARE_YIELD = 0.01
+#: Seconds a replica waits in all, after reading its share of a burst, for a peer to take
+#: some of the rest before it takes all it has room for.
+SHARE_PATIENCE = 0.15
 
 
 class Puller:
@@ -50,6 +63,11 @@ class Puller:
         self._to_look: deque[int] = deque()  # other shards to read before blocking again
         self._turn = 0  # where the next look at the other shards starts
         self._looked_at = time.monotonic()  # when the last look at them ended
+        #: Entries known to wait in the home shard's shared stream (see _share); None after
+        #: an empty read, -1 after the read of one entry that woke it (not known yet).
+        self._waiting: int | None = None
+        #: The last read of the home shard took this replica's share, and more may wait.
+        self._took_share = False
         #: Streams holding a stray value (WRONGTYPE): stream -> (next try, current delay).
         self._skipped: dict[str, tuple[float, float]] = {}
 
@@ -69,7 +87,7 @@ class Puller:
                 ctx.room.clear()
                 await ctx.wait_any(ctx.room.wait(), timeout=1.0)
                 continue
-            count = min(free, s.batch)
+            count = most = min(free, s.batch)
             # The other shards first while some were not looked at since the last blocking
             # read; else block on the home shard.
             shard = self._to_look.popleft() if self._to_look else None
@@ -86,6 +104,11 @@ class Puller:
                 await ctx.wait_any(ctx.stopping.wait(), timeout=0.05 if ctx.burst else s.block)
                 resp = None
             else:
+                if shard is None and ctx.peers_free > 0:
+                    try:
+                        count = await self._share(free, most)
+                    except RETRYABLE:
+                        pass  # the read below meets the same outage and backs off
                 try:
                     resp = await self._read(shard, streams, count, block_ms, read_deadline)
                     backoff = s.backoff_initial
@@ -133,6 +156,9 @@ class Puller:
                 except RETRYABLE:
                     self._lost_read = True
             got = self._admit_reply(resp) if resp else 0
+            if shard is None:
+                self._after_home_read(got)
+                self._took_share = count < most and got >= count and self._waiting is not None and self._waiting >= 0
             if shard is None and ctx.other_reads and (got < free or time.monotonic() - self._looked_at >= s.block):
                 self._look_elsewhere()
             if not resp:
@@ -141,10 +167,61 @@ class Puller:
                 continue
             if ctx.engine_error is not None:
                 break
-            if len(self._finisher):
+            if self._took_share:
+                # A share of a burst was read and more may wait: yield, so that the other
+                # replicas with free slots take their shares before this one reads again.
+                await ctx.wait_any(ctx.stopping.wait(), timeout=SHARE_YIELD)
+            elif len(self._finisher):
                 # Jobs that finished at once (a fast engine, rejected entries): let the
                 # finisher send them before the next read, which may block.
                 await asyncio.sleep(0)
+
+    async def _share(self, free: int, most: int) -> int:
+        """How many entries the next read of the home shard takes while peers have free slots
+        (see :mod:`~rollq.consumer.share`): one while idle (a burst wakes every blocked
+        replica with one entry each), else what fills it to the fleet's level
+        (:func:`~rollq.consumer.share.fill_share`). No query while the backlog known from the last one is large enough
+        that the share is the whole read.
+
+        After a read of its share, while no peer has taken an entry since, it waits for
+        them (``SHARE_YIELD``, doubling, ``SHARE_PATIENCE`` in all: a peer may still be
+        waking); if none does by then, the peers' figures are stale (busy, stuck or gone)
+        and it takes all it has room for."""
+        ctx = self._ctx
+        known = self._waiting
+        if known is None:
+            return 1
+        peers = ctx.peers_free
+        if known >= 0 and fair_share(known, mine=free, peers=peers, most=most) >= most:
+            return most
+        now, pending = await waiting(ctx.redis, ctx.home.jobs)
+        if self._took_share and known >= 0:
+            delay, waited = SHARE_YIELD, SHARE_YIELD  # run() yielded once already
+            while now and now >= known:
+                if waited >= SHARE_PATIENCE or ctx.stopping.is_set():
+                    self._waiting = now
+                    return most
+                await ctx.wait_any(ctx.stopping.wait(), timeout=delay)
+                waited += delay
+                delay *= 2
+                now, pending = await waiting(ctx.redis, ctx.home.jobs)
+        if now == 0:
+            self._waiting = None
+            return 1
+        self._waiting = now
+        cap = ctx.capacity.cap
+        return fill_share(now, pending=pending, mine_inflight=cap - free, mine_cap=cap, peers_cap=ctx.peers_cap, most=most)
+
+    def _after_home_read(self, got: int) -> None:
+        """Track what waits in the home shard: unknown (None, idle) after an empty read;
+        else the last figure less what this replica took (the peers took some too, so it
+        only errs high, and is read again once it is small)."""
+        if not got:
+            self._waiting = None
+        elif self._waiting is not None and self._waiting >= 0:
+            self._waiting = max(0, self._waiting - got)
+        else:
+            self._waiting = -1  # woken by a burst: its size is read before the next read
 
     async def _read(self, shard: int | None, streams: list[str], count: int, block_ms: int, read_deadline: Any) -> Any:
         """One XREADGROUP: blocking on the home shard's streams (``shard`` None), else one

@@ -44,7 +44,7 @@ from .limits import (
     SCHEMA_VERSION,
 )
 from .prompts import SCORE_SETS, Scores, prompt_parts, score_spec, token_list
-from .replica import LATENCY_BUCKETS_MS, ReplicaInfo, latency_bucket
+from .replica import LATENCY_BUCKETS_MS, FreeSlots, ReplicaInfo, latency_bucket
 from .results import RAW_LOGPROBS, UNKNOWN_START, DeadLetter, ErrorInfo, LogprobSource, Result, Sample
 from .sampling import SamplingParams, validated_sampling
 from .text import cut, short
@@ -69,6 +69,6 @@ __all__ = [
     "Control", "control_message", "parse_control",
     # untrusted text
     "cut", "short",
-    # what replicas publish: the registry entry, the latency histogram's buckets
-    "ReplicaInfo", "LATENCY_BUCKETS_MS", "latency_bucket",
+    # what replicas publish: the registry entry, the free slots, the latency histogram's buckets
+    "ReplicaInfo", "FreeSlots", "LATENCY_BUCKETS_MS", "latency_bucket",
 ]

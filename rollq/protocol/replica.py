@@ -1,9 +1,12 @@
-"""Wire format of what replicas publish: the registry entry and the latency histogram.
+"""Wire format of what replicas publish: the registry entry, the free slots and the latency
+histogram.
 
 Every heartbeat a replica writes a :class:`ReplicaInfo` (msgpack) into the queue's registry
 hash (``QueueKeys.consumers``), and adds the latencies of the results it recorded into the
 queue's latency hash (``QueueKeys.latency``: bucket index -> count, buckets of
-:data:`LATENCY_BUCKETS_MS`). Status views, the dashboard and the trainer read both.
+:data:`LATENCY_BUCKETS_MS`). Status views, the dashboard and the trainer read both. Each beat it also writes its
+:class:`FreeSlots` into the queue's free-slots hash (``QueueKeys.free``), which its peers read
+to take their share of a burst (rollq/consumer/share.py).
 
 >>> latency_bucket(0.3), latency_bucket(1.0), latency_bucket(1e9) == len(LATENCY_BUCKETS_MS)
 (0, 1, True)
@@ -15,7 +18,7 @@ import bisect
 
 import msgspec
 
-__all__ = ["LATENCY_BUCKETS_MS", "ReplicaInfo", "latency_bucket"]
+__all__ = ["LATENCY_BUCKETS_MS", "FreeSlots", "ReplicaInfo", "latency_bucket"]
 
 #: Latency histogram bucket upper bounds, milliseconds (last bucket: +inf).
 LATENCY_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000, 120000, 300000)
@@ -25,6 +28,23 @@ def latency_bucket(ms: float) -> int:
     """Index of the bucket of :data:`LATENCY_BUCKETS_MS` that holds ``ms`` (upper bounds
     inclusive; ``len(LATENCY_BUCKETS_MS)`` is the +inf bucket)."""
     return bisect.bisect_left(LATENCY_BUCKETS_MS, ms)
+
+
+class FreeSlots(msgspec.Struct, array_like=True):
+    """A replica's free capacity as of its last heartbeat (msgpack, array-like).
+
+    >>> msgspec.msgpack.decode(msgspec.msgpack.encode(FreeSlots(12, 1700000000000, 0, 64)), type=FreeSlots)
+    FreeSlots(free=12, at_ms=1700000000000, home=0, cap=64)
+    """
+
+    #: Jobs it may take now (0 while paused or stopping).
+    free: int
+    #: When it wrote this, unix milliseconds.
+    at_ms: int
+    #: Its home shard (rollq/shards.py): the shard it blocks on.
+    home: int = 0
+    #: Its in-flight cap (0 while paused or stopping).
+    cap: int = 0
 
 
 class ReplicaInfo(msgspec.Struct, kw_only=True):
