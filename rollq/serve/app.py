@@ -267,8 +267,12 @@ class _Server:
         yield {**head, "choices": [], "usage": self._usage(res, len(prompt_ids) or res.prompt_tokens)}
 
 
+#: Job errors that are the request's fault: vLLM's server answers these with 400.
+_CLIENT_ERRORS = frozenset({"InvalidJob", "PromptTooLong", "JobRejected"})
+
+
 def _job_error(res: Result) -> Response:
-    code = 400 if res.error is not None and res.error.type in ("InvalidJob", "PromptTooLong") else 500
+    code = 400 if res.error is not None and res.error.type in _CLIENT_ERRORS else 500
     return error_response(f"{res.error.type}: {res.error.message}", code)
 
 
