@@ -174,9 +174,9 @@ async def heldout_reward(url: str, queue: str, task: Any, tokenizer: Any, group_
     async with Producer(url, queue, producer_id="heldout-eval") as p:
         specs = [dict(s, min_version=version) if version else s for s in task.heldout_specs(tokenizer, group_size)]
         results = await p.gather(await p.submit_many(specs), timeout=600)
-    failed = [r for r in results if r.error is not None]
-    if failed:
-        raise RuntimeError(f"{len(failed)} held-out jobs failed, e.g. {failed[0].error.type}: {failed[0].error.message}")
+    errors = [r.error for r in results if r.error is not None]
+    if errors:
+        raise RuntimeError(f"{len(errors)} held-out jobs failed, e.g. {errors[0].type}: {errors[0].message}")
     rewards = [x for r in results for x in task.rewards(r)]
     return sum(rewards) / len(rewards)
 

@@ -13,9 +13,8 @@ times whether the completion stopped after exactly ``L`` of them:
 
 A uniform policy almost never stops (two EOS ids in 1024): its reward is close to 0.
 
->>> from rollq.protocol import Result, Sample, pack_i32
 >>> task = LengthTask(vocab_size=1024)
->>> task.reward(2, 3, [512, 600, 700, 3]), task.reward(2, 3, [512, 600, 3]), task.reward(2, 3, [512, 0, 700, 3])
+>>> task.reward(2, 3, [512, 600, 700, 3]), task.reward(2, 3, [512, 600, 3]), task.reward(2, 3, [512, 5, 700, 3])
 (1.0, 0.0, 0.6666666666666666)
 >>> task.reward(2, 3, [512, 600, 700, 701])       # no EOS: cut at max_tokens
 0.0
