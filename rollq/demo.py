@@ -29,6 +29,46 @@ log = logging.getLogger("rollq.demo")
 
 QUEUE = "demo"
 
+#: Per task: the tiny model's shape (:func:`~rollq.testing.tiny_model.build_tiny_model`
+#: arguments; {} is the default model) and the run's defaults where the command line leaves
+#: them out. Why each recipe is what it is: benchmarks/README.md, "Harder tasks".
+#: ``decay_after``: the learning rate is ``lr * min(1, decay_after / step)`` (None: constant).
+RECIPES: dict[str, dict[str, Any]] = {
+    "bucket": {"model": {}, "steps": 40, "groups": 16, "group_size": 8, "lr": 5e-3, "decay_after": None},
+    "positional": {"model": {"layers": 4}, "steps": 600, "groups": 16, "group_size": 8, "lr": 2e-3, "decay_after": 100},
+    "length": {"model": {}, "steps": 600, "groups": 16, "group_size": 16, "lr": 5e-3, "decay_after": 100},
+}
+
+
+def lr_at(lr: float, decay_after: int | None, step: int) -> float:
+    """The learning rate of ``step``: constant, or ``lr * decay_after / step`` past ``decay_after``.
+
+    >>> lr_at(2e-3, 100, 50), lr_at(2e-3, 100, 400), lr_at(2e-3, None, 400)
+    (0.002, 0.0005, 0.002)
+    """
+    return lr if decay_after is None or step <= decay_after else lr * decay_after / step
+
+
+def resolve(a: argparse.Namespace) -> argparse.Namespace:
+    """``a`` with the task's recipe filling the run options the command line left at None."""
+    recipe = RECIPES[a.task]
+    for key in ("steps", "groups", "group_size", "lr"):
+        if getattr(a, key, None) is None:
+            setattr(a, key, recipe[key])
+    return a
+
+
+def model_for(task: str) -> str:
+    """The tiny model folder of ``task``'s recipe (other shapes live beside the default one)."""
+    from .testing.tiny_model import default_model_dir, ensure_tiny_model
+
+    shape = RECIPES[task]["model"]
+    if not shape:
+        return str(ensure_tiny_model())
+    base = default_model_dir()
+    tag = "-".join(f"{k}{v}" for k, v in sorted(shape.items()))
+    return str(ensure_tiny_model(base.with_name(f"{base.name}-{tag}"), **shape))
+
 
 def _device(transport: str) -> str:
     import torch
@@ -43,13 +83,15 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from transformers import AutoTokenizer
 
-    from .rl import BucketTask, GrpoConfig, GrpoTrainer, LoopConfig, Replicas, plot_run, run_loop
+    from .rl import GrpoConfig, GrpoTrainer, LoopConfig, Replicas, plot_run, run_loop
+    from .rl.tasks import make_task
     from .server import RedisServer
-    from .testing.tiny_model import ensure_tiny_model
 
-    model_dir = str(ensure_tiny_model())
+    a = resolve(a)
+    model_dir = model_for(a.task)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    task = BucketTask(vocab_size=len(tokenizer))
+    task = make_task(a.task, len(tokenizer))
+    heldout: float | None = None
     learn = a.engine == "vllm"
     broadcast = learn and a.transport in ("gloo", "nccl")
     cfg = LoopConfig(
@@ -81,10 +123,18 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                 ) as prog:
                     bar = prog.add_task("", total=a.steps)
 
+                    decay_after = RECIPES[a.task]["decay_after"]
+
                     def on_step(rec: Any) -> None:
                         prog.update(bar, advance=1, description=f"reward {rec.reward:.3f}  v{rec.version}")
+                        if trainer is not None:  # the next step's rate (the loop calls this between steps)
+                            for g in trainer.optimizer.param_groups:
+                                g["lr"] = lr_at(a.lr, decay_after, rec.step + 1)
 
                     report = await run_loop(srv.url, QUEUE, trainer, task, tokenizer, publisher, cfg, on_step=on_step)
+                if trainer is not None and hasattr(task, "heldout_specs"):
+                    with console.status("held-out prompts..."):
+                        heldout = await heldout_reward(srv.url, QUEUE, task, tokenizer, a.group_size, trainer.version)
                 report.updates = replicas.update_history()
                 served, converted = replicas.served_dtype, replicas.converted_from()
                 if publisher is not None:
@@ -94,18 +144,41 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     finally:
         shutil.rmtree(weights_root, ignore_errors=True)
     summary = report.summary()
-    summary.update(jobs=a.steps * a.groups, engine=a.engine, replicas=a.replicas, transport=a.transport if learn else "none",
-                   seed=a.seed, lr=a.lr if learn else None, engine_start_s=round(replicas.start_s, 1),
+    if heldout is not None:
+        summary["reward_heldout"] = round(heldout, 4)
+    summary.update(task=a.task, model=RECIPES[a.task]["model"] or "default", jobs=a.steps * a.groups, engine=a.engine,
+                   replicas=a.replicas, transport=a.transport if learn else "none",
+                   seed=a.seed, lr=a.lr if learn else None, lr_decay_after=RECIPES[a.task]["decay_after"] if learn else None, engine_start_s=round(replicas.start_s, 1),
                    served_dtype=served, trainer_dtype=trainer.dtype if trainer is not None else None,
                    converted_from=converted)
     try:
         png = plot_run(report.per_step(), a.plot, random_policy_reward=task.random_policy_reward,
-                       title=f"rollq demo: {a.engine}, {a.replicas} replicas, max lag {a.max_lag}, seed {a.seed}")
+                       title=f"rollq demo {a.task}: {a.engine}, {a.replicas} replicas, max lag {a.max_lag}, seed {a.seed}")
         summary["plot"] = str(png)
     except ModuleNotFoundError as e:  # matplotlib comes with the rl extra
         log.warning("no plot (%s); pip install 'rollq[rl]' for the reward plot", e)
         summary["plot"] = None
     return summary
+
+
+async def heldout_reward(url: str, queue: str, task: Any, tokenizer: Any, group_size: int, version: int) -> float:
+    """Mean reward of ``group_size`` samples on each held-out prompt of ``task``
+    (``task.heldout_specs``), generated by the replicas of ``queue`` at ``version`` (the
+    final policy) or later.
+
+    >>> await heldout_reward(url, "demo", PositionalTask(), tokenizer, 8, trainer.version)   # doctest: +SKIP
+    0.66
+    """
+    from .producer.client import Producer
+
+    async with Producer(url, queue, producer_id="heldout-eval") as p:
+        specs = [dict(s, min_version=version) if version else s for s in task.heldout_specs(tokenizer, group_size)]
+        results = await p.gather(await p.submit_many(specs), timeout=600)
+    errors = [r.error for r in results if r.error is not None]
+    if errors:
+        raise RuntimeError(f"{len(errors)} held-out jobs failed, e.g. {errors[0].type}: {errors[0].message}")
+    rewards = [x for r in results for x in task.rewards(r)]
+    return sum(rewards) / len(rewards)
 
 
 def _publisher(url: str, weights_root: str, a: argparse.Namespace) -> Any:
@@ -121,7 +194,7 @@ def _publisher(url: str, weights_root: str, a: argparse.Namespace) -> Any:
 
 
 #: Summary keys shown first in the table (the rest follow in order).
-_HEADLINE = ("reward_first", "reward_last", "random_policy_reward", "versions", "lag_histogram",
+_HEADLINE = ("task", "reward_first", "reward_last", "reward_heldout", "random_policy_reward", "versions", "lag_histogram",
              "logprob_abs_diff_mean", "logprob_abs_diff_max", "weight_update_s", "pause_s",
              "rollout_tokens_per_s", "wall_s", "plot")
 

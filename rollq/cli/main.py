@@ -9,7 +9,7 @@
     rollq check --id REPLICA                     liveness probe: exit 0 if its lease is live
     rollq dashboard [--port P]                   live web dashboard, JSON API, /metrics
     rollq top                                    live terminal view
-    rollq demo [--json]                          an async GRPO run that learns (embedded Redis, vLLM, trainer)
+    rollq demo [--task T] [--json]               an async GRPO run that learns (embedded Redis, vLLM, trainer)
 
 ``--url`` defaults to ``$ROLLQ_REDIS_URL``; ``--queue`` to ``default`` (``status``, ``dashboard``
 and ``top``: every queue in use, from the registry producers and consumers keep).
@@ -43,14 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="end-to-end demo: an async GRPO run through rollq (embedded Redis, vLLM replicas, trainer)")
     s.add_argument("--engine", choices=["echo", "vllm"], default="vllm",
                    help="vllm: train the tiny model; echo: queue only (no weights, nothing trained)")
+    s.add_argument("--task", choices=["bucket", "positional", "length"], default="bucket",
+                   help="bucket: the quick run; positional, length: harder tasks (rollq/rl/tasks), each with its "
+                        "own recipe (model, steps, groups, lr) for the options left out")
     s.add_argument("--replicas", type=int, default=2)
-    s.add_argument("--steps", type=int, default=40, help="trainer steps (policy versions published)")
-    s.add_argument("--groups", type=int, default=16, help="GRPO groups (jobs) per step")
-    s.add_argument("--group-size", type=int, default=8, help="samples per group (sampling n)")
+    s.add_argument("--steps", type=int, help="trainer steps (policy versions published; default: the task's, 40 for bucket)")
+    s.add_argument("--groups", type=int, help="GRPO groups (jobs) per step (default: the task's, 16 for bucket)")
+    s.add_argument("--group-size", type=int, help="samples per group (sampling n; default: the task's, 8 for bucket)")
     s.add_argument("--max-lag", type=int, default=1, help="staleness bound in policy versions")
     s.add_argument("--transport", choices=["memmap", "gloo", "nccl"], default="memmap",
                    help="weight sync: memmap files, or a gloo (CPU) / NCCL (GPU) broadcast")
-    s.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate")
+    s.add_argument("--lr", type=float, help="Adam learning rate (default: the task's, 5e-3 for bucket)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--trainer-threads", type=int, default=1, help="CPU: torch threads of the trainer")
     s.add_argument("--dtype", default="auto",

@@ -253,7 +253,8 @@ async def run_loop(
     """Run ``config.steps`` steps of GRPO through the queue (see the module doc).
 
     ``trainer`` is a :class:`~rollq.rl.grpo.GrpoTrainer` (None: queue only, nothing trained or
-    published, e.g. on the echo engine), ``task`` a :class:`~rollq.rl.task.BucketTask`,
+    published, e.g. on the echo engine), ``task`` a :class:`~rollq.rl.task.BucketTask` or one of
+    :mod:`rollq.rl.tasks` (``job_specs``, ``rewards``, ``prompt_of``, ``random_policy_reward``),
     ``publisher`` a :class:`~rollq.weightsync.publisher.WeightPublisher` (with a broadcast
     ``sender`` for ``transport="broadcast"``; unused, may be None, with ``publish=False``).
     ``on_step`` is called after every step.
@@ -265,7 +266,6 @@ async def run_loop(
 
     rng = random.Random(config.seed)
     B = config.groups_per_step
-    prompts = {b: task.prompt_ids(tokenizer, b) for b in range(task.buckets)}
     steps: list[StepRecord] = []
     jobs: list[tuple[str, float, float]] = []
     async with Producer(url, queue, producer_id=producer_id) as p:
@@ -319,7 +319,7 @@ async def run_loop(
                 if trainer is not None:
                     t1 = time.perf_counter()
                     if ok:  # in a thread: the event loop keeps serving the replicas meanwhile
-                        st = await asyncio.to_thread(trainer.step, [(prompts[int(r.meta["bucket"])], r) for r in ok], rewards)
+                        st = await asyncio.to_thread(trainer.step, [(task.prompt_of(tokenizer, r), r) for r in ok], rewards)
                         rec.loss, rec.clip_frac = st.loss, st.clip_frac
                         rec.diff_sum, rec.diff_max, rec.diff_tokens = st.diff_sum, st.diff_max, st.diff_tokens
                         rec.diff_by_lag, rec.loss_stats = st.diff_by_lag, dict(st.extra)

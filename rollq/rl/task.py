@@ -73,6 +73,10 @@ class BucketTask:
         """Token ids of the prompt for ``bucket`` (the tokenizer's encoding of :meth:`prompt_text`)."""
         return list(tokenizer.encode(self.prompt_text(bucket), add_special_tokens=False))
 
+    def prompt_of(self, tokenizer: Any, result: Any) -> list[int]:
+        """The prompt a result was generated from (its bucket rides in ``meta``)."""
+        return self.prompt_ids(tokenizer, int(result.meta["bucket"]))
+
     def sampling(self, group_size: int) -> dict[str, Any]:
         """Sampling params of one job: a GRPO group of ``group_size`` samples at temperature 1
         (vLLM's logprobs are those of the unscaled logits), the sampled tokens' logprobs."""

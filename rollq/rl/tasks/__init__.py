@@ -1,0 +1,36 @@
+"""The harder tasks of ``rollq demo --task``: each needs something the bucket task does not.
+
+- ``positional`` (:class:`PositionalTask`): output token ``j`` must follow prompt digit
+  ``j``: attention to a position, credit assignment across tokens, a held-out split;
+- ``length`` (:class:`LengthTask`): stop after exactly ``L`` tokens: EOS, variable
+  lengths, padding and masking.
+
+Every task has the interface the RL loop uses (:func:`rollq.rl.run_loop`):
+``job_specs(tokenizer, rng, count, group_size)``, ``rewards(result)``,
+``prompt_of(tokenizer, result)`` and ``random_policy_reward``.
+
+>>> make_task("positional", vocab_size=1024).random_policy_reward
+0.25
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..task import BucketTask
+from .length import LengthTask
+from .positional import PositionalTask
+
+__all__ = ["LengthTask", "PositionalTask", "TASKS", "make_task"]
+
+#: ``rollq demo --task`` names.
+TASKS = {"bucket": BucketTask, "positional": PositionalTask, "length": LengthTask}
+
+
+def make_task(name: str, vocab_size: int, **kwargs: Any) -> Any:
+    """The task called ``name`` (:data:`TASKS`) for a vocabulary of ``vocab_size`` ids."""
+    try:
+        cls = TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; one of {sorted(TASKS)}") from None
+    return cls(vocab_size=vocab_size, **kwargs)

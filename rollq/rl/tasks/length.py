@@ -1,0 +1,117 @@
+"""``rollq demo --task length``: write ``L`` tokens from the named quarter, then stop.
+
+The prompt names a quarter ``q`` of the vocabulary and a length ``L`` in
+``min_length .. max_length`` (``"2222" + "5555"``: quarter 2, five tokens). Sampling stops
+at EOS (``ignore_eos`` off, ``max_tokens = max_length + 1``), so completions have different
+lengths: the task exercises EOS, padding and masking and length bias, which fixed-length
+tasks never touch. The reward is the in-quarter fraction of the tokens before the stop
+times whether the completion stopped after exactly ``L`` of them:
+
+- a completion that holds an EOS id (:attr:`LengthTask.eos_ids`; vLLM ends it there), or
+  whose ``finish_reason`` is ``"stop"``, stopped; its content is the tokens before the EOS;
+- one cut at ``max_tokens`` (``finish_reason`` ``"length"``) did not stop and earns 0.
+
+A uniform policy almost never stops (two EOS ids in 1024): its reward is close to 0.
+
+>>> task = LengthTask(vocab_size=1024)
+>>> task.reward(2, 3, [512, 600, 700, 3]), task.reward(2, 3, [512, 600, 3]), task.reward(2, 3, [512, 5, 700, 3])
+(1.0, 0.0, 0.6666666666666666)
+>>> task.reward(2, 3, [512, 600, 700, 701])       # no EOS: cut at max_tokens
+0.0
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+__all__ = ["LengthTask"]
+
+
+@dataclass(frozen=True)
+class LengthTask:
+    """Write exactly ``L`` tokens from quarter ``q`` and stop (see the module doc)."""
+
+    #: The model's vocabulary size (ids ``0 .. vocab_size - 1`` can be sampled).
+    vocab_size: int = 1024
+    #: Equal contiguous ranges of the vocabulary; a prompt names one.
+    quarters: int = 4
+    min_length: int = 2
+    max_length: int = 8
+    #: Token ids that end a completion (the tiny model's ``<|im_end|>`` and ``<|endoftext|>``,
+    #: its ``generation_config`` ``eos_token_id``).
+    eos_ids: tuple[int, ...] = (3, 0)
+    #: Times the quarter and the length are each written in the prompt.
+    repeat: int = 4
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.quarters <= 10 or self.vocab_size < self.quarters:
+            raise ValueError("LengthTask needs 2 <= quarters <= 10 and vocab_size >= quarters")
+        if not 1 <= self.min_length <= self.max_length <= 9 or self.repeat < 1:
+            raise ValueError("LengthTask needs 1 <= min_length <= max_length <= 9 and repeat >= 1")
+
+    def quarter_of(self, token_id: int) -> int:
+        return token_id * self.quarters // self.vocab_size
+
+    def content(self, token_ids: Sequence[int], finish_reason: str | None = None) -> list[int] | None:
+        """The tokens before the first EOS id, or None if the completion did not stop (no
+        EOS id and a ``finish_reason`` other than ``"stop"``)."""
+        ids = list(token_ids)
+        for i, t in enumerate(ids):
+            if t in self.eos_ids:
+                return ids[:i]
+        return ids if finish_reason == "stop" else None
+
+    def reward(self, quarter: int, length: int, token_ids: Sequence[int], finish_reason: str | None = None) -> float:
+        """In-quarter fraction of the content times whether it is exactly ``length`` tokens long."""
+        body = self.content(token_ids, finish_reason)
+        if body is None or len(body) != length:
+            return 0.0
+        return sum(self.quarter_of(t) == quarter for t in body) / length
+
+    @property
+    def random_policy_reward(self) -> float:
+        """The uniform policy's expected reward (exact, over the prompts drawn uniformly): it
+        must stop after exactly ``L`` tokens, each in the quarter, then draw an EOS."""
+        v, e = self.vocab_size, len(self.eos_ids)
+        lengths = range(self.min_length, self.max_length + 1)
+        # Content tokens are non-EOS; the EOS ids are in quarter 0 only (low ids), so the
+        # in-quarter fraction's expectation is the share of non-EOS ids in the quarter.
+        cont = 1 - e / v
+        share = sum(
+            sum(1 for t in range(v) if t not in self.eos_ids and self.quarter_of(t) == q) / (v - e)
+            for q in range(self.quarters)
+        ) / self.quarters
+        return sum(cont**n * (e / v) * share for n in lengths) / len(lengths)
+
+    def prompt_text(self, quarter: int, length: int) -> str:
+        return str(quarter) * self.repeat + str(length) * self.repeat
+
+    def prompt_ids(self, tokenizer: Any, quarter: int, length: int) -> list[int]:
+        return list(tokenizer.encode(self.prompt_text(quarter, length), add_special_tokens=False))
+
+    def prompt_of(self, tokenizer: Any, result: Any) -> list[int]:
+        """The prompt a result was generated from (quarter and length ride in ``meta``)."""
+        return self.prompt_ids(tokenizer, int(result.meta["quarter"]), int(result.meta["length"]))
+
+    def sampling(self, group_size: int) -> dict[str, Any]:
+        """A GRPO group at temperature 1 that stops at EOS, at most ``max_length + 1`` tokens."""
+        return {
+            "max_tokens": self.max_length + 1, "n": group_size, "temperature": 1.0, "logprobs": 0,
+            "ignore_eos": False, "detokenize": False,
+        }
+
+    def job_specs(self, tokenizer: Any, rng: random.Random, count: int, group_size: int) -> list[dict[str, Any]]:
+        """``count`` jobs with quarter and length drawn from ``rng``."""
+        out = []
+        for _ in range(count):
+            q, n = rng.randrange(self.quarters), rng.randint(self.min_length, self.max_length)
+            out.append({"prompt_token_ids": self.prompt_ids(tokenizer, q, n), "sampling": self.sampling(group_size),
+                        "meta": {"quarter": q, "length": n}})
+        return out
+
+    def rewards(self, result: Any) -> list[float]:
+        """Rewards of a result's samples (trainer side)."""
+        q, n = int(result.meta["quarter"]), int(result.meta["length"])
+        return [self.reward(q, n, s.token_ids, s.finish_reason) for s in result.samples]
