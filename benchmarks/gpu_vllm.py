@@ -201,7 +201,8 @@ class Load:
 
 async def engine_main(a: argparse.Namespace) -> None:
     from rollq import Consumer, ConsumerSettings, RedisServer
-    from rollq.consumer.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollq.consumer.vllm_config import VllmEngineConfig
+    from rollq.consumer.vllm_engine import VllmEngine
     from rollq.settings import WeightSyncSettings
     from rollq.weightsync.follower import WeightFollower
     from rollq.weightsync.worker_calls import WorkerCalls

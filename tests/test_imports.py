@@ -15,9 +15,6 @@ ROOT = Path(rollq.__file__).parent
 #: modules; a new cycle fails the test, and one listed here that is gone fails it too (so the
 #: list only shrinks).
 KNOWN_CYCLES: set[tuple[str, ...]] = {
-    # VllmEngineConfig (vllm_engine) is named in vllm_api's annotations (TYPE_CHECKING); the
-    # engine adapter's split is another part of issue 24.
-    ("rollq.consumer.vllm_api", "rollq.consumer.vllm_engine"),
     # Worker-side weight sync, moved into per-process folders by another part of issue 24:
     # the offer listener and the receiver that owns it; the worker state and the memmap
     # staging it creates.

@@ -118,7 +118,8 @@ def tiny_model_path() -> Path:
 
 async def _started_engine(model: Path, **config: Any) -> AsyncIterator[Any]:
     pytest.importorskip("vllm")
-    from rollq.consumer.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollq.consumer.vllm_config import VllmEngineConfig
+    from rollq.consumer.vllm_engine import VllmEngine
 
     engine = VllmEngine(
         VllmEngineConfig(

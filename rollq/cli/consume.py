@@ -15,7 +15,8 @@ def make_engine(a: argparse.Namespace) -> Any:
 
     if a.engine == "echo":
         return EchoEngine(delay_per_token=a.echo_delay_ms / 1000.0)
-    from ..consumer.vllm_engine import VllmEngine, VllmEngineConfig
+    from ..consumer.vllm_config import VllmEngineConfig
+    from ..consumer.vllm_engine import VllmEngine
 
     model = a.model
     if not model:

@@ -63,7 +63,8 @@ class EngineSpec:
 
             return EchoEngine(**self.options)
         if self.kind == "vllm":
-            from .vllm_engine import VllmEngine, VllmEngineConfig
+            from .vllm_config import VllmEngineConfig
+            from .vllm_engine import VllmEngine
 
             return VllmEngine(VllmEngineConfig(**self.options))
         raise ValueError(f"unknown engine kind {self.kind!r} (echo, vllm)")

@@ -26,7 +26,7 @@ from ..protocol import LogprobSource, Sample, SamplingParams, pack_f32, pack_i32
 from .engine import EngineOutput
 
 if TYPE_CHECKING:
-    from .vllm_engine import VllmEngineConfig
+    from .vllm_config import VllmEngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class _Api:
 
 
 def engine_args(api: _Api, cfg: VllmEngineConfig) -> Any:
-    """``AsyncEngineArgs`` for ``cfg`` (see :class:`~rollq.consumer.vllm_engine.VllmEngineConfig`
+    """``AsyncEngineArgs`` for ``cfg`` (see :class:`~rollq.consumer.vllm_config.VllmEngineConfig`
     for the CPU defaults); a field this vLLM does not have is refused with its name."""
     fields = api.engine_arg_fields
     cpu = on_cpu()

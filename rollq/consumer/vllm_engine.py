@@ -46,7 +46,6 @@ import gc
 import inspect
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import EngineDead, EngineFailed, InvalidJob, PromptTooLong, RollqError
@@ -55,6 +54,7 @@ from ..weightsync.worker_calls import WorkerCalls
 from . import vllm_api, vllm_children, vllm_liveness
 from .engine import DoneCallback, Engine, EngineOutput, EngineStats, SwapProgress
 from .vllm_api import DEFAULT_CPU_KV_CACHE_BYTES, _Api, _vllm
+from .vllm_config import VllmEngineConfig
 from .vllm_stats import StatsSink, stat_logger_factory
 
 if TYPE_CHECKING:
@@ -62,70 +62,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VllmEngine", "VllmEngineConfig", "DEFAULT_CPU_KV_CACHE_BYTES"]
+__all__ = ["VllmEngine", "DEFAULT_CPU_KV_CACHE_BYTES"]
 
 #: How long :meth:`VllmEngine.stop` waits for request tasks to unwind.
 STOP_TIMEOUT_S = 10.0
 #: Request ids that reported, remembered for :meth:`VllmEngine.swap_progress` (the newest).
 RECENT_KEEP = 4096
-
-
-@dataclass
-class VllmEngineConfig:
-    """How to build the ``AsyncLLM`` of one replica.
-
-    >>> VllmEngineConfig(model="Qwen/Qwen2.5-7B", max_model_len=8192).tensor_parallel_size
-    1
-    """
-
-    #: Model folder or hub name.
-    model: str
-    #: Tokenizer folder or name (default: the model's).
-    tokenizer: str | None = None
-    #: GPUs per replica (tensor parallel).
-    tensor_parallel_size: int = 1
-    #: dtype of the served weights. ``"auto"``: float32 on CPU (bf16 crashes vLLM's CPU
-    #: attention); elsewhere the checkpoint's own dtype as its ``config.json`` gives it, so a
-    #: float32 checkpoint is served in float32 on a GPU too (vLLM's own ``"auto"`` would serve
-    #: it in bfloat16). Name ``"bfloat16"`` to serve a float32 checkpoint in bf16: the replica
-    #: then accepts float32 versions and rounds them, and says so once in its log and in
-    #: ``rollq status`` (``served_dtype``).
-    dtype: str = "auto"
-    #: Context window; None takes the model's.
-    max_model_len: int | None = None
-    #: GPU: fraction of device memory vLLM may use. CPU: fraction of RAM, only when no KV size
-    #: is set (this adapter sets one on CPU).
-    gpu_memory_utilization: float = 0.9
-    #: KV-cache size in bytes. None: vLLM's choice on GPU, :data:`DEFAULT_CPU_KV_CACHE_BYTES`
-    #: on CPU. vLLM versions without ``kv_cache_memory_bytes`` get ``VLLM_CPU_KVCACHE_SPACE``
-    #: (GiB, rounded up) instead, unless that variable is already set; where it is set, vLLM
-    #: 0.32's CPU backend lets it override this value.
-    kv_cache_memory_bytes: int | None = None
-    #: Skip CUDA graphs / torch.compile. None: True on CPU, where compiling costs more than it gains.
-    enforce_eager: bool | None = None
-    #: vLLM's global seed (per-request seeds come from the job's sampling params).
-    seed: int = 0
-    #: None keeps vLLM's default (on).
-    enable_prefix_caching: bool | None = None
-    #: Most sequences scheduled at once; None keeps vLLM's default.
-    max_num_seqs: int | None = None
-    #: Dotted path of a class mixed into every vLLM worker (weight sync calls its methods by
-    #: name through :meth:`VllmEngine.collective_rpc`).
-    worker_extension_cls: str | None = None
-    #: vLLM's default stat loggers. :meth:`VllmEngine.stats` works either way: its own stat
-    #: logger switches statistics on.
-    disable_log_stats: bool = False
-    #: See the module docstring's length policy.
-    truncate_generation: bool = False
-    #: What the samples' logprobs are (vLLM's ``logprobs_mode``; each sample says which, see
-    #: :class:`~rollq.protocol.LogprobSource`). ``"raw_logprobs"``: of the raw logits, the
-    #: probabilities the tokens were sampled from only at temperature 1 with no top-p,
-    #: top-k, min-p or penalties. ``"processed_logprobs"``: of the distribution the tokens
-    #: were sampled from, after those; what a trainer needs at another temperature.
-    logprobs_mode: str = "raw_logprobs"
-    #: Any other ``AsyncEngineArgs`` field, passed as is (and checked against the installed
-    #: vLLM's fields).
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class VllmEngine(Engine):

@@ -5,18 +5,8 @@
 ``rollq demo`` and ``benchmarks/rl_loop.py`` are built from these parts.
 """
 
-from .grpo import (
-    GrpoConfig,
-    GrpoTrainer,
-    SamplingTransformError,
-    StepStats,
-    behavior_temperature,
-    group_advantages,
-    grpo_loss,
-    logprob_agreement,
-    single_version,
-    token_logprobs,
-)
+from .behavior import SamplingTransformError, behavior_temperature, logprob_agreement, single_version, token_logprobs
+from .grpo import GrpoConfig, GrpoTrainer, StepStats, group_advantages, grpo_loss
 from .loop import LoopConfig, LoopReport, StepRecord, busy_fraction, run_loop
 from .plot import plot_run
 from .replicas import Replicas

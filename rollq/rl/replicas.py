@@ -81,7 +81,8 @@ class Replicas:
 
         if self.kind == "echo":
             return [EchoEngine(delay_per_token=0.0005) for _ in range(self.count)]
-        from ..consumer.vllm_engine import VllmEngine, VllmEngineConfig
+        from ..consumer.vllm_config import VllmEngineConfig
+        from ..consumer.vllm_engine import VllmEngine
         from ..testing.tiny_model import ensure_tiny_model
 
         self.model = self.model or str(ensure_tiny_model())

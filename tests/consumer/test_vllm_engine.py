@@ -364,7 +364,8 @@ class FakeLLM:
 
 def fake_engine(behaviour: str) -> Any:
     pytest.importorskip("vllm")
-    from rollq.consumer.vllm_engine import VllmEngine, VllmEngineConfig, _vllm
+    from rollq.consumer.vllm_config import VllmEngineConfig
+    from rollq.consumer.vllm_engine import VllmEngine, _vllm
 
     engine = VllmEngine(VllmEngineConfig(model="fake"))
     engine._api, engine._llm, engine.max_model_len = _vllm(), FakeLLM(behaviour), 64
@@ -419,7 +420,8 @@ async def test_stop_fails_running_requests_with_engine_dead():
 async def test_logprobs_mode_rollq_cannot_label_is_refused(config, says):
     pytest.importorskip("vllm")
     from rollq.consumer.vllm_api import engine_args
-    from rollq.consumer.vllm_engine import VllmEngineConfig, _vllm
+    from rollq.consumer.vllm_config import VllmEngineConfig
+    from rollq.consumer.vllm_engine import _vllm
 
     with pytest.raises(ValueError, match=says):
         engine_args(_vllm(), VllmEngineConfig(model="fake", **config))

@@ -424,7 +424,8 @@ async def test_fsdp2_trainer_updates_two_vllm_replicas_whose_logprobs_agree(vllm
     from transformers import AutoModelForCausalLM
 
     from rollq import Producer
-    from rollq.consumer.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollq.consumer.vllm_config import VllmEngineConfig
+    from rollq.consumer.vllm_engine import VllmEngine
     from rollq.rl import logprob_agreement
     from rollq.weightsync import WeightPublisher
     from tests.helpers import until

@@ -32,7 +32,8 @@ async def tp_engine(tiny_model_path):
     pytest.importorskip("vllm")
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("tensor_parallel_size=2 on GPUs needs two of them")
-    from rollq.consumer.vllm_engine import VllmEngine, VllmEngineConfig
+    from rollq.consumer.vllm_config import VllmEngineConfig
+    from rollq.consumer.vllm_engine import VllmEngine
 
     engine = VllmEngine(VllmEngineConfig(
         model=str(tiny_model_path), tensor_parallel_size=2, max_model_len=TEST_MAX_MODEL_LEN,
