@@ -20,6 +20,18 @@ from .jobs import Jobs
 
 log = logging.getLogger(__name__)
 
+#: Longest wait for a control message before the listener looks at ``ctx.closed`` again (s).
+POLL_S = 1.0
+#: Longest wait for a subscription's close (s); see :meth:`ControlListener._close`.
+CLOSE_S = 2.0
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """Read a finished close's outcome, so that a failed close is logged, not reported as
+    "exception never retrieved"."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("control channel: closing the subscription failed: %r", task.exception())
+
 
 class ControlListener:
     """The subscription task (:meth:`run`) and the dispatch of each message."""
@@ -36,6 +48,12 @@ class ControlListener:
         self._handlers.append(cb)
 
     async def run(self) -> None:
+        """Follow the control channel until the replica closes, resubscribing after an outage.
+
+        The read wakes at least once a second to see ``ctx.closed``, so shutdown ends it without
+        a cancel; a cancel ends it too. Either way the subscription is closed with a bound
+        (:meth:`_close`): a close that hangs must not keep the replica from stopping.
+        """
         ctx = self._ctx
         backoff = ctx.settings.backoff_initial
         while not ctx.closed:
@@ -43,22 +61,32 @@ class ControlListener:
             try:
                 await pubsub.subscribe(ctx.keys.control)
                 backoff = ctx.settings.backoff_initial
-                async for msg in pubsub.listen():
-                    if msg.get("type") != "message":
-                        continue
-                    self.on_message(msg["data"].decode(errors="replace"))
-            except asyncio.CancelledError:
-                await pubsub.aclose()
-                raise
+                while not ctx.closed:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=POLL_S)
+                    if msg is not None and msg.get("type") == "message":
+                        self.on_message(msg["data"].decode(errors="replace"))
             except RETRYABLE as e:
                 log.debug("control channel lost (%s)", e)
+                await self._close(pubsub)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, ctx.settings.backoff_max)
             finally:
-                try:
-                    await pubsub.aclose()
-                except Exception:
-                    pass
+                await self._close(pubsub)
+
+    @staticmethod
+    async def _close(pubsub: Any) -> None:
+        """Close ``pubsub`` in a task of its own and wait for it at most ``CLOSE_S``.
+
+        redis-py finishes a pub/sub's teardown even when the caller is cancelled, and waits for
+        it uncancellably; a teardown that never finishes (a connection stuck mid-close) would
+        then hold this task, and the replica's shutdown, forever. Past the bound it is left to
+        finish on its own. Closing twice is harmless (the second finds no connection).
+        """
+        closing = asyncio.ensure_future(pubsub.aclose())
+        closing.add_done_callback(_retrieve)
+        done, _ = await asyncio.wait({closing}, timeout=CLOSE_S)
+        if not done:
+            log.warning("control channel: closing the subscription took over %.0fs; left to finish", CLOSE_S)
 
     def on_message(self, text: str) -> None:
         verb, arg = parse_control(text)
