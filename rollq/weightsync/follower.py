@@ -111,11 +111,6 @@ class WeightFollower:
         s = self.settings = settings or WeightSyncSettings()
         self.consumer = consumer
         self.engine = consumer.engine
-        self.root = s.root
-        self.reconcile_interval = s.reconcile_interval
-        self.load_timeout = s.load_timeout
-        self.drain_timeout = s.drain_timeout
-        self.default_policy = s.default_policy
         #: Checkpoint manifest of the served model (None: the engine has no model folder).
         self.manifest: Manifest | None = None
         self.history: list[UpdateStats] = []
@@ -185,7 +180,7 @@ class WeightFollower:
     async def _catch_up(self) -> None:
         """Load the committed version; one broadcast before this replica joined is not
         loadable: wait (``load_timeout``) for the next version instead (module docstring)."""
-        deadline = time.monotonic() + self.load_timeout
+        deadline = time.monotonic() + self.settings.load_timeout
         while True:
             try:
                 await self._reconcile_with_retry()
@@ -193,7 +188,7 @@ class WeightFollower:
             except MissedBroadcast as e:
                 if time.monotonic() > deadline:
                     raise WeightSyncTimeout(
-                        f"{e}; no newer version arrived within {self.load_timeout}s (WeightFollower load_timeout)"
+                        f"{e}; no newer version arrived within {self.settings.load_timeout}s (WeightFollower load_timeout)"
                     ) from e
                 if self._missed != e.version:
                     self._missed = e.version
@@ -266,7 +261,7 @@ class WeightFollower:
 
     async def _loop(self) -> None:
         while True:
-            wait = self.load_failures.wake_in(self.reconcile_interval)  # wake for a retry
+            wait = self.load_failures.wake_in(self.settings.reconcile_interval)  # wake for a retry
             try:
                 await asyncio.wait_for(self._kick.wait(), wait)
             except asyncio.TimeoutError:
@@ -318,7 +313,7 @@ class WeightFollower:
             if from_loop and (self.load_failures.waiting(rec.version) or rec.version == self._missed):
                 return None
             p = got[1].decode() if isinstance(got[1], bytes) else got[1]
-            policy = self._policy = p if p in POLICIES else self.default_policy
+            policy = self._policy = p if p in POLICIES else self.settings.default_policy
             acks = got[2] if hinted and hinted == rec.version else None
             self.overlap.note_acks(acks)
             read_s = time.perf_counter() - t0
@@ -377,11 +372,11 @@ class WeightFollower:
     def _check_slot(self, rec: VersionRecord) -> None:
         """Refuse a memmap version whose tensors do not match the served checkpoint before
         the engine sees any of it (the publisher checks too, unless told not to)."""
-        if self.manifest is None or rec.memmap_slot is None or self.root is None:
+        if self.manifest is None or rec.memmap_slot is None or self.settings.root is None:
             return
         from .memmap import MemmapStore
 
-        marker = MemmapStore(self.root).marker(rec.memmap_slot)
+        marker = MemmapStore(self.settings.root).marker(rec.memmap_slot)
         if not marker or marker.get("version") != rec.version:
             return  # the load itself refuses it (CorruptWeights)
         problems = diff([TensorMeta(n, d, list(sh)) for n, d, sh in marker.get("manifest", [])], self.manifest)
@@ -480,7 +475,7 @@ class WeightFollower:
         self.consumer.set_version(v, self.engine.swap_progress(report.progress))
 
     async def _wait_drained(self) -> None:
-        deadline = time.monotonic() + self.drain_timeout
+        deadline = time.monotonic() + self.settings.drain_timeout
         while self.consumer.running_count() and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 

@@ -124,7 +124,7 @@ async def test_an_engine_it_did_not_build_is_neither_started_nor_stopped(redis_u
 
 async def test_weights_give_the_replica_a_weight_follower(redis_url, queue, tmp_path):
     r = Replica(EchoEngine(), redis_url, queue, weights=WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.2))
-    assert isinstance(r.follower, WeightFollower) and r.follower.root == str(tmp_path)
+    assert isinstance(r.follower, WeightFollower) and r.follower.settings.root == str(tmp_path)
     assert Replica(EchoEngine(), redis_url, queue).follower is None
     async with r:
         await wait_serving(r)
