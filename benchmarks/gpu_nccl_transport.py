@@ -95,7 +95,7 @@ def _worker(rank: int, world: int, port: int, reps: int, bucket_mb: int, q: "mp.
     manifest = manifest_of(items)
     if rank == 0:
         sender = BroadcastSender(world - 1, backend="nccl", bucket_bytes=bucket_mb << 20, timeout=600, device=dev)
-        sender.pg, sender.info = g, info
+        sender.group.pg, sender.group.info = g, info
     else:
         rcv = WorkerReceiver(info, rank, dev, g)  # on the group made above
     ck = state_checksum(items) if rank == 0 else ""

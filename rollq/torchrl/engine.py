@@ -342,7 +342,7 @@ class AsyncVLLM(RLvLLMEngine):
             os.makedirs(c.weights_root, exist_ok=True)
             return
         pub = self.publisher()
-        self._run(pub.sender.open(self._run(pub.redis()), pub.keys))
+        self._run(pub.sender.group.open(self._run(pub.redis()), pub.keys))
         self._group_open = True
 
     def update_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:

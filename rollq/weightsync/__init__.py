@@ -3,7 +3,7 @@
 Modules by the process that runs them (what crosses between them: :mod:`.wire`; the
 contracts between the parts: :mod:`.base`):
 
-- trainer: :mod:`.publisher`, :mod:`.sender`;
+- trainer: :mod:`.publisher`, :mod:`.sender`, :mod:`.sender_group`;
 - replica (the consumer's process): :mod:`.follower`, :mod:`.overlap`, :mod:`.load_failures`,
   :mod:`.replica`, :mod:`.worker_calls` (its calls into the workers);
 - vLLM worker: :mod:`.worker_ext` (the RPC surface), :mod:`.worker_state`, :mod:`.receiver`,

@@ -4,7 +4,7 @@ Runs in the consumer's process, on its event loop, as :attr:`WeightFollower.rece
 <rollq.weightsync.follower.WeightFollower.receiver>`. It registers the replica as a member
 (``QueueKeys.weights_members``, again whenever the trainer left it out), answers each group's
 call and joins the groups that list it (``wgroup`` hints, and a check of the group record
-every ``poll_interval`` seconds; see :mod:`rollq.weightsync.sender`), tells the follower which
+every ``poll_interval`` seconds; see :mod:`rollq.weightsync.sender_group`), tells the follower which
 committed versions its workers staged (their acks), and swaps a staged version in.
 The offers themselves are followed by the workers (:mod:`rollq.weightsync.listener`), so no
 engine RPC sits on the update's path before the swap.

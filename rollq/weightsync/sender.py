@@ -3,16 +3,8 @@
 Runs in the trainer's process, driven by :class:`~rollq.weightsync.publisher.WeightPublisher`
 (``sender=``). The protocol of one update is in :mod:`rollq.weightsync.nccl`.
 
-Membership follows the live replicas. Every replica that follows broadcasts registers in
-``QueueKeys.weights_members`` (with its worker count and a token new at each start). A group is formed by a *call*: the
-sender names a new group id (``wgroup`` field ``call``, ``wgroup <id>`` on pub/sub), each
-registered replica answers (``QueueKeys.weights_answers``), and the group is made of those that
-answered within ``join_window`` seconds (sooner once every registered replica did), each given
-its first rank in :attr:`GroupInfo.ranks <rollq.weightsync.wire.GroupInfo.ranks>`. A
-registered replica that stays silent is removed from the members (it registers again when it
-is back). Before each send the sender compares the group with the registered replicas and
-the members' consumer leases, and forms a new group when one joined, left or died: a replica
-that starts while the trainer publishes joins at the next version, no restart.
+The group (who is in it, and when it is formed anew) is
+:class:`~rollq.weightsync.sender_group.SenderGroup`'s, held as :attr:`BroadcastSender.group`.
 
 A member that dies during a broadcast breaks it (gloo: at once, the connection closes; NCCL:
 within ``timeout``): :meth:`BroadcastSender.send` drops the group, which ends the other
@@ -31,7 +23,6 @@ import functools
 import logging
 import time
 import traceback
-import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -40,12 +31,12 @@ import torch
 
 from ..errors import WeightSyncError, WeightSyncTimeout
 from ..protocol import Control, control_message
-from ..replicas import heartbeating
 from .checksum import state_checksum
 from .layout import Layout, flat_bytes, groups_of
-from .process_group import Group, free_port, in_daemon_thread, make_group, wait_stream
+from .process_group import in_daemon_thread, wait_stream
 from .versions import TensorMeta, VersionRecord
-from .wire import Ack, FlatLayout, GroupInfo, Mode, Offer, decode_ack, manifest_digest, member_workers
+from .sender_group import SenderGroup, decoded
+from .wire import Ack, FlatLayout, Mode, Offer, decode_ack, manifest_digest
 
 log = logging.getLogger(__name__)
 
@@ -55,15 +46,11 @@ class GroupBroken(WeightSyncError):
     same version can be offered again over a group formed anew."""
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 class BroadcastSender:
     """Rank 0 of the weight broadcast group (use with WeightPublisher(sender=...)).
 
-    The group's members are the replicas that answer its call (see the module docstring), not
-    a number fixed here.
+    The group's members are the replicas that answer its call
+    (:mod:`rollq.weightsync.sender_group`), not a number fixed here.
 
     Args:
         num_workers: the fewest workers a group may have (0: any, at least one). When given,
@@ -111,25 +98,19 @@ class BroadcastSender:
             raise ValueError("backend must be 'nccl' or 'gloo'")
         self.mode = Mode(mode) if mode else (Mode.DIRECT if backend == "nccl" else Mode.PACKED)
         self.verify = verify
-        self.num_workers = num_workers
         self.backend = backend
-        self.host = host
-        self.port = port
         self.bucket_bytes = bucket_bytes
         self.group_bytes = group_bytes if backend == "nccl" else 0
-        self.min_ctas = min_ctas
         self.shadow_layout = shadow_layout
         self.timeout = timeout
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
-        self.join_window = join_window
-        self.info: GroupInfo | None = None
-        self.pg: Group | None = None
-        #: The current group's members: ``{replica id: workers}``.
-        self.members: dict[str, int] = {}
-        self._entries: dict[str, str] = {}  # their registrations (a restart changes its entry)
-        self._stale = False  # a member failed to ack: form the group anew before the next send
+        #: The group and its members (rollq.weightsync.sender_group).
+        self.group = SenderGroup(
+            num_workers=num_workers, backend=backend, host=host, port=port, timeout=timeout, min_ctas=min_ctas,
+            join_window=join_window, device=self.device,
+        )
         self._bufs: list[torch.Tensor] = []
         self.last_timings: dict[str, float] = {}
 
@@ -137,120 +118,14 @@ class BroadcastSender:
     @property
     def workers(self) -> int:
         """Workers in the current group (ranks other than this one)."""
-        return sum(self.members.values())
-
-    async def open(self, client: Any, keys: Any) -> GroupInfo:
-        """Call the replicas, form the group of those that answered, and wait (``timeout``)
-        until every one of their workers has joined it."""
-        gid = uuid.uuid4().hex[:12]
-        entries = await self._call(client, keys, gid)
-        members = {r: member_workers(e) for r, e in entries.items()}
-        ranks, world = {}, 1
-        for r in sorted(members):
-            ranks[r], world = world, world + members[r]
-        info = GroupInfo(
-            id=gid, host=self.host, port=self.port or free_port(self.host), world_size=world, backend=self.backend,
-            timeout=self.timeout, min_ctas=self.min_ctas, ranks=ranks,
-        )
-        pipe = client.pipeline(transaction=False)
-        pipe.delete(keys.weights_layouts)  # the members report their layouts anew
-        pipe.hset(keys.weights_group, mapping={"d": msgspec.msgpack.encode(info)})
-        pipe.execute_command("PUBLISH", keys.control, control_message(Control.WGROUP, info.id))
-        await pipe.execute()
-        try:
-            self.pg = await asyncio.wait_for(in_daemon_thread(self._form, info), self.timeout + 5)
-        except (asyncio.TimeoutError, RuntimeError) as e:
-            await client.delete(keys.weights_group)
-            raise WeightSyncTimeout(
-                f"{world - 1} workers of {len(members)} replicas did not all join broadcast group {gid} within {self.timeout}s (timeout)"
-            ) from e
-        self.info, self.members, self._entries, self._stale = info, members, entries, False
-        log.info("broadcast group %s ready: %d workers of %d replicas over %s", gid, world - 1, len(members), self.backend)
-        return info
-
-    async def _call(self, client: Any, keys: Any, gid: str) -> dict[str, str]:
-        """Call the registered replicas to group ``gid``; the entries (:func:`~rollq.weightsync.
-        wire.member_entry`) of those that answered (see the module docstring). The silent ones
-        are unregistered."""
-        expected = await self.registered(client, keys)
-        answers = keys.weights_answers(gid)
-        pipe = client.pipeline(transaction=False)
-        pipe.delete(keys.weights_group)
-        pipe.hset(keys.weights_group, mapping={"call": gid})
-        pipe.execute_command("PUBLISH", keys.control, control_message(Control.WGROUP, gid))
-        await pipe.execute()
-        need = max(1, self.num_workers)
-        t0 = time.monotonic()
-        # without an expected count the call lasts at most the join window
-        deadline = t0 + (self.timeout if self.num_workers else self.join_window)
-        while True:
-            got = {_s(k): _s(v) for k, v in (await client.hgetall(answers)).items()}
-            workers = sum(member_workers(e) for e in got.values())
-            now = time.monotonic()
-            if workers >= need and (expected.keys() <= got.keys() or now >= t0 + self.join_window):
-                break
-            if now >= deadline:
-                await client.delete(keys.weights_group)
-                setting = "num_workers, timeout" if self.num_workers else "join_window"
-                raise WeightSyncTimeout(
-                    f"{workers} workers of {len(got)} replicas answered the call of broadcast group {gid} "
-                    f"within {deadline - t0:.1f}s, {need} needed ({len(expected)} replicas registered; BroadcastSender {setting})"
-                )
-            await asyncio.sleep(0.02)
-        silent = sorted(expected.keys() - got.keys())
-        pipe = client.pipeline(transaction=False)
-        pipe.expire(answers, 600)  # late answers may still come
-        if silent:
-            pipe.hdel(keys.weights_members, *silent)
-        await pipe.execute()
-        if silent:
-            log.warning("replicas %s did not answer the call of broadcast group %s within %.1fs (join_window); left out",
-                        ", ".join(r[:64] for r in silent[:5]), gid, self.join_window)
-        return got
-
-    async def registered(self, client: Any, keys: Any) -> dict[str, str]:
-        """The replicas registered as following broadcasts: ``{replica: entry}``
-        (:func:`~rollq.weightsync.wire.member_entry`)."""
-        return {_s(k): _s(v) for k, v in (await client.hgetall(keys.weights_members)).items()}
-
-    async def regroup_reason(self, client: Any, keys: Any) -> str | None:
-        """Why the group must be formed (again) before the next send; None: it is current."""
-        if self.pg is None:
-            return "no group"
-        if self._stale:
-            return "a member did not ack the last version"
-        now = await self.registered(client, keys)
-        if now != self._entries:
-            joined, left = sorted(now.keys() - self._entries.keys()), sorted(self._entries.keys() - now.keys())
-            again = sorted(r for r in now.keys() & self._entries.keys() if now[r] != self._entries[r])
-            return f"members changed (joined: {joined or '-'}, left: {left or '-'}, restarted: {again or '-'})"
-        names = list(self.members)
-        pipe = client.pipeline(transaction=False)
-        for n in names:
-            pipe.hexists(keys.consumers, n)
-        entries = await pipe.execute()
-        # a replica still loading its first version has no consumer entry yet (or an old one
-        # of the same id): the group's call, which a dead one does not answer, settles it
-        dead = [n for n, e, alive in zip(names, entries, await heartbeating(client, keys, names)) if e and not alive]
-        if dead:
-            return f"consumer leases expired: {', '.join(n[:64] for n in dead[:5])}"
-        return None
-
-    def _form(self, info: GroupInfo) -> Group:
-        pg = make_group(info, 0, self.device)
-        pg.prove(self.device, info.timeout)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return pg
+        return self.group.workers
 
     async def reset(self) -> None:
         """Drop the group (after a failure); the next send forms a new one."""
-        pg, self.pg, self.info, self.members, self._entries, self._stale = self.pg, None, None, {}, {}, False
-        if pg is not None:
-            await in_daemon_thread(pg.destroy)
+        await self.group.reset()
 
     def close(self) -> None:
-        self.pg = None
+        self.group.close()
         self._bufs = []
 
     # -- one version ---------------------------------------------------------------------------
@@ -265,13 +140,14 @@ class BroadcastSender:
         ``items`` may instead be a streamed source described by ``manifest`` (the
         tensors of a trainer with parameter shards, gathered bucket by bucket as they are read:
         :class:`~rollq.weightsync.param_shards.StreamedItems`); it is read in manifest order only."""
-        why = await self.regroup_reason(client, keys)
+        group = self.group
+        why = await group.regroup_reason(client, keys)
         if why is not None:
-            if self.pg is not None:
+            if group.pg is not None:
                 log.info("forming a new broadcast group: %s", why)
-            await self.reset()
-            await self.open(client, keys)
-        assert self.info is not None
+            await group.reset()
+            await group.open(client, keys)
+        assert group.info is not None
         from .memmap import manifest_of
 
         t0 = time.perf_counter()
@@ -288,7 +164,7 @@ class BroadcastSender:
         if not acks:
             raise WeightSyncError(f"no receiver staged version {version}: {_describe(failed)}")
         if failed:
-            self._stale = True
+            group.stale = True
             log.warning("version %d reached %d of %d workers over group %s (not: %s); committed for those, the group "
                         "is formed anew before the next send", version, len(acks), self.workers, offer.group, _describe(failed))
         self.last_timings = {"checksum_s": t_ck, "broadcast_s": t2 - t1, "acks_s": t3 - t2, "send_s": t3 - t0,
@@ -299,7 +175,7 @@ class BroadcastSender:
         await pipe.execute()
         return VersionRecord(
             version=version, transport=self.backend, checksum=checksum, num_tensors=len(items), nbytes=sum(m.nbytes for m in manifest),
-            group=self.info.id, timings=dict(self.last_timings, replicas=float(len(acks)), missing=float(len(failed))),
+            group=group.info.id, timings=dict(self.last_timings, replicas=float(len(acks)), missing=float(len(failed))),
         )
 
     async def _broadcast(self, offer: Offer, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta]) -> None:
@@ -324,7 +200,7 @@ class BroadcastSender:
     async def _offer(
         self, version: int, manifest: list[TensorMeta], checksum: str, client: Any, keys: Any, in_order: bool = False
     ) -> Offer:
-        assert self.info is not None
+        assert self.group.info is not None
         mode, flat = self.mode, None
         if self.shadow_layout and mode is Mode.DIRECT:
             flat = await self._agreed_layout(client, keys, manifest)
@@ -333,7 +209,7 @@ class BroadcastSender:
             if flat is not None:
                 mode = Mode.LAYOUT
         return Offer(
-            version=version, group=self.info.id, checksum=checksum, bucket_bytes=self.bucket_bytes,
+            version=version, group=self.group.info.id, checksum=checksum, bucket_bytes=self.bucket_bytes,
             manifest=manifest, timeout=self.timeout, mode=mode, acks=keys.weights_acks(version),
             ack_signal=keys.weights_ack_signal(version), group_bytes=self.group_bytes,
             offsets=flat.offsets if flat else [], total=flat.total if flat else 0,
@@ -357,7 +233,8 @@ class BroadcastSender:
         On GPUs everything is stream-ordered: packing bucket i+1 overlaps the broadcast of
         bucket i, and a buffer is repacked only after its previous broadcast completed.
         """
-        assert self.pg is not None
+        pg = self.group.pg
+        assert pg is not None
         layout = layout or Layout.of(manifest, self.bucket_bytes)
         size = max(e - s for s, e in layout.buckets)
         if not self._bufs or self._bufs[0].numel() < size or self._bufs[0].device != self.device:
@@ -372,7 +249,7 @@ class BroadcastSender:
                 self._finish(works[slot])  # the buffer's previous broadcast has finished reading it
             buf = self._bufs[slot][: bend - bstart]
             idx = _pack(buf, bstart, bend, flats, order, layout.offsets, idx)
-            works[slot] = self.pg.broadcast(buf, self.timeout, wait=False)
+            works[slot] = pg.broadcast(buf, self.timeout, wait=False)
         for w in works:
             if w is not None:
                 self._finish(w)
@@ -382,15 +259,16 @@ class BroadcastSender:
     def _broadcast_direct(self, items: list[tuple[str, torch.Tensor]], manifest: list[TensorMeta]) -> None:
         """One broadcast per tensor, straight from the trainer's (contiguous) tensors, in
         coalesced groups of ``group_bytes`` on NCCL."""
-        assert self.pg is not None
+        pg = self.group.pg
+        assert pg is not None
         flats = _flats(items)
         last = None
         if self.device.type == "cuda":
             for lo, hi in groups_of(manifest, self.group_bytes):
-                last = self.pg.broadcast_many(flats[lo:hi], self.timeout, coalesce=self.group_bytes > 0) or last
+                last = pg.broadcast_many(flats[lo:hi], self.timeout, coalesce=self.group_bytes > 0) or last
         else:  # gloo: all enqueued, the last one waited for below
             for f in flats:
-                last = self.pg.broadcast(f, self.timeout, wait=False)
+                last = pg.broadcast(f, self.timeout, wait=False)
         if last is not None:
             self._finish(last)
         if self.device.type == "cuda":
@@ -425,7 +303,7 @@ class BroadcastSender:
         then in case a push was lost. Acks over another group (an earlier offer of the same
         version) are ignored."""
         deadline = time.monotonic() + self.timeout
-        want = {f"{r}/{i}" for r, n in self.members.items() for i in range(n)}
+        want = {f"{r}/{i}" for r, n in self.group.members.items() for i in range(n)}
         acks: dict[str, Ack] = {}
 
         def take(ack: Ack | None) -> None:
@@ -434,7 +312,7 @@ class BroadcastSender:
 
         async def read() -> None:
             for k, v in (await client.hgetall(offer.acks)).items():
-                take(decode_ack(v, _s(k)))
+                take(decode_ack(v, decoded(k)))
 
         await read()
         while not want <= acks.keys():

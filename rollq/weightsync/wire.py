@@ -5,7 +5,7 @@ Three processes take part (see :mod:`rollq.weightsync.nccl` for one update's pro
 - the trainer writes a :class:`GroupInfo` (``wgroup``) and an :class:`Offer` (``woffer``),
   and reads each worker's :class:`Ack` and :class:`FlatLayout`;
 - a replica registers and answers the trainer's group calls with a :func:`member_entry`
-  (``wmembers``, ``wanswers``; see :mod:`rollq.weightsync.sender`), hands its workers a
+  (``wmembers``, ``wanswers``; see :mod:`rollq.weightsync.sender_group`), hands its workers a
   :class:`Listen`, and reads their :class:`WorkerStatus`, :class:`StageStatus` and
   :class:`SwapReport` back from ``collective_rpc``;
 - a vLLM worker reads the offers and writes the acks.

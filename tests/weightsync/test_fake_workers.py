@@ -381,7 +381,7 @@ async def _peer_dies_mid_broadcast(redis_url: str, queue: str, root: str) -> Non
         proc.kill()
     assert rec.transport == "memmap" and rec.timings.get("nccl_failed") == 1.0
     assert elapsed < 15 * 5 + 10  # bounded by the timeouts, not a hang
-    assert sender.pg is None  # the group is dropped and rebuilt next time
+    assert sender.group.pg is None  # the group is dropped and rebuilt next time
     await until(lambda: consumer.version == rec.version, 10, "replica loads the memmap fallback")
     assert weight0(engine) == 9.0
     await follower.stop()

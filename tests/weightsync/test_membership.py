@@ -123,7 +123,7 @@ async def test_replica_started_while_the_trainer_publishes_gets_the_next_version
 
             rec2 = await pub.publish_weights(state(size, 2.0), transport="nccl")  # the same trainer, no restart
             assert rec2.transport == "gloo" and rec2.group != rec1.group, rec2
-            assert rec2.timings["replicas"] == 2 and sender.members == {"a": 1, "b": 1}
+            assert rec2.timings["replicas"] == 2 and sender.group.members == {"a": 1, "b": 1}
             await until(lambda: at(a, 2, 2.0) and at(b, 2, 2.0), 20, "both replicas at version 2")
             await until(lambda: any(x.get("event") == "serving" for x in b.lines()), 20, "replica b serving")
             # b loaded version 2 whole before it started to pull
@@ -161,7 +161,7 @@ async def test_replica_killed_mid_broadcast_costs_a_timeout_at_most_and_the_rest
         rec2 = await asyncio.wait_for(publish, 2 * TIMEOUT + 2.0 + 10)
         assert rec2.version == 2 and rec2.transport == "gloo" and rec2.memmap_slot is None, rec2
         assert rec2.timings["replicas"] == 1 and rec2.timings["missing"] == 0, rec2.timings
-        assert sender.members == {"a": 1} and await members(pub) == {"a"}  # the victim is out
+        assert sender.group.members == {"a": 1} and await members(pub) == {"a"}  # the victim is out
         await until(lambda: at(a, 2, 2.0), 20, "the survivor at version 2")
         assert [x["version"] for x in a.versions()] == [1, 2]  # never anything in between
 
