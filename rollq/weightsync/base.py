@@ -9,8 +9,12 @@
   :class:`WorkerEngine` what it needs from that consumer's engine (every
   :class:`~rollq.consumer.engine.Engine` provides it); calls into the engine's workers go
   through :class:`~rollq.weightsync.worker_calls.WorkerCalls`;
-- worker side: :class:`~rollq.weightsync.receiver.ReceiveSink` (in
-  :mod:`rollq.weightsync.receiver`) is what a broadcast receiver hands the bytes to.
+- worker side: a :class:`ReceiveSink` is what a broadcast receiver hands the bytes to (the
+  worker's state, :class:`~rollq.weightsync.worker_state.WorkerState`), an
+  :class:`InPlaceTarget` the shadow bytes a version is written into; :class:`OfferHost` is
+  what the offer listener needs from the receiver it serves
+  (:class:`~rollq.weightsync.receiver.WorkerReceiver`), :class:`StagingHost` what memmap
+  staging needs from its worker's state.
 
 What crosses between the processes is in :mod:`rollq.weightsync.wire`.
 """
@@ -18,7 +22,8 @@ What crosses between the processes is in :mod:`rollq.weightsync.wire`.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 from ..protocol import Control
 from .versions import VersionRecord
@@ -27,7 +32,9 @@ if TYPE_CHECKING:
     import torch
 
     from ..consumer.engine import SwapProgress
-    from .wire import Progress, SwapReport
+    from .versions import TensorMeta
+    from .wire import FlatLayout, GroupInfo, Offer, Progress, ReceiveStatus, SwapReport
+    from .worker_progress import RequestTracker
 
 
 class Sender(Protocol):
@@ -116,3 +123,72 @@ class ReplicaSide(Protocol):
     def restart(self, jobs: list[Any]) -> None: ...
 
     def version_failed(self, version: int, reason: str) -> None: ...
+
+
+# -- worker side -------------------------------------------------------------------------------
+class InPlaceTarget(Protocol):
+    """The bytes a version is written into in place (the worker lock is held until :meth:`done`)."""
+
+    #: Each tensor's bytes (``uint8``), in manifest order.
+    views: list[torch.Tensor]
+    #: The shadow's flat buffer and each tensor's offset in it with its size (None: not flat).
+    flat: torch.Tensor | None
+    flat_offsets: tuple[list[int], int] | None
+
+    def done(self, version: int, ok: bool) -> None:
+        """Every byte is in (the caller waited for its copies), or the write failed."""
+
+
+class ReceiveSink(Protocol):
+    """What a worker does with received versions."""
+
+    def load_while_receiving(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any,
+                             manifest: list[TensorMeta]) -> bool:
+        """Consume the ``(name, tensor)`` pairs as they arrive, in the receiving thread; True
+        when it holds the whole version (then nothing is loaded at the swap)."""
+
+    def invalidate(self) -> None:
+        """Drop what :meth:`load_while_receiving` loaded: the version turned out bad."""
+
+    def in_place_target(self, version: int, manifest: list[TensorMeta], stream: Any) -> InPlaceTarget | None:
+        """Where to receive each tensor in place; None: stage it and hand it over instead."""
+
+    def flat_layout(self, manifest: list[TensorMeta]) -> FlatLayout | None:
+        """This worker's flat layout for ``manifest``, reported to the trainer."""
+
+
+class OfferHost(Protocol):
+    """What the offer listener (:class:`~rollq.weightsync.listener.OfferListener`) needs from
+    the receiver it serves: the group, this worker's rank and status, and the receive."""
+
+    rank: int
+    info: GroupInfo
+    #: Set when the receiver left its group (the listener then ends).
+    closed: threading.Event
+    status: ReceiveStatus
+    sink: ReceiveSink | None
+
+    def on_control(self, text: str) -> None:
+        """A control message the listener heard (a verb about the group)."""
+
+    def receive(self, offer: Offer) -> None:
+        """Take part in ``offer``'s broadcast (blocks until it ends)."""
+
+
+class StagingHost(ReceiveSink, Protocol):
+    """What memmap staging (:class:`~rollq.weightsync.worker_memmap.MemmapStaging`) needs
+    from its worker's state: the sink a version is loaded into, and the live weights."""
+
+    #: vLLM's worker object.
+    worker: Any
+    #: Held while the shadow weights or the staging change.
+    lock: threading.Lock
+    #: The policy version the live weights hold.
+    version: int
+    tracker: RequestTracker
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def load_live(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load ``items`` into the served weights now (the engine is paused)."""

@@ -22,7 +22,7 @@ from ..protocol import Control, parse_control
 from .wire import Listen, Offer, State, encode_ack
 
 if TYPE_CHECKING:
-    from .receiver import WorkerReceiver
+    from .base import OfferHost
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class OfferListener:
     than what the replica served when it joined, or was taken part in already.
     """
 
-    def __init__(self, receiver: WorkerReceiver, listen: Listen):
+    def __init__(self, receiver: OfferHost, listen: Listen):
         self.receiver = receiver
         self.listen = listen
         self.attempted = 0  # newest offered version this worker took part in (or skipped)

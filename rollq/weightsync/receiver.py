@@ -30,18 +30,18 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Protocol
+from typing import Any, Iterator
 
 import torch
 
 from ..errors import WeightSyncError
 from ..protocol import Control, parse_control
+from .base import InPlaceTarget, ReceiveSink
 from .checksum import state_checksum
 from .layout import Layout, groups_of, typed_views
 from .process_group import Group, make_group, responsive_gil, wait_stream
 from .versions import TensorMeta
 from .wire import (
-    FlatLayout,
     GroupInfo,
     Listen,
     Mode,
@@ -54,37 +54,6 @@ from .wire import (
 log = logging.getLogger(__name__)
 
 Items = list[tuple[str, torch.Tensor]]
-
-
-class InPlaceTarget(Protocol):
-    """The bytes a version is written into in place (the worker lock is held until :meth:`done`)."""
-
-    #: Each tensor's bytes (``uint8``), in manifest order.
-    views: list[torch.Tensor]
-    #: The shadow's flat buffer and each tensor's offset in it with its size (None: not flat).
-    flat: torch.Tensor | None
-    flat_offsets: tuple[list[int], int] | None
-
-    def done(self, version: int, ok: bool) -> None:
-        """Every byte is in (the caller waited for its copies), or the write failed."""
-
-
-class ReceiveSink(Protocol):
-    """What a worker does with received versions."""
-
-    def load_while_receiving(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any,
-                             manifest: list[TensorMeta]) -> bool:
-        """Consume the ``(name, tensor)`` pairs as they arrive, in the receiving thread; True
-        when it holds the whole version (then nothing is loaded at the swap)."""
-
-    def invalidate(self) -> None:
-        """Drop what :meth:`load_while_receiving` loaded: the version turned out bad."""
-
-    def in_place_target(self, version: int, manifest: list[TensorMeta], stream: Any) -> InPlaceTarget | None:
-        """Where to receive each tensor in place; None: stage it and hand it over instead."""
-
-    def flat_layout(self, manifest: list[TensorMeta]) -> FlatLayout | None:
-        """This worker's flat layout for ``manifest``, reported to the trainer."""
 
 
 class ReceiveProgress:

@@ -23,7 +23,7 @@ from .process_group import responsive_gil
 from .wire import StageStatus, State, SwapReport, WorkerError
 
 if TYPE_CHECKING:
-    from .worker_state import DirectTarget, WorkerState
+    from .base import InPlaceTarget, StagingHost
 
 Items = list[tuple[str, torch.Tensor]]
 
@@ -31,7 +31,7 @@ Items = list[tuple[str, torch.Tensor]]
 class MemmapStaging:
     """Memmap reads of one worker (``state``: its :class:`~rollq.weightsync.worker_state.WorkerState`)."""
 
-    def __init__(self, state: WorkerState):
+    def __init__(self, state: StagingHost):
         self.state = state
         self.status = StageStatus()
         #: ``(version, tensors)`` staged and not swapped in (tensors None: in the shadow
@@ -110,7 +110,7 @@ class MemmapStaging:
         dev = st.device
         torch.cuda.set_device(dev)
         stream = torch.cuda.Stream(dev)  # off the engine's stream
-        target: DirectTarget | None = None
+        target: InPlaceTarget | None = None
 
         def into(manifest: Any) -> Any:  # straight into the shadow when it has a plan
             nonlocal target
