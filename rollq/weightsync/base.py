@@ -53,6 +53,9 @@ class Receiver(Protocol):
     @property
     def num_workers(self) -> int: ...
 
+    #: The backend of the group it last joined (``nccl``, ``gloo``); None before one.
+    backend: str | None
+
     def fields(self) -> list[str]:
         """This replica's workers' fields in a version's ack hash."""
 

@@ -388,9 +388,11 @@ class WeightFollower:
         return self.receiver is not None and self.overlap.possible(self.receiver.num_workers, self._policy)
 
     def _overlapped(self, version: int, report: SwapReport, update_s: float, pause_s: float) -> None:
-        """An overlapped swap made ``version`` live (under the lock)."""
+        """An overlapped swap made ``version`` live (under the lock); it came over the
+        receiver's group, whose backend names the transport."""
+        transport = (self.receiver.backend if self.receiver is not None else None) or "broadcast"
         self.history.append(self._updated(UpdateStats(
-            version, "keep", "nccl", update_s, pause_s, to_wire(report), timings={"load_call_s": pause_s, "read_s": 0.0, "hinted_at": 0.0},
+            version, "keep", transport, update_s, pause_s, to_wire(report), timings={"load_call_s": pause_s, "read_s": 0.0, "hinted_at": 0.0},
         )))
         self.failures = 0
 

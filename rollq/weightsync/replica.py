@@ -42,6 +42,8 @@ class ReplicaReceiver:
         self.poll_interval = poll_interval
         #: The group this replica's workers joined.
         self.group: str | None = None
+        #: The joined group's backend (``nccl`` or ``gloo``); None before the first join.
+        self.backend: str | None = None
         self._entry = ""  # this run's member entry (rollq.weightsync.wire.member_entry)
         self._answered: str | None = None  # the last group call answered
         self._passed: str | None = None  # the last group formed without this replica
@@ -138,7 +140,7 @@ class ReplicaReceiver:
                         serving=self.consumer.version)
         await self.workers.join_group(info=info, rank_offset=offset, listen=listen)
         await self._wait_joined(info, info.timeout + 5)
-        self.group = info.id
+        self.group, self.backend = info.id, info.backend
         log.info("replica %s joined broadcast group %s as ranks %d..%d", self.consumer.id, info.id, offset, offset + n - 1)
 
     async def _wait_joined(self, info: GroupInfo, timeout: float) -> None:

@@ -295,6 +295,7 @@ async def test_overlapped_swap_through_a_broadcast_and_its_undo_when_the_commit_
         # 1: staged and loaded (the plan), 2: in place (this replica learns how long its
         # receives take), then swapped in part by part while arriving
         assert swaps == ["shadow", "shadow", "overlap", "overlap"], swaps
+        assert [h.transport for h in follower.history] == ["gloo"] * 4  # the group's backend, overlapped or not
         assert rec.timings["layout_mode"] == float(shadow_layout)
         st = follower.history[-1]
         assert st.load["parts"] >= 2 and st.pause_s > 0 and consumer.version == 4
