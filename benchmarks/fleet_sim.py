@@ -6,7 +6,7 @@
 
 Each replica is the real consumer pipeline (:class:`rollq.consumer.loop.Consumer`: pull,
 finish, heartbeat, reclaim, control listener, version wait) with an ``EchoEngine`` and the
-real :class:`rollq.weightsync.follower.WeightFollower` (version record reconciled every 5 s,
+real :class:`rollq.weightsync.replica.follower.WeightFollower` (version record reconciled every 5 s,
 pub/sub hints through the consumer's control listener), all with default settings. ``--procs``
 worker processes (``fleet_sim.py worker``, one asyncio loop each) run ``--replicas`` of them
 between them. Workers talk to the parent in JSON lines on stdin/stdout; nothing is pickled.

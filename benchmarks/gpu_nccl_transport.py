@@ -58,7 +58,8 @@ def qwen7b_shapes() -> list[tuple[str, tuple[int, ...]]]:
 def _worker(rank: int, world: int, port: int, reps: int, bucket_mb: int, q: "mp.Queue") -> None:
     from rollq.weightsync.checksum import state_checksum
     from rollq.weightsync.memmap import manifest_of
-    from rollq.weightsync.nccl import BroadcastSender, GroupInfo, Layout, Offer, WorkerReceiver, make_group
+    from rollq.weightsync.nccl import BroadcastSender, GroupInfo, Layout, Offer, make_group
+    from rollq.weightsync.worker._receiver import WorkerReceiver
 
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)

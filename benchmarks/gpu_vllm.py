@@ -70,7 +70,7 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
 
     from benchmarks.gpu_nccl_transport import qwen7b_shapes
     from rollq.weightsync.nccl import BroadcastSender
-    from rollq.weightsync.publisher import WeightPublisher
+    from rollq.weightsync.trainer.publisher import WeightPublisher
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -204,8 +204,8 @@ async def engine_main(a: argparse.Namespace) -> None:
     from rollq.consumer.vllm_config import VllmEngineConfig
     from rollq.consumer.vllm_engine import VllmEngine
     from rollq.settings import WeightSyncSettings
-    from rollq.weightsync.follower import WeightFollower
-    from rollq.weightsync.worker_calls import WorkerCalls
+    from rollq.weightsync.replica.follower import WeightFollower
+    from rollq.weightsync.replica.worker_calls import WorkerCalls
 
     out: dict = {"phases": {}, "env": {}}
     res_path = Path(a.out + ".json")
@@ -263,13 +263,13 @@ async def engine_main(a: argparse.Namespace) -> None:
 
     if a.tiny:
         cfg = VllmEngineConfig(model=str(mdir), max_model_len=512,
-                               worker_extension_cls="rollq.weightsync.worker_ext.RollqWorkerExtension")
+                               worker_extension_cls="rollq.weightsync.worker.ext.RollqWorkerExtension")
     else:
         from vllm.config import WeightTransferConfig
 
         cfg = VllmEngineConfig(
             model=str(mdir), dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=a.gpu_mem,
-            worker_extension_cls="rollq.weightsync.worker_ext.RollqWorkerExtension",
+            worker_extension_cls="rollq.weightsync.worker.ext.RollqWorkerExtension",
             engine_kwargs={"load_format": "dummy", "weight_transfer_config": WeightTransferConfig(backend="nccl")},
         )
     engine = VllmEngine(cfg)

@@ -140,7 +140,7 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     import torch
 
     from rollq.rl import GrpoTrainer, LoopConfig, run_loop
-    from rollq.weightsync.publisher import WeightPublisher
+    from rollq.weightsync.trainer.publisher import WeightPublisher
 
     queue = f"rl-{name}"
     root = tempfile.mkdtemp(prefix=f"rollq-rl-{name}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)

@@ -182,7 +182,7 @@ async def heldout_reward(url: str, queue: str, task: Any, tokenizer: Any, group_
 
 
 def _publisher(url: str, weights_root: str, a: argparse.Namespace) -> Any:
-    from .weightsync.publisher import WeightPublisher
+    from .weightsync.trainer.publisher import WeightPublisher
 
     sender = None
     if a.transport in ("gloo", "nccl"):

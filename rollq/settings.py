@@ -181,7 +181,7 @@ class ConsumerSettings:
 
 @dataclass(frozen=True)
 class WeightSyncSettings:
-    """How a replica follows policy versions (:class:`~rollq.weightsync.follower.WeightFollower`).
+    """How a replica follows policy versions (:class:`~rollq.weightsync.replica.follower.WeightFollower`).
 
     >>> WeightSyncSettings(root="/dev/shm/rollq-weights", broadcast=True).enabled
     True
@@ -205,7 +205,7 @@ class WeightSyncSettings:
     #: once, faster but it stalls generation; see :class:`~rollq.weightsync.memmap.MemmapStore`).
     memmap_chunks_in_flight: int = 3
     #: Swap broadcast versions in part by part while they arrive (``keep``, one worker;
-    #: :class:`~rollq.weightsync.overlap.OverlappedSwap`).
+    #: :class:`~rollq.weightsync.replica._overlap.OverlappedSwap`).
     swap_overlap: bool = False
     #: The overlapped swap starts this many seconds before the broadcast's estimated end (one
     #: engine step plus the exchange of the weights).

@@ -30,7 +30,7 @@ TEST_KV_CACHE_BYTES = 64 << 20
 TEST_WORKER_EXTENSION = "tests.vllm_fixtures.FixtureWorkerExtension"
 
 try:  # the weight-sync extension, so one session engine serves the weight-sync tests too
-    from rollq.weightsync.worker_ext import RollqWorkerExtension as _WorkerExtensionBase
+    from rollq.weightsync.worker.ext import RollqWorkerExtension as _WorkerExtensionBase
 except ImportError:  # torch missing: the vLLM tests skip anyway
     _WorkerExtensionBase = object  # type: ignore[assignment,misc]
 
@@ -63,7 +63,7 @@ class FixtureWorkerExtension(_WorkerExtensionBase):  # type: ignore[misc,valid-t
 
     def rollq_restore_checkpoint(self) -> None:
         """Load the served model folder's checkpoint into the live weights through rollq's own
-        load path (:meth:`~rollq.weightsync.worker_state.WorkerState.load_live`)."""
+        load path (:meth:`~rollq.weightsync.worker._state.WorkerState.load_live`)."""
         self.rollq_state.load_live(checkpoint_state(self.vllm_config.model_config.model).items())
 
 

@@ -30,7 +30,7 @@ def make_engine(a: argparse.Namespace) -> Any:
             kv_cache_memory_bytes=a.kv_cache_memory_bytes,
             # Following weight versions needs rollq's worker extension inside vLLM's workers.
             worker_extension_cls=a.worker_extension
-            or ("rollq.weightsync.worker_ext.RollqWorkerExtension" if (a.weights_root or a.broadcast) else None),
+            or ("rollq.weightsync.worker.ext.RollqWorkerExtension" if (a.weights_root or a.broadcast) else None),
         )
     )
 

@@ -143,7 +143,7 @@ class Engine(abc.ABC):
 
     async def call_workers(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``method`` of the weight-sync worker extension in every worker; one result each.
-        Weight sync calls it only through :class:`~rollq.weightsync.worker_calls.WorkerCalls`.
+        Weight sync calls it only through :class:`~rollq.weightsync.replica.worker_calls.WorkerCalls`.
 
         Engines without weights (the echo engine) have nothing to load and return ``[]``.
         """

@@ -28,7 +28,7 @@
   loaded policy version wait outside the in-flight cap until it loads, or fail with
   :class:`~rollq.errors.VersionUnavailable`.
 
-Weight sync (:mod:`rollq.weightsync.follower`) drives the replica only through the methods
+Weight sync (:mod:`rollq.weightsync.replica.follower`) drives the replica only through the methods
 under "the seam weight sync drives" below.
 """
 
@@ -325,7 +325,7 @@ class Consumer:
             return
         await self.lease.announce()
 
-    # -- the seam weight sync drives (rollq.weightsync.follower) ---------------------------
+    # -- the seam weight sync drives (rollq.weightsync.replica.follower) ---------------------------
     def close_intake(self) -> None:
         """Stop starting jobs: reads that arrive are held until :meth:`open_intake`."""
         self.intake_gate.clear()

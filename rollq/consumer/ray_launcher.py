@@ -27,7 +27,7 @@ A replica restarted by :meth:`RayLauncher.check` asks for the same resources, so
 back on the same node (or a node started in its place), waiting at most ``placement_timeout``.
 
 Weights: with ``weights=WeightSyncSettings(root=..., broadcast=...)`` every replica runs a
-:class:`~rollq.weightsync.follower.WeightFollower` beside its consumer (as ``rollq consume
+:class:`~rollq.weightsync.replica.follower.WeightFollower` beside its consumer (as ``rollq consume
 --weights-root ... --broadcast`` does): ``root`` must be storage every replica's node sees
 at the same path (a shared filesystem; ``/dev/shm`` is per node).
 """
@@ -75,7 +75,7 @@ class EngineSpec:
 
 
 #: The worker extension vLLM replicas load when they follow weights.
-WORKER_EXTENSION = "rollq.weightsync.worker_ext.RollqWorkerExtension"
+WORKER_EXTENSION = "rollq.weightsync.worker.ext.RollqWorkerExtension"
 
 
 class ReplicaActor:

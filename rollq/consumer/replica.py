@@ -31,14 +31,14 @@ from .engine import Engine
 from .loop import Consumer
 
 if TYPE_CHECKING:
-    from ..weightsync.follower import WeightFollower
+    from ..weightsync.replica.follower import WeightFollower
 
 log = logging.getLogger(__name__)
 
 
 class Replica:
     """An engine, its :class:`~rollq.consumer.loop.Consumer` and (with ``weights``) its
-    :class:`~rollq.weightsync.follower.WeightFollower`, started and stopped together.
+    :class:`~rollq.weightsync.replica.follower.WeightFollower`, started and stopped together.
 
     ``own_engine``: the replica starts and stops ``engine``; False for an engine its caller
     started and stops (several queues served in turn by one engine, say).
@@ -61,7 +61,7 @@ class Replica:
         self.weights = weights
         self.follower: WeightFollower | None = None
         if weights is not None:
-            from ..weightsync.follower import WeightFollower
+            from ..weightsync.replica.follower import WeightFollower
 
             self.follower = WeightFollower(self.consumer, self.weights)
         self._task: asyncio.Task[int] | None = None

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import EngineDead, EngineFailed, InvalidJob, PromptTooLong, RollqError
 from ..protocol import Job, SamplingParams
-from ..weightsync.worker_calls import WorkerCalls
+from ..weightsync.replica.worker_calls import WorkerCalls
 from . import vllm_api, vllm_children, vllm_liveness
 from .engine import DoneCallback, Engine, EngineOutput, EngineStats, SwapProgress
 from .vllm_api import DEFAULT_CPU_KV_CACHE_BYTES, _Api, _vllm
@@ -428,7 +428,7 @@ class VllmEngine(Engine):
 
     def swap_progress(self, report: Progress | None) -> SwapProgress | None:
         """Map a worker's swap progress (tokens per engine request id, see
-        :meth:`rollq.weightsync.worker_progress.RequestTracker.report`) to this adapter's
+        :meth:`rollq.weightsync.worker._progress.RequestTracker.report`) to this adapter's
         request ids (vLLM's own request ids are read by :func:`rollq.consumer.vllm_api.request_of`)."""
         if report is None:
             return None

@@ -368,10 +368,10 @@ class Producer:
 
     async def publish_weights(self, state: Any, version: int | None = None, transport: str = "memmap", **publisher_kwargs: Any) -> Any:
         """Publish a new policy version of this queue (see
-        :class:`~rollq.weightsync.publisher.WeightPublisher`; ``root=`` names the memmap store,
+        :class:`~rollq.weightsync.trainer.publisher.WeightPublisher`; ``root=`` names the memmap store,
         ``sender=`` a broadcast sender, on the first call). Returns the committed record."""
         if self._publisher is None:
-            from ..weightsync.publisher import WeightPublisher
+            from ..weightsync.trainer.publisher import WeightPublisher
 
             self._publisher = WeightPublisher(self.redis_settings, self.queue, trainer_id=self.id, **publisher_kwargs)
         return await self._publisher.publish_weights(state, version=version, transport=transport)

@@ -255,7 +255,7 @@ async def run_loop(
     ``trainer`` is a :class:`~rollq.rl.grpo.GrpoTrainer` (None: queue only, nothing trained or
     published, e.g. on the echo engine), ``task`` a :class:`~rollq.rl.task.BucketTask` or one of
     :mod:`rollq.rl.tasks` (``job_specs``, ``rewards``, ``prompt_of``, ``random_policy_reward``),
-    ``publisher`` a :class:`~rollq.weightsync.publisher.WeightPublisher` (with a broadcast
+    ``publisher`` a :class:`~rollq.weightsync.trainer.publisher.WeightPublisher` (with a broadcast
     ``sender`` for ``transport="broadcast"``; unused, may be None, with ``publish=False``).
     ``on_step`` is called after every step.
 

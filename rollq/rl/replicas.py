@@ -25,14 +25,14 @@ from ..consumer.replica import Replica
 from ..settings import ConsumerSettings, WeightSyncSettings
 
 if TYPE_CHECKING:
-    from ..weightsync.follower import WeightFollower
+    from ..weightsync.replica.follower import WeightFollower
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Replicas", "WORKER_EXTENSION"]
 
 #: The worker extension that lets followers swap weights into vLLM.
-WORKER_EXTENSION = "rollq.weightsync.worker_ext.RollqWorkerExtension"
+WORKER_EXTENSION = "rollq.weightsync.worker.ext.RollqWorkerExtension"
 _BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
@@ -168,7 +168,7 @@ class Replicas:
         return sorted({d for c in self.consumers for d in c.converted_from})
 
     def update_history(self) -> list[Any]:
-        """Every follower's :class:`~rollq.weightsync.follower.UpdateStats`, all replicas."""
+        """Every follower's :class:`~rollq.weightsync.replica.follower.UpdateStats`, all replicas."""
         return [st for f in self.followers for st in f.history]
 
     async def __aenter__(self) -> Replicas:

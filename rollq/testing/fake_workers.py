@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..consumer.engine import EchoEngine
-from ..weightsync.worker_ext import RollqWorkerExtension
+from ..weightsync.worker.ext import RollqWorkerExtension
 
 
 class FakeWorker(RollqWorkerExtension):

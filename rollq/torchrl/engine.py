@@ -288,9 +288,9 @@ class AsyncVLLM(RLvLLMEngine):
 
     # -- RLvLLMEngine: weight sync ---------------------------------------------------------------
     def publisher(self) -> Any:
-        """The :class:`~rollq.weightsync.publisher.WeightPublisher` behind ``update_weights``."""
+        """The :class:`~rollq.weightsync.trainer.publisher.WeightPublisher` behind ``update_weights``."""
         if self._publisher is None:
-            from ..weightsync.publisher import WeightPublisher
+            from ..weightsync.trainer.publisher import WeightPublisher
 
             c = self.config
             sender = None

@@ -1,18 +1,18 @@
 """Versioned policy weights: durable records, memmap and NCCL/gloo transports.
 
-Modules by the process that runs them (what crosses between them: :mod:`.wire`; the
+Folders by the process that runs them (what crosses between them: :mod:`.wire`; the
 contracts between the parts: :mod:`.base`):
 
-- trainer: :mod:`.publisher`, :mod:`.sender`, :mod:`.sender_group`;
-- replica (the consumer's process): :mod:`.follower`, :mod:`.overlap`, :mod:`.load_failures`,
-  :mod:`.replica`, :mod:`.worker_calls` (its calls into the workers);
-- vLLM worker: :mod:`.worker_ext` (the RPC surface), :mod:`.worker_state`, :mod:`.receiver`,
-  :mod:`.listener`, :mod:`.worker_swap`, :mod:`.worker_memmap`, :mod:`.worker_progress`,
-  :mod:`.shadow`, :mod:`.swap_kernel`;
-- both sides of each transport, picked by name: :mod:`.transports` (memmap, broadcast);
-- shared: :mod:`.process_group`, :mod:`.layout` (the broadcast's plumbing; :mod:`.nccl` tells its
-  protocol), :mod:`.memmap`, :mod:`.pinned`, :mod:`.checksum` (storage), :mod:`.manifest`,
-  :mod:`.versions`.
+- :mod:`.trainer`: the publisher, the broadcast sender and its group, parameter shards;
+- :mod:`.replica` (the consumer's process): the follower, its calls into the workers;
+- :mod:`.worker` (each vLLM worker): the worker extension and what it runs;
+- :mod:`.transports`: both sides of each transport, picked by name (memmap, broadcast);
+- shared, here: :mod:`.process_group`, :mod:`.layout` (the broadcast's plumbing; :mod:`.nccl`
+  tells its protocol), :mod:`.memmap`, :mod:`.pinned`, :mod:`.checksum` (storage),
+  :mod:`.manifest`, :mod:`.versions`.
+
+Modules whose names start with an underscore are internal: nothing outside
+``rollq.weightsync`` imports them (tests aside), so they may be split or renamed freely.
 
 Submodules import torch; this package imports them lazily, so ``import rollq.weightsync``
 stays cheap for tools that only read version records (dashboards).
@@ -24,9 +24,9 @@ import importlib
 from typing import Any
 
 _GROUPS: dict[str, dict[str, str]] = {
-    "trainer": {"WeightPublisher": "publisher", "BroadcastSender": "sender"},
-    "replica": {"WeightFollower": "follower", "UpdateStats": "follower", "WorkerCalls": "worker_calls"},
-    "worker": {"RollqWorkerExtension": "worker_ext", "WorkerState": "worker_state"},
+    "trainer": {"WeightPublisher": "trainer.publisher", "BroadcastSender": "trainer.sender"},
+    "replica": {"WeightFollower": "replica.follower", "UpdateStats": "replica.follower", "WorkerCalls": "replica.worker_calls"},
+    "worker": {"RollqWorkerExtension": "worker.ext"},
     "storage": {"MemmapStore": "memmap", "state_checksum": "checksum", "tensor_checksum": "checksum"},
     "versions": {
         "TensorMeta": "versions", "VersionRecord": "versions", "commit_version": "versions", "read_version": "versions",

@@ -1,19 +1,19 @@
 """The contracts between weight sync's parts, one per side (structural: nothing subclasses them).
 
-- trainer side: a :class:`Sender` is what :class:`~rollq.weightsync.publisher.WeightPublisher`
-  drives for ``transport="nccl"`` (:class:`~rollq.weightsync.sender.BroadcastSender`);
-- replica side: a :class:`Receiver` is what :class:`~rollq.weightsync.follower.WeightFollower`
+- trainer side: a :class:`Sender` is what :class:`~rollq.weightsync.trainer.publisher.WeightPublisher`
+  drives for ``transport="nccl"`` (:class:`~rollq.weightsync.trainer.sender.BroadcastSender`);
+- replica side: a :class:`Receiver` is what :class:`~rollq.weightsync.replica.follower.WeightFollower`
   asks which versions arrived while serving
-  (:class:`~rollq.weightsync.replica.ReplicaReceiver`), :class:`ReplicaSide` is what weight
+  (:class:`~rollq.weightsync.replica._receiver.ReplicaReceiver`), :class:`ReplicaSide` is what weight
   sync needs from the consumer it updates (:class:`rollq.Consumer` provides it), and
   :class:`WorkerEngine` what it needs from that consumer's engine (every
   :class:`~rollq.consumer.engine.Engine` provides it); calls into the engine's workers go
-  through :class:`~rollq.weightsync.worker_calls.WorkerCalls`;
+  through :class:`~rollq.weightsync.replica.worker_calls.WorkerCalls`;
 - worker side: a :class:`ReceiveSink` is what a broadcast receiver hands the bytes to (the
-  worker's state, :class:`~rollq.weightsync.worker_state.WorkerState`), an
+  worker's state, :class:`~rollq.weightsync.worker._state.WorkerState`), an
   :class:`InPlaceTarget` the shadow bytes a version is written into; :class:`OfferHost` is
   what the offer listener needs from the receiver it serves
-  (:class:`~rollq.weightsync.receiver.WorkerReceiver`), :class:`StagingHost` what memmap
+  (:class:`~rollq.weightsync.worker._receiver.WorkerReceiver`), :class:`StagingHost` what memmap
   staging needs from its worker's state.
 
 What crosses between the processes is in :mod:`rollq.weightsync.wire`.
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..consumer.engine import SwapProgress
     from .versions import TensorMeta
     from .wire import FlatLayout, GroupInfo, Offer, Progress, ReceiveStatus, SwapReport
-    from .worker_progress import RequestTracker
+    from .worker._progress import RequestTracker
 
 
 class Sender(Protocol):
@@ -72,7 +72,7 @@ class Receiver(Protocol):
 
 class WorkerEngine(Protocol):
     """What weight sync needs from a replica's engine: calls into its workers (only through
-    :class:`~rollq.weightsync.worker_calls.WorkerCalls`), pausing it around a load, and how
+    :class:`~rollq.weightsync.replica.worker_calls.WorkerCalls`), pausing it around a load, and how
     far running requests had got at a swap."""
 
     @property
@@ -161,7 +161,7 @@ class ReceiveSink(Protocol):
 
 
 class OfferHost(Protocol):
-    """What the offer listener (:class:`~rollq.weightsync.listener.OfferListener`) needs from
+    """What the offer listener (:class:`~rollq.weightsync.worker._listener.OfferListener`) needs from
     the receiver it serves: the group, this worker's rank and status, and the receive."""
 
     rank: int
@@ -179,7 +179,7 @@ class OfferHost(Protocol):
 
 
 class StagingHost(ReceiveSink, Protocol):
-    """What memmap staging (:class:`~rollq.weightsync.worker_memmap.MemmapStaging`) needs
+    """What memmap staging (:class:`~rollq.weightsync.worker._memmap.MemmapStaging`) needs
     from its worker's state: the sink a version is loaded into, and the live weights."""
 
     #: vLLM's worker object.

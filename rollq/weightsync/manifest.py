@@ -2,7 +2,7 @@
 
 Every replica publishes the manifest (tensor names, dtypes, shapes) of the checkpoint it
 serves, read from the safetensors headers of its model folder (header only, never the
-data), when its :class:`~rollq.weightsync.follower.WeightFollower` starts. vLLM's own loaded
+data), when its :class:`~rollq.weightsync.replica.follower.WeightFollower` starts. vLLM's own loaded
 parameters are fused (``qkv_proj``, ``gate_up_proj``) and are not what a trainer sends, so
 the files are the reference. The publisher checks every state dict against it before any
 replica is touched (:func:`check_state`).

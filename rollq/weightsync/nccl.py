@@ -6,20 +6,20 @@ workers included). The group is a stateless process group over its own ``TCPStor
 
 Protocol of one update (one control message, never one RPC per tensor):
 
-1. The trainer (:class:`~rollq.weightsync.sender.BroadcastSender`) writes the *offer*
+1. The trainer (:class:`~rollq.weightsync.trainer.sender.BroadcastSender`) writes the *offer*
    (:class:`~rollq.weightsync.wire.Offer`: version, tensor manifest, optional checksum,
    mode) to Redis and announces it (``woffer <v>``).
 2. Every worker that joined the group follows the offers itself
-   (:class:`~rollq.weightsync.listener.OfferListener`: a thread in the worker process with
+   (:class:`~rollq.weightsync.worker._listener.OfferListener`: a thread in the worker process with
    its own Redis connection, no engine RPC, which would queue behind generation steps) and
-   receives the tensors (:class:`~rollq.weightsync.receiver.WorkerReceiver`) straight into
+   receives the tensors (:class:`~rollq.weightsync.worker._receiver.WorkerReceiver`) straight into
    its shadow weights or a persistent flat staging buffer, on its own CUDA stream, while the
    engine keeps generating; then it writes its :class:`~rollq.weightsync.wire.Ack` into the
    offer's ack hash.
 3. The trainer broadcasts (per tensor group, or in buckets: see
    :class:`~rollq.weightsync.wire.Mode`), then waits for every worker's ack.
 4. All acked: the version is committed (durable record, pub/sub). Each replica
-   (:class:`~rollq.weightsync.replica.ReplicaReceiver`) then swaps the staged tensors in
+   (:class:`~rollq.weightsync.replica._receiver.ReplicaReceiver`) then swaps the staged tensors in
    with one ``collective_rpc`` (``rollq_apply_staged``), which vLLM runs between two engine
    steps.
 
@@ -36,16 +36,15 @@ a version that some workers did not ack is committed for those that did, with a 
 the others where the publisher has a store; any other failure drops the group and the publisher
 falls back to memmap for the same version; receivers that staged nothing load that copy.
 
-This module gathers the backend's parts, by the process that runs them.
+This module gathers what a user of the backend imports: the trainer's sender, the wire
+structs, the layout and the process-group plumbing. The parts that run in a replica and in
+its workers are internal to :mod:`rollq.weightsync.replica` and :mod:`rollq.weightsync.worker`.
 """
 
 from __future__ import annotations
 
 from .layout import Layout, groups_of, typed_views
-from .listener import OfferListener
-from .receiver import ReceiveProgress, WorkerReceiver
-from .replica import ReplicaReceiver
-from .sender import BroadcastSender
+from .trainer.sender import BroadcastSender
 from .process_group import (
     Group,
     free_port,
@@ -59,10 +58,6 @@ from .wire import Ack, FlatLayout, GroupInfo, Listen, Mode, Offer, manifest_dige
 __all__ = [
     # trainer
     "BroadcastSender",
-    # vLLM worker
-    "OfferListener", "ReceiveProgress", "WorkerReceiver",
-    # replica (consumer process)
-    "ReplicaReceiver",
     # wire
     "Ack", "FlatLayout", "GroupInfo", "Listen", "Mode", "Offer", "manifest_digest",
     # transport and layout

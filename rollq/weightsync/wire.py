@@ -5,7 +5,7 @@ Three processes take part (see :mod:`rollq.weightsync.nccl` for one update's pro
 - the trainer writes a :class:`GroupInfo` (``wgroup``) and an :class:`Offer` (``woffer``),
   and reads each worker's :class:`Ack` and :class:`FlatLayout`;
 - a replica registers and answers the trainer's group calls with a :func:`member_entry`
-  (``wmembers``, ``wanswers``; see :mod:`rollq.weightsync.sender_group`), hands its workers a
+  (``wmembers``, ``wanswers``; see :mod:`rollq.weightsync.trainer.group`), hands its workers a
   :class:`Listen`, and reads their :class:`WorkerStatus`, :class:`StageStatus` and
   :class:`SwapReport` back from ``collective_rpc``;
 - a vLLM worker reads the offers and writes the acks.
@@ -162,7 +162,7 @@ class Offer(msgspec.Struct, kw_only=True):
 
 class FlatLayout(msgspec.Struct, kw_only=True):
     """Where a receiver's shadow weights hold each tensor of a manifest, in one flat buffer
-    (Redis ``wlayouts``; see :meth:`rollq.weightsync.shadow.ShadowWeights.flat_offsets`)."""
+    (Redis ``wlayouts``; see :meth:`rollq.weightsync.worker._shadow.ShadowWeights.flat_offsets`)."""
 
     sig: str  # manifest_digest of the manifest it is for
     offsets: list[int]
@@ -223,7 +223,7 @@ class State(str, enum.Enum):
 
 
 class ReceiveStatus(msgspec.Struct, kw_only=True):
-    """A worker's last broadcast receive (:attr:`rollq.weightsync.receiver.WorkerReceiver.status`)."""
+    """A worker's last broadcast receive (:attr:`rollq.weightsync.worker._receiver.WorkerReceiver.status`)."""
 
     state: State = State.IDLE
     version: int = 0

@@ -10,7 +10,7 @@ import pytest
 
 from rollq import EchoEngine, Replica, WeightSyncSettings
 from rollq.errors import WeightSyncError
-from rollq.weightsync.follower import WeightFollower
+from rollq.weightsync.replica.follower import WeightFollower
 
 
 class LoggedEngine(EchoEngine):

@@ -17,7 +17,7 @@ import torch
 from rollq import Producer
 from rollq.consumer.engine import EchoEngine
 from rollq.weightsync import WeightPublisher
-from rollq.weightsync.worker_calls import WorkerRpc
+from rollq.weightsync.replica.worker_calls import WorkerRpc
 from tests.helpers import until
 from tests.helpers.agreement import model_at, recompute
 from tests.vllm_fixtures import checkpoint_state, serving_replica

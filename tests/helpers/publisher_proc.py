@@ -1,5 +1,5 @@
 """A trainer that publishes one policy version, in its own process, for tests that kill it
-mid-publish (rollq's real path: :meth:`~rollq.weightsync.publisher.WeightPublisher.publish_weights`
+mid-publish (rollq's real path: :meth:`~rollq.weightsync.trainer.publisher.WeightPublisher.publish_weights`
 over memmap, a one-tensor state dict, unchecked).
 
     python -m tests.helpers.publisher_proc URL QUEUE ROOT VERSION
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from rollq.weightsync.publisher import WeightPublisher
+from rollq.weightsync.trainer.publisher import WeightPublisher
 
 
 async def main(url: str, queue: str, root: str, version: int) -> int:

@@ -27,7 +27,7 @@ from rollq.testing.tiny_model import ensure_tiny_model
 from tests.helpers import ROOT, until
 
 try:
-    from rollq.weightsync.worker_ext import RollqWorkerExtension as _Extension
+    from rollq.weightsync.worker.ext import RollqWorkerExtension as _Extension
 except ImportError:  # torch missing: the vLLM tests skip anyway
     _Extension = object  # type: ignore[assignment,misc]
 

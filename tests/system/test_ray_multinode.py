@@ -277,7 +277,7 @@ async def _greedy(p: Producer, replica: str) -> tuple[list[int], tuple[int, int]
 async def test_weights_reach_vllm_replicas_on_both_nodes(cluster, redis_url, queue, tmp_path, tiny_model_path):
     pytest.importorskip("vllm")
     from rollq.weightsync import WeightPublisher
-    from rollq.weightsync.sender import BroadcastSender
+    from rollq.weightsync.trainer.sender import BroadcastSender
     from tests.vllm_fixtures import checkpoint_state
 
     root = str(tmp_path / "weights")  # the "shared storage": one path every node sees

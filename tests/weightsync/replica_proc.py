@@ -48,7 +48,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def pause_receive_at(version: int, marker: str) -> None:
     """Make this process's receive of ``version`` stop for good after its second broadcast."""
-    from rollq.weightsync import process_group, receiver
+    from rollq.weightsync import process_group
+    from rollq.weightsync.worker import _receiver as receiver
 
     seen = {"version": 0, "n": 0}
     receive, broadcast = receiver.WorkerReceiver.receive, process_group.Group.broadcast

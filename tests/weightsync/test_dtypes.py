@@ -118,7 +118,7 @@ async def test_a_named_dtype_converts_and_says_so(named_float32, vllm_engine, re
     pub = WeightPublisher(redis_url, queue, root=root)
     try:
         half = {k: v.to(torch.bfloat16) for k, v in base.items()}
-        with caplog.at_level("WARNING", logger="rollq.weightsync.follower"):
+        with caplog.at_level("WARNING", logger="rollq.weightsync.replica.follower"):
             rec = await pub.publish_weights(half)  # the replica named float32: bf16 is taken, converted
             await pub.wait_for_replicas(rec.version, timeout=60)
             assert consumer.converted_from == ["bfloat16"]

@@ -272,7 +272,7 @@ async def test_broadcast_streams_into_shadow_weights_and_swaps(redis_url, queue,
 
 @pytest.mark.parametrize("shadow_layout", [False, True])
 async def test_overlapped_swap_through_a_broadcast_and_its_undo_when_the_commit_is_late(redis_url, queue, root, monkeypatch, shadow_layout):
-    import rollq.weightsync.publisher as publisher_mod
+    import rollq.weightsync.trainer.publisher as publisher_mod
 
     monkeypatch.setenv("ROLLQ_SHADOW_WEIGHTS", "1")  # "auto" uses them on GPUs only
     sender = BroadcastSender(num_workers=1, backend="gloo", timeout=20, mode="direct", bucket_bytes=4096, shadow_layout=shadow_layout)
@@ -423,7 +423,7 @@ class ScriptedGroup:
 def scripted_receiver(monkeypatch) -> tuple[Any, torch.nn.Module, Any]:
     """A fake worker with shadow weights and a receiver whose group is scripted (not formed):
     ``(worker, its live model, receiver)``; set ``receiver.pg`` to a :class:`ScriptedGroup`."""
-    from rollq.weightsync.receiver import WorkerReceiver
+    from rollq.weightsync.worker._receiver import WorkerReceiver
 
     monkeypatch.setenv("ROLLQ_SHADOW_WEIGHTS", "1")
     worker = FakeWorkerEngine(loadable_model).workers[0]
@@ -520,7 +520,7 @@ def test_overlapped_swap_goes_live_part_by_part_and_is_undone_on_failure_or_with
 
     # a part that never completes on the device (its event stays pending): the swap gives up
     # after receive_timeout and aborts the group, which ends the transfer behind those events
-    from rollq.weightsync.receiver import ReceiveProgress
+    from rollq.weightsync.worker._receiver import ReceiveProgress
 
     class Pending:
         def query(self) -> bool:

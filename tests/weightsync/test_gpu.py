@@ -146,7 +146,7 @@ async def test_nccl_versions_swapped_in_part_by_part_while_they_arrive(redis_url
 
 
 def test_swap_kernel_swaps_every_width_and_odd_lengths():
-    from rollq.weightsync.swap_kernel import swap_bytes_
+    from rollq.weightsync.worker._swap_kernel import swap_bytes_
 
     for dtype, n in ((torch.bfloat16, 4096 * 3 + 1), (torch.float32, 1000), (torch.uint8, 4097), (torch.int64, 7)):
         a = torch.arange(n, device="cuda:0").to(dtype)

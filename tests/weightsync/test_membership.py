@@ -24,7 +24,7 @@ from rollq import Producer
 from rollq.keys import QueueKeys
 from rollq.weightsync import WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
-from rollq.weightsync.worker_calls import WorkerRpc
+from rollq.weightsync.replica.worker_calls import WorkerRpc
 from tests.helpers import ROOT, until
 
 TIMEOUT = 20.0  # the sender's timeout (group formation, each broadcast, the acks)

@@ -18,7 +18,7 @@ from rollq.testing.fake_workers import FakeWorkerEngine
 from rollq.settings import WeightSyncSettings
 from rollq.weightsync import WeightFollower, WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
-from rollq.weightsync.worker_calls import WorkerCalls
+from rollq.weightsync.replica.worker_calls import WorkerCalls
 from tests.helpers import until
 from tests.vllm_fixtures import checkpoint_state, serving_replica
 from tests.weightsync.test_vllm import greedy, perturbed

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from rollq.errors import WeightSyncError
 from rollq.server import free_port as _free_port
-from rollq.weightsync.param_shards import iter_full_buckets, plan_buckets
+from rollq.weightsync.trainer.param_shards import iter_full_buckets, plan_buckets
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ def _publisher_worker(rank: int, world: int, port: int, url: str, queue: str, ro
 
     from torch.distributed.tensor import DTensor
 
-    from rollq.weightsync import WeightPublisher, param_shards
+    from rollq.weightsync import WeightPublisher
+    from rollq.weightsync.trainer import param_shards
     from rollq.weightsync.memmap import MemmapStore
     from rollq.weightsync.versions import TensorMeta
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rollq.weightsync.shadow import ShadowWeights, shadow_supported
+from rollq.weightsync.worker._shadow import ShadowWeights, shadow_supported
 
 
 class FusedQKV(torch.nn.Module):

@@ -14,7 +14,7 @@ from rollq import Consumer, Producer
 from rollq.errors import CorruptWeights
 from rollq.weightsync import WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
-from rollq.weightsync.worker_calls import WorkerCalls
+from rollq.weightsync.replica.worker_calls import WorkerCalls
 from tests.vllm_fixtures import checkpoint_state, serving_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]

@@ -1,4 +1,4 @@
-"""The typed stub for calls into vLLM workers (rollq/weightsync/worker_calls.py): the RPC each
+"""The typed stub for calls into vLLM workers (rollq/weightsync/replica/worker_calls.py): the RPC each
 method makes, by name and keyword, and the typed results it returns or refuses."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from rollq.weightsync.wire import (
     SwapTimes,
     WorkerStatus,
 )
-from rollq.weightsync.worker_calls import WorkerCalls, WorkerRpc
-from rollq.weightsync.worker_ext import RollqWorkerExtension
+from rollq.weightsync.replica.worker_calls import WorkerCalls, WorkerRpc
+from rollq.weightsync.worker.ext import RollqWorkerExtension
 
 INFO = GroupInfo(id="g1", host="127.0.0.1", port=29500, world_size=2, backend="gloo", timeout=10.0)
 LISTEN = Listen(url="redis://x", channel="c", offer_key="o", field="r/")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..wire import SwapReport
-from ..worker_calls import WorkerCalls
+from ..replica.worker_calls import WorkerCalls
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 class PublisherSide(Protocol):
     """What a trainer transport uses of the publisher it serves
-    (:class:`~rollq.weightsync.publisher.WeightPublisher` provides it)."""
+    (:class:`~rollq.weightsync.trainer.publisher.WeightPublisher` provides it)."""
 
     keys: QueueKeys
     store: MemmapStore | None
@@ -70,7 +70,7 @@ class ReplicaTransport(ABC):
     serves (:meth:`stage`), then swaps them in (:meth:`swap`, intake closed).
 
     ``engine``: the replica's engine (its workers are reached through :attr:`workers`, the
-    typed :class:`~rollq.weightsync.worker_calls.WorkerCalls`);
+    typed :class:`~rollq.weightsync.replica.worker_calls.WorkerCalls`);
     ``receiver``: the broadcast group membership, None when the replica is in no group.
     """
 

@@ -1,9 +1,9 @@
 """Broadcast transport: the trainer sends a version to every replica's workers at once over
-its broadcast group (:class:`~rollq.weightsync.sender.BroadcastSender`, NCCL or Gloo); the
+its broadcast group (:class:`~rollq.weightsync.trainer.sender.BroadcastSender`, NCCL or Gloo); the
 record names the group's backend (``nccl`` or ``gloo``).
 
 Trainer side :class:`BroadcastSend`; replica side :class:`BroadcastReceive`, whose workers
-received the version while the engine served (:class:`~rollq.weightsync.replica.ReplicaReceiver`).
+received the version while the engine served (:class:`~rollq.weightsync.replica._receiver.ReplicaReceiver`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class BroadcastSend(TrainerTransport):
     ack a committed broadcast get a memmap copy in the same record (with a store)."""
 
     async def send(self, version: int, items: list[tuple[str, torch.Tensor]]) -> VersionRecord:
-        from ..sender import GroupBroken
+        from ..trainer.sender import GroupBroken
 
         pub = self.publisher
         if pub.sender is None:

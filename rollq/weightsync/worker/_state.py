@@ -2,12 +2,12 @@
 
 Runs inside each vLLM worker process. :class:`WorkerState` is the only attribute rollq sets
 on vLLM's worker (``worker.rollq_state``, built on first use); the extension's RPC methods
-(:mod:`rollq.weightsync.worker_ext`) are thin calls into it. It owns the shadow weights,
-the broadcast receiver, memmap staging (:mod:`rollq.weightsync.worker_memmap`), the
-request-progress tracker (:mod:`rollq.weightsync.worker_progress`) and the worker lock.
+(:mod:`rollq.weightsync.worker.ext`) are thin calls into it. It owns the shadow weights,
+the broadcast receiver, memmap staging (:mod:`rollq.weightsync.worker._memmap`), the
+request-progress tracker (:mod:`rollq.weightsync.worker._progress`) and the worker lock.
 
 Loading: on GPU workers ``model.load_weights`` (the checkpoint-format loader every vLLM model
-has), run while the engine serves into shadow weights (:mod:`rollq.weightsync.shadow`) where
+has), run while the engine serves into shadow weights (:mod:`rollq.weightsync.worker._shadow`) where
 memory allows, so the swap is one device copy; on the CPU backend, whose linear layers are
 repacked at start-up, ``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``
 at the swap.
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import msgspec
 import torch
 
-from .wire import (
+from ..wire import (
     FlatLayout,
     GroupInfo,
     Listen,
@@ -36,9 +36,9 @@ from .wire import (
 )
 
 if TYPE_CHECKING:
-    from .receiver import WorkerReceiver
-    from .shadow import ShadowWeights
-    from .versions import TensorMeta
+    from ._receiver import WorkerReceiver
+    from ._shadow import ShadowWeights
+    from ..versions import TensorMeta
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ class WorkerState:
     """rollq's state in one vLLM worker (``worker``: vLLM's worker object)."""
 
     def __init__(self, worker: Any):
-        from .worker_memmap import MemmapStaging
-        from .worker_progress import RequestTracker
+        from ._memmap import MemmapStaging
+        from ._progress import RequestTracker
 
         self.worker = worker
         #: Held while the shadow weights or the memmap staging change (a broadcast receiver
@@ -95,7 +95,7 @@ class WorkerState:
             return None
         if self.shadow is not None:
             return self.shadow
-        from .shadow import ShadowWeights, shadow_supported
+        from ._shadow import ShadowWeights, shadow_supported
 
         mode = os.environ.get("ROLLQ_SHADOW_WEIGHTS", "auto").lower()
         why: str | None
@@ -117,13 +117,13 @@ class WorkerState:
         """No shadow weights from now on (versions load at the swap)."""
         self.shadow, self.shadow_off = None, why
 
-    # -- what a broadcast receiver hands over (rollq.weightsync.receiver.ReceiveSink) --------
+    # -- what a broadcast receiver hands over (rollq.weightsync.worker._receiver.ReceiveSink) --------
     def load_while_receiving(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any = None,
                              manifest: list[TensorMeta] | None = None) -> bool:
         """Load a version into the shadow weights (in a background thread, with the worker
         lock held); False when there is no shadow or it failed (the swap then loads).
         With its ``manifest`` given, the load is traced once per manifest for a load plan
-        (:mod:`rollq.weightsync.shadow`): later versions are then written in place."""
+        (:mod:`rollq.weightsync.worker._shadow`): later versions are then written in place."""
         try:
             with self.lock:
                 sh = self.ensure_shadow()
@@ -170,7 +170,7 @@ class WorkerState:
         """Join ``info`` as rank ``rank_offset + worker.rank``, in a thread (the group forms
         only once every rank is there); :attr:`join` says how far it got. With ``listen``
         the receiver then follows offers itself (ack field ``listen.field + rank``)."""
-        from .receiver import WorkerReceiver
+        from ._receiver import WorkerReceiver
 
         local = int(getattr(self.worker, "rank", 0))
         rank = rank_offset + local

@@ -12,7 +12,7 @@ import collections
 import time
 from typing import Any
 
-from .wire import Progress
+from ..wire import Progress
 
 #: Requests that vLLM let go of are remembered (with their token counts) this long, at most
 #: this many: a swap reports them so a request that finished on the old weights, whose

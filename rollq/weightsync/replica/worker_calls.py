@@ -1,7 +1,7 @@
 """The typed stub for calls into a replica's vLLM workers (the replica's side of
-:mod:`rollq.weightsync.worker_ext`).
+:mod:`rollq.weightsync.worker.ext`).
 
-One method per RPC of :class:`~rollq.weightsync.worker_ext.RollqWorkerExtension`, its name
+One method per RPC of :class:`~rollq.weightsync.worker.ext.RollqWorkerExtension`, its name
 written once (:class:`WorkerRpc`), its arguments passed by keyword, and its results, one per
 worker, validated into the structs of :mod:`rollq.weightsync.wire`. A result that is not what
 the call returns raises :class:`~rollq.weightsync.wire.MalformedReply`. Everything goes
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from .wire import (
+from ..wire import (
     GroupInfo,
     Listen,
     MalformedReply,
@@ -36,7 +36,7 @@ from .wire import (
 )
 
 if TYPE_CHECKING:
-    from .base import WorkerEngine
+    from ..base import WorkerEngine
 
 T = TypeVar("T")
 

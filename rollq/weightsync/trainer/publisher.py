@@ -19,7 +19,7 @@ Redis (durable), then announce it on pub/sub, then append it to the version log 
 three in one Lua script, refused unless the version is newer than the recorded one).
 
 With ``transport="nccl"`` (or ``"gloo"``, ``"broadcast"``: the sender's backend decides) the tensors are broadcast from this process (rank 0) to every
-replica worker of the group (:class:`~rollq.weightsync.sender.BroadcastSender`: the group
+replica worker of the group (:class:`~rollq.weightsync.trainer.sender.BroadcastSender`: the group
 follows the live replicas). A broadcast that breaks (a member died) is offered once more over
 a group formed anew without it; a version that reached only some workers is committed for
 those, with a memmap copy for the others when there is a store; on any other failure or
@@ -37,18 +37,18 @@ from typing import Any, Iterable, Mapping, Sequence
 import msgspec
 import torch
 
-from ..connection import connect
-from ..errors import StaleVersion, WeightLoadFailed, WeightSyncError, WeightSyncTimeout
-from ..keys import QueueKeys
-from ..replicas import heartbeating
-from ..settings import DEFAULT_QUEUE, RedisSettings
-from .base import Sender
-from .manifest import Manifest, check_state, decode_manifest, float_dtypes, read_manifest
+from ...connection import connect
+from ...errors import StaleVersion, WeightLoadFailed, WeightSyncError, WeightSyncTimeout
+from ...keys import QueueKeys
+from ...replicas import heartbeating
+from ...settings import DEFAULT_QUEUE, RedisSettings
+from ..base import Sender
+from ..manifest import Manifest, check_state, decode_manifest, float_dtypes, read_manifest
 from . import param_shards  # parameter shards: the ranks of an FSDP2 trainer
-from .memmap import MemmapStore, SlotInfo, named_tensors
-from .transports import trainer_transport
-from .transports.broadcast import BroadcastSend
-from .versions import (
+from ..memmap import MemmapStore, SlotInfo, named_tensors
+from ..transports import trainer_transport
+from ..transports.broadcast import BroadcastSend
+from ..versions import (
     LoadError, TensorMeta, VersionRecord, commit_version, decode_record, encode_record, read_load_errors, read_version,
 )
 
@@ -84,7 +84,7 @@ class WeightPublisher:
         self.redis_settings = url if isinstance(url, RedisSettings) else RedisSettings.from_url(url)
         self.keys = QueueKeys(queue)
         self.store = MemmapStore(root, keep=keep) if root else None
-        #: What carries transport="nccl" (a :class:`~rollq.weightsync.sender.BroadcastSender`).
+        #: What carries transport="nccl" (a :class:`~rollq.weightsync.trainer.sender.BroadcastSender`).
         self.sender = sender
         self.trainer_id = trainer_id
         self.validate = validate
@@ -126,7 +126,7 @@ class WeightPublisher:
         ``group``: the ``torch.distributed`` process group of a sharded trainer (FSDP2
         ``fully_shard``, DTensor state dicts). Every rank of it calls this with its own state
         dict and gets the same record back; no rank gathers the whole model, and only the
-        group's rank 0 talks to Redis (see :mod:`rollq.weightsync.param_shards` for what each
+        group's rank 0 talks to Redis (see :mod:`rollq.weightsync.trainer.param_shards` for what each
         transport costs per rank). Every rank needs the same ``root`` (shared storage
         across hosts); only rank 0 needs the ``sender``.
 
@@ -271,7 +271,7 @@ class WeightPublisher:
     # -- a sharded trainer: every rank of ``group`` calls publish_weights ---------------------
     async def _publish_sharded(self, items: list[tuple[str, torch.Tensor]], version: int | None, transport: str, group: Any) -> VersionRecord:
         """Rank 0 decides (names, version) and tells the others; every rank moves its part;
-        rank 0 commits and hands every rank the record (rollq.weightsync.param_shards)."""
+        rank 0 commits and hands every rank the record (rollq.weightsync.trainer.param_shards)."""
         import torch.distributed as dist
 
         first = dist.get_rank(group) == 0
@@ -397,7 +397,7 @@ async def _agree(msg: _Plan, first: bool, group: Any) -> _Plan:
 
 def _remote(error: str, message: str) -> WeightSyncError:
     """Rank 0's failure, as raised on the other ranks (the same class where it is rollq's)."""
-    from .. import errors
+    from ... import errors
 
     cls = getattr(errors, error, None)
     text = f"rank 0 of the trainer group failed: {message}"

@@ -1,10 +1,10 @@
 """Worker side of the broadcast: a rank of the trainer's group that receives versions.
 
 Runs inside each vLLM worker process, in threads of its own (never in an engine RPC, which
-would hold the engine's step loop): an :class:`~rollq.weightsync.listener.OfferListener`
+would hold the engine's step loop): an :class:`~rollq.weightsync.worker._listener.OfferListener`
 follows the offers and calls :meth:`WorkerReceiver.receive` for each new one while the engine
 keeps generating. What the received bytes go into is the worker's business, behind a
-:class:`ReceiveSink` (:class:`~rollq.weightsync.worker_state.WorkerState`).
+:class:`ReceiveSink` (:class:`~rollq.weightsync.worker._state.WorkerState`).
 
 A version is received one of four ways, decided per offer:
 
@@ -34,14 +34,14 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import WeightSyncError
-from ..protocol import Control, parse_control
-from .base import InPlaceTarget, ReceiveSink
-from .checksum import state_checksum
-from .layout import Layout, groups_of, typed_views
-from .process_group import Group, make_group, responsive_gil, wait_stream
-from .versions import TensorMeta
-from .wire import (
+from ...errors import WeightSyncError
+from ...protocol import Control, parse_control
+from ..base import InPlaceTarget, ReceiveSink
+from ..checksum import state_checksum
+from ..layout import Layout, groups_of, typed_views
+from ..process_group import Group, make_group, responsive_gil, wait_stream
+from ..versions import TensorMeta
+from ..wire import (
     GroupInfo,
     Listen,
     Mode,
@@ -62,7 +62,7 @@ class ReceiveProgress:
     ``part_of[j]``: the part holding the last bytes of manifest tensor ``j``. ``parts``
     grows as parts are enqueued, each with a CUDA event recorded after it (None on CPU,
     where a part is received when it is listed). The overlapped swap
-    (:mod:`rollq.weightsync.worker_swap`) swaps each part's parameters in as soon as the
+    (:mod:`rollq.weightsync.worker._swap`) swaps each part's parameters in as soon as the
     part is complete, stream-ordered after its event.
     """
 
@@ -162,7 +162,7 @@ class WorkerReceiver:
     # -- following offers ------------------------------------------------------------------
     def listen(self, listen: Listen) -> None:
         """Follow offers in a daemon thread."""
-        from .listener import OfferListener
+        from ._listener import OfferListener
 
         self._listener = OfferListener(self, listen)
         self._listener.start()

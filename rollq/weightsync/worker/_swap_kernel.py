@@ -1,7 +1,7 @@
 """Swapping the bytes of two GPU tensors in one pass (a Triton kernel).
 
 Runs inside each vLLM worker process: the overlapped swap exchanges live and shadow
-parameters with it (:meth:`rollq.weightsync.shadow.ShadowWeights.exchange`), reading and
+parameters with it (:meth:`rollq.weightsync.worker._shadow.ShadowWeights.exchange`), reading and
 writing each byte once per side, where three copies through a buffer would move it three
 times. Without Triton (or a compiler for it) :func:`swap_bytes_` says so and the caller
 copies instead.

@@ -40,8 +40,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .load_trace import LoadTrace, Region, Signature, signature_of
-from .swap_kernel import swap_bytes_, warm_swap_kernel
+from ._load_trace import LoadTrace, Region, Signature, signature_of
+from ._swap_kernel import swap_bytes_, warm_swap_kernel
 
 log = logging.getLogger(__name__)
 
@@ -387,7 +387,7 @@ class ShadowWeights:
     def exchange(self, indices: Iterable[int], chunk_bytes: int = 256 << 20, programs: int = 0) -> None:
         """Swap the values of live and shadow parameters ``indices`` (enqueued on the current
         stream). Unlike :meth:`swap` it can be undone (exchange again): an update swapped in
-        part by part while it still arrives (:mod:`rollq.weightsync.worker_swap`) goes back to the old
+        part by part while it still arrives (:mod:`rollq.weightsync.worker._swap`) goes back to the old
         weights if it fails or is never committed. On CUDA with Triton one kernel per
         parameter reads and writes each byte once per side (twice :meth:`swap`'s traffic);
         otherwise three copies through a bounce buffer of ``chunk_bytes`` (three times).

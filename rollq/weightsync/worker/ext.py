@@ -1,13 +1,13 @@
 """vLLM worker extension: loads rollq weight versions inside every vLLM worker.
 
-Pass ``worker_extension_cls="rollq.weightsync.worker_ext.RollqWorkerExtension"`` to the engine;
+Pass ``worker_extension_cls="rollq.weightsync.worker.ext.RollqWorkerExtension"`` to the engine;
 the replica then calls these methods through ``collective_rpc``, by keyword, one call per
 update for all workers (never one per tensor), only through the typed stub
-:class:`~rollq.weightsync.worker_calls.WorkerCalls`, which names each method once. Methods run inside each worker process, next to the
+:class:`~rollq.weightsync.replica.worker_calls.WorkerCalls`, which names each method once. Methods run inside each worker process, next to the
 model, so the weights never travel through the engine's RPC channel.
 
 This class is only the RPC surface: each method is a call into the worker's
-:class:`~rollq.weightsync.worker_state.WorkerState` (:attr:`RollqWorkerExtension.rollq_state`,
+:class:`~rollq.weightsync.worker._state.WorkerState` (:attr:`RollqWorkerExtension.rollq_state`,
 the one attribute rollq sets on vLLM's worker). Arguments and results are plain values,
 since nothing else crosses ``collective_rpc``: results are the maps of the structs in
 :mod:`rollq.weightsync.wire`, and refused data comes back as a ``WorkerError`` in them.
@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from .wire import GroupInfo, Listen, to_wire
-from .worker_state import WorkerState
+from ..wire import GroupInfo, Listen, to_wire
+from ._state import WorkerState
 
 _init_lock = threading.Lock()
 
@@ -82,8 +82,8 @@ class RollqWorkerExtension:
 
     # -- swaps -----------------------------------------------------------------------------
     def rollq_apply_staged(self, version: int) -> dict[str, Any]:
-        """Swap a staged version in (:func:`rollq.weightsync.worker_swap.apply_staged`)."""
-        from .worker_swap import apply_staged
+        """Swap a staged version in (:func:`rollq.weightsync.worker._swap.apply_staged`)."""
+        from ._swap import apply_staged
 
         return to_wire(apply_staged(self.rollq_state, version))
 
@@ -92,8 +92,8 @@ class RollqWorkerExtension:
         programs: int = 0,
     ) -> dict[str, Any]:
         """Swap ``version`` in while its last parts still arrive, then wait for its commit
-        (:func:`rollq.weightsync.worker_swap.swap_overlapped`)."""
-        from .worker_swap import swap_overlapped
+        (:func:`rollq.weightsync.worker._swap.swap_overlapped`)."""
+        from ._swap import swap_overlapped
 
         return to_wire(swap_overlapped(self.rollq_state, version, commit_timeout, receive_timeout, start_timeout, programs))
 
@@ -110,7 +110,7 @@ class RollqWorkerExtension:
         """Start remembering how many tokens each request had generated when vLLM let go of
         it, so a later swap can tell a request that finished on the old weights from one that
         had not started. True where this vLLM allows it; the engine calls it once at start
-        (:meth:`rollq.weightsync.worker_progress.RequestTracker.install`)."""
+        (:meth:`rollq.weightsync.worker._progress.RequestTracker.install`)."""
         return self.rollq_state.tracker.install(getattr(self, "model_runner", None))
 
     def rollq_weight_sample(self, name_contains: str = "embed", offset: int = 0) -> list[float]:

@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import WeightSyncError
-from .wire import Swap, SwapReport
+from ...errors import WeightSyncError
+from ..wire import Swap, SwapReport
 
 if TYPE_CHECKING:
-    from .receiver import ReceiveProgress, WorkerReceiver
-    from .shadow import ShadowWeights
-    from .worker_state import WorkerState
+    from ._receiver import ReceiveProgress, WorkerReceiver
+    from ._shadow import ShadowWeights
+    from ._state import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def swap_overlapped(
 
     Generation stands still from the call until it returns. Each part of the in-place
     receive (a bucket, or a coalesced group of tensors) is swapped in as soon as it is
-    complete, by :meth:`~rollq.weightsync.shadow.ShadowWeights.exchange` stream-ordered after
+    complete, by :meth:`~rollq.weightsync.worker._shadow.ShadowWeights.exchange` stream-ordered after
     the part's event, while the rest still arrives; once every byte is in and the trainer has
     committed the version, the next step runs on it. If the receive fails, or the commit
     does not come within ``commit_timeout`` of the last byte, the exchanges are undone: the

@@ -1,10 +1,10 @@
 """Replica side of the overlapped swap: going live while a broadcast still arrives.
 
-Runs in the consumer's process, beside :class:`~rollq.weightsync.follower.WeightFollower`.
+Runs in the consumer's process, beside :class:`~rollq.weightsync.replica.follower.WeightFollower`.
 For the ``keep`` policy, on a one-worker replica that receives versions in place, it stops
 generation shortly before an announced offer's receive is expected to end (from this
 replica's own past receives, its acks) and has the worker swap each part in as it completes
-(:func:`rollq.weightsync.worker_swap.swap_overlapped`), instead of swapping the whole version
+(:func:`rollq.weightsync.worker._swap.swap_overlapped`), instead of swapping the whole version
 after the commit. Generation then stands still for about the lead plus the commit; the
 swap's copies and the wait for a step boundary leave the update's path. When it does not
 happen (not received in place, the receive failed, no commit in time) the follower's usual
@@ -18,8 +18,8 @@ import logging
 import time
 from typing import Any, Callable
 
-from .base import ReplicaSide
-from .wire import Swap, SwapReport, decode_ack
+from ..base import ReplicaSide
+from ..wire import Swap, SwapReport, decode_ack
 from .worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)

@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..protocol import Control, parse_control
-from .wire import Listen, Offer, State, encode_ack
+from ...protocol import Control, parse_control
+from ..wire import Listen, Offer, State, encode_ack
 
 if TYPE_CHECKING:
-    from .base import OfferHost
+    from ..base import OfferHost
 
 log = logging.getLogger(__name__)
 
 
 def sync_client(url: str) -> Any:
     """A blocking redis-py client for ``url`` (cluster URLs through the cluster client)."""
-    from ..settings import RedisSettings
+    from ...settings import RedisSettings
 
     st = RedisSettings.from_url(url)
     if st.cluster:

@@ -1,6 +1,6 @@
 """Replica side: a committed version this replica failed to load, and when to try it again.
 
-Runs in the consumer's process, for :class:`~rollq.weightsync.follower.WeightFollower`. A
+Runs in the consumer's process, for :class:`~rollq.weightsync.replica.follower.WeightFollower`. A
 version that cannot be loaded is recorded in ``QueueKeys.load_errors``
 (:class:`~rollq.weightsync.versions.LoadError`, removed once a version loads) and is not
 retried every second: a corrupt or mismatched version (:class:`~rollq.errors.CorruptWeights`,
@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..connection import RETRYABLE
-from ..errors import CorruptWeights, WeightMismatch
-from .base import ReplicaSide
-from .versions import LoadError, report_load_error
+from ...connection import RETRYABLE
+from ...errors import CorruptWeights, WeightMismatch
+from ..base import ReplicaSide
+from ..versions import LoadError, report_load_error
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Tracing ``load_weights``: where it writes each checkpoint tensor into the shadow weights.
 
-Runs inside each vLLM worker process, under :meth:`rollq.weightsync.shadow.ShadowWeights.load`
+Runs inside each vLLM worker process, under :meth:`rollq.weightsync.worker._shadow.ShadowWeights.load`
 with ``trace=True``: a ``TorchDispatchMode`` sees every write ``load_weights`` makes while it
 consumes one checkpoint tensor after the other, and records the byte range when the write
 is one plain copy of the whole tensor (the load plan is built from those ranges).

@@ -3,7 +3,7 @@
 Runs inside each vLLM worker process. :meth:`MemmapStaging.stage` reads a version, copies it
 to the device and verifies it in a thread of the worker while the engine keeps serving (an
 RPC that did the work itself would hold the engine's step loop); the swap then only swaps it
-in (:func:`rollq.weightsync.worker_swap.apply_staged`). :meth:`MemmapStaging.load` does it all
+in (:func:`rollq.weightsync.worker._swap.apply_staged`). :meth:`MemmapStaging.load` does it all
 at once, inside the RPC. A stored version that is corrupt or otherwise refused comes back as
 a :class:`~rollq.weightsync.wire.WorkerError` value, raised again on the replica as its type.
 """
@@ -16,20 +16,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CorruptWeights, WeightSyncError
-from .checksum import state_checksum
-from .memmap import MemmapStore, manifest_of
-from .process_group import responsive_gil
-from .wire import StageStatus, State, SwapReport, WorkerError
+from ...errors import CorruptWeights, WeightSyncError
+from ..checksum import state_checksum
+from ..memmap import MemmapStore, manifest_of
+from ..process_group import responsive_gil
+from ..wire import StageStatus, State, SwapReport, WorkerError
 
 if TYPE_CHECKING:
-    from .base import InPlaceTarget, StagingHost
+    from ..base import InPlaceTarget, StagingHost
 
 Items = list[tuple[str, torch.Tensor]]
 
 
 class MemmapStaging:
-    """Memmap reads of one worker (``state``: its :class:`~rollq.weightsync.worker_state.WorkerState`)."""
+    """Memmap reads of one worker (``state``: its :class:`~rollq.weightsync.worker._state.WorkerState`)."""
 
     def __init__(self, state: StagingHost):
         self.state = state

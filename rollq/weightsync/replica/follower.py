@@ -3,7 +3,7 @@
 Runs in the consumer's process, on its event loop, and drives the consumer only through its
 weight-sync seam (:class:`~rollq.weightsync.base.ReplicaSide`) and its workers only through
 the worker-call stub
-:class:`~rollq.weightsync.worker_calls.WorkerCalls` (:mod:`rollq.weightsync.worker_ext`). The record's transport name picks
+:class:`~rollq.weightsync.replica.worker_calls.WorkerCalls` (:mod:`rollq.weightsync.worker.ext`). The record's transport name picks
 the replica side that stages a version (:mod:`rollq.weightsync.transports`); a record that
 also offers a memmap copy is loaded from it when that transport brought nothing here.
 
@@ -33,9 +33,9 @@ On start the follower publishes the checkpoint manifest of the served model (nam
 shapes from the model folder's safetensors headers; :mod:`rollq.weightsync.manifest`), which
 publishers check state dicts against, and checks each memmap version's manifest against it
 before loading. A version that cannot be loaded is recorded and retried a few times at most
-(:mod:`rollq.weightsync.load_failures`). Broadcast versions arrive while the replica serves
-(:mod:`rollq.weightsync.replica`); with ``swap_overlap`` they may go live while the last of
-them still arrives (:mod:`rollq.weightsync.overlap`).
+(:mod:`rollq.weightsync.replica._load_failures`). Broadcast versions arrive while the replica serves
+(:mod:`rollq.weightsync.replica._receiver`); with ``swap_overlap`` they may go live while the last of
+them still arrives (:mod:`rollq.weightsync.replica._overlap`).
 
 A replica that starts while the trainer broadcasts versions joins the next group before it
 loads anything. The committed version may then be one it cannot load: broadcast before it
@@ -59,19 +59,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..connection import RETRYABLE
-from ..errors import EngineDead, WeightMismatch, WeightSyncError, WeightSyncTimeout
-from ..protocol import Control
-from ..settings import WeightSyncSettings
-from .base import Receiver, ReplicaSide
-from .load_failures import LoadFailures
-from .manifest import Manifest, conversion, diff, encode_manifest, read_manifest
-from .overlap import OverlappedSwap
-from .transports import ReplicaTransport, Staged, replica_transport
-from .transports.broadcast import MissedBroadcast
-from .transports.memmap import MemmapReceive
-from .versions import TensorMeta, VersionRecord, decode_record
-from .wire import SwapReport, to_wire
+from ...connection import RETRYABLE
+from ...errors import EngineDead, WeightMismatch, WeightSyncError, WeightSyncTimeout
+from ...protocol import Control
+from ...settings import WeightSyncSettings
+from ..base import Receiver, ReplicaSide
+from ._load_failures import LoadFailures
+from ..manifest import Manifest, conversion, diff, encode_manifest, read_manifest
+from ._overlap import OverlappedSwap
+from ..transports import ReplicaTransport, Staged, replica_transport
+from ..transports.broadcast import MissedBroadcast
+from ..transports.memmap import MemmapReceive
+from ..versions import TensorMeta, VersionRecord, decode_record
+from ..wire import SwapReport, to_wire
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class WeightFollower:
     """Keeps one replica's engine at the newest committed policy version.
 
     ``settings``: :class:`~rollq.settings.WeightSyncSettings` (a memmap ``root``, ``broadcast``,
-    timeouts, retries, ``swap_overlap``: see :class:`~rollq.weightsync.overlap.OverlappedSwap`,
+    timeouts, retries, ``swap_overlap``: see :class:`~rollq.weightsync.replica._overlap.OverlappedSwap`,
     :attr:`overlap`).
     """
 
@@ -126,10 +126,10 @@ class WeightFollower:
         self._missed = 0  # a broadcast version this replica did not receive (it waits for the next)
         #: The last committed version this replica failed to load, and its retries.
         self.load_failures = LoadFailures(consumer, s.load_retries, s.load_retry_delay)
-        #: Broadcast receiver (rollq.weightsync.replica) whose workers stage versions while serving.
+        #: Broadcast receiver (rollq.weightsync.replica._receiver) whose workers stage versions while serving.
         self.receiver: Receiver | None = None
         if s.broadcast:
-            from .replica import ReplicaReceiver
+            from ._receiver import ReplicaReceiver
 
             self.receiver = ReplicaReceiver(consumer)
         #: Replica sides of the transports, by record name (rollq.weightsync.transports.factory).
@@ -150,7 +150,7 @@ class WeightFollower:
         several broadcast workers (tensor parallel): swapping parts in while the rest arrives
         would need every worker to agree on commit or undo of each part, which they do not.
         """
-        from ..connection import connect
+        from ...connection import connect
 
         if self.overlap.enabled and self.receiver is not None and self.receiver.num_workers > 1:
             raise WeightSyncError(
@@ -374,7 +374,7 @@ class WeightFollower:
         the engine sees any of it (the publisher checks too, unless told not to)."""
         if self.manifest is None or rec.memmap_slot is None or self.settings.root is None:
             return
-        from .memmap import MemmapStore
+        from ..memmap import MemmapStore
 
         marker = MemmapStore(self.settings.root).marker(rec.memmap_slot)
         if not marker or marker.get("version") != rec.version:

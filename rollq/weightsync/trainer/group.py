@@ -13,7 +13,7 @@ from the members (it registers again when it is back). Before each send
 members' consumer leases, and formed anew when one joined, left or died: a replica that starts
 while the trainer publishes joins at the next version, no restart.
 
-The broadcast itself is :class:`~rollq.weightsync.sender.BroadcastSender`'s.
+The broadcast itself is :class:`~rollq.weightsync.trainer.sender.BroadcastSender`'s.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from typing import Any
 import msgspec
 import torch
 
-from ..errors import WeightSyncTimeout
-from ..protocol import Control, control_message
-from ..replicas import heartbeating
-from .process_group import Group, free_port, in_daemon_thread, make_group
-from .wire import GroupInfo, member_workers
+from ...errors import WeightSyncTimeout
+from ...protocol import Control, control_message
+from ...replicas import heartbeating
+from ..process_group import Group, free_port, in_daemon_thread, make_group
+from ..wire import GroupInfo, member_workers
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class SenderGroup:
     """The broadcast group as rank 0 (the trainer) holds it: its info, process group and
     members (see the module docstring for how it is formed and when it is formed anew).
 
-    The arguments are :class:`~rollq.weightsync.sender.BroadcastSender`'s of the same names.
+    The arguments are :class:`~rollq.weightsync.trainer.sender.BroadcastSender`'s of the same names.
     """
 
     def __init__(

@@ -1,12 +1,12 @@
 """Replica side of the broadcast: gets this replica's workers into the trainer's group.
 
 Runs in the consumer's process, on its event loop, as :attr:`WeightFollower.receiver
-<rollq.weightsync.follower.WeightFollower.receiver>`. It registers the replica as a member
+<rollq.weightsync.replica.follower.WeightFollower.receiver>`. It registers the replica as a member
 (``QueueKeys.weights_members``, again whenever the trainer left it out), answers each group's
 call and joins the groups that list it (``wgroup`` hints, and a check of the group record
-every ``poll_interval`` seconds; see :mod:`rollq.weightsync.sender_group`), tells the follower which
+every ``poll_interval`` seconds; see :mod:`rollq.weightsync.trainer.group`), tells the follower which
 committed versions its workers staged (their acks), and swaps a staged version in.
-The offers themselves are followed by the workers (:mod:`rollq.weightsync.listener`), so no
+The offers themselves are followed by the workers (:mod:`rollq.weightsync.worker._listener`), so no
 engine RPC sits on the update's path before the swap.
 """
 
@@ -21,11 +21,11 @@ from typing import Any
 
 import msgspec
 
-from ..errors import WeightSyncError, WeightSyncTimeout
-from ..protocol import Control
-from .base import ReplicaSide
-from .versions import VersionRecord
-from .wire import GroupInfo, Listen, State, SwapReport, decode_ack, member_entry
+from ...errors import WeightSyncError, WeightSyncTimeout
+from ...protocol import Control
+from ..base import ReplicaSide
+from ..versions import VersionRecord
+from ..wire import GroupInfo, Listen, State, SwapReport, decode_ack, member_entry
 from .worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)

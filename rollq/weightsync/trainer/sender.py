@@ -1,10 +1,10 @@
 """Trainer side of the broadcast: rank 0 of the group, one offer and one broadcast per version.
 
-Runs in the trainer's process, driven by :class:`~rollq.weightsync.publisher.WeightPublisher`
+Runs in the trainer's process, driven by :class:`~rollq.weightsync.trainer.publisher.WeightPublisher`
 (``sender=``). The protocol of one update is in :mod:`rollq.weightsync.nccl`.
 
 The group (who is in it, and when it is formed anew) is
-:class:`~rollq.weightsync.sender_group.SenderGroup`'s, held as :attr:`BroadcastSender.group`.
+:class:`~rollq.weightsync.trainer.group.SenderGroup`'s, held as :attr:`BroadcastSender.group`.
 
 A member that dies during a broadcast breaks it (gloo: at once, the connection closes; NCCL:
 within ``timeout``): :meth:`BroadcastSender.send` drops the group, which ends the other
@@ -29,14 +29,14 @@ from typing import Any
 import msgspec
 import torch
 
-from ..errors import WeightSyncError, WeightSyncTimeout
-from ..protocol import Control, control_message
-from .checksum import state_checksum
-from .layout import Layout, flat_bytes, groups_of
-from .process_group import in_daemon_thread, wait_stream
-from .versions import TensorMeta, VersionRecord
-from .sender_group import SenderGroup, decoded
-from .wire import Ack, FlatLayout, Mode, Offer, decode_ack, manifest_digest
+from ...errors import WeightSyncError, WeightSyncTimeout
+from ...protocol import Control, control_message
+from ..checksum import state_checksum
+from ..layout import Layout, flat_bytes, groups_of
+from ..process_group import in_daemon_thread, wait_stream
+from ..versions import TensorMeta, VersionRecord
+from .group import SenderGroup, decoded
+from ..wire import Ack, FlatLayout, Mode, Offer, decode_ack, manifest_digest
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class BroadcastSender:
     """Rank 0 of the weight broadcast group (use with WeightPublisher(sender=...)).
 
     The group's members are the replicas that answer its call
-    (:mod:`rollq.weightsync.sender_group`), not a number fixed here.
+    (:mod:`rollq.weightsync.trainer.group`), not a number fixed here.
 
     Args:
         num_workers: the fewest workers a group may have (0: any, at least one). When given,
@@ -106,7 +106,7 @@ class BroadcastSender:
         self.device = torch.device(device) if device is not None else (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
-        #: The group and its members (rollq.weightsync.sender_group).
+        #: The group and its members (rollq.weightsync.trainer.group).
         self.group = SenderGroup(
             num_workers=num_workers, backend=backend, host=host, port=port, timeout=timeout, min_ctas=min_ctas,
             join_window=join_window, device=self.device,
@@ -139,7 +139,7 @@ class BroadcastSender:
 
         ``items`` may instead be a streamed source described by ``manifest`` (the
         tensors of a trainer with parameter shards, gathered bucket by bucket as they are read:
-        :class:`~rollq.weightsync.param_shards.StreamedItems`); it is read in manifest order only."""
+        :class:`~rollq.weightsync.trainer.param_shards.StreamedItems`); it is read in manifest order only."""
         group = self.group
         why = await group.regroup_reason(client, keys)
         if why is not None:
@@ -148,7 +148,7 @@ class BroadcastSender:
             await group.reset()
             await group.open(client, keys)
         assert group.info is not None
-        from .memmap import manifest_of
+        from ..memmap import manifest_of
 
         t0 = time.perf_counter()
         streamed, manifest = manifest is not None, manifest if manifest is not None else manifest_of(items)

@@ -3,7 +3,7 @@
 (A queue's shards, the streams one queue spreads over, are :mod:`rollq.shards`'.)
 
 Every rank of the trainer group calls
-:meth:`WeightPublisher.publish_weights(state, group=...) <rollq.weightsync.publisher.WeightPublisher.publish_weights>`
+:meth:`WeightPublisher.publish_weights(state, group=...) <rollq.weightsync.trainer.publisher.WeightPublisher.publish_weights>`
 with its own state dict and gets the same record back; rank 0 of the group alone talks to
 Redis (the served manifest, the version number, the commit) and tells the others what it
 decided through the group::
@@ -28,7 +28,7 @@ decided through the group::
   strided shards) are gathered one tensor at a time: one full tensor.
 - broadcast (:class:`StreamedItems`): the ranks all-gather the tensors one bucket of at most
   ``bucket_bytes`` (the sender's) at a time, in manifest order, and rank 0 hands each bucket to
-  its :class:`~rollq.weightsync.sender.BroadcastSender` as the broadcast reaches it. **Peak
+  its :class:`~rollq.weightsync.trainer.sender.BroadcastSender` as the broadcast reaches it. **Peak
   extra memory per rank: one bucket of full tensors** (a single larger tensor is a bucket of
   its own; on NCCL in ``direct`` mode, one coalesced group of up to ``group_bytes``), **plus
   the sender's two packing buffers (2 x bucket_bytes) on rank 0**. The sender cannot verify a
@@ -57,11 +57,11 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ..errors import WeightSyncError
-from .checksum import _MASK, combine_checksums
-from .layout import flat_bytes
-from .memmap import MemmapStore, SlotInfo, manifest_of
-from .versions import TensorMeta
+from ...errors import WeightSyncError
+from ..checksum import _MASK, combine_checksums
+from ..layout import flat_bytes
+from ..memmap import MemmapStore, SlotInfo, manifest_of
+from ..versions import TensorMeta
 
 log = logging.getLogger(__name__)
 
