@@ -43,7 +43,7 @@ import time
 import uuid
 from typing import Any, Callable, Iterator
 
-from ..connection import RETRYABLE, Client, connect, load_scripts, raw_replies
+from ..connection import RETRYABLE, connect, load_scripts, raw_replies
 from ..keys import QueueKeys, check_name
 from ..protocol import LATENCY_BUCKETS_MS, Control, ReplicaInfo, latency_bucket
 from ..settings import DEFAULT_QUEUE, ConsumerSettings, RedisSettings
@@ -169,11 +169,6 @@ class Consumer:
         """What :meth:`run` returns: 0, or 1 if the engine died."""
         return 0 if self._ctx.engine_error is None else 1
 
-    @property
-    def update_info(self) -> dict[str, Any]:
-        """Weight-update figures shown in the registry (see :meth:`record_update`)."""
-        return self._ctx.update_info
-
     # -- lifecycle -------------------------------------------------------------------------
     def _make_capacity(self) -> CapacityController:
         """Size the in-flight cap from the settings, else from the engine's own limit."""
@@ -211,7 +206,7 @@ class Consumer:
         ]
         log.info("consumer %s serving queue %r with engine %s (%s)", self.id, self.queue, self.engine.name, self.engine.model)
         try:
-            await self.recover_own(min_idle=0)  # a restart under the same id resumes its own leased jobs
+            await self.puller.recover_own(min_idle=0)  # a restart under the same id resumes its own leased jobs
             await self.puller.run()
         finally:
             await self._shutdown()
@@ -288,28 +283,6 @@ class Consumer:
                 await c.aclose()
 
     # -- pull, reclaim -----------------------------------------------------------------------
-    def free_slots(self) -> int:
-        """Jobs the next read may take: the in-flight cap less what runs (or is held while
-        intake is closed). Jobs waiting for a policy version run nothing and do not count,
-        but at ``max_parked`` of them the replica stops pulling (0) until some start or fail."""
-        return self.jobs.free_slots()
-
-    async def recover_own(self, min_idle: float | None = None) -> int:
-        """Take back entries pending under this consumer that it is not running.
-
-        They exist after a restart under the same id, or when a read reply was lost (a
-        dropped connection, a Redis restart): Redis delivered them, we never saw them. Only
-        entries idle for ``min_idle`` seconds are taken (default: long enough that a read
-        whose reply is merely late has been handled), so nothing starts twice.
-        """
-        return await self.puller.recover_own(min_idle)
-
-    async def reclaim_once(self) -> int:
-        """One reclaim turn: recover our own lost entries, hold or take the reclaimer role,
-        and if held, take over jobs of consumers whose lease expired. Returns how many of
-        those were taken."""
-        return await self.reclaimer.reclaim_once()
-
     def add_control_handler(self, cb: Callable[[Control, str], Any]) -> None:
         """Call ``cb(verb, arg)`` for every control message of a known verb (weight sync uses it)."""
         self.control.add_handler(cb)
@@ -406,10 +379,6 @@ class Consumer:
         """Run jobs returned by :meth:`abort_running` again, from scratch."""
         self.jobs.restart(jobs)
 
-    def waiting_count(self) -> int:
-        """Jobs waiting for a policy version newer than the loaded one."""
-        return len(self.versions.waiting)
-
     def version_failed(self, version: int, reason: str) -> None:
         """This replica cannot load committed policy ``version`` and will not retry it until a
         newer one is committed (the weight follower calls it). Jobs waiting for a version it
@@ -420,36 +389,3 @@ class Consumer:
         >>> consumer.version_failed(7, "WeightMismatch: 1 shape mismatch ...")   # doctest: +SKIP
         """
         self.versions.version_failed(version, reason)
-
-    # -- what tests and debugging look at ----------------------------------------------------
-    @property
-    def _running(self) -> dict[str, JobInHand]:
-        return self.jobs.running
-
-    @property
-    def _by_job(self) -> dict[str, str]:
-        return self.jobs.by_job
-
-    @property
-    def _held(self) -> list[JobInHand]:
-        return self.jobs.held
-
-    @property
-    def _waiting(self) -> list[JobInHand]:
-        return self.versions.waiting
-
-    @property
-    def _finishes(self) -> list[Any]:
-        return self.finisher.rows
-
-    @property
-    def _client(self) -> Client | None:
-        return self._ctx.redis
-
-    @property
-    def _block_client(self) -> Client | None:
-        return self._ctx.block_redis
-
-    @property
-    def _finish_client(self) -> Client | None:
-        return self._ctx.finish_redis

@@ -26,8 +26,8 @@ async def test_version_waiting_jobs_do_not_block_other_jobs(queue, make_producer
     make_consumer.start(c)
     rs = await bounded(p.gather(normal, timeout=30), 30, "the 10 jobs behind 600 waiting for version 2**62")
     assert all(r.ok for r in rs)
-    assert c.waiting_count() == 600 and not any(h.done() for h in far)  # still waiting, not failed
-    assert c.free_slots() == 4  # parked jobs take no in-flight capacity
+    assert len(c.versions.waiting) == 600 and not any(h.done() for h in far)  # still waiting, not failed
+    assert c.jobs.free_slots() == 4  # parked jobs take no in-flight capacity
     await make_consumer.stop(c)
 
 
@@ -36,10 +36,10 @@ async def test_parked_jobs_are_bounded_and_start_when_their_version_loads(queue,
     hs = await p.submit_many([{"prompt": f"v1 {i}", "min_version": 1, **ONE} for i in range(40)])
     c = make_consumer(queue, max_inflight=4, initial_inflight=4, adaptive=False, max_parked=10)
     make_consumer.start(c)
-    await until(lambda: c.waiting_count() >= 10, 10, "ten parked jobs")
-    await until(lambda: c.free_slots() == 0, 1, "the pull to stop at max_parked")
+    await until(lambda: len(c.versions.waiting) >= 10, 10, "ten parked jobs")
+    await until(lambda: c.jobs.free_slots() == 0, 1, "the pull to stop at max_parked")
     pulled = c.counters.pulled
-    assert 10 <= c.waiting_count() <= 10 + 4  # the bound, plus at most the read that crossed it
+    assert 10 <= len(c.versions.waiting) <= 10 + 4  # the bound, plus at most the read that crossed it
     c.version = 1
     c.release_held()
     rs = await bounded(p.gather(hs, timeout=30), 30, "the parked jobs after version 1 loaded")
@@ -60,7 +60,7 @@ async def test_min_version_beyond_the_newest_committed_fails_with_version_unavai
     committed = await p.submit("committed", min_version=3, **ONE)
     with pytest.raises(VersionUnavailable, match="max_version_wait"):
         await bounded(committed.result(), 10, "a job needing a committed version that never loads to fail")
-    assert c.waiting_count() == 0
+    assert len(c.versions.waiting) == 0
     r = await bounded((await p.submit("any", **ONE)).result(), 5, "an unconstrained job")
     assert r.ok
     await make_consumer.stop(c)
@@ -74,7 +74,7 @@ async def test_a_version_the_replica_cannot_load_fails_the_jobs_waiting_for_it(q
     make_consumer.start(c)
     h2 = await p.submit("needs 2", min_version=2, **ONE)
     h3 = await p.submit("needs 3", min_version=3, **ONE)
-    await until(lambda: c.waiting_count() == 2, 5, "two jobs waiting")
+    await until(lambda: len(c.versions.waiting) == 2, 5, "two jobs waiting")
     c.version_failed(2, "WeightMismatch: 1 shape mismatch (lm_head.weight)")
     with pytest.raises(VersionUnavailable, match="cannot load policy version 2.*WeightMismatch"):
         await bounded(h2.result(), 5, "the job needing the unloadable version to fail")
@@ -82,7 +82,7 @@ async def test_a_version_the_replica_cannot_load_fails_the_jobs_waiting_for_it(q
     # a newer version is committed: jobs it would serve wait for it again
     await commit_version(redis_client, keys, record(3))
     h2b = await p.submit("needs 2 again", min_version=2, **ONE)
-    await until(lambda: c.waiting_count() == 2, 5, "the new job waiting")
+    await until(lambda: len(c.versions.waiting) == 2, 5, "the new job waiting")
     c.version = 3
     c.release_held()
     rs = await p.gather([h3, h2b], timeout=10)

@@ -31,7 +31,7 @@ class Counted:
         self.c = c
 
     def count_scans(self) -> None:
-        client = self.c._client
+        client = self.c._ctx.redis
         scan = client.xinfo_consumers
 
         async def counted_scan(*a: Any, **kw: Any) -> Any:

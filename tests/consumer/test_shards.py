@@ -170,7 +170,7 @@ async def test_a_shard_that_is_no_replicas_home_is_served(queue, make_consumer, 
 
     async def both_blocked() -> bool:
         blocked = await blocked_in(redis_client, "xreadgroup")
-        return all(addrs_of(c._block_client) & blocked for c in cs)
+        return all(addrs_of(c._ctx.block_redis) & blocked for c in cs)
 
     await until(both_blocked, 10, "both replicas blocked on their home shards")
     jid = ids_in(3, K, 1, prefix="orphan-")[0]
@@ -253,7 +253,7 @@ async def test_cancel_of_a_running_job_in_shard_2(queue, make_consumer, redis_cl
     await until(lambda: c.state == "serving", 5, "the consumer to serve")
     jid = ids_in(2, K, 1, "cx-")[0]
     await put(redis_client, keys, jid, K, spec={"sampling": {"max_tokens": 200}})  # 40 s
-    await until(lambda: jid in c._by_job, 10, "the job of shard 2 to run")
+    await until(lambda: jid in c.jobs.by_job, 10, "the job of shard 2 to run")
     await redis_client.set(keys.shard(2).cancel(jid), b"1", ex=60)
 
     async def done() -> bool:
@@ -264,7 +264,7 @@ async def test_cancel_of_a_running_job_in_shard_2(queue, make_consumer, redis_cl
     assert list(got) == [jid] and len(got[jid]) == 1
     shard, r = got[jid][0]
     assert shard == 2 and not r.ok and r.error.type == JobCancelled.__name__
-    assert jid not in c._by_job
+    assert jid not in c.jobs.by_job
 
 
 async def test_follower_takes_up_shards_added_later(queue, make_consumer, redis_client, monkeypatch):

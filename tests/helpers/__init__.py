@@ -155,8 +155,8 @@ def describe(c: Consumer) -> str:
     """What a consumer is doing, for failure messages."""
     stuck = [t.get_name() for t in getattr(c, "_tasks", []) if not t.done()]
     return (
-        f"state={c.state!r} running={len(c._running)} held={len(c._held)} waiting={len(c._waiting)} "
-        f"unflushed={len(c._finishes)} "
+        f"state={c.state!r} running={len(c.jobs.running)} held={len(c.jobs.held)} waiting={len(c.versions.waiting)} "
+        f"unflushed={len(c.finisher.rows)} "
         f"counters={c.counters} background tasks not finished={stuck}"
     )
 

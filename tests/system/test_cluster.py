@@ -238,7 +238,7 @@ async def test_a_long_job_keeps_its_lease_while_a_peer_watches(redis_cluster, ma
     slow = make_consumer(q, engine=EchoEngine(delay_per_token=0.05), consumer_id="lj-slow")
     make_consumer.start(slow)
     h = await p.submit("long", sampling={"max_tokens": 60})  # 3 s: many heartbeats, lease 1 s
-    await until(lambda: h.id in slow._by_job, 10, "the long job to start")
+    await until(lambda: h.id in slow.jobs.by_job, 10, "the long job to start")
     peer = make_consumer(q, consumer_id="lj-peer")
     make_consumer.start(peer)
     r = await bounded(h.result(), 30, "the long job")
@@ -264,7 +264,7 @@ async def test_cancel_queued_and_running_jobs_with_the_pubsub_hint(redis_cluster
     await until(lambda: subscribers(redis_cluster, k.control) >= 1, 10, "the consumer to subscribe to its control channel")
     queued = await p.submit("never runs", replica="nobody-serves-this", sampling={"max_tokens": 2})
     running = await p.submit("long", sampling={"max_tokens": 400})  # 20 s unless cancelled
-    await until(lambda: running.id in c._by_job, 10, "the long job to start")
+    await until(lambda: running.id in c.jobs.by_job, 10, "the long job to start")
     assert await queued.cancel()
     assert await cluster_client.xlen(k.replica_jobs("nobody-serves-this")) == 0
     with pytest.raises(JobCancelled):
@@ -274,7 +274,7 @@ async def test_cancel_queued_and_running_jobs_with_the_pubsub_hint(redis_cluster
         await bounded(running.result(), 5, "the cancelled running job")
     # the hint went through cluster pub/sub (the heartbeat, which also checks marks, is 30 s away)
     await until(lambda: ("cancel", running.id) in hints, 10, "the cancel hint on the control channel")
-    await until(lambda: c.counters.failed == 1 and not c._running, 10, "the running job to be aborted")
+    await until(lambda: c.counters.failed == 1 and not c.jobs.running, 10, "the running job to be aborted")
     st = {a.decode(): int(b) for a, b in (await cluster_client.hgetall(k.stats)).items()}
     assert st.get("cancelled") == 1 and st.get("failed") == 1 and not st.get("completed")
     assert ("cancel", queued.id) not in hints  # removed from its stream: no replica needed telling
@@ -363,7 +363,7 @@ async def test_rollq_status_and_check_through_the_cluster_url(redis_cluster, mak
 
     c = make_consumer(q, consumer_id="st-a")
     make_consumer.start(c)
-    await until(lambda: c.counters.completed == 5 and c.waiting_count() == 1, 20, "five jobs done, one held")
+    await until(lambda: c.counters.completed == 5 and len(c.versions.waiting) == 1, 20, "five jobs done, one held")
     rc, out, err = await run_cli("status", "--url", redis_cluster.url, "--queue", q, "--json")
     assert rc == 0, err
     st = json.loads(out)

@@ -430,7 +430,7 @@ async def test_slow_read_reply_is_not_started_twice(queue, make_producer, make_c
 
     async def connect(self):
         await real_connect(self)
-        read = self._block_client.xreadgroup
+        read = self._ctx.block_redis.xreadgroup
 
         async def late_read(*a, **kw):
             resp = await read(*a, **kw)
@@ -439,7 +439,7 @@ async def test_slow_read_reply_is_not_started_twice(queue, make_producer, make_c
                 asyncio.get_running_loop().call_soon(late_reply_handled.set)  # after the caller used it
             return resp
 
-        self._block_client.xreadgroup = late_read
+        self._ctx.block_redis.xreadgroup = late_read
 
     monkeypatch.setattr(Consumer, "_connect", connect)
     engine = CountingEcho()

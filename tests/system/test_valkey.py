@@ -147,7 +147,7 @@ async def test_cancel_queued_and_running(server, queue, make_producer, make_cons
     make_consumer.start(c)
     queued = await p.submit("never", replica="nobody", sampling={"max_tokens": 2})
     running = await p.submit("long", sampling={"max_tokens": 400})
-    await until(lambda: running.id in c._by_job, 10, "the long job to start")
+    await until(lambda: running.id in c.jobs.by_job, 10, "the long job to start")
     assert await queued.cancel() and await running.cancel()
     for h in (queued, running):
         with pytest.raises(JobCancelled):
