@@ -75,6 +75,8 @@ class ReplicaContext:
     peers_free: int = 0
     #: ... and their in-flight caps.
     peers_cap: int = 0
+    #: Free slots of the other live replicas by home shard (the reads of other shards).
+    free_by_home: dict[int, int] = field(default_factory=dict)
     #: Commands (with socket timeouts), blocking reads and FINISH calls (both without socket
     #: timeouts, bounded by ``connection.deadline``); set when the consumer connects.
     redis: Client | None = None

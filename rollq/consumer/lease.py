@@ -111,6 +111,7 @@ class Lease:
         res = await pipe.execute()
         stale = self._fleet.update(res[3], now_ms=now_ms, ttl_ms=ttl_ms, home=ctx.home.shard_index)
         ctx.peers_free, ctx.peers_cap = self._fleet.peers_free, self._fleet.peers_cap
+        ctx.free_by_home = self._fleet.free_by_home
         if stale:  # replicas gone without their release (killed): not counted, and dropped
             await ctx.redis.hdel(keys.free, *stale)
         lapsed = res[0] is None

@@ -14,8 +14,12 @@ While other live replicas of the same home shard advertise free slots, a read of
 shard takes this replica's share of what waits there, not all it has room for
 (:mod:`~rollq.consumer.share`):
 a burst is spread over the replicas with free capacity, in proportion to it. Alone, or
-with every peer full, a replica reads as before. The reads of other shards take what they
-have room for (they serve shards whose own replicas are full or absent).
+with every peer full, a replica reads as before. A read of another shard takes only what
+that shard's own replicas (those at home there) have no room for: all it has room for when
+they are full or absent, nothing while they can take everything waiting there, so that a
+burst on a sharded queue is shared within each shard. Should the backlog there not shrink for
+``SHARE_PATIENCE`` seconds although they advertise room (busy, stuck or gone since their last
+beat), it takes what it has room for.
 
 A read whose reply was lost (a dropped connection, a Redis restart) leaves entries pending
 under this consumer that it never saw; :meth:`Puller.recover_own` takes them back, and a reply
@@ -68,6 +72,9 @@ class Puller:
         self._waiting: int | None = None
         #: The last read of the home shard took this replica's share, and more may wait.
         self._took_share = False
+        #: Other shards whose own replicas had room for their backlog: shard -> (the smallest
+        #: backlog seen there, since when it has not shrunk).
+        self._left_to_home: dict[int, tuple[int, float]] = {}
         #: Streams holding a stray value (WRONGTYPE): stream -> (next try, current delay).
         self._skipped: dict[str, tuple[float, float]] = {}
 
@@ -109,6 +116,15 @@ class Puller:
                         count = await self._share(free, most)
                     except RETRYABLE:
                         pass  # the read below meets the same outage and backs off
+                elif shard is not None and ctx.free_by_home.get(shard, 0) > 0:
+                    try:
+                        count = await self._spill(shard, most, ctx.free_by_home[shard])
+                    except RETRYABLE:
+                        pass
+                    if count == 0:  # that shard's own replicas take what waits there
+                        if not self._to_look:
+                            self._looked_at = time.monotonic()
+                        continue
                 try:
                     resp = await self._read(shard, streams, count, block_ms, read_deadline)
                     backoff = s.backoff_initial
@@ -211,6 +227,27 @@ class Puller:
         self._waiting = now
         cap = ctx.capacity.cap
         return fill_share(now, pending=pending, mine_inflight=cap - free, mine_cap=cap, peers_cap=ctx.peers_cap, most=most)
+
+    async def _spill(self, shard: int, most: int, room: int) -> int:
+        """How many entries a read of another shard takes while that shard's own replicas
+        advertise ``room`` free slots: what waits beyond their room, else nothing, unless
+        the backlog there has not shrunk for ``SHARE_PATIENCE`` (see the module docstring)."""
+        ctx = self._ctx
+        now, _ = await waiting(ctx.redis, ctx.shards[shard].jobs)
+        if now <= 0:
+            self._left_to_home.pop(shard, None)
+            return 0
+        if now > room:
+            return min(most, now - room)
+        seen = self._left_to_home.get(shard)
+        t = time.monotonic()
+        if seen is None or now < seen[0]:
+            self._left_to_home[shard] = (now, t)
+            return 0
+        if t - seen[1] >= SHARE_PATIENCE:
+            self._left_to_home.pop(shard, None)
+            return min(most, now)
+        return 0
 
     def _after_home_read(self, got: int) -> None:
         """Track what waits in the home shard: unknown (None, idle) after an empty read;

@@ -31,15 +31,16 @@ everything it has room for, in one read.
 
 On a sharded queue (:mod:`rollq.shards`) the share is per shard: a replica blocks on its
 home shard, so it shares that shard's jobs with the peers of the same home shard (each entry
-names its replica's home); the reads of other shards take what they have room for.
+names its replica's home); a read of another shard takes only what that shard's own
+replicas have no room for (:attr:`Fleet.free_by_home`; see :mod:`~rollq.consumer.puller`).
 
 >>> f = Fleet("r0")
 >>> table = {b"r0": entry(64, 1000, cap=64), b"r1": entry(32, 1000, cap=64), b"r2": entry(16, 10, cap=16),
 ...          b"r3": entry(8, 1000, home=1, cap=8)}
 >>> f.update(table, now_ms=2000, ttl_ms=5000, home=0)
 []
->>> f.peers_free, f.peers_cap
-(48, 80)
+>>> f.peers_free, f.peers_cap, f.free_by_home
+(48, 80, {0: 48, 1: 8})
 >>> f.update(table, now_ms=6000, ttl_ms=5000, home=0)
 ['r2']
 >>> f.peers_free
@@ -102,6 +103,8 @@ class Fleet:
         self.peers_free = 0
         #: ... and their in-flight caps.
         self.peers_cap = 0
+        #: Free slots of the other live replicas, by their home shard (every shard).
+        self.free_by_home: dict[int, int] = {}
 
     def update(self, table: dict[Any, Any], *, now_ms: int, ttl_ms: int, home: int = 0) -> list[str]:
         """Take in the hash as read (``HGETALL``), counting the peers whose home shard is
@@ -109,6 +112,7 @@ class Fleet:
         the caller deletes them). Malformed entries (anything that can write Redis can
         write the hash) count as stale."""
         total, caps, stale = 0, 0, []
+        by_home: dict[int, int] = {}
         for k, v in table.items():
             name = k.decode(errors="replace") if isinstance(k, bytes) else str(k)
             if name == self.me:
@@ -120,10 +124,12 @@ class Fleet:
                 continue
             if now_ms - slots.at_ms > ttl_ms:
                 stale.append(name)
-            elif slots.home == home:
+                continue
+            by_home[slots.home] = by_home.get(slots.home, 0) + max(0, slots.free)
+            if slots.home == home:
                 total += max(0, slots.free)
                 caps += max(0, slots.cap)
-        self.peers_free, self.peers_cap = total, caps
+        self.peers_free, self.peers_cap, self.free_by_home = total, caps, by_home
         return stale
 
 

@@ -15,28 +15,39 @@ from rollq.consumer.engine import EchoEngine
 from rollq.consumer.loop import Consumer
 from rollq.consumer.share import Fleet, entry, fair_share, fill_share
 from rollq.settings import ConsumerSettings
+from rollq.shards import home_shard
 from tests.helpers import bounded, until
 
 SLOTS = 64
 
 
-def _settings(cap: int = SLOTS) -> ConsumerSettings:
+def _settings(cap: int = SLOTS, shards: int = 1) -> ConsumerSettings:
     return ConsumerSettings(max_inflight=cap, initial_inflight=cap, adaptive=False, batch=64,
-                            heartbeat_interval=0.2, block=1.0)
+                            heartbeat_interval=0.2, block=1.0, shards=shards)
 
 
-async def _burst(redis_url: str, queue: str, caps: list[int], n: int, rounds: int = 1) -> list[Counter]:
+def _named(k: int, homes: list[int]) -> list[str]:
+    """Replica names whose home shards (of ``k``) are ``homes``, in order."""
+    names: list[str] = []
+    for home in homes:
+        names.append(next(n for i in range(100_000) if home_shard(n := f"b{i}", k) == home and n not in names))
+    return names
+
+
+async def _burst(redis_url: str, queue: str, caps: list[int], n: int, rounds: int = 1, *,
+                 shards: int = 1, names: list[str] | None = None) -> list[Counter]:
     """Start one consumer per cap, wait until each sees its peers' free slots, submit
     ``rounds`` bursts of ``n`` jobs (each after the last completed); the replicas of each."""
-    consumers = [Consumer(EchoEngine(delay_per_token=0.02), redis_url, queue, consumer_id=f"b{i}",
-                          settings=_settings(cap)) for i, cap in enumerate(caps)]
+    names = names or [f"b{i}" for i in range(len(caps))]
+    consumers = [Consumer(EchoEngine(delay_per_token=0.02), redis_url, queue, consumer_id=name,
+                          settings=_settings(cap, shards)) for name, cap in zip(names, caps)]
     tasks = [asyncio.create_task(c.run()) for c in consumers]
     out = []
     try:
         if len(consumers) > 1:
             await until(lambda: all(c._ctx.peers_free > 0 for c in consumers), 10, "every replica sees its peers")
             await asyncio.sleep(1.2)  # a blocking read issued before that (block=1.0) has ended
-        async with Producer(redis_url, queue) as p:
+        async with Producer(redis_url, queue) as p:  # it follows the queue's record of its shards
             for _ in range(rounds):
                 hs = await p.submit_many([{"prompt": f"p{i}", "sampling": {"max_tokens": 4}} for i in range(n)])
                 rs = await bounded(p.gather(hs, timeout=30), 40, "the burst's results")
@@ -54,6 +65,16 @@ async def _burst(redis_url: str, queue: str, caps: list[int], n: int, rounds: in
 async def test_burst_of_64_spread_over_two_idle_replicas(redis_url, queue):
     for per_replica in await _burst(redis_url, queue, [SLOTS, SLOTS], 64, rounds=4):
         assert sum(per_replica.values()) == 64
+        assert max(per_replica.values()) <= 0.6 * 64, per_replica
+
+
+async def test_burst_on_a_sharded_queue_is_spread_over_each_shards_replicas(redis_url, queue):
+    """Two shards, two replicas at home on each: a burst of 128 goes round robin, 64 to each
+    shard, and each shard's replicas share it (the share counts the peers of the same home
+    shard only; a replica reads the other shard only with room left after its home read)."""
+    names = _named(2, [0, 0, 1, 1])
+    for per_replica in await _burst(redis_url, queue, [SLOTS] * 4, 128, rounds=3, shards=2, names=names):
+        assert sum(per_replica.values()) == 128
         assert max(per_replica.values()) <= 0.6 * 64, per_replica
 
 
@@ -121,3 +142,28 @@ def test_fleet_counts_live_peers_of_the_home_shard_only():
     assert sorted(stale) == ["bad", "old", "text"]
     f.update(table, now_ms=1500, ttl_ms=1000, home=1)
     assert f.peers_free == 70
+
+
+async def test_a_shard_whose_own_replica_advertises_room_but_reads_nothing_is_drained_by_others(redis_url, queue, redis_client):
+    """Two shards, one live replica at home on shard 0 and a ghost advertising room at home on
+    shard 1: the live replica leaves shard 1's jobs to the ghost only until that backlog has
+    not shrunk for SHARE_PATIENCE, then takes them; every job finishes, once."""
+    from rollq.keys import QueueKeys
+
+    (name,) = _named(2, [0])
+    ghost = next(n for i in range(100_000) if home_shard(n := f"g{i}", 2) == 1)
+    c = Consumer(EchoEngine(delay_per_token=0.01), redis_url, queue, consumer_id=name, settings=_settings(shards=2))
+    task = asyncio.create_task(c.run())
+    try:
+        await until(lambda: c.shards == 2, 10, "the replica to agree on two shards")
+        await redis_client.hset(QueueKeys(queue).free, ghost, entry(10_000, home=1, cap=10_000))
+        await until(lambda: c._ctx.free_by_home.get(1, 0) >= 10_000, 10, "the replica sees the ghost's free slots")
+        async with Producer(redis_url, queue) as p:
+            hs = await p.submit_many([{"prompt": f"p{i}", "sampling": {"max_tokens": 4}} for i in range(64)])
+            await redis_client.hset(QueueKeys(queue).free, ghost, entry(10_000, home=1, cap=10_000))  # still "alive"
+            rs = await bounded(p.gather(hs, timeout=15), 20, "every job of the burst")
+        assert len(rs) == 64 and all(r.ok and r.replica == name for r in rs)
+        assert len({r.id for r in rs}) == 64
+    finally:
+        c.stop()
+        await bounded(task, 20, "the consumer to stop")
