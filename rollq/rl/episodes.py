@@ -175,8 +175,8 @@ async def play_group(producer: Any, task: Any, tokenizer: Any, spec: dict[str, A
 
     ``task.follow_up(tokenizer, prompt, turns)`` returns None when the episode is over, else
     ``(observation, spec)``: the environment's tokens after the last turn and the next turn's
-    job (its prompt must be the episode so far, observation included). Follow-up jobs carry
-    the first job's ``min_version`` and ``meta``. Waits with handles, so the producer's
+    job (its prompt must be the episode so far, observation included). Follow-up jobs need at
+    least the first job's ``min_version`` and carry its ``meta``. Waits with handles, so the producer's
     :meth:`~rollq.producer.client.Producer.results` iterator must not run meanwhile.
     """
     (h,) = await producer.submit_many([spec])
@@ -207,11 +207,15 @@ async def play_group(producer: Any, task: Any, tokenizer: Any, spec: dict[str, A
 
 
 def _follow_spec(first: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
-    """A follow-up turn's job: ``spec`` with the first job's ``min_version`` and its ``meta``
-    under the follow-up's own."""
+    """A follow-up turn's job: ``spec`` needing at least the first job's ``min_version``, with
+    the first job's ``meta`` under the follow-up's own.
+
+    >>> _follow_spec({"min_version": 3, "meta": {"batch": 1}}, {"min_version": 5, "meta": {"env": 2}})
+    {'min_version': 5, 'meta': {'batch': 1, 'env': 2}}
+    """
     out = dict(spec)
-    if "min_version" in first:
-        out["min_version"] = first["min_version"]
+    if first.get("min_version") is not None:
+        out["min_version"] = max(first["min_version"], spec.get("min_version") or 0)
     if isinstance(first.get("meta"), dict):
         out["meta"] = {**first["meta"], **(spec.get("meta") or {})}
     return out

@@ -270,7 +270,8 @@ async def run_loop(
 
     ``trainer`` is a :class:`~rollq.rl.grpo.GrpoTrainer` (None: queue only, nothing trained or
     published, e.g. on the echo engine), ``task`` a :class:`~rollq.rl.task.BucketTask` or one of
-    :mod:`rollq.rl.tasks` (``job_specs``, ``rewards``, ``prompt_of``, ``random_policy_reward``),
+    :mod:`rollq.rl.tasks` (``job_specs``, ``rewards``, ``prompt_of``, ``random_policy_reward``;
+    a multi-turn task has ``follow_up`` and ``jobs_per_group`` and is played in episodes),
     ``publisher`` a :class:`~rollq.weightsync.publisher.WeightPublisher` (with a broadcast
     ``sender`` for ``transport="broadcast"``; unused, may be None, with ``publish=False``).
     ``on_step`` is called after every step.
