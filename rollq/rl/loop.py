@@ -335,7 +335,8 @@ async def run_loop(
                         log.warning("job %s failed (%s: %s); left out of step %d", r.id, r.error.type, r.error.message, step)
                 jobs.extend(span for r in ok for span in _job_spans(r))
                 rewards = [task.rewards(r) for r in ok]
-                tokens, swaps, spanning = (sum(x) for x in zip((0, 0, 0), *(_rollout_counts(r) for r in ok)))
+                counts = [_rollout_counts(r) for r in ok]
+                tokens, swaps, spanning = (sum(c[i] for c in counts) for i in range(3))
                 rec = StepRecord(
                     step=step, version=version, reward=_mean([x for rw in rewards for x in rw]),
                     lags=[version - r.version_start for r in ok], wait_s=wait_s, train_s=0.0, publish_s=0.0,
