@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="end-to-end demo: an async GRPO run through rollq (embedded Redis, vLLM replicas, trainer)")
     s.add_argument("--engine", choices=["echo", "vllm"], default="vllm",
                    help="vllm: train the tiny model; echo: queue only (no weights, nothing trained)")
-    s.add_argument("--task", choices=["bucket", "positional", "length"], default="bucket",
-                   help="bucket: the quick run; positional, length: harder tasks (rollq/rl/tasks), each with its "
+    s.add_argument("--task", choices=["bucket", "positional", "length", "two_turn"], default="bucket",
+                   help="bucket: the quick run; positional, length, two_turn: harder tasks (rollq/rl/tasks), each with its "
                         "own recipe (model, steps, groups, lr) for the options left out")
     s.add_argument("--replicas", type=int, default=2)
     s.add_argument("--steps", type=int, help="trainer steps (policy versions published; default: the task's, 40 for bucket)")

@@ -6,6 +6,7 @@
 """
 
 from .behavior import SamplingTransformError, behavior_temperature, logprob_agreement, single_version, token_logprobs
+from .episodes import NOT_GENERATED, Episode, EpisodeGroup, Turn, assemble_episode, play_group
 from .grpo import GrpoConfig, GrpoTrainer, StepStats, group_advantages, grpo_loss
 from .loop import LoopConfig, LoopReport, StepRecord, busy_fraction, run_loop
 from .plot import plot_run
@@ -15,6 +16,13 @@ from .task import BucketTask
 __all__ = [
     # task
     "BucketTask",
+    # episodes (multi-turn tasks)
+    "Episode",
+    "EpisodeGroup",
+    "NOT_GENERATED",
+    "Turn",
+    "assemble_episode",
+    "play_group",
     # trainer
     "GrpoConfig",
     "GrpoTrainer",

@@ -294,17 +294,10 @@ class GrpoTrainer:
                 comps.append(s.token_ids)
                 owner.append(g)
         behavior, temps = _behavior([r for _, r in batch])  # refuses what it cannot reproduce
-        widths = {len(r) for r in rewards}
-        if len(widths) == 1:
-            adv_g = group_advantages(torch.tensor([list(r) for r in rewards], dtype=torch.float32))
-            adv = adv_g.reshape(-1)
-        else:  # groups of different sizes (a failed sample): normalise each on its own
-            adv = torch.cat([group_advantages(torch.tensor([list(r)], dtype=torch.float32))[0] for r in rewards])
+        adv = _advantages(rewards)
         logp, mask = token_logprobs(self.model, prompts, comps, temperature=temps)
         b = _padded(behavior, logp)
-        cfg = self.config
-        loss, st = grpo_loss(logp, b, adv.to(logp.device), mask, cfg.clip_eps, tis_cap=cfg.tis_cap,
-                             importance_ratio=cfg.importance_ratio)
+        loss, st = self._loss(logp, b, adv, mask)
         by_lag = self._diff_by_lag(logp.detach(), b, mask, [vs for _, r in batch for vs in _versions(r)])
         # Agreement: groups generated entirely at the current version use this forward pass.
         lags = [self.version - res.version_start for _, res in batch]
@@ -321,6 +314,63 @@ class GrpoTrainer:
         for v, groups in older.items():
             m, mx, n = logprob_agreement(self.model, [batch[g][1] for g in groups], [batch[g][0] for g in groups], self._snapshots[v])
             dsum, dmax, dn = dsum + m * n, max(dmax, mx), dn + n
+        return self._update(loss, st, rewards, lags, (dsum, dmax, dn), by_lag, t0)
+
+    def step_episodes(self, groups: Sequence[Any], rewards: Sequence[Sequence[float]]) -> StepStats:
+        """One GRPO update on whole multi-turn episodes: ``groups`` holds one sequence of
+        :class:`~rollq.rl.episodes.Episode` per GRPO group (an
+        :class:`~rollq.rl.episodes.EpisodeGroup`'s ``episodes``), ``rewards`` one reward per
+        episode. The loss runs over every turn's completion tokens (the episode's
+        ``loss_mask``; prompt and environment tokens are context only), each token's ratio
+        against the behavior logprob its turn's replica returned, its lag counted from the
+        version that generated that very token. Agreement (``diff_*``) is measured on the
+        episodes generated entirely at one version the trainer still has weights for.
+
+        >>> stats = trainer.step_episodes([g.episodes for g in groups], [task.rewards(g) for g in groups])  # doctest: +SKIP
+        """
+        t0 = time.perf_counter()
+        eps = [e for g in groups for e in g]
+        if len(eps) != sum(len(r) for r in rewards):
+            raise ValueError(f"{len(eps)} episodes for {sum(len(r) for r in rewards)} rewards")
+        prompts = [e.token_ids[: e.prompt_len] for e in eps]
+        rest = [e.token_ids[e.prompt_len :] for e in eps]
+        logp, mask = token_logprobs(self.model, prompts, rest, temperature=[e.temperature for e in eps])
+        model_tokens = _padded([[float(m) for m in e.loss_mask[e.prompt_len :]] for e in eps], logp) > 0
+        mask = mask & model_tokens
+        # Behavior logprobs of prompt and environment tokens are NaN: zero, and masked out.
+        b = _padded([[x if m else 0.0 for x, m in zip(e.logprobs[e.prompt_len :], e.loss_mask[e.prompt_len :])] for e in eps], logp)
+        loss, st = self._loss(logp, b, _advantages(rewards), mask)
+        detached = logp.detach()
+        by_lag = self._diff_by_lag(detached, b, mask, [e.versions[e.prompt_len :] for e in eps])
+        lags = [self.version - min(e.version_start for e in g) for g in groups if g]
+        dsum, dmax, dn = 0.0, 0.0, 0
+        at: dict[int, list[int]] = {}
+        for i, e in enumerate(eps):
+            v = e.single_version
+            if v is not None and (v == self.version or v in self._snapshots):
+                at.setdefault(v, []).append(i)
+        for v, rows in at.items():
+            if v == self.version:  # this forward pass
+                d = (detached[rows] - b[rows]).abs()[mask[rows]]
+            else:
+                with torch.no_grad():
+                    lp, _ = token_logprobs(self.model, [prompts[i] for i in rows], [rest[i] for i in rows], self._snapshots[v],
+                                           [eps[i].temperature for i in rows])
+                d = (lp - b[rows][:, : lp.shape[1]]).abs()[mask[rows][:, : lp.shape[1]]]
+            if d.numel():
+                dsum, dmax, dn = dsum + float(d.sum()), max(dmax, float(d.max())), dn + int(d.numel())
+        return self._update(loss, st, rewards, lags, (dsum, dmax, dn), by_lag, t0)
+
+    def _loss(self, logp: torch.Tensor, behavior: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        cfg = self.config
+        return grpo_loss(logp, behavior, adv.to(logp.device), mask, cfg.clip_eps, tis_cap=cfg.tis_cap,
+                         importance_ratio=cfg.importance_ratio)
+
+    def _update(
+        self, loss: torch.Tensor, st: dict[str, float], rewards: Sequence[Sequence[float]], lags: list[int],
+        diff: tuple[float, float, int], by_lag: dict[str, list[float]], t0: float,
+    ) -> StepStats:
+        """One Adam step on ``loss``; the next version; the step's stats."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.config.max_grad_norm > 0:
@@ -332,7 +382,7 @@ class GrpoTrainer:
         flat = [x for r in rewards for x in r]
         return StepStats(
             version=trained_at, reward_mean=sum(flat) / max(1, len(flat)), loss=float(loss.detach()),
-            clip_frac=st.pop("clip_frac"), lags=lags, diff_sum=dsum, diff_max=dmax, diff_tokens=dn,
+            clip_frac=st.pop("clip_frac"), lags=lags, diff_sum=diff[0], diff_max=diff[1], diff_tokens=diff[2],
             diff_by_lag=by_lag, train_s=time.perf_counter() - t0, extra=st,
         )
 
@@ -353,6 +403,14 @@ class GrpoTrainer:
             if k:
                 out[name] = [float(d[sel].sum()), float(d[sel].max()), k]
         return out
+
+
+def _advantages(rewards: Sequence[Sequence[float]]) -> torch.Tensor:
+    """Per-sample advantages, flat, group by group (:func:`group_advantages`; groups of
+    different sizes, e.g. with a failed sample, are normalised each on its own)."""
+    if len({len(r) for r in rewards}) == 1:
+        return group_advantages(torch.tensor([list(r) for r in rewards], dtype=torch.float32)).reshape(-1)
+    return torch.cat([group_advantages(torch.tensor([list(r)], dtype=torch.float32))[0] for r in rewards])
 
 
 def _versions(result: Any) -> list[list[int]]:

@@ -27,6 +27,17 @@ versions from 0: for a run that starts at ``trainer.version = v0`` on a fresh qu
 sets ``max_lag - v0``, exact while ``v0 <= max_lag``; beyond that the bound is looser and
 ``min_version``, which replicas honour without holding capacity, keeps the lag.)
 
+A multi-turn task (one with ``follow_up``, e.g. :class:`~rollq.rl.tasks.TwoTurnTask`) plays
+episodes instead (:func:`~rollq.rl.episodes.play_group`): one job per turn, the next turn's
+job submitted when the previous turn's result is back, a step's groups
+:class:`~rollq.rl.episodes.EpisodeGroup` of whole episodes, trained on with
+:meth:`~rollq.rl.grpo.GrpoTrainer.step_episodes`. The bound then counts every turn's job
+(``task.jobs_per_group`` per group), and the player admits batch ``k + 1``'s first turns only
+after batch ``k``'s last turns, so jobs are admitted in batch order and the argument above
+holds with the batch's job count in place of ``groups_per_step``. Turns of one episode may
+run at different versions (a version published between them): that is what the episodes
+carry per token.
+
 ``publish=False`` is the negative control: the trainer trains every step but no version is
 published, so the replicas keep sampling from the initial weights and the reward must stay
 at the random policy's level. Nothing then waits on a version: no staleness bound, no
@@ -45,7 +56,9 @@ import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from .episodes import EpisodeGroup, play_group
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +121,8 @@ class StepRecord:
     #: Tokens whose version differs from their sample's first token's (a swap landed before
     #: them, mid-sample), or is not known exactly.
     swap_tokens: int = 0
+    #: Samples (episodes, for a multi-turn task) whose tokens came from more than one version.
+    spanning: int = 0
     loss: float = 0.0
     clip_frac: float = 0.0
     diff_sum: float = 0.0
@@ -190,6 +205,7 @@ class LoopReport:
             },
             "swap_tokens": sum(s.swap_tokens for s in self.steps),
             "swap_token_share": round(sum(s.swap_tokens for s in self.steps) / tokens, 4) if tokens else 0.0,
+            "spanning_samples": sum(s.spanning for s in self.steps),
             "clip_frac_mean": round(_mean([s.clip_frac for s in self.steps]), 4),
             "time_to_reward_0.8_s": _round(self.time_to_reward(0.8)),
             "failed_jobs": sum(s.failed for s in self.steps),
@@ -254,7 +270,8 @@ async def run_loop(
 
     ``trainer`` is a :class:`~rollq.rl.grpo.GrpoTrainer` (None: queue only, nothing trained or
     published, e.g. on the echo engine), ``task`` a :class:`~rollq.rl.task.BucketTask` or one of
-    :mod:`rollq.rl.tasks` (``job_specs``, ``rewards``, ``prompt_of``, ``random_policy_reward``),
+    :mod:`rollq.rl.tasks` (``job_specs``, ``rewards``, ``prompt_of``, ``random_policy_reward``;
+    a multi-turn task has ``follow_up`` and ``jobs_per_group`` and is played in episodes),
     ``publisher`` a :class:`~rollq.weightsync.trainer.publisher.WeightPublisher` (with a broadcast
     ``sender`` for ``transport="broadcast"``; unused, may be None, with ``publish=False``).
     ``on_step`` is called after every step.
@@ -266,6 +283,8 @@ async def run_loop(
 
     rng = random.Random(config.seed)
     B = config.groups_per_step
+    episodic = hasattr(task, "follow_up")
+    jobs_per_step = B * (task.jobs_per_group(config.group_size) if episodic else 1)
     steps: list[StepRecord] = []
     jobs: list[tuple[str, float, float]] = []
     async with Producer(url, queue, producer_id=producer_id) as p:
@@ -276,21 +295,29 @@ async def run_loop(
         # The bound counts versions from 0: a run starting at version v0 (its weights published
         # to replicas that held others) is bounded with max_lag - v0 (see the module doc).
         bound = max(0, config.max_lag - trainer.version) if bounded else None
-        await p.set_staleness_bound(bound, B)
+        await p.set_staleness_bound(bound, jobs_per_step)
         t_start, w_start = time.perf_counter(), time.time()
         submitter: asyncio.Task | None = None
         batch_of: dict[str, int] = {}  # job id -> batch index
         buffered: dict[int, list[Any]] = {}
+        # Episodes come from the player through this queue; results from the producer's stream.
+        played: asyncio.Queue[EpisodeGroup] = asyncio.Queue()
         if config.mode == "async":
             # Batch k needs version v0 + k - max_lag (no trainer: no versions to wait for).
             base = trainer.version - config.max_lag if versioned else None
-            submitter = asyncio.create_task(_submit_all(p, task, tokenizer, rng, config, batch_of, base), name="rl-submitter")
-        results = p.results(timeout=config.result_timeout).__aiter__()
+            feed = (_play_all(p, task, tokenizer, rng, config, played, base, range(config.steps)) if episodic
+                    else _submit_all(p, task, tokenizer, rng, config, batch_of, base))
+            submitter = asyncio.create_task(feed, name="rl-submitter")
+        results = (_drain(played, config.result_timeout) if episodic else p.results(timeout=config.result_timeout)).__aiter__()
         try:
             for step in range(config.steps):
                 version = trainer.version if trainer is not None else 0
                 t0 = time.perf_counter()
-                if submitter is None:  # sync: this batch runs on the current version
+                if config.mode == "sync" and episodic:  # this batch's episodes start on the current version
+                    base = version - step if versioned else None  # batch `step` needs `version`
+                    submitter = asyncio.create_task(
+                        _play_all(p, task, tokenizer, rng, config, played, base, range(step, step + 1)), name="rl-player")
+                elif config.mode == "sync":  # this batch runs on the current version
                     specs = task.job_specs(tokenizer, rng, B, config.group_size)
                     hs = await p.submit_many([_with(s, step, version if versioned else None) for s in specs])
                     batch_of.update((h.id, step) for h in hs)
@@ -306,20 +333,23 @@ async def run_loop(
                 for r in batch:
                     if r.error is not None:
                         log.warning("job %s failed (%s: %s); left out of step %d", r.id, r.error.type, r.error.message, step)
-                jobs.extend((r.replica, r.started, r.finished) for r in ok)
+                jobs.extend(span for r in ok for span in _job_spans(r))
                 rewards = [task.rewards(r) for r in ok]
-                tokens = sum(len(s.tokens) // 4 for r in ok for s in r.samples)
-                swaps = sum(_swap_tokens(s.token_versions(r.version_start)) for r in ok for s in r.samples)
+                counts = [_rollout_counts(r) for r in ok]
+                tokens, swaps, spanning = (sum(c[i] for c in counts) for i in range(3))
                 rec = StepRecord(
                     step=step, version=version, reward=_mean([x for rw in rewards for x in rw]),
                     lags=[version - r.version_start for r in ok], wait_s=wait_s, train_s=0.0, publish_s=0.0,
-                    elapsed_s=0.0, tokens=tokens, failed=len(batch) - len(ok), swap_tokens=swaps,
+                    elapsed_s=0.0, tokens=tokens, failed=len(batch) - len(ok), swap_tokens=swaps, spanning=spanning,
                     sample_versions=sorted({r.version_start for r in ok}),
                 )
                 if trainer is not None:
                     t1 = time.perf_counter()
                     if ok:  # in a thread: the event loop keeps serving the replicas meanwhile
-                        st = await asyncio.to_thread(trainer.step, [(task.prompt_of(tokenizer, r), r) for r in ok], rewards)
+                        if episodic:
+                            st = await asyncio.to_thread(trainer.step_episodes, [g.episodes for g in ok], rewards)
+                        else:
+                            st = await asyncio.to_thread(trainer.step, [(task.prompt_of(tokenizer, r), r) for r in ok], rewards)
                         rec.loss, rec.clip_frac = st.loss, st.clip_frac
                         rec.diff_sum, rec.diff_max, rec.diff_tokens = st.diff_sum, st.diff_max, st.diff_tokens
                         rec.diff_by_lag, rec.loss_stats = st.diff_by_lag, dict(st.extra)
@@ -361,6 +391,47 @@ async def _submit_all(
         floor = None if base is None else max(0, base + k)
         hs = await p.submit_many([_with(s, k, floor) for s in specs])
         batch_of.update((h.id, k) for h in hs)
+
+
+async def _play_all(
+    p: Any, task: Any, tokenizer: Any, rng: random.Random, config: LoopConfig, out: asyncio.Queue[EpisodeGroup],
+    base: int | None, batches: range,
+) -> None:
+    """Play the episodes of ``batches`` (a multi-turn task), batch after batch: batch ``k``'s
+    groups concurrently, every group's turns in order (:func:`~rollq.rl.episodes.play_group`),
+    each finished group into ``out``. Batch ``k`` needs version ``base + k`` (None: none)."""
+    for k in batches:
+        floor = None if base is None else max(0, base + k)
+        specs = [_with(s, k, floor) for s in task.job_specs(tokenizer, rng, config.groups_per_step, config.group_size)]
+
+        async def one(spec: dict[str, Any]) -> None:
+            out.put_nowait(await play_group(p, task, tokenizer, spec))
+
+        await asyncio.gather(*(one(s) for s in specs))
+
+
+async def _drain(q: asyncio.Queue[EpisodeGroup], timeout: float) -> AsyncIterator[EpisodeGroup]:
+    """The groups put in ``q``; stops after ``timeout`` seconds without one."""
+    while True:
+        try:
+            yield await asyncio.wait_for(q.get(), timeout)
+        except asyncio.TimeoutError:
+            return
+
+
+def _job_spans(r: Any) -> list[tuple[str, float, float]]:
+    """(replica, started, finished) of every job of a result or an episode group."""
+    return [(x.replica, x.started, x.finished) for x in (r.results if isinstance(r, EpisodeGroup) else [r])]
+
+
+def _rollout_counts(r: Any) -> tuple[int, int, int]:
+    """Generated tokens, tokens of another version than their sample's first (:func:`_swap_tokens`)
+    and samples generated by more than one version, of a result or an episode group."""
+    if isinstance(r, EpisodeGroup):
+        return (sum(sum(e.loss_mask) for e in r.episodes), sum(e.swap_tokens for e in r.episodes),
+                sum(len(e.versions_used) > 1 for e in r.episodes))
+    swaps = [_swap_tokens(s.token_versions(r.version_start)) for s in r.samples]
+    return sum(len(s.tokens) // 4 for s in r.samples), sum(swaps), sum(x > 0 for x in swaps)
 
 
 def _swap_tokens(versions: Sequence[int]) -> int:

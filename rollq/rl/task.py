@@ -25,7 +25,19 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["BucketTask"]
+__all__ = ["BucketTask", "vocab_range"]
+
+
+def vocab_range(token_id: int, parts: int, vocab_size: int) -> int:
+    """Which of ``parts`` equal contiguous ranges of a ``vocab_size`` vocabulary holds
+    ``token_id`` (the buckets and quarters of every task in :mod:`rollq.rl`).
+
+    >>> [vocab_range(t, 4, 1024) for t in (0, 255, 256, 767, 1023)]
+    [0, 0, 1, 2, 3]
+    >>> [vocab_range(t, 3, 10) for t in range(10)]   # sizes 4, 3, 3 when parts does not divide it
+    [0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+    """
+    return token_id * parts // vocab_size
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class BucketTask:
 
     def bucket_of(self, token_id: int) -> int:
         """The bucket a token id belongs to."""
-        return token_id * self.buckets // self.vocab_size
+        return vocab_range(token_id, self.buckets, self.vocab_size)
 
     def reward(self, bucket: int, token_ids: Sequence[int]) -> float:
         """Fraction of ``token_ids`` in ``bucket`` (0 for an empty sample)."""

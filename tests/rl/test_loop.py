@@ -26,3 +26,29 @@ def test_summary_reports_swaps_agreement_by_lag_and_clip():
     assert by["1"]["mean"] == pytest.approx(0.2) and by["2+"] == {"mean": pytest.approx(0.6), "max": 2.0, "tokens": 100}
     assert s["clip_frac_mean"] == pytest.approx(0.1)
 
+
+
+# ----------------------------------------------------------------------------------------
+# A multi-turn task through the loop's plumbing (echo replicas, no trainer)
+# ----------------------------------------------------------------------------------------
+class _Tok:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+async def test_the_loop_plays_two_turn_episodes_one_job_per_turn(redis_url, queue, mode):
+    """Every step gets its groups whole: 4 groups of 3 episodes, each of two turns (one job for
+    a group's first turns, one per episode for its second), 4 model tokens per episode."""
+    from rollq.rl import Replicas, run_loop
+    from rollq.rl.tasks import TwoTurnTask
+
+    task = TwoTurnTask(vocab_size=1024)
+    config = LoopConfig(steps=3, groups_per_step=4, group_size=3, mode=mode, seed=0, result_timeout=30)
+    async with Replicas(redis_url, queue, weights_root=None, count=2, engine="echo"):
+        report = await run_loop(redis_url, queue, None, task, _Tok(), None, config)
+    s = report.summary()
+    assert s["steps"] == 3 and s["failed_jobs"] == 0
+    assert all(st.tokens == 4 * 3 * 4 and len(st.lags) == 4 for st in report.steps)
+    assert len(report.jobs) == 3 * 4 * (1 + 3)  # every turn's job, with its replica and times
+    assert all(0.0 <= st.reward <= 1.0 for st in report.steps)

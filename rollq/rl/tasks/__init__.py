@@ -3,11 +3,15 @@
 - ``positional`` (:class:`PositionalTask`): output token ``j`` must follow prompt digit
   ``j``: attention to a position, credit assignment across tokens, a held-out split;
 - ``length`` (:class:`LengthTask`): stop after exactly ``L`` tokens: EOS, variable
-  lengths, padding and masking.
+  lengths, padding and masking;
+- ``two_turn`` (:class:`TwoTurnTask`): two turns, one job each, the second's prompt holding the
+  first's completion and the environment's answer to it: episodes that span policy versions.
 
 Every task has the interface the RL loop uses (:func:`rollq.rl.run_loop`):
 ``job_specs(tokenizer, rng, count, group_size)``, ``rewards(result)``,
-``prompt_of(tokenizer, result)`` and ``random_policy_reward``.
+``prompt_of(tokenizer, result)`` and ``random_policy_reward``; a multi-turn task has
+``follow_up`` and ``jobs_per_group`` instead of ``prompt_of``, and its ``rewards`` take an
+:class:`~rollq.rl.episodes.EpisodeGroup`.
 
 >>> make_task("positional", vocab_size=1024).random_policy_reward
 0.25
@@ -20,11 +24,12 @@ from typing import Any
 from ..task import BucketTask
 from .length import LengthTask
 from .positional import PositionalTask
+from .two_turn import TwoTurnTask
 
-__all__ = ["LengthTask", "PositionalTask", "TASKS", "make_task"]
+__all__ = ["LengthTask", "PositionalTask", "TASKS", "TwoTurnTask", "make_task"]
 
 #: ``rollq demo --task`` names.
-TASKS = {"bucket": BucketTask, "positional": PositionalTask, "length": LengthTask}
+TASKS = {"bucket": BucketTask, "positional": PositionalTask, "length": LengthTask, "two_turn": TwoTurnTask}
 
 
 def make_task(name: str, vocab_size: int, **kwargs: Any) -> Any:

@@ -26,6 +26,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ..task import vocab_range
+
 __all__ = ["LengthTask"]
 
 
@@ -52,7 +54,8 @@ class LengthTask:
             raise ValueError("LengthTask needs 1 <= min_length <= max_length <= 9 and repeat >= 1")
 
     def quarter_of(self, token_id: int) -> int:
-        return token_id * self.quarters // self.vocab_size
+        """The quarter a token id belongs to."""
+        return vocab_range(token_id, self.quarters, self.vocab_size)
 
     def content(self, token_ids: Sequence[int], finish_reason: str | None = None) -> list[int] | None:
         """The tokens before the first EOS id, or None if the completion did not stop (no

@@ -30,6 +30,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from ..task import vocab_range
+
 __all__ = ["PositionalTask"]
 
 
@@ -74,7 +76,7 @@ class PositionalTask:
 
     def quarter_of(self, token_id: int) -> int:
         """The quarter a token id belongs to."""
-        return token_id * self.quarters // self.vocab_size
+        return vocab_range(token_id, self.quarters, self.vocab_size)
 
     def reward(self, digits: str, token_ids: Sequence[int]) -> float:
         """``1 / len(digits)`` for every output token ``j`` in digit ``j``'s quarter (tokens
