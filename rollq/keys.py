@@ -24,6 +24,7 @@ allowed in names, so no queue's tag can be a shard's) and its own complete set o
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -163,6 +164,13 @@ class QueueKeys:
         last heartbeat, which it writes and reads every beat (rollq/consumer/share.py) to take
         its share of a burst, not the whole of it."""
         return f"{self.tag}:free"
+
+    def session(self, key: str) -> str:
+        """String: the replica that served a session last (``rollq serve``'s sticky sessions,
+        rollq/serve/sessions.py), with a TTL. ``key`` is the client's session key, hashed
+        here, so any string a client sends makes a short key of fixed form."""
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+        return f"{self.tag}:sess:{digest}"
 
     @cached_property
     def reclaimer(self) -> str:

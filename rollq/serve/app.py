@@ -5,6 +5,10 @@
 events). With ``tokenizer`` the chat template is applied here, once, and the job carries the
 token ids; without it the job carries the messages and the replica applies the template.
 A client that goes away before its result cancels the job (and its vLLM request).
+
+A request with a session key (the ``X-Session-ID`` header, else OpenAI's ``user`` field) goes
+to the replica that served its session before, unless that replica is gone or overloaded
+(:mod:`rollq.serve.sessions`).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..connection import connect
 from ..errors import InvalidJob
 from ..protocol import Result
 from .errors import error_response, unauthorized
+from .sessions import Sessions
 from .schemas import ChatRequest, CompletionRequest, chat_messages, completion_prompt, sampling_of
 
 #: Bodies larger than this are refused with 413 (a chat of long token lists stays far below).
@@ -39,6 +45,8 @@ class _BodyTooLarge(Exception):
 class _Server:
     def __init__(self, producer: Any, model_name: str, tokenizer: Any, api_key: str | None, max_body_bytes: int):
         self.producer = producer
+        #: Sticky sessions (set at startup when enabled, :mod:`rollq.serve.sessions`).
+        self.sessions: Sessions | None = None
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.api_key = api_key
@@ -121,8 +129,22 @@ class _Server:
         return {"prompt_tokens": prompt_len, "total_tokens": prompt_len + completion, "completion_tokens": completion,
                 "prompt_tokens_details": None}
 
-    async def _submit(self, spec: dict[str, Any]) -> Any:
+    @staticmethod
+    def _session(request: Request, req: Any) -> str | None:
+        """The request's session key: ``X-Session-ID``, else the body's ``user``."""
+        return request.headers.get("x-session-id") or getattr(req, "user", None) or None
+
+    async def _submit(self, spec: dict[str, Any], session: str | None = None) -> Any:
+        """Submit one job; a session's job is targeted at its replica (see the module doc)."""
+        if session is not None and self.sessions is not None:
+            replica = await self.sessions.pick(session)
+            if replica is not None:
+                spec = {**spec, "replica": replica}
         return await self.producer.submit(**spec)
+
+    async def _served(self, session: str | None, res: Result) -> None:
+        if session is not None and self.sessions is not None and res.error is None:
+            await self.sessions.served(session, res.replica)
 
     # -- routes ------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -144,15 +166,17 @@ class _Server:
                 raise InvalidJob("logprobs above 1 are not served: a rollq result carries the sampled token's logprob")
             prompt = completion_prompt(req)
             spec = {**prompt, "sampling": sampling_of(req, req.max_tokens, req.logprobs is not None)}
-            handle = await self._submit(spec)
+            session = self._session(request, req)
+            handle = await self._submit(spec, session)
         except InvalidJob as e:
             return error_response(str(e), 400)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._completion_stream(request, req, handle, rid, prompt), handle)
+            return _sse(self._completion_stream(request, req, handle, rid, prompt, session), handle)
         res = await self._wait(request, handle)
         if res is None:
             return Response(status_code=499)
+        await self._served(session, res)
         if res.error is not None:
             return _job_error(res)
         prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
@@ -181,8 +205,9 @@ class _Server:
                 "rollq": self._ext(res, s)}
 
     async def _completion_stream(self, request: Request, req: CompletionRequest, handle: Any, rid: str,
-                                 prompt: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+                                 prompt: dict[str, Any], session: str | None = None) -> AsyncIterator[dict[str, Any]]:
         res = await handle.result(raise_error=False)
+        await self._served(session, res)
         if res.error is not None:
             yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
             return
@@ -214,15 +239,17 @@ class _Server:
                 raise InvalidJob("top_logprobs above 0 are not served: a rollq result carries the sampled token's logprob")
             prompt = self._chat_prompt(req)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            handle = await self._submit({**prompt, "sampling": sampling_of(req, max_tokens, req.logprobs)})
+            session = self._session(request, req)
+            handle = await self._submit({**prompt, "sampling": sampling_of(req, max_tokens, req.logprobs)}, session)
         except InvalidJob as e:
             return error_response(str(e), 400)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._chat_stream(req, handle, rid, prompt), handle)
+            return _sse(self._chat_stream(req, handle, rid, prompt, session), handle)
         res = await self._wait(request, handle)
         if res is None:
             return Response(status_code=499)
+        await self._served(session, res)
         if res.error is not None:
             return _job_error(res)
         prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
@@ -245,7 +272,8 @@ class _Server:
             content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []})
         return {"content": content}
 
-    async def _chat_stream(self, req: ChatRequest, handle: Any, rid: str, prompt: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def _chat_stream(self, req: ChatRequest, handle: Any, rid: str, prompt: dict[str, Any],
+                           session: str | None = None) -> AsyncIterator[dict[str, Any]]:
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         n = req.n
@@ -253,6 +281,7 @@ class _Server:
             yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                         "finish_reason": None}]}
         res = await handle.result(raise_error=False)
+        await self._served(session, res)
         if res.error is not None:
             yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
             return
@@ -298,18 +327,26 @@ def _sse(events: AsyncIterator[dict[str, Any]], handle: Any) -> StreamingRespons
 
 
 def create_app(producer: Any, *, model_name: str, tokenizer: Any = None, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, own_producer: bool = True) -> Starlette:
+               max_body_bytes: int = MAX_BODY_BYTES, own_producer: bool = True,
+               session_margin: int | None = 8, session_ttl: float = 3600.0) -> Starlette:
     """The app over ``producer`` (a :class:`~rollq.Producer`; connected at startup, closed at
     shutdown when ``own_producer``). ``tokenizer``: a Hugging Face tokenizer of the served model
-    (chat template, logprob token strings)."""
+    (chat template, logprob token strings). ``session_margin``, ``session_ttl``: sticky
+    sessions (:class:`~rollq.serve.sessions.Sessions`; None: off)."""
     s = _Server(producer, model_name, tokenizer, api_key, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await producer.connect()
+        client = None
+        if session_margin is not None:
+            client = connect(producer.redis_settings)
+            s.sessions = Sessions(client, producer.keys, margin=session_margin, ttl=session_ttl)
         try:
             yield
         finally:
+            if client is not None:
+                await client.aclose()
             if own_producer:
                 await producer.close()
 

@@ -23,6 +23,10 @@ def register(sub: Any) -> argparse.ArgumentParser:
                    help=f"clients must send 'Authorization: Bearer KEY' (default: ${ENV_API_KEY})")
     p.add_argument("--model-name", default=None, help="the model id clients name (default: --tokenizer, else the queue)")
     p.add_argument("--tokenizer", default=None, help="the served model's tokenizer: chat template applied here")
+    p.add_argument("--session-margin", type=int, default=8,
+                   help="a session (X-Session-ID header or 'user') stays on its replica unless that holds more than "
+                        "this many jobs above the least loaded one (-1: sticky sessions off)")
+    p.add_argument("--session-ttl", type=float, default=3600.0, help="seconds a session is remembered after its last request")
     p.set_defaults(fn=run)
     return p
 
@@ -39,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     app = create_app(Producer(args.url, args.queue), model_name=args.model_name or args.tokenizer or args.queue,
-                     tokenizer=tokenizer, api_key=args.api_key)
+                     tokenizer=tokenizer, api_key=args.api_key,
+                     session_margin=None if args.session_margin < 0 else args.session_margin, session_ttl=args.session_ttl)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
