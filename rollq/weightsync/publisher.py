@@ -334,6 +334,8 @@ class WeightPublisher:
     async def _sharded_plan(self, items: list[tuple[str, torch.Tensor]], version: int | None, transport: str) -> _Plan:
         """Rank 0: what every rank sends, in which order and under which names, as which version."""
         broadcast = trainer_transport(transport) is BroadcastSend  # UnknownTransport for an unknown name
+        if not broadcast and transport != "memmap":
+            raise WeightSyncError(f"a sharded trainer publishes over memmap or a broadcast, not {transport!r}")
         if not broadcast and self.store is None:
             raise WeightSyncError("memmap transport needs a root directory (WeightPublisher(root=...))")
         if broadcast:
@@ -369,6 +371,9 @@ class WeightPublisher:
             await param_shards.in_thread(src.drain)  # the other ranks gather every bucket: match them
 
     async def close(self) -> None:
+        from .transports.ipc import release
+
+        release(self)  # a version exposed over IPC is no longer
         if self._client is not None:
             await self._client.aclose()
             self._client = None
