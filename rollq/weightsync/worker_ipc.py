@@ -63,7 +63,7 @@ def _open_cuda(s: IpcStorage, device: torch.device) -> torch.UntypedStorage:
     try:
         return torch.UntypedStorage._new_shared_cuda(
             device.index if device.index is not None else torch.cuda.current_device(), s.handle, s.nbytes, s.offset,
-            s.ref_counter_handle, s.ref_counter_offset, s.event_handle or None, s.event_sync_required,
+            s.ref_counter_handle, s.ref_counter_offset, s.event_handle, s.event_sync_required,
         )
     except RuntimeError as e:
         raise IpcUnavailable(f"cannot open a CUDA IPC handle ({e}): the trainer exited or freed it") from e

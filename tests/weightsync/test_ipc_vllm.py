@@ -5,13 +5,8 @@ or releasing the version first leaves the old weights serving and a load failure
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import os
-import signal
-import sys
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -19,54 +14,12 @@ from rollq import Consumer, Producer
 from rollq.weightsync import read_load_errors
 from rollq.weightsync.versions import LoadError
 from tests.helpers import until
+from tests.weightsync.ipc_trainer_proc import Trainer, trainer
 from tests.vllm_fixtures import checkpoint_digest, served_digest, serving_replica
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
 PROMPT = {"prompt_token_ids": [5, 17, 99, 3, 250, 7, 7, 300], "sampling": {"max_tokens": 12, "temperature": 0.0}}
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-class Trainer:
-    """``tests.weightsync.ipc_trainer_proc`` in a process of its own."""
-
-    def __init__(self, proc: asyncio.subprocess.Process):
-        self.proc = proc
-
-    async def _ask(self, line: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(line.encode() + b"\n")
-        await self.proc.stdin.drain()
-        got = await asyncio.wait_for(self.proc.stdout.readline(), 120)
-        assert got, f"the trainer process exited (code {self.proc.returncode})"
-        out: dict[str, Any] = json.loads(got)
-        return out
-
-    async def publish(self, seed: int) -> dict[str, Any]:
-        """Publish the checkpoint (seed 0) or a perturbed copy; the committed version and timings."""
-        return await self._ask(f"publish {seed}")
-
-    async def release(self) -> None:
-        assert (await self._ask("release")) == {"released": True}
-
-    async def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        await self.proc.wait()  # reaped: no zombie holds anything
-
-
-@contextlib.asynccontextmanager
-async def trainer(url: str, queue: str, model: Any, *args: str) -> AsyncIterator[Trainer]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.weightsync.ipc_trainer_proc", url, queue, str(model), *args,
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=ROOT,
-        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")),
-    )
-    try:
-        yield Trainer(proc)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def greedy(p: Producer) -> list[int]:
@@ -161,6 +114,28 @@ async def test_a_version_released_before_the_replica_copies_it_is_refused(
             await wait_version(consumer, rec2["version"])
             assert await greedy(p) != before
             await restore(t, consumer, vllm_engine)
+
+
+async def test_a_replica_that_cannot_copy_loads_the_memmap_copy_the_publisher_kept(
+    vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
+):
+    root = str(tmp_path / "w")
+    async with serving_replica(vllm_engine, redis_url, queue, root) as (consumer, follower):
+        async with Producer(redis_url, queue) as p:
+            before = await greedy(p)
+            await vllm_engine.call_workers("rollq_gate_ipc_copy", at=1)
+            async with trainer(redis_url, queue, tiny_model_path, "--root", root) as t:
+                rec = await t.publish(1)
+                assert "write_s" in rec["timings"]  # a memmap copy beside the exposure
+                await until(lambda: _gate_reached(vllm_engine), 60, "the worker's copy to reach the gate")
+                await t.kill()
+            await vllm_engine.call_workers("rollq_open_ipc_gate")
+            await wait_version(consumer, rec["version"])
+            st = follower.history[-1]
+            assert st.transport == "ipc" and "ipc" not in st.load, st  # loaded from memmap
+            assert await greedy(p) != before
+            async with trainer(redis_url, queue, tiny_model_path, "--root", root) as t2:
+                await restore(t2, consumer, vllm_engine)
 
 
 async def _gate_reached(engine: Any) -> bool:
