@@ -107,7 +107,7 @@ class IpcReceive(ReplicaTransport):
             log.warning("version %d: %s; loading its memmap copy instead", rec.version, e)
             return None
 
-    async def _stage(self, rec: VersionRecord) -> Staged | None:
+    async def _stage(self, rec: VersionRecord) -> Staged:
         if self.client is None or self.keys is None:
             raise WeightSyncError("the IPC transport needs the follower's Redis client and queue keys")
         timeout = self.settings.load_timeout
@@ -115,8 +115,8 @@ class IpcReceive(ReplicaTransport):
         if raw is None:
             raise IpcUnavailable(f"version {rec.version}: the trainer exposes no version over IPC")
         started = await asyncio.wait_for(self.workers.stage_ipc(handles=raw, version=rec.version), timeout)
-        if not started:  # an engine without weights (echo): nothing to stage
-            return None
+        if not started:  # an engine without weights (echo): nothing to copy; the swap is empty too
+            return Staged(rec.version, self)
         deadline = time.monotonic() + timeout
         delay = 0.002
         while True:

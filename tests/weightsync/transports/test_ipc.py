@@ -83,3 +83,55 @@ def test_shared_tensors_are_exposed_zero_copy_and_others_copied_once():
     finally:
         x.release()
     assert not _token_alive(h)  # released: a worker refuses it
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 4))
+
+
+def state(fill: float) -> dict[str, torch.Tensor]:
+    return {k: torch.full_like(v, fill) for k, v in small_model().state_dict().items()}
+
+
+async def test_fake_workers_copy_each_version_and_refuse_a_released_one(redis_url, queue, tmp_path):
+    """The whole protocol in one process (a worker opens its own process's shared memory
+    through /proc/<pid>/fd just as another process's): two workers copy and swap each version;
+    a version released before they copy it is refused and recorded; an echo engine applies it."""
+    from rollq import Consumer, EchoEngine, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from rollq.weightsync.transports.ipc import release
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model, num_workers=2)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1))
+    echo = Consumer(EchoEngine(), redis_url, queue, consumer_id="echo")
+    echo_follower = WeightFollower(echo, WeightSyncSettings(reconcile_interval=0.1))
+    pub = WeightPublisher(redis_url, queue)
+    await follower.start()
+    await echo_follower.start()
+    try:
+        for fill in (1.0, 2.0):
+            rec = await pub.publish_weights(state(fill), transport="ipc")
+            assert rec.transport == "ipc" and rec.memmap_slot is None and rec.timings["ipc_copied_bytes"] == 4 * (32 + 4)
+            await until(lambda: consumer.version == echo.version == rec.version, 10, f"version {rec.version}")
+            assert follower.history[-1].load["ipc"] is True and follower.history[-1].load["swap"] == "load"
+            assert all(float(w.model_runner.model.module[0].weight[0, 0].detach()) == fill for w in engine.workers)
+        async with follower._lock, echo_follower._lock:  # neither starts the update before the release
+            rec = await pub.publish_weights(state(3.0), transport="ipc")
+            assert release(pub)
+        errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
+        assert (errors["r0"].version, errors["r0"].error) == (rec.version, "IpcUnavailable"), errors
+        assert "before this worker opened it" in errors["r0"].message
+        assert consumer.version == rec.version - 1
+        assert all(float(w.model_runner.model.module[0].weight[0, 0].detach()) == 2.0 for w in engine.workers)
+        await until(lambda: echo.version == rec.version, 10, "the echo replica, which copies nothing")
+        rec = await pub.publish_weights(state(4.0), transport="ipc")
+        await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        assert all(float(w.model_runner.model.module[0].weight[0, 0].detach()) == 4.0 for w in engine.workers)
+    finally:
+        await follower.stop()
+        await echo_follower.stop()
+        await pub.close()
