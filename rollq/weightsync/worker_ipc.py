@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
@@ -26,12 +26,27 @@ from .checksum import state_checksum
 from .ipc_wire import IpcHandles, IpcStorage, IpcUnavailable, StorageKind, decode_handles
 from .memmap import manifest_of
 from .process_group import responsive_gil
+from .versions import TensorMeta
 from .wire import StageStatus, State, WorkerError
 
-if TYPE_CHECKING:
-    from .worker_state import WorkerState
-
 Items = list[tuple[str, torch.Tensor]]
+
+
+class StagingHost(Protocol):
+    """What IPC staging uses of its worker
+    (:class:`~rollq.weightsync.worker_state.WorkerState` provides it)."""
+
+    lock: Any  # threading.Lock: held while the shadow weights or a staged copy change
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def in_place_target(self, version: int, manifest: list[TensorMeta], stream: Any = None) -> Any:
+        """Where to write ``version`` in the shadow's bytes (a ``DirectTarget``), or None."""
+
+    def load_while_receiving(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any = None,
+                             manifest: list[TensorMeta] | None = None) -> bool:
+        """Load ``items`` into the shadow weights; False without a shadow."""
 
 
 def _open_cpu(pid: int, s: IpcStorage, what: str) -> torch.UntypedStorage:
@@ -72,7 +87,7 @@ def _open_cuda(s: IpcStorage, device: torch.device) -> torch.UntypedStorage:
 class IpcStaging:
     """IPC copies of one worker (``state``: its :class:`~rollq.weightsync.worker_state.WorkerState`)."""
 
-    def __init__(self, state: WorkerState):
+    def __init__(self, state: StagingHost):
         self.state = state
         self.status = StageStatus()
         #: ``(version, tensors)`` staged and not swapped in (tensors None: in the shadow
@@ -178,8 +193,9 @@ class IpcStaging:
                            shadow=shadowed)
 
     def _copy_one(self, i: int, src: torch.Tensor) -> torch.Tensor:
+        """Tensor ``i`` copied onto this worker's device (from the trainer's device or memory)."""
         self._before(i)
-        out = torch.empty_like(src, memory_format=torch.contiguous_format)
+        out = torch.empty(src.shape, dtype=src.dtype, device=self.state.device)
         out.copy_(src, non_blocking=True)
         return out
 
