@@ -1,15 +1,16 @@
-"""Versioned policy weights: durable records, memmap and NCCL/gloo transports.
+"""Versioned policy weights: durable records, memmap, NCCL/gloo and same-host IPC transports.
 
 Modules by the process that runs them (what crosses between them: :mod:`.wire`; the
 contracts between the parts: :mod:`.base`):
 
-- trainer: :mod:`.publisher`, :mod:`.sender`;
+- trainer: :mod:`.publisher`, :mod:`.sender`, :mod:`.ipc_export`;
 - replica (the consumer's process): :mod:`.follower`, :mod:`.overlap`, :mod:`.load_failures`,
   :mod:`.replica`, :mod:`.worker_calls` (its calls into the workers);
 - vLLM worker: :mod:`.worker_ext` (the RPC surface), :mod:`.worker_state`, :mod:`.receiver`,
-  :mod:`.listener`, :mod:`.worker_swap`, :mod:`.worker_memmap`, :mod:`.worker_progress`,
+  :mod:`.listener`, :mod:`.worker_swap`, :mod:`.worker_memmap`, :mod:`.worker_ipc`, :mod:`.worker_progress`,
   :mod:`.shadow`, :mod:`.swap_kernel`;
-- both sides of each transport, picked by name: :mod:`.transports` (memmap, broadcast);
+- both sides of each transport, picked by name: :mod:`.transports` (memmap, broadcast, ipc;
+  the IPC handles that cross between the trainer and the workers: :mod:`.ipc_wire`);
 - shared: :mod:`.process_group`, :mod:`.layout` (the broadcast's plumbing; :mod:`.nccl` tells its
   protocol), :mod:`.memmap`, :mod:`.pinned`, :mod:`.checksum` (storage), :mod:`.manifest`,
   :mod:`.versions`.
@@ -36,6 +37,7 @@ _GROUPS: dict[str, dict[str, str]] = {
     "contracts": {
         "Sender": "base", "Receiver": "base", "Replica": "base", "WorkerEngine": "base",
         "SwapReport": "wire", "WorkerError": "wire", "Ack": "wire", "Offer": "wire", "GroupInfo": "wire",
+        "IpcHandles": "ipc_wire", "IpcUnavailable": "ipc_wire", "MalformedIpcHandles": "ipc_wire",
     },
 }
 _EXPORTS = {name: mod for group in _GROUPS.values() for name, mod in group.items()}
