@@ -24,7 +24,10 @@ follows the live replicas). A broadcast that breaks (a member died) is offered o
 a group formed anew without it; a version that reached only some workers is committed for
 those, with a memmap copy for the others when there is a store; on any other failure or
 timeout the group is dropped (formed again next time) and the same version is published
-through memmap instead. The transports themselves live in :mod:`rollq.weightsync.transports`.
+through memmap instead. With ``transport="ipc"`` this process exposes the tensors to the
+replicas on its host (CUDA IPC or CPU shared memory) until its next IPC version or
+:meth:`WeightPublisher.close` (:mod:`rollq.weightsync.transports.ipc`). The transports themselves
+live in :mod:`rollq.weightsync.transports`.
 """
 
 from __future__ import annotations

@@ -135,3 +135,18 @@ async def test_fake_workers_copy_each_version_and_refuse_a_released_one(redis_ur
         await follower.stop()
         await echo_follower.stop()
         await pub.close()
+
+
+async def test_a_sharded_trainer_is_told_ipc_is_not_for_it(redis_url, queue):
+    """Each rank of a sharded trainer holds parts of tensors; the IPC transport exposes whole
+    ones. Refused before anything is written (not silently published through memmap)."""
+    from rollq.errors import WeightSyncError
+    from rollq.weightsync import WeightPublisher
+
+    pub = WeightPublisher(redis_url, queue, validate=False)
+    try:
+        with pytest.raises(WeightSyncError, match="a sharded trainer publishes over memmap or a broadcast, not 'ipc'"):
+            await pub._sharded_plan([("w", torch.zeros(2))], None, "ipc")
+        assert await pub.current_version() == 0
+    finally:
+        await pub.close()
