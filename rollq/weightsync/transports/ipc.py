@@ -17,9 +17,10 @@ memory (zero-copy), one copy of every other CPU tensor (``timings["ipc_copied_by
 Replica side :class:`IpcReceive`: has every worker copy and verify the version in a thread
 (:mod:`rollq.weightsync.worker_ipc`), then swaps it in as a memmap-staged version is.
 Handles that cannot be used (the trainer exited or released the version, before or during
-the copy; another host or GPU) raise :class:`~rollq.weightsync.ipc_wire.IpcUnavailable`: the
-version is not applied, the follower records the load failure and the old weights serve on;
-with a memmap copy in the record the replica loads that instead.
+the copy; another host or GPU) raise :class:`~rollq.weightsync.ipc_wire.IpcUnavailable`, and
+exposed tensors that changed before a worker copied them :class:`~rollq.errors.CorruptWeights`:
+the version is not applied, the follower records the load failure and the old weights serve
+on; with a memmap copy in the record the replica loads that instead.
 
 >>> pub = WeightPublisher(url, queue="grpo")                                   # doctest: +SKIP
 >>> rec = await pub.publish_weights(model.state_dict(), transport="ipc")      # doctest: +SKIP
@@ -98,10 +99,12 @@ class IpcReceive(ReplicaTransport):
 
     async def stage(self, rec: VersionRecord, acks: list[Any] | None = None) -> Staged | None:
         """Every worker's copy of ``rec``; None (the follower loads the memmap copy) when the
-        handles cannot be used and the record has a memmap copy, else IpcUnavailable."""
+        handles cannot be used, or the exposed tensors changed before a worker copied them,
+        and the record has a memmap copy (written at publish); else IpcUnavailable or
+        CorruptWeights."""
         try:
             return await self._stage(rec)
-        except IpcUnavailable as e:
+        except (IpcUnavailable, CorruptWeights) as e:
             if rec.memmap_slot is None or self.settings.root is None:
                 raise
             log.warning("version %d: %s; loading its memmap copy instead", rec.version, e)

@@ -150,3 +150,38 @@ async def test_a_sharded_trainer_is_told_ipc_is_not_for_it(redis_url, queue):
         assert await pub.current_version() == 0
     finally:
         await pub.close()
+
+
+async def test_tensors_changed_before_the_copy_are_refused_or_taken_from_the_memmap_copy(redis_url, queue, tmp_path):
+    """Zero-copy tensors the trainer changes in place before the replica copied them fail the
+    trainer's checksum: refused for good without a memmap copy; with one (written at publish),
+    loaded from it."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1))
+    await follower.start()
+    try:
+        for root, fill in ((None, 1.0), (str(tmp_path), 2.0)):
+            pub = WeightPublisher(redis_url, queue, root=root)
+            st = {k: v.share_memory_() for k, v in state(fill).items()}
+            async with follower._lock:  # the replica copies only after the change
+                rec = await pub.publish_weights(st, transport="ipc")
+                assert rec.timings["ipc_copied_bytes"] == 0
+                for v in st.values():
+                    v.add_(100.0)  # the trainer's next step, in place, too early
+            if root is None:
+                errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
+                assert (errors["r0"].error, errors["r0"].final) == ("CorruptWeights", True), errors
+                assert consumer.version == 0
+            else:
+                await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+                assert "ipc" not in follower.history[-1].load  # from the memmap copy, as published
+                assert float(engine.workers[0].model_runner.model.module[0].weight[0, 0].detach()) == fill
+            await pub.close()
+    finally:
+        await follower.stop()
