@@ -150,13 +150,15 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     trainer.model.to(getattr(torch, a.trainer_dtype))
     trainer.rebase(0)  # the snapshot of version 0 in the trainer's dtype
     trainer.to(device)
-    pub = WeightPublisher(srv_url, queue, root=root, keep=4, trainer_id=f"trainer-{name}")
+    # Over ipc no memmap copy is written beside each version (the replicas share this host).
+    pub = WeightPublisher(srv_url, queue, root=None if a.transport == "ipc" else root, keep=4, trainer_id=f"trainer-{name}")
     # Every run starts from the initial weights: publish them as version 1 to the replicas.
-    rec = await pub.publish_weights(trainer.state_dict())
+    rec = await pub.publish_weights(trainer.state_dict(), transport=a.transport)
     trainer.rebase(rec.version)
     await replicas.wait_version(rec.version)
     task = make_task(len(tokenizer), a.min_tokens, a.max_tokens)
-    cfg = LoopConfig(steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode=mode, max_lag=max_lag, seed=a.seed)
+    cfg = LoopConfig(steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode=mode, max_lag=max_lag, seed=a.seed,
+                     transport=a.transport)
 
     def on_step(r) -> None:
         if r.step % 10 == 0 or r.step == a.steps - 1:
@@ -336,6 +338,8 @@ def main() -> None:
                     help="the async runs' importance-ratio arms (default ratio; --stress: all three)")
     ap.add_argument("--tis-cap", type=float, default=2.0, help="the tis arm's cap on the importance ratio")
     ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--transport", choices=["memmap", "ipc"], default="memmap",
+                    help="weight sync: memmap files in /dev/shm, or ipc (the trainer's tensors shared with the replicas)")
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-size", choices=sorted(SIZES), default="tiny")

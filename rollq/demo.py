@@ -97,7 +97,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     broadcast = learn and a.transport in ("gloo", "nccl")
     cfg = LoopConfig(
         steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode="async", max_lag=a.max_lag,
-        transport="broadcast" if broadcast else "memmap", seed=a.seed,
+        transport="broadcast" if broadcast else ("ipc" if a.transport == "ipc" else "memmap"), seed=a.seed,
     )
     weights_root = tempfile.mkdtemp(prefix="rollq-demo-weights-")
     try:
@@ -190,8 +190,10 @@ def _publisher(url: str, weights_root: str, a: argparse.Namespace) -> Any:
         from .weightsync.nccl import BroadcastSender
 
         sender = BroadcastSender(num_workers=a.replicas, backend=a.transport, timeout=120)
-    # keep=4 memmap slots: a replica still reading version v is not overwritten by v + 2.
-    return WeightPublisher(url, QUEUE, root=weights_root, keep=4, trainer_id="demo-trainer", sender=sender)
+    # keep=4 memmap slots: a replica still reading version v is not overwritten by v + 2. Over
+    # ipc no memmap copy is written (the replicas share this host).
+    root = None if a.transport == "ipc" else weights_root
+    return WeightPublisher(url, QUEUE, root=root, keep=4, trainer_id="demo-trainer", sender=sender)
 
 
 #: Summary keys shown first in the table (the rest follow in order).

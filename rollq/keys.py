@@ -245,6 +245,13 @@ class QueueKeys:
         weights want each tensor of a manifest (the trainer packs buckets that way)."""
         return f"{self.tag}:wlayouts"
 
+    @cached_property
+    def weights_ipc(self) -> str:
+        """String: msgpack IpcHandles of the version the trainer exposes to replicas on its
+        host (rollq.weightsync.ipc_wire), written before the version is committed and
+        overwritten by the next one."""
+        return f"{self.tag}:wipc"
+
     def weights_acks(self, version: int) -> str:
         """Hash ``replica -> ok|error`` of receivers that staged a broadcast version."""
         return f"{self.tag}:wacks:{version}"
@@ -286,7 +293,7 @@ class QueueKeys:
         return [
             self.jobs, self.ids, self.dlq, self.consumers, self.free, self.reclaimer, self.stats, self.latency, self.lag,
             self.config, self.version, self.versions_log, self.admission, self.weights_group, self.weights_offer,
-            self.weights_layouts, self.weights_members, self.manifests, self.load_errors,
+            self.weights_layouts, self.weights_members, self.weights_ipc, self.manifests, self.load_errors,
         ]
 
     def pattern(self) -> str:

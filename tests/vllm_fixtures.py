@@ -61,6 +61,30 @@ class FixtureWorkerExtension(_WorkerExtensionBase):  # type: ignore[misc,valid-t
         return out
 
 
+    def rollq_gate_ipc_copy(self, at: int) -> None:
+        """Stop this worker's next IPC copy before its tensor ``at`` until
+        :meth:`rollq_open_ipc_gate` (:meth:`rollq_ipc_gate_reached` says when it got there)."""
+        import threading
+
+        reached, go = threading.Event(), threading.Event()
+        self.__dict__["_rollq_ipc_gate"] = (reached, go)
+        staging = self.rollq_state.ipc
+
+        def gate(i: int) -> None:
+            if i == at:
+                staging.before_copy = None
+                reached.set()
+                go.wait(600)  # a test that never opens it still ends
+
+        staging.before_copy = gate
+
+    def rollq_ipc_gate_reached(self) -> bool:
+        return self.__dict__["_rollq_ipc_gate"][0].is_set()
+
+    def rollq_open_ipc_gate(self) -> None:
+        self.rollq_state.ipc.before_copy = None
+        self.__dict__["_rollq_ipc_gate"][1].set()
+
     def rollq_restore_checkpoint(self) -> None:
         """Load the served model folder's checkpoint into the live weights through rollq's own
         load path (:meth:`~rollq.weightsync.worker._state.WorkerState.load_live`)."""

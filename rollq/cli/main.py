@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--groups", type=int, help="GRPO groups (jobs) per step (default: the task's, 16 for bucket)")
     s.add_argument("--group-size", type=int, help="samples per group (sampling n; default: the task's, 8 for bucket)")
     s.add_argument("--max-lag", type=int, default=1, help="staleness bound in policy versions")
-    s.add_argument("--transport", choices=["memmap", "gloo", "nccl"], default="memmap",
-                   help="weight sync: memmap files, or a gloo (CPU) / NCCL (GPU) broadcast")
+    s.add_argument("--transport", choices=["memmap", "gloo", "nccl", "ipc"], default="memmap",
+                   help="weight sync: memmap files, a gloo (CPU) / NCCL (GPU) broadcast, or ipc (the trainer's "
+                        "tensors shared with the replicas on its host: CUDA IPC or CPU shared memory)")
     s.add_argument("--lr", type=float, help="Adam learning rate (default: the task's, 5e-3 for bucket)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--trainer-threads", type=int, default=1, help="CPU: torch threads of the trainer")

@@ -79,7 +79,8 @@ class LoopConfig:
     mode: str = "async"
     #: Staleness bound of the async mode, in versions.
     max_lag: int = 1
-    #: ``memmap`` or ``broadcast`` (gloo on CPU, NCCL on GPU: the publisher's sender).
+    #: ``memmap``, ``broadcast`` (gloo on CPU, NCCL on GPU: the publisher's sender) or ``ipc``
+    #: (the trainer's tensors shared with replicas on its host: rollq.weightsync.transports.ipc).
     transport: str = "memmap"
     #: Seeds the prompts' buckets.
     seed: int = 0
@@ -92,8 +93,8 @@ class LoopConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
             raise ValueError(f"mode must be 'async' or 'sync', got {self.mode!r}")
-        if self.transport not in ("memmap", "broadcast"):
-            raise ValueError(f"transport must be 'memmap' or 'broadcast', got {self.transport!r}")
+        if self.transport not in ("memmap", "broadcast", "ipc"):
+            raise ValueError(f"transport must be 'memmap', 'broadcast' or 'ipc', got {self.transport!r}")
         if self.max_lag < 0 or self.steps < 1 or self.groups_per_step < 1 or self.group_size < 1:
             raise ValueError("LoopConfig needs steps, groups_per_step, group_size >= 1 and max_lag >= 0")
 

@@ -1,12 +1,14 @@
-"""Versioned policy weights: durable records, memmap and NCCL/gloo transports.
+"""Versioned policy weights: durable records, memmap, NCCL/gloo and same-host IPC transports.
 
 Folders by the process that runs them (what crosses between them: :mod:`.wire`; the
 contracts between the parts: :mod:`.base`):
 
-- :mod:`.trainer`: the publisher, the broadcast sender and its group, parameter shards;
+- :mod:`.trainer`: the publisher, the broadcast sender and its group, parameter shards, the
+  IPC export of a version;
 - :mod:`.replica` (the consumer's process): the follower, its calls into the workers;
 - :mod:`.worker` (each vLLM worker): the worker extension and what it runs;
-- :mod:`.transports`: both sides of each transport, picked by name (memmap, broadcast);
+- :mod:`.transports`: both sides of each transport, picked by name (memmap, broadcast, ipc;
+  the IPC handles that cross between the trainer and the workers: :mod:`.ipc_wire`);
 - shared, here: :mod:`.process_group`, :mod:`.layout` (the broadcast's plumbing; :mod:`.nccl`
   tells its protocol), :mod:`.memmap`, :mod:`.pinned`, :mod:`.checksum` (storage),
   :mod:`.manifest`, :mod:`.versions`.
@@ -36,6 +38,7 @@ _GROUPS: dict[str, dict[str, str]] = {
     "contracts": {
         "Sender": "base", "Receiver": "base", "Replica": "base", "WorkerEngine": "base",
         "SwapReport": "wire", "WorkerError": "wire", "Ack": "wire", "Offer": "wire", "GroupInfo": "wire",
+        "IpcHandles": "ipc_wire", "IpcUnavailable": "ipc_wire", "MalformedIpcHandles": "ipc_wire",
     },
 }
 _EXPORTS = {name: mod for group in _GROUPS.values() for name, mod in group.items()}

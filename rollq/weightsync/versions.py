@@ -54,7 +54,7 @@ class VersionRecord(msgspec.Struct, kw_only=True):
 
     v: int = SCHEMA_VERSION
     version: int
-    transport: str  # a name of rollq.weightsync.transports.factory.REPLICA: "memmap", "nccl", "gloo"
+    transport: str  # a name of rollq.weightsync.transports.factory.REPLICA: "memmap", "nccl", "gloo", "ipc"
     checksum: str  # rollq.weightsync.checksum.state_checksum of the full state
     num_tensors: int
     nbytes: int

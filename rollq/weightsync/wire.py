@@ -255,7 +255,8 @@ class WorkerStatus(msgspec.Struct, kw_only=True):
 
 
 class StageStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A worker's memmap staging (``rollq_stage_memmap``, ``rollq_staged_status``)."""
+    """A worker's memmap or IPC staging (``rollq_stage_memmap``, ``rollq_staged_status``;
+    ``rollq_stage_ipc``, ``rollq_ipc_status``)."""
 
     state: State = State.IDLE
     version: int = 0
@@ -275,7 +276,7 @@ class Swap(str, enum.Enum):
     """How a version went live in a worker (:attr:`SwapReport.swap`)."""
 
     SHADOW = "shadow"  # copied from the shadow weights
-    LOAD = "load"  # loaded from the memmap copy staged in the worker
+    LOAD = "load"  # loaded from the memmap or IPC copy staged in the worker
     BROADCAST = "broadcast"  # loaded from the broadcast's staging buffer
     OVERLAP = "overlap"  # exchanged part by part while it arrived
     REVERTED = "reverted"  # an overlapped swap, undone

@@ -164,3 +164,40 @@ def test_swap_kernel_swaps_every_width_and_odd_lengths():
     x, y = buf[1:22].clone(), buf[33:54].clone()
     swap_bytes_(buf[1:22], buf[33:54])
     assert torch.equal(buf[1:22], y) and torch.equal(buf[33:54], x)
+
+
+async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_url, queue, shm_root):
+    """A trainer process on the same GPU exposes its CUDA tensors (CUDA IPC handles, zero-copy);
+    the worker copies the first version into new tensors and traces the shadow's load plan,
+    later ones straight into the shadow's bytes. A trainer killed before the worker opens its
+    handles leaves the served version, and the next trainer's version goes through."""
+    from rollq.weightsync.versions import read_load_errors
+    from tests.weightsync.ipc_trainer_proc import trainer
+
+    engine = FakeWorkerEngine(Fused, device="cuda:0")
+    consumer = Consumer(engine, redis_url, queue)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3))
+    await follower.start()
+    try:
+        async with trainer(redis_url, queue, "-", "--cuda") as t:
+            for fill in (1, 2, 3):
+                rec = await t.publish(fill)
+                assert rec["timings"]["ipc_copied_bytes"] == 0  # CUDA tensors: zero-copy
+                await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
+                load = follower.history[-1].load
+                assert load["swap"] == "shadow" and load["ipc"] is True, load
+                assert bool(load.get("in_place")) == (fill > 1), load
+                check(engine, float(fill))
+            async with follower._lock:  # no update starts before the trainer is gone
+                rec = await t.publish(4)
+                await t.kill()
+        await until(lambda: read_load_errors(follower._client, consumer.keys), 60, "a load error")
+        err = (await read_load_errors(follower._client, consumer.keys))[consumer.id]
+        assert (err.version, err.error) == (rec["version"], "IpcUnavailable"), err
+        check(engine, 3.0)
+        async with trainer(redis_url, queue, "-", "--cuda") as t2:
+            rec = await t2.publish(5)
+            await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
+            check(engine, 5.0)
+    finally:
+        await follower.stop()

@@ -422,7 +422,9 @@ class WeightFollower:
         (:class:`~rollq.weightsync.transports.factory.UnknownTransport` for a name not registered)."""
         t = self._transports.get(rec.transport)
         if t is None:
-            t = self._transports[rec.transport] = replica_transport(rec.transport)(self.engine, self.settings, self.receiver)
+            t = self._transports[rec.transport] = replica_transport(rec.transport)(
+                self.engine, self.settings, self.receiver, client=self._client, keys=self.consumer.keys,
+            )
         return t
 
     async def _staged(self, rec: VersionRecord, acks: list[Any] | None) -> Staged | None:

@@ -47,6 +47,8 @@ class WorkerRpc(str, enum.Enum):
     LOAD_MEMMAP = "rollq_load_memmap"
     STAGE_MEMMAP = "rollq_stage_memmap"
     STAGED_STATUS = "rollq_staged_status"
+    STAGE_IPC = "rollq_stage_ipc"
+    IPC_STATUS = "rollq_ipc_status"
     JOIN_GROUP = "rollq_join_group"
     LEAVE_GROUP = "rollq_leave_group"
     RECEIVE_STATUS = "rollq_receive_status"
@@ -93,6 +95,17 @@ class WorkerCalls:
     async def staged_status(self) -> list[StageStatus]:
         """Where each worker's memmap staging stands."""
         return await self._each(WorkerRpc.STAGED_STATUS, StageStatus)
+
+    # -- IPC (the trainer process on the same host) -------------------------------------
+    async def stage_ipc(self, *, handles: bytes, version: int) -> list[StageStatus]:
+        """Start copying ``version`` from the trainer's exposed tensors (``handles``: msgpack
+        :class:`~rollq.weightsync.ipc_wire.IpcHandles`) in a thread of each worker; poll
+        :meth:`ipc_status`."""
+        return await self._each(WorkerRpc.STAGE_IPC, StageStatus, handles=handles, version=version)
+
+    async def ipc_status(self) -> list[StageStatus]:
+        """Where each worker's IPC staging stands."""
+        return await self._each(WorkerRpc.IPC_STATUS, StageStatus)
 
     # -- broadcast group ---------------------------------------------------------------
     async def join_group(self, *, info: GroupInfo, rank_offset: int, listen: Listen | None = None) -> None:

@@ -24,7 +24,10 @@ follows the live replicas). A broadcast that breaks (a member died) is offered o
 a group formed anew without it; a version that reached only some workers is committed for
 those, with a memmap copy for the others when there is a store; on any other failure or
 timeout the group is dropped (formed again next time) and the same version is published
-through memmap instead. The transports themselves live in :mod:`rollq.weightsync.transports`.
+through memmap instead. With ``transport="ipc"`` this process exposes the tensors to the
+replicas on its host (CUDA IPC or CPU shared memory) until its next IPC version or
+:meth:`WeightPublisher.close` (:mod:`rollq.weightsync.transports.ipc`). The transports themselves
+live in :mod:`rollq.weightsync.transports`.
 """
 
 from __future__ import annotations
@@ -334,6 +337,8 @@ class WeightPublisher:
     async def _sharded_plan(self, items: list[tuple[str, torch.Tensor]], version: int | None, transport: str) -> _Plan:
         """Rank 0: what every rank sends, in which order and under which names, as which version."""
         broadcast = trainer_transport(transport) is BroadcastSend  # UnknownTransport for an unknown name
+        if not broadcast and transport != "memmap":
+            raise WeightSyncError(f"a sharded trainer publishes over memmap or a broadcast, not {transport!r}")
         if not broadcast and self.store is None:
             raise WeightSyncError("memmap transport needs a root directory (WeightPublisher(root=...))")
         if broadcast:
@@ -369,6 +374,9 @@ class WeightPublisher:
             await param_shards.in_thread(src.drain)  # the other ranks gather every bucket: match them
 
     async def close(self) -> None:
+        from ..transports.ipc import release
+
+        release(self)  # a version exposed over IPC is no longer
         if self._client is not None:
             await self._client.aclose()
             self._client = None

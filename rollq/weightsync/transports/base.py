@@ -71,14 +71,19 @@ class ReplicaTransport(ABC):
 
     ``engine``: the replica's engine (its workers are reached through :attr:`workers`, the
     typed :class:`~rollq.weightsync.replica.worker_calls.WorkerCalls`);
-    ``receiver``: the broadcast group membership, None when the replica is in no group.
+    ``receiver``: the broadcast group membership, None when the replica is in no group;
+    ``client`` and ``keys``: the follower's Redis client and its queue's keys, for a transport
+    that reads what the trainer wrote beside the record (None where it needs none).
     """
 
-    def __init__(self, engine: Any, settings: WeightSyncSettings, receiver: Receiver | None):
+    def __init__(self, engine: Any, settings: WeightSyncSettings, receiver: Receiver | None, *,
+                 client: Any = None, keys: QueueKeys | None = None):
         self.engine = engine
         self.workers = WorkerCalls(engine)
         self.settings = settings
         self.receiver = receiver
+        self.client = client
+        self.keys = keys
 
     @abstractmethod
     async def stage(self, rec: VersionRecord, acks: list[Any] | None) -> Staged | None:

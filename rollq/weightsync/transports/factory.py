@@ -7,7 +7,7 @@
 >>> replica_transport("carrier-pigeon")
 Traceback (most recent call last):
 ...
-rollq.weightsync.transports.factory.UnknownTransport: unknown weight transport 'carrier-pigeon' on the replica side (known: gloo, memmap, nccl)
+rollq.weightsync.transports.factory.UnknownTransport: unknown weight transport 'carrier-pigeon' on the replica side (known: gloo, ipc, memmap, nccl)
 
 A new transport is one module per side, registered here.
 """
@@ -26,12 +26,14 @@ TRAINER: dict[str, str] = {
     "broadcast": "rollq.weightsync.transports.broadcast:BroadcastSend",
     "nccl": "rollq.weightsync.transports.broadcast:BroadcastSend",
     "gloo": "rollq.weightsync.transports.broadcast:BroadcastSend",
+    "ipc": "rollq.weightsync.transports.ipc:IpcSend",
 }
 #: Replica side: ``VersionRecord.transport`` -> "module:class".
 REPLICA: dict[str, str] = {
     "memmap": "rollq.weightsync.transports.memmap:MemmapReceive",
     "nccl": "rollq.weightsync.transports.broadcast:BroadcastReceive",
     "gloo": "rollq.weightsync.transports.broadcast:BroadcastReceive",
+    "ipc": "rollq.weightsync.transports.ipc:IpcReceive",
 }
 
 

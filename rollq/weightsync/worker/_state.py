@@ -3,7 +3,8 @@
 Runs inside each vLLM worker process. :class:`WorkerState` is the only attribute rollq sets
 on vLLM's worker (``worker.rollq_state``, built on first use); the extension's RPC methods
 (:mod:`rollq.weightsync.worker.ext`) are thin calls into it. It owns the shadow weights,
-the broadcast receiver, memmap staging (:mod:`rollq.weightsync.worker._memmap`), the
+the broadcast receiver, memmap staging (:mod:`rollq.weightsync.worker._memmap`), IPC staging
+(:mod:`rollq.weightsync.worker._ipc`), the
 request-progress tracker (:mod:`rollq.weightsync.worker._progress`) and the worker lock.
 
 Loading: on GPU workers ``model.load_weights`` (the checkpoint-format loader every vLLM model
@@ -47,6 +48,7 @@ class WorkerState:
     """rollq's state in one vLLM worker (``worker``: vLLM's worker object)."""
 
     def __init__(self, worker: Any):
+        from ._ipc import IpcStaging
         from ._memmap import MemmapStaging
         from ._progress import RequestTracker
 
@@ -63,6 +65,7 @@ class WorkerState:
         self.receiver: WorkerReceiver | None = None
         self.join = WorkerStatus()
         self.memmap = MemmapStaging(self)
+        self.ipc = IpcStaging(self)
         self.tracker = RequestTracker()
         #: When the last swap was enqueued and its copies finished (``time.time()``).
         self.last_swap = SwapTimes()

@@ -26,23 +26,27 @@ log = logging.getLogger(__name__)
 
 
 def apply_staged(st: WorkerState, version: int) -> SwapReport:
-    """Swap a staged version in: from the shadow weights, else from the memmap copy staged
-    here, else from the broadcast's staging buffer."""
+    """Swap a staged version in: from the shadow weights, else from the memmap or IPC copy
+    staged here, else from the broadcast's staging buffer."""
     t0 = time.perf_counter()
     how = Swap.SHADOW
     swapped = None
     with st.lock:  # nothing rewrites the shadow or memmap staging mid-swap
-        sh, mm = st.shadow, st.memmap.staged
+        sh, mm, ipc = st.shadow, st.memmap.staged, st.ipc.staged
         if sh is not None and sh.version == version:
             # Copies enqueued on the engine's stream between two steps: the next step runs
             # after them. No host wait: the engine prepares that step meanwhile.
             swapped = sh.swap()
             sh.version = None
-            st.memmap.staged = None
+            st.memmap.staged = st.ipc.staged = None
         elif mm is not None and mm[0] == version and mm[1] is not None:
             how = Swap.LOAD
             st.memmap.staged = None
             st.load_live(mm[1])
+        elif ipc is not None and ipc[0] == version and ipc[1] is not None:
+            how = Swap.LOAD
+            st.ipc.staged = None
+            st.load_live(ipc[1])
         else:
             how = Swap.BROADCAST
     if how is Swap.BROADCAST:

@@ -60,6 +60,17 @@ class RollqWorkerExtension:
         """The memmap staging: a :class:`~rollq.weightsync.wire.StageStatus`."""
         return to_wire(self.rollq_state.memmap.status)
 
+    # -- IPC (the trainer process on the same host) -------------------------------------
+    def rollq_stage_ipc(self, handles: bytes, version: int) -> dict[str, Any]:
+        """Start copying ``version`` from the trainer's exposed tensors (``handles``: a msgpack
+        :class:`~rollq.weightsync.ipc_wire.IpcHandles`) in a thread of this worker (the engine
+        keeps serving). Poll :meth:`rollq_ipc_status`; :meth:`rollq_apply_staged` swaps it in."""
+        return to_wire(self.rollq_state.ipc.stage(handles, version))
+
+    def rollq_ipc_status(self) -> dict[str, Any]:
+        """The IPC staging: a :class:`~rollq.weightsync.wire.StageStatus`."""
+        return to_wire(self.rollq_state.ipc.status)
+
     # -- broadcast (NCCL / gloo) -------------------------------------------------------
     def rollq_join_group(self, info: bytes, rank_offset: int, listen: bytes = b"") -> None:
         """Join the trainer's broadcast group as rank ``rank_offset + self.rank`` (in a thread).

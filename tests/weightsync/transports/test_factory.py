@@ -22,10 +22,10 @@ def test_each_side_has_its_registry():
 
 
 def test_an_unknown_name_is_a_specific_error_naming_the_known_ones():
-    with pytest.raises(UnknownTransport, match=r"'ipc' on the replica side \(known: gloo, memmap, nccl\)"):
-        replica_transport("ipc")
+    with pytest.raises(UnknownTransport, match=r"'carrier-pigeon' on the replica side \(known: gloo, ipc, memmap, nccl\)"):
+        replica_transport("carrier-pigeon")
     with pytest.raises(UnknownTransport, match="on the trainer side"):
-        trainer_transport("ipc")
+        trainer_transport("carrier-pigeon")
     with pytest.raises(UnknownTransport, match="on the replica side"):
         replica_transport("broadcast")  # a trainer-side word; records name the backend
 
@@ -33,8 +33,8 @@ def test_an_unknown_name_is_a_specific_error_naming_the_known_ones():
 async def test_the_publisher_refuses_an_unknown_transport_before_committing(redis_url, queue, tmp_path):
     pub = WeightPublisher(redis_url, queue, root=str(tmp_path), validate=False)
     try:
-        with pytest.raises(UnknownTransport, match="'ipc' on the trainer side"):
-            await pub.publish_weights({"w": torch.zeros(2)}, transport="ipc")
+        with pytest.raises(UnknownTransport, match="'carrier-pigeon' on the trainer side"):
+            await pub.publish_weights({"w": torch.zeros(2)}, transport="carrier-pigeon")
         assert await pub.current_version() == 0
     finally:
         await pub.close()
@@ -96,4 +96,4 @@ async def test_a_broadcast_this_replica_missed_falls_back_to_memmap_or_waits(tmp
 async def test_an_unknown_record_transport_is_refused_by_the_follower(tmp_path):
     f = follower_with(FakeReceiver(held=3), str(tmp_path))
     with pytest.raises(UnknownTransport):
-        await f._staged(record("ipc", slot="slot-1"), None)
+        await f._staged(record("carrier-pigeon", slot="slot-1"), None)

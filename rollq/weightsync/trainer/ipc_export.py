@@ -1,0 +1,121 @@
+"""Trainer side of the IPC transport: exposing one version's tensors to other processes of the
+same host (:class:`Exposure`), described by :class:`~rollq.weightsync.ipc_wire.IpcHandles`.
+
+Runs in the trainer process. A CPU tensor already in shared memory (``share_memory_()``) is
+exposed as it is, zero-copy; any other CPU tensor is copied once into a new shared-memory
+storage. A CUDA tensor is exposed through its storage's CUDA IPC handle, zero-copy. The
+extra memory is :attr:`Exposure.copied_bytes` (0 when every tensor was shareable).
+
+An exposed tensor must not change until the replicas have copied it: a replica verifies the
+checksum taken here and refuses a version whose bytes changed meanwhile
+(:class:`~rollq.errors.CorruptWeights`). A trainer that updates its weights in place right
+after publishing either publishes copies (any CPU tensor not already shared is copied here)
+or waits for the replicas first (``WeightPublisher.wait_for_replicas``).
+
+>>> import torch
+>>> x = Exposure(1, [("w", torch.ones(2, 2))])
+>>> (x.handles.tensors[0].name, x.copied_bytes)
+('w', 16)
+>>> x.release()
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch
+
+from ..checksum import state_checksum
+from ..ipc_wire import IpcHandles, IpcStorage, IpcTensor, StorageKind
+
+Items = list[tuple[str, torch.Tensor]]
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _cpu_storage(s: torch.UntypedStorage) -> IpcStorage:
+    fd, size = s._share_fd_cpu_()
+    return IpcStorage(kind=StorageKind.CPU, nbytes=int(size), fd=int(fd), inode=os.fstat(fd).st_ino)
+
+
+def _cuda_storage(s: torch.UntypedStorage) -> IpcStorage:
+    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = s._share_cuda_()
+    return IpcStorage(
+        kind=StorageKind.CUDA, nbytes=int(size), device_uuid=str(torch.cuda.get_device_properties(device).uuid),
+        handle=bytes(handle), offset=int(offset), ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
+        event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync),
+    )
+
+
+def _shared_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into a new shared-memory storage (opened by descriptor)."""
+    s = torch.UntypedStorage._new_using_fd_cpu(max(1, t.numel() * t.element_size()))
+    out = torch.empty(0, dtype=t.dtype).set_(s, 0, tuple(t.shape))
+    out.copy_(t)
+    return out
+
+
+class Exposure:
+    """Version ``version`` of ``items`` exposed to the processes of this host until
+    :meth:`release` (or until this process exits): :attr:`handles` say where each tensor is."""
+
+    def __init__(self, version: int, items: Items):
+        t0 = time.perf_counter()
+        #: Bytes copied into shared memory for the exposure (0: zero-copy).
+        self.copied_bytes = 0
+        self._held: list[torch.Tensor] = []  # what keeps the exposed storages alive
+        self._token = torch.UntypedStorage._new_using_fd_cpu(8)
+        storages: list[IpcStorage] = []
+        index: dict[tuple[str, int], int] = {}  # (device, data_ptr) of a storage -> its index
+        tensors: list[IpcTensor] = []
+        exposed: Items = []
+        for name, t in items:
+            t = t.detach()
+            if t.device.type == "cuda":
+                t = t.contiguous()
+            elif t.device.type != "cpu" or not t.is_contiguous() or not t.is_shared():
+                t = self._copied(t)
+            s = t.untyped_storage()
+            key = (str(t.device), s.data_ptr())
+            if key not in index:
+                try:
+                    got = _cuda_storage(s) if t.device.type == "cuda" else _cpu_storage(s)
+                except RuntimeError:  # shared by file name (torch's file_system strategy): copy it
+                    t = self._copied(t)
+                    s = t.untyped_storage()
+                    key = (str(t.device), s.data_ptr())
+                    got = _cpu_storage(s)
+                index[key] = len(storages)
+                storages.append(got)
+            self._held.append(t)
+            exposed.append((name, t))
+            tensors.append(IpcTensor(name, _dtype_name(t), list(t.shape), index[key], t.storage_offset() * t.element_size()))
+        for dev in {t.device for t in self._held if t.device.type == "cuda"}:
+            torch.cuda.synchronize(dev)  # the bytes a replica reads are written
+        self.expose_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        checksum = state_checksum(exposed)
+        self.checksum_s = time.perf_counter() - t1
+        self.handles = IpcHandles(
+            version=version, host=socket.gethostname(), pid=os.getpid(), checksum=checksum,
+            token=_cpu_storage(self._token), storages=storages, tensors=tensors,
+        )
+
+    def _copied(self, t: torch.Tensor) -> torch.Tensor:
+        out = _shared_copy(t.cpu())
+        self.copied_bytes += out.numel() * out.element_size()
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.handles.nbytes
+
+    def release(self) -> None:
+        """Stop exposing the version: the token and the storages this exposure held go
+        (a replica copying now refuses the version)."""
+        self._held.clear()
+        self._token = torch.UntypedStorage(0)

@@ -1,0 +1,149 @@
+"""IPC transport: the trainer process shares a version's tensors with the replicas on its host,
+whose workers copy them (device to device on a GPU) while the engine serves.
+
+Trainer side :class:`IpcSend`: exposes the tensors (:class:`~rollq.weightsync.trainer.ipc_export.Exposure`:
+CUDA IPC handles, or CPU shared memory), writes their handles
+(:class:`~rollq.weightsync.ipc_wire.IpcHandles`) to ``QueueKeys.weights_ipc`` and returns the
+record (transport ``ipc``); the publisher commits and announces it as any other. With a
+memmap store (``WeightPublisher(root=...)``) it also writes a memmap copy, which replicas on
+other hosts or GPUs, late joiners and replicas that could not copy load instead.
+
+How long a version stays exposed: from its publish until the same publisher publishes the
+next version over IPC, :func:`release` is called, the publisher closes, or the trainer process
+exits, whichever comes first. A replica still copying it then refuses it (it takes the next
+one). Extra memory held meanwhile: none for CUDA tensors and CPU tensors already in shared
+memory (zero-copy), one copy of every other CPU tensor (``timings["ipc_copied_bytes"]``).
+
+Replica side :class:`IpcReceive`: has every worker copy and verify the version in a thread
+(:mod:`rollq.weightsync.worker._ipc`), then swaps it in as a memmap-staged version is.
+Handles that cannot be used (the trainer exited or released the version, before or during
+the copy; another host or GPU) raise :class:`~rollq.weightsync.ipc_wire.IpcUnavailable`, and
+exposed tensors that changed before a worker copied them :class:`~rollq.errors.CorruptWeights`:
+the version is not applied, the follower records the load failure and the old weights serve
+on; with a memmap copy in the record the replica loads that instead.
+
+>>> pub = WeightPublisher(url, queue="grpo")                                   # doctest: +SKIP
+>>> rec = await pub.publish_weights(model.state_dict(), transport="ipc")      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ...errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
+from ..ipc_wire import IpcUnavailable, encode_handles
+from ..wire import State, SwapReport
+from .base import PublisherSide, ReplicaTransport, Staged, TrainerTransport
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..trainer.ipc_export import Exposure
+    from ..versions import VersionRecord
+
+log = logging.getLogger(__name__)
+
+#: The version each publisher exposes now (released when it exposes the next one).
+_EXPOSED: weakref.WeakKeyDictionary[PublisherSide, Exposure] = weakref.WeakKeyDictionary()
+
+
+def release(publisher: PublisherSide) -> bool:
+    """Stop exposing ``publisher``'s current IPC version (a replica copying it refuses it);
+    False when it exposes none. ``WeightPublisher.close`` calls it."""
+    x = _EXPOSED.pop(publisher, None)
+    if x is None:
+        return False
+    x.release()
+    return True
+
+
+class IpcSend(TrainerTransport):
+    """Exposes the version to the replicas on this host (see the module docstring)."""
+
+    async def send(self, version: int, items: list[tuple[str, torch.Tensor]]) -> VersionRecord:
+        from ..trainer.ipc_export import Exposure
+        from ..versions import VersionRecord
+
+        pub = self.publisher
+        t0 = time.perf_counter()
+        x = await asyncio.to_thread(Exposure, version, items)
+        try:
+            await (await pub.redis()).set(pub.keys.weights_ipc, encode_handles(x.handles))
+            rec = VersionRecord(
+                version=version, transport="ipc", checksum=x.handles.checksum, num_tensors=len(items), nbytes=x.nbytes,
+                trainer=pub.trainer_id, timings={
+                    "expose_s": x.expose_s, "checksum_s": x.checksum_s, "ipc_copied_bytes": float(x.copied_bytes),
+                    "ipc_s": time.perf_counter() - t0,
+                },
+            )
+            if pub.store is not None:  # for replicas elsewhere, late joiners and failed copies
+                info = await asyncio.to_thread(pub.store.write, version, items)
+                rec.memmap_slot = info.slot
+                rec.timings["write_s"] = info.write_s
+        except BaseException:
+            x.release()
+            raise
+        old = _EXPOSED.get(pub)
+        _EXPOSED[pub] = x
+        if old is not None:
+            old.release()
+        return rec
+
+
+class IpcReceive(ReplicaTransport):
+    """Has every worker copy the version the trainer exposes, then swaps it in."""
+
+    async def stage(self, rec: VersionRecord, acks: list[Any] | None = None) -> Staged | None:
+        """Every worker's copy of ``rec``; None (the follower loads the memmap copy) when the
+        handles cannot be used, or the exposed tensors changed before a worker copied them,
+        and the record has a memmap copy (written at publish); else IpcUnavailable or
+        CorruptWeights."""
+        try:
+            return await self._stage(rec)
+        except (IpcUnavailable, CorruptWeights) as e:
+            if rec.memmap_slot is None or self.settings.root is None:
+                raise
+            log.warning("version %d: %s; loading its memmap copy instead", rec.version, e)
+            return None
+
+    async def _stage(self, rec: VersionRecord) -> Staged:
+        if self.client is None or self.keys is None:
+            raise WeightSyncError("the IPC transport needs the follower's Redis client and queue keys")
+        timeout = self.settings.load_timeout
+        raw = await self.client.get(self.keys.weights_ipc)
+        if raw is None:
+            raise IpcUnavailable(f"version {rec.version}: the trainer exposes no version over IPC")
+        started = await asyncio.wait_for(self.workers.stage_ipc(handles=raw, version=rec.version), timeout)
+        if not started:  # an engine without weights (echo): nothing to copy; the swap is empty too
+            return Staged(rec.version, self)
+        deadline = time.monotonic() + timeout
+        delay = 0.002
+        while True:
+            states = await self.workers.ipc_status()
+            if all(s.state is State.STAGED and s.version == rec.version for s in states):
+                return Staged(rec.version, self, report=dict(states[0].report(), ipc=True))
+            bad = [s for s in states if s.state is State.FAILED or s.version not in (0, rec.version)]
+            if bad:
+                errors = [s.error for s in bad if s.error is not None]
+                msg = "; ".join(str(s.error or s) for s in bad)
+                if any(e.kind == IpcUnavailable.__name__ for e in errors):
+                    raise IpcUnavailable(f"version {rec.version} not copied: {msg}")
+                if any(e.corrupt for e in errors):
+                    raise CorruptWeights(f"version {rec.version} refused: {msg}")
+                raise WeightSyncError(f"copying version {rec.version} over IPC failed: {msg}")
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(f"copying version {rec.version} over IPC took longer than {timeout}s (load_timeout)")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    async def swap(self, rec: VersionRecord, staged: Staged) -> SwapReport:
+        timeout = self.settings.load_timeout
+        try:
+            res = await asyncio.wait_for(self.workers.apply_staged(version=staged.version), timeout)
+        except asyncio.TimeoutError as e:
+            raise WeightSyncTimeout(f"swapping in version {rec.version} took longer than {timeout}s") from e
+        return res[0] if res else SwapReport()

@@ -1,0 +1,205 @@
+"""Worker side of the IPC transport: copying a version the trainer process exposes on this host.
+
+Runs inside each vLLM worker process. :meth:`IpcStaging.stage` opens the handles
+(:class:`~rollq.weightsync.ipc_wire.IpcHandles`), copies every tensor (device to device on a
+GPU: straight into the shadow weights' bytes when they have a load plan for the manifest,
+else into new tensors loaded into the shadow; on CPU into new tensors), verifies the
+trainer's checksum and checks that the trainer still exposes the version, all in a thread of
+the worker while the engine serves; the swap then only swaps it in
+(:func:`rollq.weightsync.worker._swap.apply_staged`). Handles that cannot be opened, or a
+trainer that exited or released the version before the copy ended, fail the staging with
+:class:`~rollq.weightsync.ipc_wire.IpcUnavailable`; the live weights are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+
+from ...errors import CorruptWeights
+from ..checksum import state_checksum
+from ..ipc_wire import IpcHandles, IpcStorage, IpcUnavailable, StorageKind, decode_handles
+from ..memmap import manifest_of
+from ..process_group import responsive_gil
+from ..versions import TensorMeta
+from ..wire import StageStatus, State, WorkerError
+
+Items = list[tuple[str, torch.Tensor]]
+
+
+class StagingHost(Protocol):
+    """What IPC staging uses of its worker
+    (:class:`~rollq.weightsync.worker._state.WorkerState` provides it)."""
+
+    lock: Any  # threading.Lock: held while the shadow weights or a staged copy change
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def in_place_target(self, version: int, manifest: list[TensorMeta], stream: Any = None) -> Any:
+        """Where to write ``version`` in the shadow's bytes (a ``DirectTarget``), or None."""
+
+    def load_while_receiving(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any = None,
+                             manifest: list[TensorMeta] | None = None) -> bool:
+        """Load ``items`` into the shadow weights; False without a shadow."""
+
+
+def _open_cpu(pid: int, s: IpcStorage, what: str) -> torch.UntypedStorage:
+    """The trainer's shared-memory file ``s``, mapped here (its inode checked)."""
+    path = f"/proc/{pid}/fd/{s.fd}"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as e:
+        raise IpcUnavailable(f"cannot open {what} ({path}: {e.strerror}): the trainer exited or released it") from e
+    try:
+        if os.fstat(fd).st_ino != s.inode:
+            raise IpcUnavailable(f"{what} ({path}) is another file now: the trainer released it")
+        return torch.UntypedStorage._new_shared_fd_cpu(fd, s.nbytes)
+    finally:
+        os.close(fd)
+
+
+def _token_alive(h: IpcHandles) -> bool:
+    try:
+        return os.stat(f"/proc/{h.pid}/fd/{h.token.fd}").st_ino == h.token.inode
+    except OSError:
+        return False
+
+
+def _open_cuda(s: IpcStorage, device: torch.device) -> torch.UntypedStorage:
+    own = str(torch.cuda.get_device_properties(device).uuid)
+    if s.device_uuid != own:
+        raise IpcUnavailable(f"the tensors are on GPU {s.device_uuid}; this worker is on {own}")
+    try:
+        return torch.UntypedStorage._new_shared_cuda(
+            device.index if device.index is not None else torch.cuda.current_device(), s.handle, s.nbytes, s.offset,
+            s.ref_counter_handle, s.ref_counter_offset, s.event_handle, s.event_sync_required,
+        )
+    except RuntimeError as e:
+        raise IpcUnavailable(f"cannot open a CUDA IPC handle ({e}): the trainer exited or freed it") from e
+
+
+class IpcStaging:
+    """IPC copies of one worker (``state``: its :class:`~rollq.weightsync.worker._state.WorkerState`)."""
+
+    def __init__(self, state: StagingHost):
+        self.state = state
+        self.status = StageStatus()
+        #: ``(version, tensors)`` staged and not swapped in (tensors None: in the shadow
+        #: weights); changed under the worker lock.
+        self.staged: tuple[int, Items | None] | None = None
+        #: Called with ``i`` before tensor ``i`` of a version is copied (in the staging
+        #: thread): an observer, e.g. a test stopping the copy at a known point.
+        self.before_copy: Callable[[int], None] | None = None
+        self._thread: threading.Thread | None = None
+
+    def stage(self, handles: bytes, version: int) -> StageStatus:
+        """Start copying ``version`` from ``handles`` (a msgpack ``IpcHandles``) in a thread of
+        this worker; poll :attr:`status`."""
+        if self._thread is not None and self._thread.is_alive():
+            return StageStatus(state=State.BUSY, version=self.status.version)
+        self.staged = None  # free a previously staged copy first
+        self.status = StageStatus(state=State.STAGING, version=version)
+        self._thread = threading.Thread(target=self._stage, args=(handles, version), name="rollq-ipc-stage", daemon=True)
+        self._thread.start()
+        return self.status
+
+    def _stage(self, raw: bytes, version: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            with responsive_gil():
+                h = decode_handles(raw)
+                if h.version != version:
+                    raise IpcUnavailable(f"the trainer exposes version {h.version}, not {version}")
+                if h.host != socket.gethostname():
+                    raise IpcUnavailable(f"version {version} is exposed on host {h.host[:200]}, not on this one")
+                if not _token_alive(h):
+                    raise IpcUnavailable(f"trainer process {h.pid} exited or released version {version} before this worker opened it")
+                srcs = self._open(h)
+                staged = self._copy(h, srcs, t0)
+                del srcs  # unmap the trainer's storages
+                self.status = staged
+        except Exception as e:
+            self.status = StageStatus(state=State.FAILED, version=version, error=WorkerError.of(e))
+
+    def _open(self, h: IpcHandles) -> Items:
+        """The trainer's tensors, mapped into this process."""
+        dev = self.state.device
+        opened: list[torch.UntypedStorage] = []
+        for i, s in enumerate(h.storages):
+            if s.kind is StorageKind.CUDA:
+                if dev.type != "cuda":
+                    raise IpcUnavailable("the trainer exposes CUDA tensors; this worker has no GPU")
+                opened.append(_open_cuda(s, dev))
+            else:
+                opened.append(_open_cpu(h.pid, s, f"storage {i} of version {h.version}"))
+        out: Items = []
+        for t in h.tensors:
+            s = opened[t.storage]
+            dtype = getattr(torch, t.dtype)
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            src = torch.empty(0, dtype=dtype, device=s.device).set_(s, t.offset // itemsize, tuple(t.shape))
+            out.append((t.name, src))
+        return out
+
+    def _check(self, h: IpcHandles, items: Items) -> None:
+        """After the copy: the trainer still exposes the version, and the bytes are its."""
+        if not _token_alive(h):
+            raise IpcUnavailable(f"trainer process {h.pid} exited or released version {h.version} during the copy")
+        if state_checksum(items) != h.checksum:
+            raise CorruptWeights(f"version {h.version}: the exposed tensors changed before this worker copied them (checksum mismatch)")
+
+    def _copy(self, h: IpcHandles, srcs: Items, t0: float) -> StageStatus:
+        st, version = self.state, h.version
+        dev = st.device
+        manifest = manifest_of(srcs)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            stream: Any = torch.cuda.Stream(dev)  # off the engine's stream
+            target = st.in_place_target(version, manifest, stream)
+            if target is not None:  # straight into the shadow's bytes
+                try:
+                    with torch.cuda.stream(stream):
+                        for i, ((_, src), view) in enumerate(zip(srcs, target.views)):
+                            self._before(i)
+                            view.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+                        stream.synchronize()
+                        self._check(h, srcs)  # the sources were still the trainer's when copied
+                except BaseException:
+                    target.done(version, False)
+                    raise
+                target.done(version, True)
+                with st.lock:
+                    self.staged = (version, None)
+                return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0, prepare_s=0.0,
+                                   shadow=True, in_place=True)
+            with torch.cuda.stream(stream):
+                items = [(n, self._copy_one(i, src)) for i, (n, src) in enumerate(srcs)]
+                stream.synchronize()
+        else:
+            stream = None
+            items = [(n, self._copy_one(i, src)) for i, (n, src) in enumerate(srcs)]
+        self._check(h, items)
+        t1 = time.perf_counter()
+        shadowed = st.load_while_receiving(version, items, stream, manifest)
+        with st.lock:
+            self.staged = (version, None if shadowed else items)
+        return StageStatus(state=State.STAGED, version=version, stage_s=t1 - t0, prepare_s=time.perf_counter() - t1,
+                           shadow=shadowed)
+
+    def _copy_one(self, i: int, src: torch.Tensor) -> torch.Tensor:
+        """Tensor ``i`` copied onto this worker's device (from the trainer's device or memory)."""
+        self._before(i)
+        out = torch.empty(src.shape, dtype=src.dtype, device=self.state.device)
+        out.copy_(src, non_blocking=True)
+        return out
+
+    def _before(self, i: int) -> None:
+        hook = self.before_copy
+        if hook is not None:
+            hook(i)

