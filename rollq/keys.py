@@ -161,7 +161,7 @@ class QueueKeys:
     @cached_property
     def free(self) -> str:
         """Hash ``replica -> msgpack FreeSlots``: each replica's free capacity as of its
-        last heartbeat, which it writes and reads every beat (rollq/consumer/share.py) to take
+        last heartbeat, which it writes and reads every beat (rollq/consumer/_share.py) to take
         its share of a burst, not the whole of it."""
         return f"{self.tag}:free"
 
@@ -175,7 +175,7 @@ class QueueKeys:
     @cached_property
     def reclaimer(self) -> str:
         """String: the id of the one replica that scans for dead peers now (the reclaimer
-        role, rollq/consumer/reclaimer.py); a TTL, renewed by its holder every reclaim turn."""
+        role, rollq/consumer/_reclaimer.py); a TTL, renewed by its holder every reclaim turn."""
         return f"{self.tag}:reclaimer"
 
     # -- accounting and control --------------------------------------------------------

@@ -168,7 +168,7 @@ async def declare_shards(client: Any, keys: QueueKeys, k: int | None) -> int:
     else record ``k`` unless a number is recorded, and refuse a different one. Recording
     ``k`` > 1 for a queue that ran unsharded carries its version and staleness bound over to
     the new shards (:func:`_carry_over`); replicas that follow the record take the new shards
-    up within ``rollq.consumer.lease.SHARD_RECORD_INTERVAL``.
+    up within ``rollq.consumer._lease.SHARD_RECORD_INTERVAL``.
 
     Raises:
         ShardCountMismatch: the queue is recorded with another number of shards.

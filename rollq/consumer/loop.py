@@ -5,26 +5,26 @@
 ...     await consumer.run()                 # until SIGTERM / stop(); burst=True drains and returns
 
 :class:`Consumer` wires a pipeline of parts that share one
-:class:`~rollq.consumer.context.ReplicaContext`; each loop is one asyncio task:
+:class:`~rollq.consumer._context.ReplicaContext`; each loop is one asyncio task:
 
-- **pull** (:mod:`~rollq.consumer.puller`): ``XREADGROUP COUNT=free`` over this replica's
+- **pull** (:mod:`~rollq.consumer._puller`): ``XREADGROUP COUNT=free`` over this replica's
   targeted stream and the shared stream of its home shard, and the other shards' shared
   streams in turn (a sharded queue, :mod:`rollq.shards`); each entry is admitted into the
-  :mod:`~rollq.consumer.jobs` in hand (decoded, validated, handed to the engine). Jobs wait in
+  :mod:`~rollq.consumer._jobs` in hand (decoded, validated, handed to the engine). Jobs wait in
   Redis, not here.
-- **finish** (:mod:`~rollq.consumer.finisher`): engine outcomes are batched into one FINISH
+- **finish** (:mod:`~rollq.consumer._finisher`): engine outcomes are batched into one FINISH
   script call per shard (results + XACK + delete the entries + forget the ids, each refused if its entry
   is no longer pending), shielded from cancellation and retried across Redis outages.
-- **heartbeat** (:mod:`~rollq.consumer.lease`): renews this replica's lease key (one in
+- **heartbeat** (:mod:`~rollq.consumer._lease`): renews this replica's lease key (one in
   every shard), publishes its
   registry entry, notices cancellations of running jobs, feeds the capacity controller.
-- **reclaim** (:mod:`~rollq.consumer.reclaimer`): recovers this replica's own entries that a
+- **reclaim** (:mod:`~rollq.consumer._reclaimer`): recovers this replica's own entries that a
   lost read reply left pending; the one replica holding a shard's reclaimer role finds
   consumers whose lease expired and takes over their pending jobs in that shard; after
   ``max_deliveries`` a job is dead-lettered instead.
-- **control** (:mod:`~rollq.consumer.control`): pub/sub hints (cancel, hand-back) that make
+- **control** (:mod:`~rollq.consumer._control`): pub/sub hints (cancel, hand-back) that make
   the above react at once.
-- **version wait** (:mod:`~rollq.consumer.versions`): jobs whose ``min_version`` is above the
+- **version wait** (:mod:`~rollq.consumer._versions`): jobs whose ``min_version`` is above the
   loaded policy version wait outside the in-flight cap until it loads, or fail with
   :class:`~rollq.errors.VersionUnavailable`.
 
@@ -49,16 +49,16 @@ from ..protocol import LATENCY_BUCKETS_MS, Control, ReplicaInfo, latency_bucket
 from ..settings import DEFAULT_QUEUE, ConsumerSettings, RedisSettings
 from ..shards import declare_shards
 from .capacity import CapacityController
-from .context import ConsumerCounters, ReplicaContext
-from .control import ControlListener
+from ._context import ConsumerCounters, ReplicaContext
+from ._control import ControlListener
 from .engine import Engine, SwapProgress
-from .finisher import FINISH_BATCH_BYTES, Finisher, batch_rows
-from .in_hand import Failure, JobInHand
-from .jobs import Jobs
-from .lease import Lease
-from .puller import Puller
-from .reclaimer import Reclaimer
-from .versions import VersionWait
+from ._finisher import FINISH_BATCH_BYTES, Finisher, batch_rows
+from ._in_hand import Failure, JobInHand
+from ._jobs import Jobs
+from ._lease import Lease
+from ._puller import Puller
+from ._reclaimer import Reclaimer
+from ._versions import VersionWait
 
 __all__ = [
     "Consumer", "ConsumerCounters", "Failure", "JobInHand", "ReplicaInfo",

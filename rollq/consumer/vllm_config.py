@@ -1,6 +1,6 @@
 """How to build one replica's vLLM ``AsyncLLM``: :class:`VllmEngineConfig`, read by the engine
 adapter (:mod:`rollq.consumer.vllm_engine`) and turned into vLLM's engine arguments by
-:mod:`rollq.consumer.vllm_api`."""
+:mod:`rollq.consumer._vllm_api`."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class VllmEngineConfig:
     #: GPU: fraction of device memory vLLM may use. CPU: fraction of RAM, only when no KV size
     #: is set (this adapter sets one on CPU).
     gpu_memory_utilization: float = 0.9
-    #: KV-cache size in bytes. None: vLLM's choice on GPU, :data:`~rollq.consumer.vllm_api.DEFAULT_CPU_KV_CACHE_BYTES`
+    #: KV-cache size in bytes. None: vLLM's choice on GPU, :data:`~rollq.consumer._vllm_api.DEFAULT_CPU_KV_CACHE_BYTES`
     #: on CPU. vLLM versions without ``kv_cache_memory_bytes`` get ``VLLM_CPU_KVCACHE_SPACE``
     #: (GiB, rounded up) instead, unless that variable is already set; where it is set, vLLM
     #: 0.32's CPU backend lets it override this value.

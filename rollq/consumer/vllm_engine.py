@@ -18,9 +18,9 @@ Errors reach ``done`` as values: :class:`~rollq.errors.InvalidJob` for parameter
 vLLM refuses, :class:`~rollq.errors.EngineDead` once the engine core is gone (every later
 request gets it too), :class:`~rollq.errors.EngineFailed` for anything else.
 
-Load signals come from vLLM's own per-step statistics (:mod:`rollq.consumer.vllm_stats`);
+Load signals come from vLLM's own per-step statistics (:mod:`rollq.consumer._vllm_stats`);
 see :meth:`VllmEngine.stats`. What differs between vLLM versions is asked of the installed
-one in :mod:`rollq.consumer.vllm_api`.
+one in :mod:`rollq.consumer._vllm_api`.
 
 >>> import asyncio
 >>> from rollq.protocol import Job, SamplingParams
@@ -51,11 +51,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 from ..errors import EngineDead, EngineFailed, InvalidJob, PromptTooLong, RollqError
 from ..protocol import Job, SamplingParams
 from ..weightsync.replica.worker_calls import WorkerCalls
-from . import vllm_api, vllm_children, vllm_liveness
+from . import _vllm_api, _vllm_children, _vllm_liveness
 from .engine import DoneCallback, Engine, EngineOutput, EngineStats, SwapProgress
-from .vllm_api import DEFAULT_CPU_KV_CACHE_BYTES, _Api, _vllm
+from ._vllm_api import DEFAULT_CPU_KV_CACHE_BYTES, _Api, _vllm
 from .vllm_config import VllmEngineConfig
-from .vllm_stats import StatsSink, stat_logger_factory
+from ._vllm_stats import StatsSink, stat_logger_factory
 
 if TYPE_CHECKING:
     from ..weightsync.wire import Progress
@@ -132,11 +132,11 @@ class VllmEngine(Engine):
         if self._llm is not None:
             return
         t0 = time.perf_counter()
-        vllm_api.spawn_if_cuda_in_use()
+        _vllm_api.spawn_if_cuda_in_use()
         api: _Api = await asyncio.to_thread(_vllm)  # importing vLLM is slow
         self._api = api
-        vllm_children.install()  # its processes end with this one, even if it is SIGKILLed
-        args = vllm_api.engine_args(api, self.config)
+        _vllm_children.install()  # its processes end with this one, even if it is SIGKILLed
+        args = _vllm_api.engine_args(api, self.config)
         factory = stat_logger_factory(self._sink)
         build = asyncio.ensure_future(asyncio.to_thread(api.AsyncLLM.from_engine_args, args, stat_loggers=[factory]))
         try:
@@ -168,8 +168,8 @@ class VllmEngine(Engine):
                 logger.info("workers do not track request progress (%s); version boundaries of "
                             "requests that ended just before a swap are recorded as unknown", e)
         self.vllm_version = api.version
-        self.dtype = vllm_api.served_dtype(llm)
-        self.device = vllm_api.device_name(self.config.tensor_parallel_size)
+        self.dtype = _vllm_api.served_dtype(llm)
+        self.device = _vllm_api.device_name(self.config.tensor_parallel_size)
         self.tp_size = self.config.tensor_parallel_size
         self.start_seconds = time.perf_counter() - t0
         logger.info(
@@ -270,7 +270,7 @@ class VllmEngine(Engine):
             final = out
         if final is None:
             raise EngineFailed(f"vLLM returned no output for job {job.id}", job_id=job.id)
-        return vllm_api.to_output(final, sp, prompt_ids, job.tokens is None, self.config.logprobs_mode)
+        return _vllm_api.to_output(final, sp, prompt_ids, job.tokens is None, self.config.logprobs_mode)
 
     def _prompt_ids(self, job: Job) -> list[int]:
         if job.tokens is not None:
@@ -342,7 +342,7 @@ class VllmEngine(Engine):
         >>> VllmEngine("/m").stats().running
         0
         """
-        return self._sink.engine_stats(len(self._tasks), vllm_api.unfinished(self._llm))
+        return self._sink.engine_stats(len(self._tasks), _vllm_api.unfinished(self._llm))
 
     def step_gaps(self, since: float, until: float | None = None) -> list[float]:
         """Seconds between consecutive engine steps seen in ``[since, until]`` (``time.monotonic``
@@ -369,7 +369,7 @@ class VllmEngine(Engine):
         llm = self._require()
         if mode not in ("keep", "abort", "wait"):
             raise ValueError(f"pause mode must be 'keep', 'abort' or 'wait', got {mode!r}")
-        await self._while_alive(vllm_api.pause_generation(llm, mode, clear_cache, self.vllm_version))
+        await self._while_alive(_vllm_api.pause_generation(llm, mode, clear_cache, self.vllm_version))
 
     async def resume(self) -> None:
         """Resume scheduling after :meth:`pause`."""
@@ -384,7 +384,7 @@ class VllmEngine(Engine):
         :attr:`cache_salt` is used for every later request instead, which has the same effect
         on new requests and leaves the running ones alone. Returns whether vLLM itself reset.
         """
-        ok = await self._while_alive(vllm_api.reset_prefix_cache(self._require(), reset_running_requests))
+        ok = await self._while_alive(_vllm_api.reset_prefix_cache(self._require(), reset_running_requests))
         if not ok:
             self.new_cache_salt()
             logger.info("vLLM kept its prefix cache (requests hold KV blocks); new requests use cache_salt %r", self.cache_salt)
@@ -429,13 +429,13 @@ class VllmEngine(Engine):
     def swap_progress(self, report: Progress | None) -> SwapProgress | None:
         """Map a worker's swap progress (tokens per engine request id, see
         :meth:`rollq.weightsync.worker._progress.RequestTracker.report`) to this adapter's
-        request ids (vLLM's own request ids are read by :func:`rollq.consumer.vllm_api.request_of`)."""
+        request ids (vLLM's own request ids are read by :func:`rollq.consumer._vllm_api.request_of`)."""
         if report is None:
             return None
         running = set(self._tasks).union(self._recent)  # a request may have reported since the swap
         out: dict[str, dict[int, int]] = {}
         for eid, n in report.tokens.items():
-            rid, j = vllm_api.request_of(eid, running)
+            rid, j = _vllm_api.request_of(eid, running)
             if rid is not None:
                 out.setdefault(rid, {})[j] = n
         return SwapProgress(tokens=out, complete=report.complete and self._progress_complete)
@@ -452,7 +452,7 @@ class VllmEngine(Engine):
         if self._stopping:
             return None
         if self._dead is None:
-            why = vllm_liveness.core_failure(self._llm)
+            why = _vllm_liveness.core_failure(self._llm)
             if why is None:
                 return None
             self._dead = why
@@ -465,7 +465,7 @@ class VllmEngine(Engine):
         api = self._api
         assert api is not None
         try:
-            return await vllm_liveness.until_dead(call, self.failure)
+            return await _vllm_liveness.until_dead(call, self.failure)
         except api.EngineDeadError as e:
             raise self.failure() or EngineDead(f"vLLM engine died: {type(e).__name__}") from e
 

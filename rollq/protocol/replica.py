@@ -6,7 +6,7 @@ hash (``QueueKeys.consumers``), and adds the latencies of the results it recorde
 queue's latency hash (``QueueKeys.latency``: bucket index -> count, buckets of
 :data:`LATENCY_BUCKETS_MS`). Status views, the dashboard and the trainer read both. Each beat it also writes its
 :class:`FreeSlots` into the queue's free-slots hash (``QueueKeys.free``), which its peers read
-to take their share of a burst (rollq/consumer/share.py).
+to take their share of a burst (rollq/consumer/_share.py).
 
 >>> latency_bucket(0.3), latency_bucket(1.0), latency_bucket(1e9) == len(LATENCY_BUCKETS_MS)
 (0, 1, True)

@@ -6,7 +6,7 @@ last job, and the job is targeted at it (``replica=``: that replica's own stream
 
 - the replica is gone: no entry in the queue's free-slots hash younger than the lease TTL;
 - it holds more than ``margin`` jobs above the least loaded live replica (in flight: its
-  in-flight cap less its free slots, as of its last heartbeat, rollq/consumer/share.py);
+  in-flight cap less its free slots, as of its last heartbeat, rollq/consumer/_share.py);
   the session then escapes to the queue, which gives the job to whichever replica reads it.
 
 :meth:`Sessions.served` records the replica of each result. The map lives in Redis (one key

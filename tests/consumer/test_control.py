@@ -6,7 +6,7 @@ import asyncio
 from types import SimpleNamespace
 
 from rollq.connection import connect
-from rollq.consumer.control import ControlListener
+from rollq.consumer._control import ControlListener
 from rollq.keys import QueueKeys
 from rollq.protocol import Control, control_message
 from rollq.settings import ConsumerSettings

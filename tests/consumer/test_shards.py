@@ -21,7 +21,7 @@ from redis.crc import key_slot
 from rollq.connection import SUBMIT, connect, load_scripts
 from rollq.consumer.engine import EchoEngine
 from rollq.errors import JobCancelled, ShardCountMismatch
-import rollq.consumer.lease as lease_mod
+import rollq.consumer._lease as lease_mod
 from rollq.keys import GROUP, QueueKeys
 from rollq.protocol import Result, decode_result, encode_job, job_from_spec
 from rollq.shards import SHARDS_FIELD, declare_shards, home_shard, shard_of_id

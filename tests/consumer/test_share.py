@@ -1,5 +1,5 @@
 """A burst is spread over the replicas with free slots, in proportion to them
-(rollq/consumer/share.py), with real redis-server and real consumers on echo engines.
+(rollq/consumer/_share.py), with real redis-server and real consumers on echo engines.
 
 Without the share, the replica whose blocked read Redis serves first takes the whole burst
 (64 of 64 here), since one read takes up to ``min(free slots, batch)`` entries.
@@ -13,7 +13,7 @@ from collections import Counter
 from rollq import Producer
 from rollq.consumer.engine import EchoEngine
 from rollq.consumer.loop import Consumer
-from rollq.consumer.share import Fleet, entry, fair_share, fill_share
+from rollq.consumer._share import Fleet, entry, fair_share, fill_share
 from rollq.settings import ConsumerSettings
 from rollq.shards import home_shard
 from tests.helpers import bounded, until

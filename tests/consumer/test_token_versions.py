@@ -74,7 +74,7 @@ async def test_swap_while_running_records_boundaries(redis_url, queue):
 
 
 def test_missing_requests_count_as_not_started_only_when_the_report_is_complete():
-    from rollq.consumer.in_hand import mark_versions
+    from rollq.consumer._in_hand import mark_versions
 
     samples = [Sample(tokens=pack_i32([1] * 8)), Sample(tokens=pack_i32([1] * 8))]
     mark_versions(samples, 3, [(4, {0: 5}, True), (5, {}, True), (6, {0: 7}, False)])

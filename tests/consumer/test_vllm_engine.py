@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rollq.consumer.vllm_api import unfinished
+from rollq.consumer._vllm_api import unfinished
 from rollq.consumer.engine import EngineOutput
 from rollq.errors import InvalidJob, PromptTooLong
 from rollq.protocol import Job, Message, SamplingParams, pack_i32
@@ -419,7 +419,7 @@ async def test_stop_fails_running_requests_with_engine_dead():
 ])
 async def test_logprobs_mode_rollq_cannot_label_is_refused(config, says):
     pytest.importorskip("vllm")
-    from rollq.consumer.vllm_api import engine_args
+    from rollq.consumer._vllm_api import engine_args
     from rollq.consumer.vllm_config import VllmEngineConfig
     from rollq.consumer.vllm_engine import _vllm
 

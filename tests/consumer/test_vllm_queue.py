@@ -9,7 +9,7 @@ import time
 import pytest
 import pytest_asyncio
 
-from rollq.consumer.vllm_api import unfinished
+from rollq.consumer._vllm_api import unfinished
 from rollq import Consumer, ConsumerSettings, Producer
 from rollq.consumer.engine import Engine
 from rollq.errors import EngineDead, JobCancelled, JobExpired

@@ -12,7 +12,7 @@ import pytest
 
 from rollq.connection import connect
 from rollq.consumer.engine import EchoEngine
-from rollq.consumer.share import entry
+from rollq.consumer._share import entry
 from rollq.keys import QueueKeys
 from rollq.serve.sessions import Sessions
 from tests.helpers import until

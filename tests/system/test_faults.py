@@ -534,7 +534,7 @@ async def test_stop_is_bounded_when_a_task_swallows_a_cancel(queue, make_consume
             pass  # what the 3.11 wait_for race does: the cancel is lost
         return 0
 
-    monkeypatch.setattr("rollq.consumer.reclaimer.Reclaimer.reclaim_once", reclaim_once)
+    monkeypatch.setattr("rollq.consumer._reclaimer.Reclaimer.reclaim_once", reclaim_once)
     before = asyncio.all_tasks()
     c = make_consumer(queue, reclaim_interval=0.05)
     task = make_consumer.start(c)

@@ -1,5 +1,5 @@
 """A TorchRL user's burst (one ``AsyncVLLM.generate()`` of 64 prompts x 8 samples) is spread
-over two idle replicas, here echo engines (rollq/consumer/share.py; before it, 64 jobs went
+over two idle replicas, here echo engines (rollq/consumer/_share.py; before it, 64 jobs went
 to one replica and 0 to the other)."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import pytest_asyncio
 import torch
 
 from rollq import Producer
-from rollq.consumer.vllm_api import checkpoint_dtype, resolve_dtype
+from rollq.consumer._vllm_api import checkpoint_dtype, resolve_dtype
 from rollq.errors import WeightLoadFailed, WeightMismatch
 from rollq.keys import QueueKeys
 from rollq.status import queue_status

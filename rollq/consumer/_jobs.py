@@ -3,12 +3,12 @@
 A stream entry is admitted (:meth:`Jobs.admit`: decoded and checked), then it is one of:
 
 - **held**: read while intake was closed (a weight update); it starts when intake opens;
-- **waiting** for the policy version it needs (:mod:`rollq.consumer.versions`);
+- **waiting** for the policy version it needs (:mod:`rollq.consumer._versions`);
 - **running** in the engine, under the request id ``<job id>@<entry id>``;
 - **parked**: aborted for a weight update (the ``abort`` policy), to run again from scratch.
 
-Each is one :class:`~rollq.consumer.in_hand.JobInHand`. A running job ends with the engine's ``done`` callback, a
-cancellation or its deadline; its outcome goes to the :class:`~rollq.consumer.finisher.Finisher`.
+Each is one :class:`~rollq.consumer._in_hand.JobInHand`. A running job ends with the engine's ``done`` callback, a
+cancellation or its deadline; its outcome goes to the :class:`~rollq.consumer._finisher.Finisher`.
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ from ..errors import (
     ProtocolError,
 )
 from ..protocol import Job, cut, decode_job, encode_job, peek_id
-from .context import ReplicaContext
+from ._context import ReplicaContext
 from .engine import EngineOutput, SwapProgress
-from .in_hand import Failure, JobInHand
+from ._in_hand import Failure, JobInHand
 
 if TYPE_CHECKING:
-    from .finisher import Finisher
-    from .versions import VersionWait
+    from ._finisher import Finisher
+    from ._versions import VersionWait
 
 log = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ class ReplicaContext:
     #: Loaded policy version.
     version: int = 0
     #: Free slots of the other live replicas of the home shard, as of their last heartbeat (read
-    #: every beat, see rollq/consumer/share.py): the puller reads its share of a burst.
+    #: every beat, see rollq/consumer/_share.py): the puller reads its share of a burst.
     peers_free: int = 0
     #: ... and their in-flight caps.
     peers_cap: int = 0

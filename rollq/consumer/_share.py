@@ -32,7 +32,7 @@ everything it has room for, in one read.
 On a sharded queue (:mod:`rollq.shards`) the share is per shard: a replica blocks on its
 home shard, so it shares that shard's jobs with the peers of the same home shard (each entry
 names its replica's home); a read of another shard takes only what that shard's own
-replicas have no room for (:attr:`Fleet.free_by_home`; see :mod:`~rollq.consumer.puller`).
+replicas have no room for (:attr:`Fleet.free_by_home`; see :mod:`~rollq.consumer._puller`).
 
 >>> f = Fleet("r0")
 >>> table = {b"r0": entry(64, 1000, cap=64), b"r1": entry(32, 1000, cap=64), b"r2": entry(16, 10, cap=16),

@@ -5,7 +5,7 @@ Every ``heartbeat_interval`` the beat first asks the engine whether it still ser
 its jobs back and ends its lease). Then one pipeline renews the lease key (``lease_ttl``;
 peers reclaim the jobs of a replica whose lease expired), writes the registry entry
 (:class:`~rollq.protocol.ReplicaInfo`) and its free slots, reads the peers' free slots
-(:mod:`~rollq.consumer.share`), refreshes the queue in the registry of queues,
+(:mod:`~rollq.consumer._share`), refreshes the queue in the registry of queues,
 adds the latency and lag histograms gathered since the last beat, and reads the cancel keys
 of running jobs. The same beat feeds the capacity controller and ends running jobs that
 were cancelled or whose deadline passed.
@@ -35,9 +35,9 @@ from ..keys import GROUP
 from ..protocol import Control, ReplicaInfo, control_message
 from ..registry import add_registration, register_queue
 from ..shards import SHARDS_FIELD, check_shards
-from . import share
-from .context import ReplicaContext, guarded
-from .jobs import Jobs
+from . import _share
+from ._context import ReplicaContext, guarded
+from ._jobs import Jobs
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Lease:
         self._leased = False
         self._registered = False  # the queue is in the registry of queues (refreshed each beat)
         self._record_due = 0.0  # time.monotonic() of the next read of the queue's shard count
-        self._fleet = share.Fleet(ctx.id)  # the peers' free slots (the puller's share of a burst)
+        self._fleet = _share.Fleet(ctx.id)  # the peers' free slots (the puller's share of a burst)
 
     async def register(self) -> None:
         """Add the queue to the registry of queues (pruning stale names), then beat once."""
@@ -96,7 +96,7 @@ class Lease:
         now_ms = int(time.time() * 1000)
         open_ = ctx.intake.is_set() and not ctx.stopping.is_set()
         free, cap = (jobs.free_slots(), ctx.capacity.cap) if open_ else (0, 0)
-        pipe.hset(keys.free, ctx.id, share.entry(free, now_ms, ctx.home.shard_index, cap))
+        pipe.hset(keys.free, ctx.id, _share.entry(free, now_ms, ctx.home.shard_index, cap))
         pipe.hgetall(keys.free)
         if self._registered:  # refreshed here, so a long-lived queue stays listed
             add_registration(pipe, ctx.queue, prune=False)

@@ -27,8 +27,8 @@ from ..connection import FINISH, RETRYABLE, deadline
 from ..errors import ResultTooLarge
 from ..keys import GROUP, QueueKeys
 from ..protocol import DeadLetter, ErrorInfo, Result, cut, encode_dead_letter, encode_result, latency_bucket, short
-from .context import ReplicaContext
-from .in_hand import Failure, JobInHand, mark_versions
+from ._context import ReplicaContext
+from ._in_hand import Failure, JobInHand, mark_versions
 
 if TYPE_CHECKING:
     from .engine import EngineOutput

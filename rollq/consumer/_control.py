@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 from ..connection import RETRYABLE
 from ..protocol import Control, parse_control
-from .context import ReplicaContext
-from .jobs import Jobs
+from ._context import ReplicaContext
+from ._jobs import Jobs
 
 log = logging.getLogger(__name__)
 

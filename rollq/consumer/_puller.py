@@ -1,7 +1,7 @@
 """Pull: ``XREADGROUP COUNT=free`` over this replica's targeted stream and the shared stream.
 
 A read takes at most ``min(free slots, batch)`` entries, so jobs wait in Redis, not in a busy
-replica. Each entry read is admitted at once (:meth:`~rollq.consumer.jobs.Jobs.admit`).
+replica. Each entry read is admitted at once (:meth:`~rollq.consumer._jobs.Jobs.admit`).
 
 On a sharded queue (:mod:`rollq.shards`) the replica blocks on its home shard's streams; when
 a read there leaves slots free (or a ``block`` period passed since the last look elsewhere),
@@ -12,7 +12,7 @@ most, and each read stays within one shard (one slot on Redis Cluster).
 
 While other live replicas of the same home shard advertise free slots, a read of the home
 shard takes this replica's share of what waits there, not all it has room for
-(:mod:`~rollq.consumer.share`):
+(:mod:`~rollq.consumer._share`):
 a burst is spread over the replicas with free capacity, in proportion to it. Alone, or
 with every peer full, a replica reads as before. A read of another shard takes only what
 that shard's own replicas (those at home there) have no room for: all it has room for when
@@ -39,10 +39,10 @@ from redis.exceptions import ResponseError
 
 from ..connection import RETRYABLE, deadline
 from ..keys import FIELD, GROUP
-from .context import ReplicaContext, wrong_type
-from .finisher import Finisher
-from .jobs import Jobs
-from .share import fair_share, fill_share, waiting
+from ._context import ReplicaContext, wrong_type
+from ._finisher import Finisher
+from ._jobs import Jobs
+from ._share import fair_share, fill_share, waiting
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +194,9 @@ class Puller:
 
     async def _share(self, free: int, most: int) -> int:
         """How many entries the next read of the home shard takes while peers have free slots
-        (see :mod:`~rollq.consumer.share`): one while idle (a burst wakes every blocked
+        (see :mod:`~rollq.consumer._share`): one while idle (a burst wakes every blocked
         replica with one entry each), else what fills it to the fleet's level
-        (:func:`~rollq.consumer.share.fill_share`). No query while the backlog known from the last one is large enough
+        (:func:`~rollq.consumer._share.fill_share`). No query while the backlog known from the last one is large enough
         that the share is the whole read.
 
         After a read of its share, while no peer has taken an entry since, it waits for

@@ -17,11 +17,11 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import VersionUnavailable
-from .context import ReplicaContext, guarded
-from .in_hand import Failure, JobInHand
+from ._context import ReplicaContext, guarded
+from ._in_hand import Failure, JobInHand
 
 if TYPE_CHECKING:
-    from .finisher import Finisher
+    from ._finisher import Finisher
 
 log = logging.getLogger(__name__)
 

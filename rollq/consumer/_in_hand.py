@@ -2,8 +2,8 @@
 the weight swaps it ran through), :class:`Failure` (why one ends without a result), and
 :func:`mark_versions` (a result's per-sample policy versions from those swaps).
 
-The job moves (:mod:`rollq.consumer.jobs`), the wait for a version
-(:mod:`rollq.consumer.versions`) and the outcomes (:mod:`rollq.consumer.finisher`) all work
+The job moves (:mod:`rollq.consumer._jobs`), the wait for a version
+(:mod:`rollq.consumer._versions`) and the outcomes (:mod:`rollq.consumer._finisher`) all work
 on these; none of the three is needed to read them.
 """
 

@@ -4,7 +4,7 @@ Every ``reclaim_interval`` (jittered), or at once when a peer hands its jobs bac
 channel, each replica takes one reclaim turn:
 
 - once every ``lease_ttl``, it recovers entries pending under its own name that it is not
-  running (:meth:`~rollq.consumer.puller.Puller.recover_own`, two ``XPENDING`` of its own
+  running (:meth:`~rollq.consumer._puller.Puller.recover_own`, two ``XPENDING`` of its own
   entries): a read reply lost without an error (the puller recovers at once after a failed
   read; this is the backstop);
 - it holds, or tries to take, the queue's *reclaimer role*: a key
@@ -47,9 +47,9 @@ from ..keys import GROUP, QueueKeys
 from ..replicas import heartbeating
 from ..shards import home_shard
 from ..weightsync.versions import heal_mirrors
-from .context import ReplicaContext, guarded, wrong_type
-from .jobs import Jobs
-from .puller import entry_payload
+from ._context import ReplicaContext, guarded, wrong_type
+from ._jobs import Jobs
+from ._puller import entry_payload
 
 log = logging.getLogger(__name__)
 
