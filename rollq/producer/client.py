@@ -7,10 +7,10 @@
 ...         result = await h                     # or: async for r in p.results(): ...
 ...         print(result.policy_version, result.samples[0].token_ids)
 
-Submission is idempotent (:mod:`rollq.producer.submission`: numbered SUBMIT calls whose
+Submission is idempotent (:mod:`rollq.producer._submission`: numbered SUBMIT calls whose
 replies Redis keeps until they are read). Results travel through a per-producer stream
-(:mod:`rollq.producer.results`); a producer that restarts with the same ``producer_id``
-re-reads results it had not yet taken. :mod:`rollq.producer.handles` holds the handles and
+(:mod:`rollq.producer._results`); a producer that restarts with the same ``producer_id``
+re-reads results it had not yet taken. :mod:`rollq.producer._handles` holds the handles and
 the ledger of outstanding jobs.
 
 A queue with K shards (rollq/shards.py; ``ProducerSettings.shards``) is agreed on at
@@ -38,10 +38,10 @@ from ..protocol import SPECS_END, Job, Result, Scores, job_from_spec, score_spec
 from ..registry import register_queue
 from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
 from ..shards import ShardMap, check_shards, declare_shards, grew
-from .calls import CALL_RECORD_TTL_MS, RESEND_BACKOFF
-from .handles import DELIVERED_MEMORY, JobHandle, Ledger
-from .results import ResultReader
-from .submission import JobSpec, Submission
+from ._calls import CALL_RECORD_TTL_MS, RESEND_BACKOFF
+from ._handles import DELIVERED_MEMORY, JobHandle, Ledger
+from ._results import ResultReader
+from ._submission import JobSpec, Submission
 
 log = logging.getLogger(__name__)
 

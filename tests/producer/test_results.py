@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollq.producer import results as results_mod
+from rollq.producer import _results as results_mod
 from tests.helpers import bounded
 
 
@@ -52,7 +52,7 @@ async def test_after_a_long_run_of_cuts_the_reader_waits_no_longer_than_a_fracti
     from tests.helpers import until
     from tests.helpers.blocked import addrs_of_writers, blocked_in
 
-    caplog.set_level(logging.WARNING, logger="rollq.producer.results")
+    caplog.set_level(logging.WARNING, logger="rollq.producer._results")
     proxy = await CutProxy(redis_server.port).start()
     client = raw_replies(connect(proxy.url, socket_timeout=None), "XREAD")
     key = QueueKeys(queue).results("p1")

@@ -257,7 +257,7 @@ async def test_cancel_a_queued_job_in_shard_3(queue, make_producer, redis_client
 # -- 5. a cluster: the chunked path, lost replies ------------------------------------------
 @pytest.mark.slow
 async def test_cluster_chunks_over_three_shards_with_lost_replies(redis_cluster, monkeypatch):
-    from rollq.producer import submission as submission_mod
+    from rollq.producer import _submission as submission_mod
 
     k = 3
     queue = redis_cluster.queue_on(0)

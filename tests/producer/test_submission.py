@@ -1,4 +1,4 @@
-"""The submission part on its own (rollq/producer/submission.py, routing.py): a Submission
+"""The submission part on its own (rollq/producer/_submission.py, routing.py): a Submission
 driven by a stand-in for its producer (the three things of SubmitHost), against real Redis."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 
 from rollq.connection import connect
 from rollq.keys import QueueKeys
-from rollq.producer.calls import CallNumbers
-from rollq.producer.handles import Ledger
-from rollq.producer.routing import CallRouter
-from rollq.producer.submission import Submission, SubmitHost
+from rollq.producer._calls import CallNumbers
+from rollq.producer._handles import Ledger
+from rollq.producer._routing import CallRouter
+from rollq.producer._submission import Submission, SubmitHost
 from rollq.protocol import Job, decode_job
 from rollq.settings import ProducerSettings, RedisSettings
 from rollq.shards import ShardMap, declare_shards, home_shard, shard_of_id

@@ -239,7 +239,7 @@ async def test_record_hash_is_bounded_and_deleted_on_close(queue, redis_url, red
 async def test_lost_reply_resend_is_idempotent(queue, redis_url, redis_client, monkeypatch, path):
     """submit() and the chunked (cluster) path: the reply of a call that ran is lost; the
     resend (same call numbers) returns it, nothing doubles."""
-    from rollq.producer import submission as submission_mod
+    from rollq.producer import _submission as submission_mod
     from rollq.producer.client import Producer
 
     k = QueueKeys(queue)

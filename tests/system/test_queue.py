@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 import rollq.producer.client as client_mod
-import rollq.producer.submission as submission_mod
+import rollq.producer._submission as submission_mod
 from redis.exceptions import ConnectionError as RedisConnectionError
 from rollq.consumer.engine import EchoEngine
 from rollq.errors import JobCancelled, JobExpired, JobRejected, QueueFull

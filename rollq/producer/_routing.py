@@ -1,7 +1,7 @@
 """SUBMIT calls for built jobs: numbered, ``script_batch`` jobs and one stream each, routed
 over the queue's shards (:class:`~rollq.shards.ShardMap`): a caller-chosen id to its shard, a
 job targeted at a replica to the replica's home shard, any other job round robin. The calls
-run in :mod:`rollq.producer.submission`.
+run in :mod:`rollq.producer._submission`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 from ..keys import QueueKeys
 from ..protocol import Job, encode_job
 from ..shards import ShardMap, home_shard, shard_of_id
-from .calls import CALL_RECORD_TTL_MS, Call, CallNumbers, pack_args
-from .handles import Ledger
+from ._calls import CALL_RECORD_TTL_MS, Call, CallNumbers, pack_args
+from ._handles import Ledger
 
 
 class CallRouter:
@@ -20,7 +20,7 @@ class CallRouter:
     ledger's ``delivered`` ids are forgotten for a caller-chosen id sent again (its next
     result counts).
 
-    >>> from rollq.producer.handles import Ledger
+    >>> from rollq.producer._handles import Ledger
     >>> from rollq.settings import ProducerSettings
     >>> ledger = Ledger(ProducerSettings(), {}, lambda: None)
     >>> router = CallRouter("p1", QueueKeys("grpo"), 256, CallNumbers(), ledger)
@@ -107,7 +107,7 @@ class CallRouter:
 
         On a queue that grew from one shard (``_grown``, with ``check``), a caller-chosen id
         whose shard is not 0 goes first in a check call to shard 0, where ids queued before
-        the growth are recorded (``lua/submit.lua``); :meth:`Submission._finish_chunk <rollq.producer.submission.Submission._finish_chunk>` sends the ones not
+        the growth are recorded (``lua/submit.lua``); :meth:`Submission._finish_chunk <rollq.producer._submission.Submission._finish_chunk>` sends the ones not
         recorded there to their shard."""
         k = self.shards
         check = check and self.grown

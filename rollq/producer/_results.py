@@ -4,7 +4,7 @@ A producer has one result stream in each shard of its queue (a replica writes a 
 in the job's shard, rollq/shards.py). On one server one task reads all of them with one
 blocking XREAD (one stream when the queue has one shard); on a cluster the shards live in
 different slots, so the producer runs one reader per shard. Each reader hands each result to
-the :class:`~rollq.producer.handles.Ledger` and deletes the entries it has taken, so Redis
+the :class:`~rollq.producer._handles.Ledger` and deletes the entries it has taken, so Redis
 keeps nothing once a result is consumed. The deletion of one batch travels in the same round
 trip as the next blocking read.
 """

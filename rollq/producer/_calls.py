@@ -19,7 +19,7 @@ import msgpack
 
 from ..connection import RETRYABLE, SUBMIT
 from ..protocol import Job
-from .handles import JobHandle
+from ._handles import JobHandle
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 each (one msgpack argument per call), streamed on one server, pipelined in chunks on a
 cluster; refusals of the staleness bound; :class:`~rollq.errors.SubmitInterrupted` and its
 ``resume()``. A :class:`~rollq.producer.client.Producer` holds one :class:`Submission` and is
-its :class:`SubmitHost`. The calls are built and routed by :mod:`rollq.producer.routing`,
-numbered and resent by :mod:`rollq.producer.calls`.
+its :class:`SubmitHost`. The calls are built and routed by :mod:`rollq.producer._routing`,
+numbered and resent by :mod:`rollq.producer._calls`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from ..keys import QueueKeys
 from ..protocol import Job
 from ..settings import ProducerSettings, RedisSettings
 from ..weightsync.versions import heal_mirrors
-from .calls import Call, CallNumbers, CallStream, GaveUp, Outage
-from .handles import Entry, JobHandle, Ledger
-from .routing import CallRouter
+from ._calls import Call, CallNumbers, CallStream, GaveUp, Outage
+from ._handles import Entry, JobHandle, Ledger
+from ._routing import CallRouter
 
 #: Jobs in the first script call of a streamed submit_many (then doubling to script_batch).
 FIRST_CALL = 64
@@ -51,13 +51,13 @@ class Submission:
     """The submission part of a :class:`~rollq.producer.client.Producer`: ``submit_many``'s
     streamed (one server) and chunked (cluster) paths, resends, refusals of the staleness
     bound, and :class:`~rollq.errors.SubmitInterrupted`; the calls themselves are its
-    ``router``'s (:class:`~rollq.producer.routing.CallRouter`), numbered by its ``numbers``.
+    ``router``'s (:class:`~rollq.producer._routing.CallRouter`), numbered by its ``numbers``.
 
     It holds its producer weakly (``host``: a weak reference to a :class:`SubmitHost`), and
     the producer's ledger of outstanding jobs and counters.
 
     >>> import asyncio
-    >>> from rollq.producer.handles import Ledger
+    >>> from rollq.producer._handles import Ledger
     >>> from rollq.settings import ProducerSettings, RedisSettings
     >>> settings, counters = ProducerSettings(), {"resends": 0}
     >>> sub = Submission(lambda: None, "p1", QueueKeys("grpo"), settings, RedisSettings(),
