@@ -26,7 +26,8 @@ from ..errors import InvalidJob
 from ..protocol import Result
 from . import generate as gen
 from .errors import VALIDATION_ERROR, error_response, unauthorized
-from .schemas import ChatRequest, CompletionRequest, chat_messages, completion_prompt, sampling_of
+from .schemas import ChatRequest, CompletionRequest, chat_messages, completion_prompt, exact_turns, sampling_of
+from .template import template_ids
 
 #: Bodies larger than this are refused with 413 (a chat of long token lists stays far below).
 MAX_BODY_BYTES = 8 << 20
@@ -203,13 +204,16 @@ class _Server:
 
     def _chat_prompt(self, req: ChatRequest) -> dict[str, Any]:
         messages = chat_messages(req)
+        exact = exact_turns(req)
         if self.tokenizer is None:
+            if exact:
+                raise InvalidJob("messages[].token_ids need the chat template on the server (rollq serve --tokenizer)")
             return {"messages": messages}
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt,
-                                                 **(req.chat_template_kwargs or {}))
-        if not isinstance(ids, list):  # a BatchEncoding
-            ids = list(ids["input_ids"])
-        return {"prompt_token_ids": [int(t) for t in ids]}
+        try:
+            ids = template_ids(self.tokenizer, messages, exact, req.add_generation_prompt, req.chat_template_kwargs or {})
+        except ValueError as e:
+            raise InvalidJob(f"messages[].token_ids: {e}") from e
+        return {"prompt_token_ids": ids}
 
     async def chat(self, request: Request) -> Response:
         req = await self._decode(request, ChatRequest)

@@ -15,7 +15,9 @@ VALIDATION_ERROR = "Bad Request"
 
 
 def error_response(message: str, code: int = 400, param: str | None = None, err_type: str | None = None) -> JSONResponse:
-    """>>> error_response("bad", 400).status_code
+    """vLLM's ``ErrorResponse`` body with status ``code``.
+
+    >>> error_response("bad", 400).status_code
     400
     """
     body = {"error": {"message": message, "type": err_type or _TYPES.get(code, "BadRequestError"), "param": param,

@@ -144,3 +144,13 @@ async def test_client_disconnect_cancels_the_job(make_producer, make_consumer, q
                 resp.cancel()
         await until(lambda: engine.stats().running == 0, 5, "the job to be cancelled")
         assert producer.outstanding == 0
+
+
+@pytest.mark.parametrize("messages, needle", [
+    ([{"role": "user", "content": "hi", "token_ids": [1]}], "only an assistant message"),
+    ([{"role": "assistant", "content": "hi", "token_ids": [1, -1]}], "negative"),
+    ([{"role": "assistant", "content": "hi", "token_ids": [1]}], "--tokenizer"),  # this app has none
+])
+async def test_message_token_ids_refused_where_they_cannot_be_kept(client, messages, needle):
+    r = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"]
