@@ -154,3 +154,22 @@ async def test_client_disconnect_cancels_the_job(make_producer, make_consumer, q
 async def test_message_token_ids_refused_where_they_cannot_be_kept(client, messages, needle):
     r = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
     assert r.status_code == 400 and needle in r.json()["error"]["message"]
+
+
+async def test_oversized_body_without_a_length_is_413_over_http(echo):
+    """A chunked body (no content-length) is cut off at the bound while it streams in."""
+    producer, _ = echo
+
+    async def chunks():
+        yield b'{"prompt": "'
+        for _ in range(1000):  # up to 1 MB: far past the bound
+            yield b"x" * 1024
+        yield b'"}'
+
+    async with http_server(producer, model_name=MODEL, max_body_bytes=4096) as base:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+            r = await c.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+            assert r.status_code == 413 and r.json()["error"]["code"] == 413
+            ok = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})  # the server serves on
+            assert ok.status_code == 200
+    assert producer.outstanding == 0
