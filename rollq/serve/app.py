@@ -1,8 +1,8 @@
 """The ASGI app: vLLM's OpenAI routes, each request one rollq job.
 
 ``create_app(producer, model_name=...)`` serves ``GET /health``, ``GET /v1/models``,
-``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true``: server-sent
-events). With ``tokenizer`` the chat template is applied here, once, and the job carries the
+``POST /v1/completions``, ``POST /v1/chat/completions`` and vLLM's token-in/token-out
+``POST /inference/v1/generate`` (``stream: true``: server-sent events). With ``tokenizer`` the chat template is applied here, once, and the job carries the
 token ids; without it the job carries the messages and the replica applies the template.
 A client that goes away before its result cancels the job (and its vLLM request).
 
@@ -29,9 +29,11 @@ from starlette.routing import Route
 from ..connection import connect
 from ..errors import InvalidJob
 from ..protocol import Result
-from .errors import error_response, unauthorized
+from . import generate as gen
+from .errors import VALIDATION_ERROR, error_response, unauthorized
+from .schemas import ChatRequest, CompletionRequest, chat_messages, completion_prompt, exact_turns, sampling_of
 from .sessions import Sessions
-from .schemas import ChatRequest, CompletionRequest, chat_messages, completion_prompt, sampling_of
+from .template import template_ids
 
 #: Bodies larger than this are refused with 413 (a chat of long token lists stays far below).
 MAX_BODY_BYTES = 8 << 20
@@ -75,6 +77,9 @@ class _Server:
         """The decoded body, or the error response to send instead."""
         if not self._authorized(request):
             return unauthorized()
+        if request.headers.get("content-type", "").split(";", 1)[0].strip().lower() != "application/json":
+            return error_response("1 validation error:\n  Unsupported Media Type: Only 'application/json' is allowed",
+                                  400, err_type=VALIDATION_ERROR)
         try:
             body = await self._body(request)
         except _BodyTooLarge:
@@ -84,11 +89,13 @@ class _Server:
         try:
             req: Any = msgspec.json.decode(body, type=typ)
         except msgspec.ValidationError as e:
-            return error_response(f"invalid request: {e}", 400)
+            return error_response(f"invalid request: {e}", 400, err_type=VALIDATION_ERROR)
         except msgspec.DecodeError as e:
-            return error_response(f"malformed JSON: {e}", 400)
+            return error_response(f"malformed JSON: {e}", 400, err_type=VALIDATION_ERROR)
         if req.model is not None and req.model != self.model_name:
             return error_response(f"The model `{req.model}` does not exist.", 404, "model")
+        if isinstance(req, gen.GenerateRequest):
+            return req
         if req.stream is False and req.n < 1:
             return error_response("n must be at least 1", 400, "n")
         return req
@@ -222,13 +229,16 @@ class _Server:
 
     def _chat_prompt(self, req: ChatRequest) -> dict[str, Any]:
         messages = chat_messages(req)
+        exact = exact_turns(req)
         if self.tokenizer is None:
+            if exact:
+                raise InvalidJob("messages[].token_ids need the chat template on the server (rollq serve --tokenizer)")
             return {"messages": messages}
-        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=req.add_generation_prompt,
-                                                 **(req.chat_template_kwargs or {}))
-        if not isinstance(ids, list):  # a BatchEncoding
-            ids = list(ids["input_ids"])
-        return {"prompt_token_ids": [int(t) for t in ids]}
+        try:
+            ids = template_ids(self.tokenizer, messages, exact, req.add_generation_prompt, req.chat_template_kwargs or {})
+        except ValueError as e:
+            raise InvalidJob(f"messages[].token_ids: {e}") from e
+        return {"prompt_token_ids": ids}
 
     async def chat(self, request: Request) -> Response:
         req = await self._decode(request, ChatRequest)
@@ -295,6 +305,73 @@ class _Server:
                    "prompt_token_ids": prompt_ids if req.return_token_ids and i == 0 else None}
         yield {**head, "choices": [], "usage": self._usage(res, len(prompt_ids) or res.prompt_tokens)}
 
+    # -- token in, token out -------------------------------------------------------------
+    async def generate(self, request: Request) -> Response:
+        """``POST /inference/v1/generate`` (see :mod:`rollq.serve.generate`)."""
+        req = await self._decode(request, gen.GenerateRequest)
+        if isinstance(req, Response):
+            return req
+        try:
+            session = self._session(request, req)
+            handle = await self._submit({"prompt_token_ids": req.token_ids, "sampling": gen.generate_sampling(req)}, session)
+        except InvalidJob as e:
+            return error_response(str(e), 400)
+        rid = f"generate-tokens-{request.headers.get('x-request-id') or req.request_id or uuid.uuid4().hex}"
+        if req.stream:
+            return _sse(self._generate_stream(req, handle, rid, session), handle)
+        res = await self._wait(request, handle)
+        if res is None:
+            return Response(status_code=499)
+        await self._served(session, res)
+        if res.error is not None:
+            return _job_error(res)
+        completion = sum(len(s.token_ids) for s in res.samples)
+        return JSONResponse({
+            "request_id": rid, "model": self.model_name, "created": int(time.time()),
+            "usage": gen.usage(len(req.token_ids), completion),
+            "prompt_logprobs": gen.prompt_logprobs(res, req.token_ids), "prompt_token_id_logprobs": None,
+            "prompt_token_ids": req.token_ids if req.return_token_ids else None, "mm_placeholders": None,
+            "metrics": None, "kv_transfer_params": None, "ec_transfer_params": None, "output_mode": req.output_mode,
+            "choices": [self._generate_choice(req, res, i, s) for i, s in enumerate(res.samples)]})
+
+    def _generate_choice(self, req: gen.GenerateRequest, res: Result, i: int, s: Any) -> dict[str, Any]:
+        ids, lps = s.token_ids, s.token_logprobs or []
+        logprobs = None
+        if req.sampling_params.logprobs is not None:
+            logprobs = (gen.text_logprobs(ids, lps, self._token_str) if req.output_mode == "text"
+                        else gen.tokens_logprobs(ids, lps))
+        choice: dict[str, Any] = {"index": i, "finish_reason": s.finish_reason or "stop", "stop_reason": None,
+                                  "token_ids": ids, "routed_experts": None, "sampling_mask": None,
+                                  "weight_versions": gen.weight_versions(s.token_versions(res.version_start)),
+                                  "logprobs": logprobs}
+        if req.output_mode == "text":
+            choice["text"] = self._text(s)
+        choice["rollq"] = self._ext(res, s)
+        return choice
+
+    async def _generate_stream(self, req: gen.GenerateRequest, handle: Any, rid: str,
+                               session: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        """One chunk per choice (the whole choice: rollq returns a job's result at once), then
+        the usage chunk when ``stream_options.include_usage``, as vLLM's stream ends."""
+        res = await handle.result(raise_error=False)
+        await self._served(session, res)
+        if res.error is not None:
+            yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
+            return
+        opts = req.stream_options or gen.StreamOptions()
+        n_prompt = len(req.token_ids)
+        for i, s in enumerate(res.samples):
+            chunk: dict[str, Any] = {"request_id": rid, "usage": None}
+            if req.return_token_ids and i == 0:
+                chunk["prompt_token_ids"] = req.token_ids
+            if opts.continuous_usage_stats:
+                chunk["usage"] = gen.usage(n_prompt, len(s.token_ids))
+            yield {**chunk, "output_mode": req.output_mode, "choices": [self._generate_choice(req, res, i, s)]}
+        if opts.include_usage:
+            total = gen.usage(n_prompt, sum(len(s.token_ids) for s in res.samples))
+            yield {"request_id": rid, "usage": {k: v for k, v in total.items() if v is not None},
+                   "output_mode": req.output_mode, "choices": []}
+
 
 #: Job errors that are the request's fault: vLLM's server answers these with 400.
 _CLIENT_ERRORS = frozenset({"InvalidJob", "PromptTooLong", "JobRejected"})
@@ -352,5 +429,6 @@ def create_app(producer: Any, *, model_name: str, tokenizer: Any = None, api_key
 
     routes = [Route("/health", s.health, methods=["GET"]), Route("/v1/models", s.models, methods=["GET"]),
               Route("/v1/completions", s.completions, methods=["POST"]),
-              Route("/v1/chat/completions", s.chat, methods=["POST"])]
+              Route("/v1/chat/completions", s.chat, methods=["POST"]),
+              Route("/inference/v1/generate", s.generate, methods=["POST"])]
     return Starlette(routes=routes, lifespan=lifespan)

@@ -9,11 +9,19 @@ _TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 
           503: "ServiceUnavailableError", 504: "TimeoutError"}
 
 
-def error_response(message: str, code: int = 400, param: str | None = None) -> JSONResponse:
-    """>>> error_response("bad", 400).status_code
+#: The error type of a body that does not validate (vLLM: FastAPI's ``RequestValidationError``
+#: handler names it by the status phrase); errors found later are ``BadRequestError``.
+VALIDATION_ERROR = "Bad Request"
+
+
+def error_response(message: str, code: int = 400, param: str | None = None, err_type: str | None = None) -> JSONResponse:
+    """vLLM's ``ErrorResponse`` body with status ``code``.
+
+    >>> error_response("bad", 400).status_code
     400
     """
-    body = {"error": {"message": message, "type": _TYPES.get(code, "BadRequestError"), "param": param, "code": code}}
+    body = {"error": {"message": message, "type": err_type or _TYPES.get(code, "BadRequestError"), "param": param,
+                      "code": code}}
     return JSONResponse(body, status_code=code)
 
 

@@ -16,6 +16,9 @@ class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    #: rollq's extension on an assistant message: the ``token_ids`` of the choice that wrote
+    #: it, kept exactly in the next prompt (see :mod:`rollq.serve.template`).
+    token_ids: list[int] | None = None
 
 
 class _Sampling(msgspec.Struct, kw_only=True):
@@ -116,4 +119,24 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
         if m.name is not None:
             d["name"] = m.name
         out.append(d)
+    return out
+
+
+def exact_turns(req: ChatRequest) -> dict[int, list[int]]:
+    """The messages whose content is given as exact token ids: ``{index: ids}``.
+
+    >>> r = msgspec.json.decode(b'{"messages": [{"role": "assistant", "content": "a", "token_ids": [4]}]}',
+    ...                         type=ChatRequest)
+    >>> exact_turns(r)
+    {0: [4]}
+    """
+    out = {}
+    for i, m in enumerate(req.messages):
+        if m.token_ids is None:
+            continue
+        if m.role != "assistant":
+            raise InvalidJob(f"messages[{i}].token_ids: only an assistant message carries its token ids")
+        if any(t < 0 for t in m.token_ids):
+            raise InvalidJob(f"messages[{i}].token_ids must not contain negative values")
+        out[i] = list(m.token_ids)
     return out

@@ -1,6 +1,6 @@
 """Fixtures of the ``rollq serve`` tests: the app over a producer, served by uvicorn on a free
 loopback port in the test's own event loop (so that a real HTTP client, the ``openai`` SDK,
-talks to it)."""
+talks to it), and an httpx client of the app over an echo-engine consumer."""
 
 from __future__ import annotations
 
@@ -8,9 +8,37 @@ import asyncio
 import contextlib
 from typing import Any, AsyncIterator
 
+import httpx
+import pytest
 import uvicorn
 
+from rollq.consumer.engine import EchoEngine
 from rollq.serve import create_app
+
+#: The model name the echo app serves.
+ECHO_MODEL = "echo-model"
+#: The echo app's API key and body bound.
+ECHO_KEY, ECHO_MAX_BODY = "sk-test", 4096
+
+
+@pytest.fixture
+async def echo(make_producer, make_consumer, queue):
+    """A producer of ``queue`` and the echo engine of the consumer serving it."""
+    engine = EchoEngine()
+    c = make_consumer(queue, engine=engine)
+    make_consumer.start(c)
+    return await make_producer(queue), engine
+
+
+@pytest.fixture
+async def client(echo):
+    """An httpx client of the app over :func:`echo` (in process, API key sent)."""
+    producer, _ = echo
+    app = create_app(producer, model_name=ECHO_MODEL, api_key=ECHO_KEY, max_body_bytes=ECHO_MAX_BODY,
+                     own_producer=False)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                 headers={"Authorization": f"Bearer {ECHO_KEY}"}, timeout=30) as c:
+        yield c
 
 
 @contextlib.asynccontextmanager

@@ -9,29 +9,9 @@ import httpx
 import pytest
 
 from rollq.consumer.engine import EchoEngine
-from rollq.serve import create_app
 from tests.helpers import until
+from tests.serve.conftest import ECHO_MODEL as MODEL
 from tests.serve.conftest import http_server
-
-MODEL = "echo-model"
-
-
-@pytest.fixture
-async def echo(make_producer, make_consumer, queue):
-    engine = EchoEngine()
-    c = make_consumer(queue, engine=engine)
-    make_consumer.start(c)
-    return await make_producer(queue), engine
-
-
-@pytest.fixture
-async def client(echo):
-    producer, _ = echo
-    app = create_app(producer, model_name=MODEL, api_key="sk-test", max_body_bytes=4096, own_producer=False)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                 headers={"Authorization": "Bearer sk-test"}, timeout=30) as c:
-        yield c
-
 
 async def test_health_and_models(client):
     assert (await client.get("/health")).status_code == 200
@@ -76,23 +56,37 @@ async def test_chat_returns_token_ids(client):
     assert [c["logprob"] for c in choice["logprobs"]["content"]] == [-0.5, -0.5]
 
 
-@pytest.mark.parametrize("body, status, needle", [
-    (b"{not json", 400, "malformed JSON"),
-    (b'{"prompt": 3}', 400, "prompt"),
-    (b'{"prompt": "hi", "n": "two"}', 400, "n"),
-    (b'{"prompt": "hi", "temperature": -1}', 400, "temperature"),
-    (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
-    (b'{"prompt": ""}', 400, "prompt"),
-    (b'{"prompt": "hi", "model": "other"}', 404, "does not exist"),
-    (b'{"prompt": "hi", "logprobs": 5}', 400, "logprobs"),
+#: vLLM's error types: a body that does not validate is FastAPI's "Bad Request"; a bad value
+#: found after (the sampling params, the prompt) is "BadRequestError".
+_INVALID, _BAD = "Bad Request", "BadRequestError"
+
+
+@pytest.mark.parametrize("body, status, err_type, needle", [
+    (b"{not json", 400, _INVALID, "malformed JSON"),
+    (b'{"prompt": 3}', 400, _INVALID, "prompt"),
+    (b'{"prompt": "hi", "n": "two"}', 400, _INVALID, "n"),
+    (b'{"max_tokens": 2}', 400, _INVALID, "prompt"),
+    (b'[1, 2]', 400, _INVALID, "object"),
+    (b'{"prompt": "hi", "temperature": -1}', 400, _BAD, "temperature"),
+    (b'{"prompt": "hi", "max_tokens": 0}', 400, _BAD, "max_tokens"),
+    (b'{"prompt": ""}', 400, _BAD, "prompt"),
+    (b'{"prompt": "hi", "model": "other"}', 404, "NotFoundError", "does not exist"),
+    (b'{"prompt": "hi", "logprobs": 5}', 400, _BAD, "logprobs"),
 ])
-async def test_bad_requests_get_vllm_error_bodies(client, body, status, needle):
+async def test_bad_requests_get_vllm_error_bodies(client, body, status, err_type, needle):
     r = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == status
-    assert err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+    assert err["type"] == err_type
     assert needle in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/inference/v1/generate"])
+async def test_a_body_not_sent_as_json_is_refused_as_vllm_does(client, path):
+    r = await client.post(path, content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == _INVALID and "application/json" in r.json()["error"]["message"]
 
 
 async def test_unknown_fields_are_ignored_as_vllm_does(client):
@@ -150,3 +144,32 @@ async def test_client_disconnect_cancels_the_job(make_producer, make_consumer, q
                 resp.cancel()
         await until(lambda: engine.stats().running == 0, 5, "the job to be cancelled")
         assert producer.outstanding == 0
+
+
+@pytest.mark.parametrize("messages, needle", [
+    ([{"role": "user", "content": "hi", "token_ids": [1]}], "only an assistant message"),
+    ([{"role": "assistant", "content": "hi", "token_ids": [1, -1]}], "negative"),
+    ([{"role": "assistant", "content": "hi", "token_ids": [1]}], "--tokenizer"),  # this app has none
+])
+async def test_message_token_ids_refused_where_they_cannot_be_kept(client, messages, needle):
+    r = await client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"]
+
+
+async def test_oversized_body_without_a_length_is_413_over_http(echo):
+    """A chunked body (no content-length) is cut off at the bound while it streams in."""
+    producer, _ = echo
+
+    async def chunks():
+        yield b'{"prompt": "'
+        for _ in range(1000):  # up to 1 MB: far past the bound
+            yield b"x" * 1024
+        yield b'"}'
+
+    async with http_server(producer, model_name=MODEL, max_body_bytes=4096) as base:
+        async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+            r = await c.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+            assert r.status_code == 413 and r.json()["error"]["code"] == 413
+            ok = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})  # the server serves on
+            assert ok.status_code == 200
+    assert producer.outstanding == 0

