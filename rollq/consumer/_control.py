@@ -58,6 +58,7 @@ class ControlListener:
         backoff = ctx.settings.backoff_initial
         while not ctx.closed:
             pubsub = ctx.redis.pubsub()
+            lost = False
             try:
                 await pubsub.subscribe(ctx.keys.control)
                 backoff = ctx.settings.backoff_initial
@@ -67,11 +68,12 @@ class ControlListener:
                         self.on_message(msg["data"].decode(errors="replace"))
             except RETRYABLE as e:
                 log.debug("control channel lost (%s)", e)
-                await self._close(pubsub)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, ctx.settings.backoff_max)
+                lost = True
             finally:
                 await self._close(pubsub)
+            if lost:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, ctx.settings.backoff_max)
 
     @staticmethod
     async def _close(pubsub: Any) -> None:
@@ -80,7 +82,7 @@ class ControlListener:
         redis-py finishes a pub/sub's teardown even when the caller is cancelled, and waits for
         it uncancellably; a teardown that never finishes (a connection stuck mid-close) would
         then hold this task, and the replica's shutdown, forever. Past the bound it is left to
-        finish on its own. Closing twice is harmless (the second finds no connection).
+        finish on its own.
         """
         closing = asyncio.ensure_future(pubsub.aclose())
         closing.add_done_callback(_retrieve)
