@@ -34,7 +34,7 @@ import enum
 import msgspec
 
 from ..errors import WeightSyncError
-from .versions import _ITEMSIZE
+from .versions import _ITEMSIZE, tensor_nbytes
 
 #: Schema of :class:`IpcHandles`; a worker refuses handles of another.
 IPC_SCHEMA = 1
@@ -92,10 +92,7 @@ class IpcTensor(msgspec.Struct, array_like=True, frozen=True):
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * _ITEMSIZE[self.dtype]
+        return tensor_nbytes(self.dtype, self.shape)
 
 
 class IpcHandles(msgspec.Struct, kw_only=True, frozen=True):

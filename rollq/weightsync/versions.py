@@ -34,6 +34,18 @@ _ITEMSIZE = {
 }
 
 
+def tensor_nbytes(dtype: str, shape: list[int]) -> int:
+    """Bytes of a tensor of ``dtype`` (torch's name without ``torch.``) and ``shape``.
+
+    >>> tensor_nbytes("bfloat16", [3, 4])
+    24
+    """
+    n = 1
+    for d in shape:
+        n *= d
+    return n * _ITEMSIZE[dtype]
+
+
 class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
     """Name, dtype (torch name without ``torch.``) and shape of one tensor."""
 
@@ -43,10 +55,7 @@ class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * _ITEMSIZE[self.dtype]
+        return tensor_nbytes(self.dtype, self.shape)
 
 
 class VersionRecord(msgspec.Struct, kw_only=True):
