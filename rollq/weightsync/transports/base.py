@@ -10,11 +10,14 @@ as each side runs in a process of its own (vLLM's ``weight_transfer`` keeps them
 
 from __future__ import annotations
 
+import asyncio
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
-from ..wire import SwapReport
+from ...errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
+from ..wire import StageStatus, State, SwapReport, WorkerError
 from ..replica.worker_calls import WorkerCalls
 
 if TYPE_CHECKING:
@@ -94,3 +97,42 @@ class ReplicaTransport(ABC):
     @abstractmethod
     async def swap(self, rec: VersionRecord, staged: Staged) -> SwapReport:
         """Swap the staged version in; the first worker's report."""
+
+    async def _until_staged(
+        self, rec: VersionRecord, status: Callable[[], Awaitable[list[StageStatus]]], *, delay: float, failed: str,
+        slow: str, report: dict[str, Any] | None = None,
+        refine: Callable[[list[WorkerError], str], Exception | None] = lambda errors, msg: None,
+    ) -> Staged:
+        """Poll the workers' ``status`` (``delay`` doubling to 10 ms) until every one holds
+        ``rec`` staged, for ``load_timeout`` at most. A worker's failure raises what ``refine``
+        makes of it, else :class:`~rollq.errors.CorruptWeights` when a checksum refused it,
+        else :class:`~rollq.errors.WeightSyncError` (``failed: ...``)."""
+        timeout = self.settings.load_timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            states = await status()
+            if all(s.state is State.STAGED and s.version == rec.version for s in states):
+                return Staged(rec.version, self, report=dict(states[0].report(), **(report or {})))
+            bad = [s for s in states if s.state is State.FAILED or s.version not in (0, rec.version)]
+            if bad:
+                errors = [s.error for s in bad if s.error is not None]
+                msg = "; ".join(str(s.error or s) for s in bad)
+                refined = refine(errors, msg)
+                if refined is not None:
+                    raise refined
+                if any(e.corrupt for e in errors):
+                    raise CorruptWeights(f"version {rec.version} refused: {msg}")
+                raise WeightSyncError(f"{failed}: {msg}")
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(f"{slow} took longer than {timeout}s (load_timeout)")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    async def _swap_in_workers(self, rec: VersionRecord, staged: Staged) -> SwapReport:
+        """Have every worker swap in what it staged (``apply_staged``), within ``load_timeout``."""
+        timeout = self.settings.load_timeout
+        try:
+            res = await asyncio.wait_for(self.workers.apply_staged(version=staged.version), timeout)
+        except asyncio.TimeoutError as e:
+            raise WeightSyncTimeout(f"swapping in version {rec.version} took longer than {timeout}s") from e
+        return res[0] if res else SwapReport()

@@ -34,9 +34,9 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from ...errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
+from ...errors import CorruptWeights, WeightSyncError
 from ..ipc_wire import IpcUnavailable, encode_handles
-from ..wire import State, SwapReport
+from ..wire import SwapReport, WorkerError
 from .base import PublisherSide, ReplicaTransport, Staged, TrainerTransport
 
 if TYPE_CHECKING:
@@ -120,30 +120,17 @@ class IpcReceive(ReplicaTransport):
         started = await asyncio.wait_for(self.workers.stage_ipc(handles=raw, version=rec.version), timeout)
         if not started:  # an engine without weights (echo): nothing to copy; the swap is empty too
             return Staged(rec.version, self)
-        deadline = time.monotonic() + timeout
-        delay = 0.002
-        while True:
-            states = await self.workers.ipc_status()
-            if all(s.state is State.STAGED and s.version == rec.version for s in states):
-                return Staged(rec.version, self, report=dict(states[0].report(), ipc=True))
-            bad = [s for s in states if s.state is State.FAILED or s.version not in (0, rec.version)]
-            if bad:
-                errors = [s.error for s in bad if s.error is not None]
-                msg = "; ".join(str(s.error or s) for s in bad)
-                if any(e.kind == IpcUnavailable.__name__ for e in errors):
-                    raise IpcUnavailable(f"version {rec.version} not copied: {msg}")
-                if any(e.corrupt for e in errors):
-                    raise CorruptWeights(f"version {rec.version} refused: {msg}")
-                raise WeightSyncError(f"copying version {rec.version} over IPC failed: {msg}")
-            if time.monotonic() > deadline:
-                raise WeightSyncTimeout(f"copying version {rec.version} over IPC took longer than {timeout}s (load_timeout)")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
+        return await self._until_staged(rec, self.workers.ipc_status, delay=0.002, report={"ipc": True},
+                                        failed=f"copying version {rec.version} over IPC failed",
+                                        slow=f"copying version {rec.version} over IPC",
+                                        refine=lambda errors, msg: _unavailable(rec.version, errors, msg))
 
     async def swap(self, rec: VersionRecord, staged: Staged) -> SwapReport:
-        timeout = self.settings.load_timeout
-        try:
-            res = await asyncio.wait_for(self.workers.apply_staged(version=staged.version), timeout)
-        except asyncio.TimeoutError as e:
-            raise WeightSyncTimeout(f"swapping in version {rec.version} took longer than {timeout}s") from e
-        return res[0] if res else SwapReport()
+        return await self._swap_in_workers(rec, staged)
+
+
+def _unavailable(version: int, errors: list[WorkerError], msg: str) -> Exception | None:
+    """A worker could not open the handles (the trainer died or released the version)."""
+    if any(e.kind == IpcUnavailable.__name__ for e in errors):
+        return IpcUnavailable(f"version {version} not copied: {msg}")
+    return None

@@ -10,11 +10,10 @@ memmap copy (``memmap_slot``) is loaded from it when the replica did not receive
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING, Any
 
-from ...errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
-from ..wire import State, SwapReport
+from ...errors import WeightSyncError, WeightSyncTimeout
+from ..wire import SwapReport
 from .base import ReplicaTransport, Staged, TrainerTransport
 
 if TYPE_CHECKING:
@@ -50,30 +49,12 @@ class MemmapReceive(ReplicaTransport):
         )
         if not started:  # an engine without weights (echo): nothing to stage
             return None
-        deadline = time.monotonic() + timeout
-        delay = 0.005
-        while True:
-            states = await self.workers.staged_status()
-            if all(s.state is State.STAGED and s.version == rec.version for s in states):
-                return Staged(rec.version, self, report=states[0].report())
-            bad = [s for s in states if s.state is State.FAILED or s.version not in (0, rec.version)]
-            if bad:
-                msg = "; ".join(str(s.error or s) for s in bad)
-                if any(s.error is not None and s.error.corrupt for s in bad):
-                    raise CorruptWeights(f"version {rec.version} refused: {msg}")
-                raise WeightSyncError(f"staging version {rec.version} failed: {msg}")
-            if time.monotonic() > deadline:
-                raise WeightSyncTimeout(f"staging version {rec.version} took longer than {timeout}s (load_timeout)")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.01)
+        return await self._until_staged(rec, self.workers.staged_status, delay=0.005,
+                                        failed=f"staging version {rec.version} failed",
+                                        slow=f"staging version {rec.version}")
 
     async def swap(self, rec: VersionRecord, staged: Staged) -> SwapReport:
-        timeout = self.settings.load_timeout
-        try:
-            res = await asyncio.wait_for(self.workers.apply_staged(version=staged.version), timeout)
-        except asyncio.TimeoutError as e:
-            raise WeightSyncTimeout(f"swapping in version {rec.version} took longer than {timeout}s") from e
-        return res[0] if res else SwapReport()
+        return await self._swap_in_workers(rec, staged)
 
     async def load(self, rec: VersionRecord) -> SwapReport:
         """Load ``rec`` from its memmap copy in the swap call itself (nothing was staged)."""
