@@ -153,6 +153,21 @@ class _Server:
         if session is not None and self.sessions is not None and res.error is None:
             await self.sessions.served(session, res.replica)
 
+    async def _outcome(self, request: Request, handle: Any, session: str | None) -> Result | Response:
+        """A non-streamed request's result (its session noted), or the response to send
+        instead: 499 when the client went away, the job's error."""
+        res = await self._wait(request, handle)
+        if res is None:
+            return Response(status_code=499)
+        await self._served(session, res)
+        return _job_error(res) if res.error is not None else res
+
+    async def _streamed(self, handle: Any, session: str | None) -> Result:
+        """A streamed request's result, its session noted."""
+        res: Result = await handle.result(raise_error=False)
+        await self._served(session, res)
+        return res
+
     # -- routes ------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -180,12 +195,9 @@ class _Server:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse(self._completion_stream(request, req, handle, rid, prompt, session), handle)
-        res = await self._wait(request, handle)
-        if res is None:
-            return Response(status_code=499)
-        await self._served(session, res)
-        if res.error is not None:
-            return _job_error(res)
+        res = await self._outcome(request, handle, session)
+        if isinstance(res, Response):
+            return res
         prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
         choices = [self._completion_choice(req, res, i, s, prompt_ids) for i, s in enumerate(res.samples)]
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
@@ -213,8 +225,7 @@ class _Server:
 
     async def _completion_stream(self, request: Request, req: CompletionRequest, handle: Any, rid: str,
                                  prompt: dict[str, Any], session: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        res = await handle.result(raise_error=False)
-        await self._served(session, res)
+        res = await self._streamed(handle, session)
         if res.error is not None:
             yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
             return
@@ -256,12 +267,9 @@ class _Server:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return _sse(self._chat_stream(req, handle, rid, prompt, session), handle)
-        res = await self._wait(request, handle)
-        if res is None:
-            return Response(status_code=499)
-        await self._served(session, res)
-        if res.error is not None:
-            return _job_error(res)
+        res = await self._outcome(request, handle, session)
+        if isinstance(res, Response):
+            return res
         prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
         choices: list[dict[str, Any]] = [{"index": i, "message": {"role": "assistant", "content": self._text(s), "refusal": None,
                                             "annotations": None, "audio": None, "function_call": None,
@@ -290,8 +298,7 @@ class _Server:
         for i in range(n):
             yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                         "finish_reason": None}]}
-        res = await handle.result(raise_error=False)
-        await self._served(session, res)
+        res = await self._streamed(handle, session)
         if res.error is not None:
             yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
             return
@@ -319,12 +326,9 @@ class _Server:
         rid = f"generate-tokens-{request.headers.get('x-request-id') or req.request_id or uuid.uuid4().hex}"
         if req.stream:
             return _sse(self._generate_stream(req, handle, rid, session), handle)
-        res = await self._wait(request, handle)
-        if res is None:
-            return Response(status_code=499)
-        await self._served(session, res)
-        if res.error is not None:
-            return _job_error(res)
+        res = await self._outcome(request, handle, session)
+        if isinstance(res, Response):
+            return res
         completion = sum(len(s.token_ids) for s in res.samples)
         return JSONResponse({
             "request_id": rid, "model": self.model_name, "created": int(time.time()),
@@ -353,8 +357,7 @@ class _Server:
                                session: str | None = None) -> AsyncIterator[dict[str, Any]]:
         """One chunk per choice (the whole choice: rollq returns a job's result at once), then
         the usage chunk when ``stream_options.include_usage``, as vLLM's stream ends."""
-        res = await handle.result(raise_error=False)
-        await self._served(session, res)
+        res = await self._streamed(handle, session)
         if res.error is not None:
             yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
             return
