@@ -1,6 +1,6 @@
 """rollq on GPUs with a real vLLM engine (7B-shaped, dummy weights), in one run:
 
-    python benchmarks/gpu_vllm.py --out benchmarks/results/gpu_vllm [--phases overhead,sync,native,memmap]
+    python benchmarks/gpu_vllm.py --out benchmarks/results/gpu_vllm [--phases overhead,sync,native,memmap,ipc]
 
 1. **overhead**: the same workload (1024 prompts of 128 tokens, 256 generated tokens each,
    ignore_eos) sent straight to ``AsyncLLM.generate`` and through rollq (producer -> Redis ->
@@ -13,6 +13,11 @@
    ``pause_generation(keep)`` + start/update/finish + ``resume_generation``.
 4. **memmap**: publish through ``/dev/shm`` from the trainer's GPU tensors and load into the
    engine (write, read + copy + load), GB/s.
+5. **ipc** (one GPU: run with ``ROLLQ_ENGINE_GPU=0``; the trainer is on GPU 0 too): CUDA IPC
+   from the trainer's tensors into the replica's shadow, device to device while it serves, then
+   the swap. End to end, generation stopped, and the trainer's extra GPU memory for exposing
+   the version. The trainer publishes it without a memmap copy (a second publisher with no
+   store), as a colocated trainer whose replicas are all on its GPU would.
 
 Results go to ``<out>.json`` and ``<out>.md``; each phase is written as soon as it ends.
 """
@@ -79,6 +84,7 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
     async def serve() -> None:
         sender = BroadcastSender(1, backend="nccl", bucket_bytes=1 << 30, timeout=300, device=dev)
         pub = WeightPublisher(url, queue, root=root, sender=sender)
+        ipc_pub = WeightPublisher(url, queue)  # no memmap copy: every replica is on this GPU
         native_group = None
         marks = 0
         while True:
@@ -93,10 +99,13 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
                     for t in tensors.values():
                         t.view(-1)[:4].fill_(float(marks))
                     torch.cuda.synchronize()
+                    mem0 = torch.cuda.memory_allocated(dev)
                     t0 = time.time()
-                    rec = await pub.publish_weights(tensors, transport=cmd["transport"])
-                    conn.send({"ok": True, "t0": t0, "t1": time.time(), "version": rec.version, "transport": rec.transport,
-                               "timings": rec.timings, "nbytes": rec.nbytes, "mark": float(marks)})
+                    rec = await (ipc_pub if cmd["transport"] == "ipc" else pub).publish_weights(tensors, transport=cmd["transport"])
+                    t1 = time.time()
+                    conn.send({"ok": True, "t0": t0, "t1": t1, "version": rec.version, "transport": rec.transport,
+                               "timings": rec.timings, "nbytes": rec.nbytes, "mark": float(marks),
+                               "trainer_extra_gpu_bytes": torch.cuda.memory_allocated(dev) - mem0})
                 elif op == "native_init":
                     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
@@ -118,6 +127,7 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
                     torch.cuda.synchronize()
                     conn.send({"ok": True, "t0": t0, "t1": time.time()})
                 elif op == "quit":
+                    await ipc_pub.close()
                     conn.send({"ok": True})
                     return
             except Exception as e:
@@ -233,7 +243,7 @@ async def engine_main(a: argparse.Namespace) -> None:
     srv = RedisServer(appendfsync="everysec").start()
     queue = "bench"
     trainer = conn = None
-    if any(p in phases for p in ("sync", "native", "memmap")):
+    if any(p in phases for p in ("sync", "native", "memmap", "ipc")):
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -453,6 +463,32 @@ async def engine_main(a: argparse.Namespace) -> None:
                 out["phases"]["memmap"] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
             save()
 
+        if "ipc" in phases:
+            try:
+                rows = []
+                for i in range(a.ipc_reps + 1):  # the first traces the load plan into the shadow
+                    running = await wait_running()
+                    m0 = time.monotonic()
+                    r = await asyncio.to_thread(call, op="publish", transport="ipc")
+                    t_follower, st = await wait_version(r["version"])
+                    t_served = await served_at(r["version"], t_follower)
+                    row = {"version": r["version"], "transport": r["transport"], "running_at_start": running,
+                           "end_to_end_s": t_served - r["t0"], "trainer_publish_s": r["t1"] - r["t0"],
+                           "expose_s": r["timings"].get("expose_s"), "checksum_s": r["timings"].get("checksum_s"),
+                           "trainer_copied_bytes": r["timings"].get("ipc_copied_bytes"),
+                           "trainer_extra_gpu_bytes": r["trainer_extra_gpu_bytes"],
+                           "follower_done_s": t_follower - r["t0"], "copies_after_follower_s": t_served - t_follower,
+                           "follower_read_s": st.timings.get("read_s"), "swap_call_s": st.timings.get("load_call_s"),
+                           "paused_s": st.pause_s, "load": st.load, **(await step_gaps(m0)),
+                           "weights_match": await weights_match(r["mark"])}
+                    log("ipc", row)
+                    if i > 0:
+                        rows.append(row)
+                out["phases"]["ipc"] = {"reps": rows}
+            except Exception as e:
+                out["phases"]["ipc"] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+            save()
+
         load.task.cancel()
         consumer.stop()
         await asyncio.wait_for(ctask, 60)
@@ -524,6 +560,17 @@ def render(out: dict) -> str:
                   f"{med(r, 'gb_per_s_publish_plus_load'):.1f} GB/s, write {med(r, 'write_s'):.2f} s, "
                   f"longest gap between engine steps {med(r, 'max_step_gap_s') * 1000:.0f} ms; "
                   f"served weights equal the published ones: {all(x.get('weights_match') for x in ph['memmap']['reps'])}", ""]
+    if "ipc" in ph and ph["ipc"].get("reps"):
+        r = ph["ipc"]["reps"]
+        e2e = sorted(x["end_to_end_s"] * 1000 for x in r)
+        lines += [f"CUDA IPC on one GPU ({len(r)} updates, {r[0].get('running_at_start')} requests running): end to end "
+                  f"{med(r, 'end_to_end_s') * 1000:.1f} ms ({e2e[0]:.1f}-{e2e[-1]:.1f}), publish call "
+                  f"{med(r, 'trainer_publish_s') * 1000:.1f} ms (expose {med(r, 'expose_s') * 1000:.1f}, checksum "
+                  f"{med(r, 'checksum_s') * 1000:.1f}), swap call {med(r, 'paused_s') * 1000:.1f} ms, longest gap between engine "
+                  f"steps {med(r, 'max_step_gap_s') * 1000:.1f} ms (median step {med(r, 'median_step_s') * 1000:.1f} ms); "
+                  f"trainer's extra GPU memory {max(x.get('trainer_extra_gpu_bytes') or 0 for x in r) / 2**20:.0f} MiB, copied "
+                  f"{max(x.get('trainer_copied_bytes') or 0 for x in r) / 2**20:.0f} MiB; served weights equal the published ones: "
+                  f"{all(x.get('weights_match') for x in r)}", ""]
     for k, v in ph.items():
         if "error" in v:
             lines.append(f"{k}: ERROR {v['error']}")
@@ -537,6 +584,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--sync-reps", type=int, default=3)
     ap.add_argument("--memmap-reps", type=int, default=6)
+    ap.add_argument("--ipc-reps", type=int, default=6)
     ap.add_argument("--memmap-chunks", type=int, default=3, help="256 MiB read chunks in flight (0: unthrottled)")
     ap.add_argument("--gpu-mem", type=float, default=0.55)
     ap.add_argument("--sync-variants", default="direct",
@@ -551,8 +599,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.tiny:
         a.phases = "overhead"
-    if any(p in a.phases for p in ("sync", "native", "memmap")):
-        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("ROLLQ_ENGINE_GPU", "1")
+    if any(p in a.phases for p in ("sync", "native", "memmap", "ipc")):
+        # The engine on GPU 1 beside the trainer's GPU 0; ipc alone puts both on GPU 0.
+        alone = set(a.phases.split(",")) <= {"ipc", "overhead"}
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("ROLLQ_ENGINE_GPU", "0" if alone else "1")
     asyncio.run(engine_main(a))
 
 
