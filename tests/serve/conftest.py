@@ -57,3 +57,17 @@ async def http_server(producer: Any, **app_kwargs: Any) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 15)
+
+
+def validate_as_vllm(name: str, body: Any) -> None:
+    """Validate ``body`` with vLLM's own pydantic model ``name`` of the token-in generate route
+    (``vllm.entrypoints.scale_out.token_in_token_out.protocol``), where the installed vLLM has
+    it. rollq's route follows vLLM 0.32's models; vLLM 0.26 (the GPU lane's) has the module with
+    older ones, and there the test's other assertions still run."""
+    try:
+        import vllm.entrypoints.scale_out.token_in_token_out.protocol as proto
+    except ImportError:
+        return
+    model = getattr(proto, name, None)
+    if model is not None:
+        model.model_validate(body)
