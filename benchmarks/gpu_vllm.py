@@ -465,20 +465,29 @@ async def engine_main(a: argparse.Namespace) -> None:
 
         if "ipc" in phases:
             try:
+                import dataclasses
+
                 rows = []
-                for i in range(a.ipc_reps + 1):  # the first traces the load plan into the shadow
+                chunks = [int(float(c) * (1 << 20)) for c in a.ipc_chunk_mb.split(",")]
+                # The first traces the load plan into the shadow; then the chunk sizes take turns.
+                for i in range(a.ipc_reps * len(chunks) + 1):
+                    chunk = chunks[(i - 1) % len(chunks)] if i else chunks[0]
+                    follower.settings = dataclasses.replace(follower.settings, ipc_chunk_bytes=chunk)
+                    for tr in follower._transports.values():
+                        tr.settings = follower.settings
                     running = await wait_running()
                     m0 = time.monotonic()
                     r = await asyncio.to_thread(call, op="publish", transport="ipc")
                     t_follower, st = await wait_version(r["version"])
                     t_served = await served_at(r["version"], t_follower)
                     row = {"version": r["version"], "transport": r["transport"], "running_at_start": running,
-                           "end_to_end_s": t_served - r["t0"], "trainer_publish_s": r["t1"] - r["t0"],
+                           "chunk_mb": chunk / (1 << 20), "end_to_end_s": t_served - r["t0"], "trainer_publish_s": r["t1"] - r["t0"],
                            "expose_s": r["timings"].get("expose_s"), "checksum_s": r["timings"].get("checksum_s"),
                            "trainer_copied_bytes": r["timings"].get("ipc_copied_bytes"),
                            "trainer_extra_gpu_bytes": r["trainer_extra_gpu_bytes"],
                            "follower_done_s": t_follower - r["t0"], "copies_after_follower_s": t_served - t_follower,
                            "follower_read_s": st.timings.get("read_s"), "swap_call_s": st.timings.get("load_call_s"),
+                           "stage_s": st.load.get("stage_s"), "open_s": st.load.get("open_s"), "verify_s": st.load.get("verify_s"),
                            "paused_s": st.pause_s, "load": st.load, **(await step_gaps(m0)),
                            "weights_match": await weights_match(r["mark"])}
                     log("ipc", row)
@@ -560,13 +569,15 @@ def render(out: dict) -> str:
                   f"{med(r, 'gb_per_s_publish_plus_load'):.1f} GB/s, write {med(r, 'write_s'):.2f} s, "
                   f"longest gap between engine steps {med(r, 'max_step_gap_s') * 1000:.0f} ms; "
                   f"served weights equal the published ones: {all(x.get('weights_match') for x in ph['memmap']['reps'])}", ""]
-    if "ipc" in ph and ph["ipc"].get("reps"):
-        r = ph["ipc"]["reps"]
+    for chunk in sorted({x.get("chunk_mb", 0) for x in ph.get("ipc", {}).get("reps", [])}):
+        r = [x for x in ph["ipc"]["reps"] if x.get("chunk_mb", 0) == chunk]
         e2e = sorted(x["end_to_end_s"] * 1000 for x in r)
-        lines += [f"CUDA IPC on one GPU ({len(r)} updates, {r[0].get('running_at_start')} requests running): end to end "
+        paced = f"waits every {chunk:.0f} MiB" if chunk else "one burst"
+        lines += [f"CUDA IPC on one GPU, {paced} ({len(r)} updates, {r[0].get('running_at_start')} requests running): end to end "
                   f"{med(r, 'end_to_end_s') * 1000:.1f} ms ({e2e[0]:.1f}-{e2e[-1]:.1f}), publish call "
                   f"{med(r, 'trainer_publish_s') * 1000:.1f} ms (expose {med(r, 'expose_s') * 1000:.1f}, checksum "
-                  f"{med(r, 'checksum_s') * 1000:.1f}), swap call {med(r, 'paused_s') * 1000:.1f} ms, longest gap between engine "
+                  f"{med(r, 'checksum_s') * 1000:.1f}), replica's copy {med(r, 'stage_s') * 1000:.1f} ms (open "
+                  f"{med(r, 'open_s') * 1000:.1f}, verify {med(r, 'verify_s') * 1000:.1f}), swap call {med(r, 'paused_s') * 1000:.1f} ms, longest gap between engine "
                   f"steps {med(r, 'max_step_gap_s') * 1000:.1f} ms (median step {med(r, 'median_step_s') * 1000:.1f} ms); "
                   f"trainer's extra GPU memory {max(x.get('trainer_extra_gpu_bytes') or 0 for x in r) / 2**20:.0f} MiB, copied "
                   f"{max(x.get('trainer_copied_bytes') or 0 for x in r) / 2**20:.0f} MiB; served weights equal the published ones: "
@@ -584,7 +595,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--sync-reps", type=int, default=3)
     ap.add_argument("--memmap-reps", type=int, default=6)
-    ap.add_argument("--ipc-reps", type=int, default=6)
+    ap.add_argument("--ipc-reps", type=int, default=6, help="updates per --ipc-chunk-mb value")
+    ap.add_argument("--ipc-chunk-mb", default="0",
+                    help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_chunk_bytes in MiB (0: one burst)")
     ap.add_argument("--memmap-chunks", type=int, default=3, help="256 MiB read chunks in flight (0: unthrottled)")
     ap.add_argument("--gpu-mem", type=float, default=0.55)
     ap.add_argument("--sync-variants", default="direct",

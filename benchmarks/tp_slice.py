@@ -93,7 +93,7 @@ ALIGN = 256
 ANSWER_TIMEOUT = 300.0
 MEMMAP_WAYS = ("whole+verify", "narrow", "narrow+split verify", "per-rank", "per-rank+verify", "per-rank pread")
 #: Split verification cuts each file at a multiple of this many bytes (the checksum's lane period).
-LANE_BYTES = 4 * 4096
+from rollq.weightsync.checksum import LANE_BYTES  # noqa: E402
 BROADCAST_WAYS = ("broadcast whole", "send slices, staged", "send slices")
 MB = 1e6
 
@@ -330,9 +330,7 @@ class Worker:
 
     def memmap(self, root: str, way: str, checksums: list[int] | None) -> dict[str, Any]:
         """Update from the slot at ``root`` one ``way`` (:data:`MEMMAP_WAYS`)."""
-        from rollq.weightsync.checksum import buffer_checksum
-
-        from rollq.weightsync.checksum import _cpu_sum
+        from rollq.weightsync.checksum import _cpu_sum, buffer_checksum
 
         per_rank = way.startswith("per-rank")
         if way == "per-rank pread":

@@ -204,6 +204,10 @@ class WeightSyncSettings:
     #: Memmap reads to the GPU: 256 MiB chunks queued at most this many at a time (0: all at
     #: once, faster but it stalls generation; see :class:`~rollq.weightsync.memmap.MemmapStore`).
     memmap_chunks_in_flight: int = 3
+    #: IPC copies on a GPU wait for the device after every this many bytes copied or
+    #: checksummed, so the engine on the same GPU steps between the parts instead of behind
+    #: one burst over the whole version (0: one burst, the fastest copy).
+    ipc_chunk_bytes: int = 0
     #: Swap broadcast versions in part by part while they arrive (``keep``, one worker;
     #: :class:`~rollq.weightsync.replica._overlap.OverlappedSwap`).
     swap_overlap: bool = False

@@ -265,6 +265,8 @@ class StageStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     pinned: bool | None = None  # read through page-locked mappings of the files
     shadow: bool | None = None  # held in the shadow weights
     in_place: bool | None = None  # read straight into the shadow's bytes
+    open_s: float | None = None  # IPC: the trainer's handles opened (part of stage_s)
+    verify_s: float | None = None  # the checksum verified after the copy (part of stage_s)
     error: WorkerError | None = None
 
     def report(self) -> dict[str, Any]:

@@ -166,17 +166,19 @@ def test_swap_kernel_swaps_every_width_and_odd_lengths():
     assert torch.equal(buf[1:22], y) and torch.equal(buf[33:54], x)
 
 
-async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_url, queue, shm_root):
+@pytest.mark.parametrize("chunk", [0, 4096])
+async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_url, queue, shm_root, chunk):
     """A trainer process on the same GPU exposes its CUDA tensors (CUDA IPC handles, zero-copy);
     the worker copies the first version into new tensors and traces the shadow's load plan,
-    later ones straight into the shadow's bytes. A trainer killed before the worker opens its
-    handles leaves the served version, and the next trainer's version goes through."""
+    later ones straight into the shadow's bytes, in one burst or waiting for the device every
+    ``chunk`` bytes. A trainer killed before the worker opens its handles leaves the served
+    version, and the next trainer's version goes through."""
     from rollq.weightsync.versions import read_load_errors
     from tests.weightsync.ipc_trainer_proc import trainer
 
     engine = FakeWorkerEngine(Fused, device="cuda:0")
     consumer = Consumer(engine, redis_url, queue)
-    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3))
+    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3, ipc_chunk_bytes=chunk))
     await follower.start()
     try:
         async with trainer(redis_url, queue, "-", "--cuda") as t:
@@ -187,6 +189,8 @@ async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_ur
                 load = follower.history[-1].load
                 assert load["swap"] == "shadow" and load["ipc"] is True, load
                 assert bool(load.get("in_place")) == (fill > 1), load
+                assert load["open_s"] >= 0 and load["verify_s"] > 0, load
+                assert all(w.rollq_state.ipc.chunk_bytes == chunk for w in engine.workers)
                 check(engine, float(fill))
             async with follower._lock:  # no update starts before the trainer is gone
                 rec = await t.publish(4)

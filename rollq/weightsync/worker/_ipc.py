@@ -96,15 +96,21 @@ class IpcStaging:
         #: Called with ``i`` before tensor ``i`` of a version is copied (in the staging
         #: thread): an observer, e.g. a test stopping the copy at a known point.
         self.before_copy: Callable[[int], None] | None = None
+        #: The device is waited for after every this many bytes copied (0: never).
+        self.chunk_bytes = 0
+        self._since = 0  # bytes enqueued since the last wait
+        self._open_s = self._verify_s = 0.0  # the last staging's parts
         self._thread: threading.Thread | None = None
 
-    def stage(self, handles: bytes, version: int) -> StageStatus:
+    def stage(self, handles: bytes, version: int, chunk_bytes: int = 0) -> StageStatus:
         """Start copying ``version`` from ``handles`` (a msgpack ``IpcHandles``) in a thread of
-        this worker; poll :attr:`status`."""
+        this worker, on a GPU waiting for the device after every ``chunk_bytes`` copied or
+        checksummed (0: never); poll :attr:`status`."""
         if self._thread is not None and self._thread.is_alive():
             return StageStatus(state=State.BUSY, version=self.status.version)
         self.staged = None  # free a previously staged copy first
         self.status = StageStatus(state=State.STAGING, version=version)
+        self.chunk_bytes, self._since = max(0, int(chunk_bytes)), 0
         self._thread = threading.Thread(target=self._stage, args=(handles, version), name="rollq-ipc-stage", daemon=True)
         self._thread.start()
         return self.status
@@ -120,7 +126,9 @@ class IpcStaging:
                     raise IpcUnavailable(f"version {version} is exposed on host {h.host[:200]}, not on this one")
                 if not _token_alive(h):
                     raise IpcUnavailable(f"trainer process {h.pid} exited or released version {version} before this worker opened it")
+                t_open = time.perf_counter()
                 srcs = self._open(h)
+                self._open_s = time.perf_counter() - t_open
                 staged = self._copy(h, srcs, t0)
                 del srcs  # unmap the trainer's storages
                 self.status = staged
@@ -149,9 +157,16 @@ class IpcStaging:
 
     def _check(self, h: IpcHandles, items: Items) -> None:
         """After the copy: the trainer still exposes the version, and the bytes are its."""
+        t0 = time.perf_counter()
+        try:
+            self._verify(h, items)
+        finally:
+            self._verify_s = time.perf_counter() - t0
+
+    def _verify(self, h: IpcHandles, items: Items) -> None:
         if not _token_alive(h):
             raise IpcUnavailable(f"trainer process {h.pid} exited or released version {h.version} during the copy")
-        if state_checksum(items) != h.checksum:
+        if state_checksum(items, self.chunk_bytes) != h.checksum:
             raise CorruptWeights(f"version {h.version}: the exposed tensors changed before this worker copied them (checksum mismatch)")
 
     def _copy(self, h: IpcHandles, srcs: Items, t0: float) -> StageStatus:
@@ -168,6 +183,7 @@ class IpcStaging:
                         for i, ((_, src), view) in enumerate(zip(srcs, target.views)):
                             self._before(i)
                             view.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+                            self._pace(stream, view.numel())
                         stream.synchronize()
                         self._check(h, srcs)  # the sources were still the trainer's when copied
                 except BaseException:
@@ -177,9 +193,12 @@ class IpcStaging:
                 with st.lock:
                     self.staged = (version, None)
                 return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0, prepare_s=0.0,
-                                   shadow=True, in_place=True)
+                                   shadow=True, in_place=True, open_s=self._open_s, verify_s=self._verify_s)
             with torch.cuda.stream(stream):
-                items = [(n, self._copy_one(i, src)) for i, (n, src) in enumerate(srcs)]
+                items = []
+                for i, (n, src) in enumerate(srcs):
+                    items.append((n, self._copy_one(i, src)))
+                    self._pace(stream, src.numel() * src.element_size())
                 stream.synchronize()
         else:
             stream = None
@@ -190,7 +209,7 @@ class IpcStaging:
         with st.lock:
             self.staged = (version, None if shadowed else items)
         return StageStatus(state=State.STAGED, version=version, stage_s=t1 - t0, prepare_s=time.perf_counter() - t1,
-                           shadow=shadowed)
+                           shadow=shadowed, open_s=self._open_s, verify_s=self._verify_s)
 
     def _copy_one(self, i: int, src: torch.Tensor) -> torch.Tensor:
         """Tensor ``i`` copied onto this worker's device (from the trainer's device or memory)."""
@@ -198,6 +217,16 @@ class IpcStaging:
         out = torch.empty(src.shape, dtype=src.dtype, device=self.state.device)
         out.copy_(src, non_blocking=True)
         return out
+
+    def _pace(self, stream: Any, nbytes: int) -> None:
+        """Wait for ``stream`` once ``chunk_bytes`` were enqueued since the last wait (the
+        GIL is released meanwhile and the engine's kernels run between the parts)."""
+        if self.chunk_bytes <= 0:
+            return
+        self._since += nbytes
+        if self._since >= self.chunk_bytes:
+            stream.synchronize()
+            self._since = 0
 
     def _before(self, i: int) -> None:
         hook = self.before_copy
