@@ -138,6 +138,32 @@ class _Api:
         return self.SamplingParams(**kw)
 
 
+#: vLLM's step token budget where it picks the default (``SchedulerConfig``).
+DEFAULT_BATCHED_TOKENS = 2048
+
+
+def unchunked_prefill_args(cfg: VllmEngineConfig) -> dict[str, Any]:
+    """On CPU: chunked prefill off, every prompt's prefill in one step. vLLM's CPU backend
+    kills its engine core when a seeded request's prefill is cut across steps (its model
+    runner rewinds the request's generator with ``set_offset``, which a CPU generator lacks:
+    "CPU Generator does not use offset"). vLLM then needs a step budget of at least the
+    context window, so this needs ``max_model_len``; without it, or where the user chose the
+    budget or chunking in ``engine_kwargs``, nothing changes and the engine refuses seeded jobs
+    (:attr:`~rollq.consumer.vllm_engine.VllmEngine.seeds_ok`).
+
+    >>> from rollq.consumer.vllm_config import VllmEngineConfig
+    >>> unchunked_prefill_args(VllmEngineConfig(model="m", max_model_len=4096))
+    {'enable_chunked_prefill': False, 'max_num_batched_tokens': 4096}
+    >>> unchunked_prefill_args(VllmEngineConfig(model="m"))
+    {}
+    """
+    chosen = {"enable_chunked_prefill", "max_num_batched_tokens"} & set(cfg.engine_kwargs)
+    if cfg.max_model_len is None or chosen:
+        return {}
+    return {"enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(DEFAULT_BATCHED_TOKENS, cfg.max_model_len, cfg.max_num_seqs or 0)}
+
+
 def engine_args(api: _Api, cfg: VllmEngineConfig) -> Any:
     """``AsyncEngineArgs`` for ``cfg`` (see :class:`~rollq.consumer.vllm_config.VllmEngineConfig`
     for the CPU defaults); a field this vLLM does not have is refused with its name."""
@@ -182,6 +208,8 @@ def engine_args(api: _Api, cfg: VllmEngineConfig) -> Any:
         else:
             logger.warning("this vLLM has no kv_cache_memory_bytes; using gpu_memory_utilization")
     kw.update(logprobs_mode_args(cfg))
+    if cpu:
+        kw.update(unchunked_prefill_args(cfg))
     kw.update(cfg.engine_kwargs)
     unknown = sorted(set(kw) - fields)
     if unknown:

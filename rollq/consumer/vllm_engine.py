@@ -89,6 +89,7 @@ class VllmEngine(Engine):
         self.config = config
         self.model = config.model
         self.device = "?"
+        self.seeds_ok = True
         #: Context window of the loaded model (set by :meth:`start`).
         self.max_model_len = 0
         #: vLLM's version string (set by :meth:`start`).
@@ -170,6 +171,14 @@ class VllmEngine(Engine):
         self.vllm_version = api.version
         self.dtype = _vllm_api.served_dtype(llm)
         self.device = _vllm_api.device_name(self.config.tensor_parallel_size)
+        sched = getattr(getattr(llm, "vllm_config", None), "scheduler_config", None)
+        #: Seeded jobs are safe here: False on CPU with chunked prefill on (see
+        #: :func:`~rollq.consumer._vllm_api.unchunked_prefill_args`); such jobs are refused.
+        self.seeds_ok = not (self.device.startswith("cpu") and bool(getattr(sched, "enable_chunked_prefill", False)))
+        if not self.seeds_ok:
+            logger.warning("vLLM's CPU backend with chunked prefill on dies on seeded requests whose prefill is "
+                           "chunked; this replica refuses jobs with a seed (set VllmEngineConfig.max_model_len "
+                           "and leave chunking to rollq to serve them)")
         self.tp_size = self.config.tensor_parallel_size
         self.start_seconds = time.perf_counter() - t0
         logger.info(
@@ -259,6 +268,9 @@ class VllmEngine(Engine):
         if llm.errored:
             raise api.EngineDeadError()
         sp = job.sampling
+        if sp.seed is not None and not self.seeds_ok:
+            raise InvalidJob("this replica cannot run seeded jobs: vLLM's CPU backend with chunked prefill on kills its "
+                             "engine on them (send the job without a seed, or start the replica with max_model_len set)")
         prompt_ids = self._prompt_ids(job)
         max_tokens = self._check_length(len(prompt_ids), sp)
         params = api.sampling_params(sp, max_tokens)

