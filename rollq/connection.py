@@ -25,6 +25,15 @@ _REDIS_PY_VERSION = getattr(redis, "__version__", "99.99.99")
 RETRYABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
+def text(v: Any) -> str:
+    """A Redis reply (bytes here: clients do not decode) or any value, as text.
+
+    >>> text(b"r0"), text("r0"), text(3)
+    ('r0', 'r0', '3')
+    """
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
 def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Client:
     """An asyncio Redis client for ``settings`` (binary replies, no decoding).
 

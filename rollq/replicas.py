@@ -12,6 +12,7 @@ import logging
 
 import msgspec
 
+from .connection import text
 from .keys import QueueKeys
 from .protocol import ReplicaInfo
 
@@ -37,7 +38,7 @@ async def live_replicas(client, keys: QueueKeys) -> dict[str, ReplicaInfo]:
     record cannot be decoded is logged and left out; an entry without a heartbeat key is dead.
     """
     registry = await client.hgetall(keys.consumers)
-    names = [k.decode() if isinstance(k, bytes) else str(k) for k in registry]
+    names = [text(k) for k in registry]
     out: dict[str, ReplicaInfo] = {}
     for data, n, alive in zip(registry.values(), names, await heartbeating(client, keys, names)):
         if not alive:

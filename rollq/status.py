@@ -23,7 +23,7 @@ import msgpack
 import msgspec
 from redis.exceptions import ResponseError
 
-from .connection import SUBMIT, Client
+from .connection import SUBMIT, Client, text
 from .errors import BadQueueData, ShardCountMismatch
 from .keys import FIELD, GROUP, QueueKeys
 from .protocol import LATENCY_BUCKETS_MS, DeadLetter, ReplicaInfo, decode_dead_letter, decode_job, encode_job, short
@@ -70,10 +70,6 @@ class QueueStatus:
         return asdict(self)
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def _int(v: Any) -> int:
     return int(v) if v is not None else 0
 
@@ -87,9 +83,9 @@ def _number(v: Any, key: str, field: Any) -> int:
     try:
         return int(v)
     except (TypeError, ValueError):
-        name = _s(field) if isinstance(field, bytes) else field
+        name = text(field) if isinstance(field, bytes) else field
         raise BadQueueData(
-            f"key {key!r} field {short(name, 60)!r} holds {short(_s(v), 60)!r}, not an integer",
+            f"key {key!r} field {short(name, 60)!r} holds {short(text(v), 60)!r}, not an integer",
             key=key, field=name,
         ) from None
 
@@ -153,7 +149,7 @@ async def _group_info(client: Client, stream: str) -> tuple[int, int, bytes | No
 
 def _waiting(length: Any, groups: list[dict[Any, Any]]) -> tuple[int, int, bytes | None]:
     for g in groups:
-        if _s(g.get("name")) == GROUP:
+        if text(g.get("name")) == GROUP:
             pending = _int(g.get("pending"))
             return max(0, int(length) - pending), pending, g.get("last-delivered-id")
     return int(length), 0, None
@@ -224,7 +220,7 @@ async def queue_status(client: Client, keys: QueueKeys, shards: int | None = Non
     stats: dict[str, int] = {}
     for h, key in zip((stats_raw, *res[5::2]), (keys.stats, *read[5::2])):
         for name, v in h.items():
-            stats[_s(name)] = stats.get(_s(name), 0) + _number(v, key, name)
+            stats[text(name)] = stats.get(text(name), 0) + _number(v, key, name)
     dlq_len = int(dlq_len) + sum(int(n) for n in res[6::2])
     buckets = {_number(b, keys.latency, b): _number(v, keys.latency, b) for b, v in lat.items()}
 
@@ -235,7 +231,7 @@ async def queue_status(client: Client, keys: QueueKeys, shards: int | None = Non
 
     replicas: list[ReplicaView] = []
     if registry:
-        names = [_s(n) for n in registry]
+        names = [text(n) for n in registry]
         alive = await heartbeating(client, keys, names)
         now = time.time()
         for n, a in zip(names, alive):
@@ -301,7 +297,7 @@ def _view(eid: bytes, d: DeadLetter) -> DeadLetterView:
     except Exception:  # noqa: BLE001 - not a valid job: it stays where it is
         ok = False
     return DeadLetterView(
-        entry_id=_s(eid), job_id=d.job_id, reason=d.reason, error_type=d.error_type,
+        entry_id=text(eid), job_id=d.job_id, reason=d.reason, error_type=d.error_type,
         consumer=d.consumer, deliveries=d.deliveries, at=d.at, source=d.source, requeueable=ok,
         kept_bytes=len(d.payload), payload_bytes=max(d.payload_bytes, len(d.payload)),
     )
@@ -364,7 +360,7 @@ async def dlq_list(client: Client, keys: QueueKeys, count: int = 100, shards: in
         try:
             v = _view(eid, decode_dead_letter(fields[_FIELD]))
         except Exception as e:
-            v = DeadLetterView(_s(eid), None, f"unreadable dead letter: {e}", "ProtocolError", "", 0, 0.0, "", False)
+            v = DeadLetterView(text(eid), None, f"unreadable dead letter: {e}", "ProtocolError", "", 0, 0.0, "", False)
         v.shard, v.ref = i, entry_ref(i, v.entry_id, k)
         out.append(v)
     return out

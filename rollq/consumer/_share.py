@@ -58,9 +58,9 @@ from redis.exceptions import ResponseError
 
 from ..keys import GROUP
 from ..protocol import FreeSlots
+from ..protocol.replica import read_free_slots
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(FreeSlots).decode
 
 
 def fair_share(waiting: int, *, mine: int, peers: int, most: int) -> int:
@@ -113,16 +113,10 @@ class Fleet:
         write the hash) count as stale."""
         total, caps, stale = 0, 0, []
         by_home: dict[int, int] = {}
-        for k, v in table.items():
-            name = k.decode(errors="replace") if isinstance(k, bytes) else str(k)
+        for name, slots in read_free_slots(table):
             if name == self.me:
                 continue
-            try:
-                slots = _decode(v)
-            except (msgspec.DecodeError, TypeError):
-                stale.append(name)
-                continue
-            if now_ms - slots.at_ms > ttl_ms:
+            if slots is None or now_ms - slots.at_ms > ttl_ms:
                 stale.append(name)
                 continue
             by_home[slots.home] = by_home.get(slots.home, 0) + max(0, slots.free)

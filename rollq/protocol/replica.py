@@ -15,10 +15,11 @@ to take their share of a burst (rollq/consumer/_share.py).
 from __future__ import annotations
 
 import bisect
+from typing import Any, Iterator
 
 import msgspec
 
-__all__ = ["LATENCY_BUCKETS_MS", "FreeSlots", "ReplicaInfo", "latency_bucket"]
+__all__ = ["LATENCY_BUCKETS_MS", "FreeSlots", "ReplicaInfo", "latency_bucket", "read_free_slots"]
 
 #: Latency histogram bucket upper bounds, milliseconds (last bucket: +inf).
 LATENCY_BUCKETS_MS = (0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000, 60000, 120000, 300000)
@@ -45,6 +46,25 @@ class FreeSlots(msgspec.Struct, array_like=True):
     home: int = 0
     #: Its in-flight cap (0 while paused or stopping).
     cap: int = 0
+
+
+_decode_slots = msgspec.msgpack.Decoder(FreeSlots).decode
+
+
+def read_free_slots(table: dict[Any, Any]) -> Iterator[tuple[str, FreeSlots | None]]:
+    """Each entry of the free-slots hash as read (``HGETALL``): the replica's name and its
+    :class:`FreeSlots`, or None where the entry is malformed (anything that can write Redis
+    can write the hash).
+
+    >>> dict(read_free_slots({b"r0": msgspec.msgpack.encode(FreeSlots(3, 5)), b"r1": b"junk"}))
+    {'r0': FreeSlots(free=3, at_ms=5, home=0, cap=0), 'r1': None}
+    """
+    for k, v in table.items():
+        name = k.decode(errors="replace") if isinstance(k, bytes) else str(k)
+        try:
+            yield name, _decode_slots(v)
+        except (msgspec.DecodeError, TypeError):
+            yield name, None
 
 
 class ReplicaInfo(msgspec.Struct, kw_only=True):

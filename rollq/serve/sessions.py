@@ -25,14 +25,12 @@ import logging
 import time
 from typing import Any
 
-import msgspec
 
 from ..keys import QueueKeys
-from ..protocol import FreeSlots
+from ..protocol.replica import read_free_slots
 
 log = logging.getLogger(__name__)
 
-_decode = msgspec.msgpack.Decoder(FreeSlots).decode
 
 
 class Sessions:
@@ -88,14 +86,9 @@ class Sessions:
         """``{replica: (jobs in flight, in-flight cap)}`` of the live replicas in the
         free-slots hash (malformed or stale entries left out)."""
         out: dict[str, tuple[int, int]] = {}
-        for k, v in table.items():
-            try:
-                slots = _decode(v)
-            except (msgspec.DecodeError, TypeError):
+        for name, slots in read_free_slots(table):
+            if slots is None or now_ms - slots.at_ms > self.lease_ttl * 1000:
                 continue
-            if now_ms - slots.at_ms > self.lease_ttl * 1000:
-                continue
-            name = k.decode(errors="replace") if isinstance(k, bytes) else str(k)
             out[name] = (max(0, slots.cap - slots.free), max(0, slots.cap))
         return out
 

@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 import torch
 
+from ...connection import text
 from ...errors import WeightSyncTimeout
 from ...protocol import Control, control_message
 from ...replicas import heartbeating
@@ -34,11 +35,6 @@ from ..process_group import Group, free_port, in_daemon_thread, make_group
 from ..wire import GroupInfo, member_workers
 
 log = logging.getLogger(__name__)
-
-
-def decoded(v: Any) -> str:
-    """``v`` as text (Redis replies are bytes here)."""
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class SenderGroup:
@@ -118,7 +114,7 @@ class SenderGroup:
         # without an expected count the call lasts at most the join window
         deadline = t0 + (self.timeout if self.num_workers else self.join_window)
         while True:
-            got = {decoded(k): decoded(v) for k, v in (await client.hgetall(answers)).items()}
+            got = {text(k): text(v) for k, v in (await client.hgetall(answers)).items()}
             workers = sum(member_workers(e) for e in got.values())
             now = time.monotonic()
             if workers >= need and (expected.keys() <= got.keys() or now >= t0 + self.join_window):
@@ -145,7 +141,7 @@ class SenderGroup:
     async def registered(self, client: Any, keys: Any) -> dict[str, str]:
         """The replicas registered as following broadcasts: ``{replica: entry}``
         (:func:`~rollq.weightsync.wire.member_entry`)."""
-        return {decoded(k): decoded(v) for k, v in (await client.hgetall(keys.weights_members)).items()}
+        return {text(k): text(v) for k, v in (await client.hgetall(keys.weights_members)).items()}
 
     async def regroup_reason(self, client: Any, keys: Any) -> str | None:
         """Why the group must be formed (again) before the next send; None: it is current."""

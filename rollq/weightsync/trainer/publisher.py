@@ -40,7 +40,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import msgspec
 import torch
 
-from ...connection import connect
+from ...connection import connect, text
 from ...errors import StaleVersion, WeightLoadFailed, WeightSyncError, WeightSyncTimeout
 from ...keys import QueueKeys
 from ...replicas import heartbeating
@@ -56,10 +56,6 @@ from ..versions import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class WeightPublisher:
@@ -160,7 +156,7 @@ class WeightPublisher:
         raw = await client.hgetall(self.keys.manifests)
         if not raw:
             return {}
-        names = [_s(k) for k in raw]
+        names = [text(k) for k in raw]
         out = {}
         for data, n, alive in zip(raw.values(), names, await heartbeating(client, self.keys, names)):
             if alive:
@@ -219,14 +215,14 @@ class WeightPublisher:
         while True:
             registry = await client.hgetall(self.keys.consumers)
             errors = await read_load_errors(client, self.keys)
-            names = [_s(k) for k in registry]
+            names = [text(k) for k in registry]
             alive = dict(zip(names, await heartbeating(client, self.keys, names)))
             served: dict[str, int] = {}
             for k, data in registry.items():
                 try:
-                    served[_s(k)] = int(msgspec.msgpack.decode(data).get("version", 0))
+                    served[text(k)] = int(msgspec.msgpack.decode(data).get("version", 0))
                 except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
-                    served[_s(k)] = 0
+                    served[text(k)] = 0
             targets = wanted if wanted is not None else [n for n in names if alive.get(n)]
             behind = [n for n in targets if not (alive.get(n) and served.get(n, -1) >= version)]
             if not behind and len(targets) >= min_replicas:

@@ -35,7 +35,8 @@ from ..checksum import state_checksum
 from ..layout import Layout, flat_bytes, groups_of
 from ..process_group import in_daemon_thread, wait_stream
 from ..versions import TensorMeta, VersionRecord
-from .group import SenderGroup, decoded
+from ...connection import text
+from .group import SenderGroup
 from ..wire import Ack, FlatLayout, Mode, Offer, decode_ack, manifest_digest
 
 log = logging.getLogger(__name__)
@@ -312,7 +313,7 @@ class BroadcastSender:
 
         async def read() -> None:
             for k, v in (await client.hgetall(offer.acks)).items():
-                take(decode_ack(v, decoded(k)))
+                take(decode_ack(v, text(k)))
 
         await read()
         while not want <= acks.keys():
