@@ -9,8 +9,8 @@ extra memory is :attr:`Exposure.copied_bytes` (0 when every tensor was shareable
 An exposed tensor must not change until the replicas have copied it: a replica verifies the
 checksum taken here and refuses a version whose bytes changed meanwhile
 (:class:`~rollq.errors.CorruptWeights`). A trainer that updates its weights in place right
-after publishing either publishes copies (any CPU tensor not already shared is copied here)
-or waits for the replicas first (``WeightPublisher.wait_for_replicas``).
+after publishing exposes a snapshot (``snapshot=True``: every tensor copied here, a CUDA
+tensor on its own GPU) or waits for the replicas first (``WeightPublisher.wait_for_replicas``).
 
 >>> import torch
 >>> x = Exposure(1, [("w", torch.ones(2, 2))])
@@ -63,9 +63,9 @@ class Exposure:
     """Version ``version`` of ``items`` exposed to the processes of this host until
     :meth:`release` (or until this process exits): :attr:`handles` say where each tensor is."""
 
-    def __init__(self, version: int, items: Items):
+    def __init__(self, version: int, items: Items, snapshot: bool = False):
         t0 = time.perf_counter()
-        #: Bytes copied into shared memory for the exposure (0: zero-copy).
+        #: Bytes copied for the exposure (into shared memory, or on the GPU for a CUDA snapshot; 0: zero-copy).
         self.copied_bytes = 0
         self._held: list[torch.Tensor] = []  # what keeps the exposed storages alive
         self._token = torch.UntypedStorage._new_using_fd_cpu(8)
@@ -75,7 +75,9 @@ class Exposure:
         exposed: Items = []
         for name, t in items:
             t = t.detach()
-            if t.device.type == "cuda":
+            if snapshot:
+                t = self._copied(t)
+            elif t.device.type == "cuda":
                 t = t.contiguous()
             elif t.device.type != "cpu" or not t.is_contiguous() or not t.is_shared():
                 t = self._copied(t)
@@ -106,6 +108,10 @@ class Exposure:
         )
 
     def _copied(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cuda":
+            out = t.clone(memory_format=torch.contiguous_format)
+            self.copied_bytes += out.numel() * out.element_size()
+            return out
         out = _shared_copy(t.cpu())
         self.copied_bytes += out.numel() * out.element_size()
         return out

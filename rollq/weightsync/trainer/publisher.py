@@ -79,6 +79,7 @@ class WeightPublisher:
         trainer_id: str = "",
         validate: bool = True,
         expected: Manifest | str | Sequence[TensorMeta] | None = None,
+        ipc_snapshot: bool = False,
     ):
         self.redis_settings = url if isinstance(url, RedisSettings) else RedisSettings.from_url(url)
         self.keys = QueueKeys(queue)
@@ -87,6 +88,11 @@ class WeightPublisher:
         self.sender = sender
         self.trainer_id = trainer_id
         self.validate = validate
+        #: ``transport="ipc"`` exposes a copy of the tensors taken at publish (on their own
+        #: device; extra memory: one copy of the version), so the trainer may change its
+        #: weights in place right after publishing. Without it the tensors themselves are
+        #: exposed (zero-copy) and must not change until the replicas copied them.
+        self.ipc_snapshot = ipc_snapshot
         if isinstance(expected, str):
             got = read_manifest(expected)
             if got is None:

@@ -38,6 +38,7 @@ class PublisherSide(Protocol):
     store: MemmapStore | None
     sender: Sender | None
     trainer_id: str
+    ipc_snapshot: bool
 
     async def redis(self) -> Any:
         """The publisher's Redis client."""

@@ -12,7 +12,9 @@ How long a version stays exposed: from its publish until the same publisher publ
 next version over IPC, :func:`release` is called, the publisher closes, or the trainer process
 exits, whichever comes first. A replica still copying it then refuses it (it takes the next
 one). Extra memory held meanwhile: none for CUDA tensors and CPU tensors already in shared
-memory (zero-copy), one copy of every other CPU tensor (``timings["ipc_copied_bytes"]``).
+memory (zero-copy), one copy of every other CPU tensor (``timings["ipc_copied_bytes"]``). With
+``WeightPublisher(ipc_snapshot=True)`` every tensor is copied at publish (CUDA tensors on their
+GPU), so the trainer may update its weights in place right after publishing.
 
 Replica side :class:`IpcReceive`: has every worker copy and verify the version in a thread
 (:mod:`rollq.weightsync.worker._ipc`), then swaps it in as a memmap-staged version is.
@@ -70,7 +72,7 @@ class IpcSend(TrainerTransport):
 
         pub = self.publisher
         t0 = time.perf_counter()
-        x = await asyncio.to_thread(Exposure, version, items)
+        x = await asyncio.to_thread(Exposure, version, items, pub.ipc_snapshot)
         try:
             await (await pub.redis()).set(pub.keys.weights_ipc, encode_handles(x.handles))
             rec = VersionRecord(

@@ -187,3 +187,32 @@ async def test_tensors_changed_before_the_copy_are_refused_or_taken_from_the_mem
             await pub.close()
     finally:
         await follower.stop()
+
+
+async def test_a_snapshot_lets_the_trainer_change_its_weights_right_after_publishing(redis_url, queue, tmp_path):
+    """``WeightPublisher(ipc_snapshot=True)`` exposes copies taken at publish: the trainer's
+    next step, in place before the replica copied anything, does not reach the replica, which
+    serves the published values (without it this version is refused, the test above)."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1))
+    pub = WeightPublisher(redis_url, queue, ipc_snapshot=True)
+    await follower.start()
+    try:
+        st = {k: v.share_memory_() for k, v in state(3.0).items()}
+        async with follower._lock:  # the replica copies only after the change
+            rec = await pub.publish_weights(st, transport="ipc")
+            assert rec.timings["ipc_copied_bytes"] == sum(v.numel() * v.element_size() for v in st.values())
+            for v in st.values():
+                v.add_(100.0)
+        await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        assert follower.history[-1].load["ipc"] is True
+        assert float(engine.workers[0].model_runner.model.module[0].weight[0, 0].detach()) == 3.0
+    finally:
+        await follower.stop()
+        await pub.close()
