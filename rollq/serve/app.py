@@ -31,7 +31,7 @@ from ..errors import InvalidJob
 from ..protocol import Result
 from . import generate as gen
 from .errors import VALIDATION_ERROR, error_response, unauthorized
-from .schemas import ChatRequest, CompletionRequest, chat_messages, completion_prompt, exact_turns, sampling_of
+from .schemas import ChatRequest, CompletionRequest, chat_messages, completion_prompts, exact_turns, sampling_of
 from .sessions import Sessions
 from .template import template_ids
 
@@ -115,8 +115,8 @@ class _Server:
             if not waiter.done():
                 waiter.cancel()
 
-    def _token_str(self, tid: int) -> str:
-        if self.tokenizer is None:
+    def _token_str(self, tid: int, as_id: bool | None = False) -> str:
+        if self.tokenizer is None or as_id:
             return f"token_id:{tid}"
         return self.tokenizer.decode([tid])
 
@@ -183,30 +183,43 @@ class _Server:
         req = await self._decode(request, CompletionRequest)
         if isinstance(req, Response):
             return req
+        handles: list[Any] = []
         try:
             if req.logprobs is not None and req.logprobs > 1:
                 raise InvalidJob("logprobs above 1 are not served: a rollq result carries the sampled token's logprob")
-            prompt = completion_prompt(req)
-            spec = {**prompt, "sampling": sampling_of(req, req.max_tokens, req.logprobs is not None)}
+            prompts = completion_prompts(req)
+            sampling = sampling_of(req, req.max_tokens, req.logprobs is not None)
             session = self._session(request, req)
-            handle = await self._submit(spec, session)
+            for prompt in prompts:  # one job per prompt of a batch
+                handles.append(await self._submit({**prompt, "sampling": sampling}, session))
         except InvalidJob as e:
+            await _cancel(handles)
             return error_response(str(e), 400)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._completion_stream(request, req, handle, rid, prompt, session), handle)
-        res = await self._outcome(request, handle, session)
-        if isinstance(res, Response):
-            return res
-        prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
-        choices = [self._completion_choice(req, res, i, s, prompt_ids) for i, s in enumerate(res.samples)]
+            return _sse(self._completion_stream(req, handles, rid, prompts, session), handles)
+        results: list[Result] = []
+        for handle in handles:
+            res = await self._outcome(request, handle, session)
+            if isinstance(res, Response):
+                await _cancel(handles)
+                return res
+            results.append(res)
+        choices: list[dict[str, Any]] = []
+        usages = []
+        for prompt, res in zip(prompts, results):
+            prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
+            # prompt-major, as vLLM's server: the n choices of prompt i are indices i*n .. i*n+n-1
+            choices += [self._completion_choice(req, res, len(choices) + k, s, prompt_ids) for k, s in enumerate(res.samples)]
+            usages.append(self._usage(res, len(prompt_ids) or res.prompt_tokens))
+        usage = _summed(usages)
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
-                             "choices": choices, "usage": self._usage(res, len(prompt_ids) or res.prompt_tokens),
+                             "choices": choices, "usage": usage,
                              "system_fingerprint": None, "service_tier": None, "kv_transfer_params": None})
 
-    def _completion_logprobs(self, sample: Any) -> dict[str, Any]:
+    def _completion_logprobs(self, sample: Any, as_ids: bool | None) -> dict[str, Any]:
         ids, lps = sample.token_ids, sample.token_logprobs or []
-        tokens = [self._token_str(t) for t in ids]
+        tokens = [self._token_str(t, as_ids) for t in ids]
         offsets, at = [], 0
         for t in tokens:
             offsets.append(at)
@@ -216,27 +229,31 @@ class _Server:
 
     def _completion_choice(self, req: CompletionRequest, res: Result, i: int, s: Any, prompt_ids: list[int]) -> dict[str, Any]:
         return {"index": i, "text": self._text(s),
-                "logprobs": self._completion_logprobs(s) if req.logprobs is not None else None,
+                "logprobs": self._completion_logprobs(s, req.return_tokens_as_token_ids) if req.logprobs is not None else None,
                 "finish_reason": s.finish_reason, "stop_reason": None,
                 "prompt_logprobs": None,
                 "prompt_token_ids": prompt_ids if req.return_token_ids else None,
                 "token_ids": s.token_ids if req.return_token_ids else None,
                 "rollq": self._ext(res, s)}
 
-    async def _completion_stream(self, request: Request, req: CompletionRequest, handle: Any, rid: str,
-                                 prompt: dict[str, Any], session: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        res = await self._streamed(handle, session)
-        if res.error is not None:
-            yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
-            return
-        prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
-        created = int(time.time())
-        for i, s in enumerate(res.samples):
-            choice = self._completion_choice(req, res, i, s, prompt_ids)
-            yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                   "choices": [choice], "usage": None}
+    async def _completion_stream(self, req: CompletionRequest, handles: list[Any], rid: str,
+                                 prompts: list[dict[str, Any]], session: str | None = None) -> AsyncIterator[dict[str, Any]]:
+        created, index, usages = int(time.time()), 0, []
+        for handle, prompt in zip(handles, prompts):
+            res = await self._streamed(handle, session)
+            if res.error is not None:
+                await _cancel(handles)  # the rest of the batch
+                yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
+                return
+            prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
+            for s in res.samples:
+                choice = self._completion_choice(req, res, index, s, prompt_ids)
+                index += 1
+                yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                       "choices": [choice], "usage": None}
+            usages.append(self._usage(res, len(prompt_ids) or res.prompt_tokens))
         yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name, "choices": [],
-               "usage": self._usage(res, len(prompt_ids) or res.prompt_tokens)}
+               "usage": _summed(usages)}
 
     def _chat_prompt(self, req: ChatRequest) -> dict[str, Any]:
         messages = chat_messages(req)
@@ -274,7 +291,7 @@ class _Server:
         choices: list[dict[str, Any]] = [{"index": i, "message": {"role": "assistant", "content": self._text(s), "refusal": None,
                                             "annotations": None, "audio": None, "function_call": None,
                                             "tool_calls": [], "reasoning": None},
-                    "logprobs": self._chat_logprobs(s) if req.logprobs else None, "finish_reason": s.finish_reason,
+                    "logprobs": self._chat_logprobs(s, req.return_tokens_as_token_ids) if req.logprobs else None, "finish_reason": s.finish_reason,
                     "stop_reason": None, "token_ids": s.token_ids if req.return_token_ids is not False else None,
                     "rollq": self._ext(res, s)} for i, s in enumerate(res.samples)]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
@@ -283,10 +300,10 @@ class _Server:
                              "prompt_token_ids": prompt_ids if req.return_token_ids is not False else None,
                              "kv_transfer_params": None})
 
-    def _chat_logprobs(self, sample: Any) -> dict[str, Any]:
+    def _chat_logprobs(self, sample: Any, as_ids: bool | None) -> dict[str, Any]:
         content = []
         for t, lp in zip(sample.token_ids, sample.token_logprobs or []):
-            tok = self._token_str(t)
+            tok = self._token_str(t, as_ids)
             content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []})
         return {"content": content}
 
@@ -305,7 +322,7 @@ class _Server:
         prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
         for i, s in enumerate(res.samples):
             choice = {"index": i, "delta": {"content": self._text(s)},
-                      "logprobs": self._chat_logprobs(s) if req.logprobs else None, "finish_reason": s.finish_reason,
+                      "logprobs": self._chat_logprobs(s, req.return_tokens_as_token_ids) if req.logprobs else None, "finish_reason": s.finish_reason,
                       "stop_reason": None, "token_ids": s.token_ids if req.return_token_ids else None,
                       "rollq": self._ext(res, s)}
             yield {**head, "choices": [choice],
@@ -387,9 +404,25 @@ def _job_error(res: Result) -> Response:
     return error_response(f"{err.type}: {err.message}", 400 if err.type in _CLIENT_ERRORS else 500)
 
 
-def _sse(events: AsyncIterator[dict[str, Any]], handle: Any) -> StreamingResponse:
-    """Server-sent events of ``events``, then ``data: [DONE]``; the job is cancelled when the
-    stream stops early (the client went away)."""
+def _summed(usages: list[dict[str, int | None]]) -> dict[str, int | None]:
+    """The usage of a batch: its prompts' usages added up."""
+    keys = ("prompt_tokens", "total_tokens", "completion_tokens")
+    return {**{k: sum(u[k] or 0 for u in usages) for k in keys}, "prompt_tokens_details": None}
+
+
+async def _cancel(handles: list[Any]) -> None:
+    """Cancel the jobs of ``handles`` not done (a batch given up), even from a cancelled task."""
+    with anyio.CancelScope(shield=True):
+        for h in handles:
+            if not h.done():
+                with contextlib.suppress(Exception):
+                    await h.cancel()
+
+
+def _sse(events: AsyncIterator[dict[str, Any]], handles: Any) -> StreamingResponse:
+    """Server-sent events of ``events``, then ``data: [DONE]``; the jobs of ``handles`` (one
+    handle or a list) are cancelled when the stream stops early (the client went away)."""
+    jobs = handles if isinstance(handles, list) else [handles]
 
     async def body() -> AsyncIterator[bytes]:
         finished = False
@@ -399,9 +432,8 @@ def _sse(events: AsyncIterator[dict[str, Any]], handle: Any) -> StreamingRespons
             yield b"data: [DONE]\n\n"
             finished = True
         finally:
-            if not finished and not handle.done():
-                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                    await handle.cancel()
+            if not finished:
+                await _cancel(jobs)
 
     return StreamingResponse(body(), media_type="text/event-stream")
 

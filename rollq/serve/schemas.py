@@ -41,12 +41,15 @@ class _Sampling(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     stream: bool = False
     return_token_ids: bool | None = None
+    #: Logprob tokens as ``"token_id:<id>"`` instead of the decoded text (vLLM's field; TRL's
+    #: client asks for it).
+    return_tokens_as_token_ids: bool | None = None
     user: str | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    """``POST /v1/completions``: ``prompt`` is a string, a list of token ids, or a list of one
-    of either (one prompt per request: a rollq job has one prompt)."""
+    """``POST /v1/completions``: ``prompt`` is a string, a list of token ids, or a batch (a
+    list of strings or of token-id lists: one rollq job per prompt, as TRL's client sends)."""
 
     prompt: str | list[int | str | list[int]]
     logprobs: int | None = None
@@ -86,18 +89,31 @@ def sampling_of(req: CompletionRequest | ChatRequest, max_tokens: int | None, lo
     return SamplingParams.from_dict(d)
 
 
-def completion_prompt(req: CompletionRequest) -> dict[str, Any]:
-    """The job field of the prompt: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
+#: Most prompts in one ``/v1/completions`` batch (each is a job).
+MAX_BATCH_PROMPTS = 1024
 
-    >>> completion_prompt(msgspec.json.decode(b'{"prompt": [[1, 2]]}', type=CompletionRequest))
-    {'prompt_token_ids': [1, 2]}
+
+def completion_prompts(req: CompletionRequest) -> list[dict[str, Any]]:
+    """The job field of each prompt: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``,
+    one for a single prompt, one per entry for a batch (all strings or all token-id lists).
+
+    >>> completion_prompts(msgspec.json.decode(b'{"prompt": [[1, 2], [3]]}', type=CompletionRequest))
+    [{'prompt_token_ids': [1, 2]}, {'prompt_token_ids': [3]}]
+    >>> completion_prompts(msgspec.json.decode(b'{"prompt": "hi"}', type=CompletionRequest))
+    [{'prompt': 'hi'}]
     """
     p: Any = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise InvalidJob(f"rollq serve takes one prompt per request (got a batch of {len(p)})")
-        p = p[0]
-    elif isinstance(p, list) and not all(isinstance(t, int) for t in p):
+        if len(p) > MAX_BATCH_PROMPTS:
+            raise InvalidJob(f"a batch of {len(p)} prompts is more than {MAX_BATCH_PROMPTS}")
+        if not all(isinstance(q, type(p[0])) for q in p):
+            raise InvalidJob("prompt: a batch holds strings only or token-id lists only")
+        return [_one_prompt(q) for q in p]
+    return [_one_prompt(p)]
+
+
+def _one_prompt(p: Any) -> dict[str, Any]:
+    if isinstance(p, list) and not all(isinstance(t, int) for t in p):
         raise InvalidJob("prompt: a list of token ids holds ints only")
     if isinstance(p, str):
         if not p:

@@ -38,6 +38,46 @@ async def test_completion_of_token_prompt(client):
     assert ext["version_start"] == ext["version_end"] == 0 and ext["token_versions"] == [0, 0, 0]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_batch_of_prompts_is_one_job_each_and_its_choices_come_prompt_major(client, stream):
+    """TRL's client sends every prompt of a step in one request; vLLM's server answers with the
+    n choices of prompt i at indices i*n .. i*n+n-1, and so does rollq serve."""
+    body = {"prompt": [[5, 6], [7, 8, 9]], "max_tokens": 2, "n": 2, "return_token_ids": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True, "stream": stream}
+    if stream:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            lines = [ln async for ln in r.aiter_lines() if ln]
+        events = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+        choices, usage = [c for e in events for c in e["choices"]], events[-1]["usage"]
+    else:
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choices, usage = r.json()["choices"], r.json()["usage"]
+    got = {c["index"]: (c["prompt_token_ids"], c["token_ids"]) for c in choices}
+    assert got == {0: ([5, 6], [5, 6]), 1: ([5, 6], [6, 7]), 2: ([7, 8, 9], [7, 8]), 3: ([7, 8, 9], [8, 9])}
+    assert {c["rollq"]["job_id"] for c in choices[:2]} != {c["rollq"]["job_id"] for c in choices[2:]}
+    assert choices[2]["logprobs"]["tokens"] == ["token_id:7", "token_id:8"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (5, 8)
+
+
+@pytest.mark.parametrize("prompt, needle", [(["a", [1, 2]], "strings only or token-id lists only"),
+                                            ([[1], []], "non-empty")])
+async def test_a_bad_batch_is_refused_whole(client, prompt, needle):
+    r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_a_batch_is_bounded():
+    import msgspec
+
+    from rollq.errors import InvalidJob
+    from rollq.serve.schemas import MAX_BATCH_PROMPTS, CompletionRequest, completion_prompts
+
+    req = msgspec.convert({"prompt": [[1]] * (MAX_BATCH_PROMPTS + 1)}, CompletionRequest)
+    with pytest.raises(InvalidJob, match=f"more than {MAX_BATCH_PROMPTS}"):
+        completion_prompts(req)
+
+
 async def test_completion_without_return_token_ids_omits_them(client):
     r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     choice = r.json()["choices"][0]
