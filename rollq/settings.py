@@ -203,7 +203,8 @@ class WeightSyncSettings:
     default_policy: str = "keep"
     #: ``abort`` policy: requests ended for an update continue from the tokens they had, on
     #: the new weights (:mod:`rollq.consumer._resume`; seeded jobs still run again from
-    #: scratch). False: every one runs again from scratch.
+    #: scratch, as do all on an engine without ``reports_aborted``). False: every one runs
+    #: again from scratch.
     abort_resume: bool = False
     #: Seconds the resume waits for the engine to report the requests it ended.
     abort_resume_timeout: float = 30.0

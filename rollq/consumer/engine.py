@@ -90,6 +90,10 @@ class Engine(abc.ABC):
     tp_size: int = 1
     #: The dtype the model's floating-point weights are served in ("" for engines without weights).
     dtype: str = ""
+    #: ``pause("abort")`` ends running requests through ``done``, with each sample's tokens
+    #: so far and ``finish_reason="abort"`` (what a resume continues from; engines that do
+    #: not are aborted and run again from scratch).
+    reports_aborted: bool = False
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Bring the engine up (load the model)."""
@@ -120,7 +124,8 @@ class Engine(abc.ABC):
 
     # -- weight updates (used by rollq.weightsync) ---------------------------------------
     async def pause(self, mode: str = "keep") -> None:  # noqa: B027
-        """Stop generating (``keep``: in-flight requests resume later; ``abort``: they end)."""
+        """Stop generating (``keep``: in-flight requests resume later; ``abort``: they end,
+        reported through ``done`` where :attr:`reports_aborted`)."""
 
     async def resume(self) -> None:  # noqa: B027
         """Resume generating after :meth:`pause`."""
@@ -173,6 +178,7 @@ class EchoEngine(Engine):
 
     name = "echo"
     model = "echo"
+    reports_aborted = True
 
     def __init__(self, delay_per_token: float = 0.0, vocab_size: int = 32000, max_model_len: int = 1 << 16,
                  abort_at: int | None = None):

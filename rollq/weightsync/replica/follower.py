@@ -411,7 +411,7 @@ class WeightFollower:
             try:
                 t_pause = time.perf_counter()  # generation stops for at most this long
                 if policy not in ("keep", "drain"):
-                    if self.settings.abort_resume:
+                    if self.settings.abort_resume and getattr(self.engine, "reports_aborted", False):
                         # The engine ends the requests and reports each one's samples so far.
                         c.collect_partials()
                         await self.engine.pause("abort")
