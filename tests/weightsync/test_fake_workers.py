@@ -656,3 +656,31 @@ async def test_abort_resume_continues_from_the_partial_tokens(redis_url, queue, 
             assert s.finish_reason == "length"
     # A seeded job runs again from scratch: its random stream cannot be continued.
     assert rs[4].policy_version == (2, 2) and rs[4].token_versions() == [2] * 20
+
+
+async def test_abort_resume_twice_stitches_three_versions(redis_url, queue, root):
+    """A resumed job aborted again by the next update keeps what its continuation made too:
+    its sample reads 5 tokens of version 1, 5 of version 2, the rest of version 3."""
+    pub = WeightPublisher(redis_url, queue, root=root)
+    await pub.publish_weights(state(1.0))
+    engine = FakeWorkerEngine(small_model, delay_per_token=0.05, abort_at=5)  # 40 tokens: 2 s
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.2, abort_resume=True))
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    async with Producer(redis_url, queue) as p:
+        await p.set_update_policy("abort")
+        h = await p.submit("q", sampling={"max_tokens": 40, "logprobs": 0})
+        await until(lambda: consumer.running_count() == 1, 10, "job running")
+        await pub.publish_weights(state(2.0))
+        await until(lambda: consumer.version == 2, 10, "version 2 served")
+        await pub.publish_weights(state(3.0))  # while the continuation (35 tokens, 1.75 s) runs
+        r = await h.result(timeout=30)
+    consumer.stop()
+    await task
+    await follower.stop()
+    await pub.close()
+    assert r.ok and r.policy_version == (1, 3) and r.deliveries == 1
+    assert r.token_versions() == [1] * 5 + [2] * 5 + [3] * 30
+    s = r.samples[0]
+    assert s.versions == [(1, 0), (2, 5), (3, 10)] and len(s.token_ids) == len(s.token_logprobs or []) == 40
