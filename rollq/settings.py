@@ -201,6 +201,13 @@ class WeightSyncSettings:
     drain_timeout: float = 120.0
     #: Update policy when the queue's config names none (``keep``, ``abort``, ``drain``).
     default_policy: str = "keep"
+    #: ``abort`` policy: requests ended for an update continue from the tokens they had, on
+    #: the new weights (:mod:`rollq.consumer._resume`; seeded jobs still run again from
+    #: scratch, as do all on an engine without ``reports_aborted``). False: every one runs
+    #: again from scratch.
+    abort_resume: bool = False
+    #: Seconds the resume waits for the engine to report the requests it ended.
+    abort_resume_timeout: float = 30.0
     #: Memmap reads to the GPU: 256 MiB chunks queued at most this many at a time (0: all at
     #: once, faster but it stalls generation; see :class:`~rollq.weightsync.memmap.MemmapStore`).
     memmap_chunks_in_flight: int = 3

@@ -10,9 +10,12 @@ on these; none of the three is needed to read them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..protocol import UNKNOWN_START, Job
+
+if TYPE_CHECKING:
+    from .engine import EngineOutput
 
 #: Versions swapped in while a job ran: (version, tokens per sample before the swap, or None
 #: where not known, and whether a sample missing from them had none).
@@ -36,6 +39,9 @@ class JobInHand:
     #: Waiting: since when (monotonic), and since when its version is known not to be committed.
     since: float = 0.0
     beyond_since: float | None = None
+    #: Parked with resume (:mod:`rollq.consumer._resume`): the engine's output when it was
+    #: aborted, its samples so far; None: it runs again from scratch.
+    partial: EngineOutput | None = None
 
 
 class Failure(NamedTuple):

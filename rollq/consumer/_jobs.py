@@ -5,7 +5,10 @@ A stream entry is admitted (:meth:`Jobs.admit`: decoded and checked), then it is
 - **held**: read while intake was closed (a weight update); it starts when intake opens;
 - **waiting** for the policy version it needs (:mod:`rollq.consumer._versions`);
 - **running** in the engine, under the request id ``<job id>@<entry id>``;
-- **parked**: aborted for a weight update (the ``abort`` policy), to run again from scratch.
+- **parked**: aborted for a weight update (the ``abort`` policy), to run again from scratch,
+  or, with resume, to continue from the samples it had so far (:mod:`rollq.consumer._resume`:
+  one engine request per unfinished sample, under ``<request id>~r<k>``, stitched into one
+  output when all have reported).
 
 Each is one :class:`~rollq.consumer._in_hand.JobInHand`. A running job ends with the engine's ``done`` callback, a
 cancellation or its deadline; its outcome goes to the :class:`~rollq.consumer._finisher.Finisher`.
@@ -13,6 +16,7 @@ cancellation or its deadline; its outcome goes to the :class:`~rollq.consumer._f
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Iterable
@@ -31,6 +35,7 @@ from ..protocol import Job, cut, decode_job, encode_job, peek_id
 from ._context import ReplicaContext
 from .engine import EngineOutput, SwapProgress
 from ._in_hand import Failure, JobInHand
+from . import _resume
 
 if TYPE_CHECKING:
     from ._finisher import Finisher
@@ -59,6 +64,15 @@ class Jobs:
         #: Restarts of a job in the engine (job id -> count), to give each its own request id.
         self._restarts: dict[str, int] = {}
         self.restarted: list[JobInHand] = []
+        #: Resume: running requests whose abort output is awaited (:meth:`collect_partials`),
+        #: set once all reported.
+        self._collecting: set[str] = set()
+        self._collected = asyncio.Event()
+        #: Resumed jobs: request id -> {continuation request id: sample index}, the samples
+        #: reported so far, and continuation request id -> request id.
+        self._subs: dict[str, dict[str, int]] = {}
+        self._sub_out: dict[str, dict[int, Any]] = {}
+        self._sub_main: dict[str, str] = {}
 
     def free_slots(self) -> int:
         """Jobs the next read may take: the in-flight cap less what runs or is held. Jobs
@@ -164,6 +178,14 @@ class Jobs:
         if run is None:
             return  # aborted or already finished
         self.by_job.pop(run.job.id, None)
+        if rid in self._collecting:
+            self._collecting.discard(rid)
+            if not self._collecting:
+                self._collected.set()
+            if isinstance(out, EngineOutput) and any(s.finish_reason == _resume.ABORTED for s in out.samples):
+                run.partial = out
+                self.parked.append(run)
+                return
         self._restarts.pop(run.job.id, None)
         if isinstance(out, EngineOutput):
             if self.swap_pending:
@@ -199,7 +221,7 @@ class Jobs:
         run = self.running.get(rid)
         if run is None:
             return
-        self._ctx.engine.abort(rid)
+        self._abort(rid)
         del self.running[rid]
         del self.by_job[job_id]
         self._restarts.pop(job_id, None)
@@ -251,7 +273,7 @@ class Jobs:
         under them, so none of its tokens would be exactly the new version's."""
         restart = []
         for rid, run in [*self.running.items(), *((rid, r) for rid, r, _ in self.deferred)]:
-            if progress is None:
+            if progress is None or rid in self._subs:  # a resumed job's requests have other ids
                 counts, complete = None, False
             else:
                 counts = progress.tokens.get(rid)
@@ -271,7 +293,7 @@ class Jobs:
         for rid in restart:
             run = self.running.pop(rid)
             self.by_job.pop(run.job.id, None)
-            self._ctx.engine.abort(rid)
+            self._abort(rid)
             self._restarts[run.job.id] = self._restarts.get(run.job.id, 0) + 1
             self.restarted.append(run)
 
@@ -286,7 +308,7 @@ class Jobs:
         and are returned (and kept as parked) for :meth:`restart`."""
         out = []
         for rid, run in list(self.running.items()):
-            self._ctx.engine.abort(rid)
+            self._abort(rid)
             out.append(run)
         self.running.clear()
         self.by_job.clear()
@@ -294,10 +316,112 @@ class Jobs:
         return out
 
     def restart(self, jobs: list[JobInHand]) -> None:
-        """Run jobs returned by :meth:`abort_running` again, from scratch."""
+        """Run jobs returned by :meth:`abort_running` or :meth:`partials` again: from where
+        they were when they hold a partial output that may be resumed
+        (:func:`~rollq.consumer._resume.resumable`), else from scratch."""
         self.parked = []
         for held in jobs:
-            self.submit(held)
+            partial, held.partial = held.partial, None
+            prompt = _resume.prompt_ids_of(held.job, partial) if partial is not None else None
+            if partial is not None and prompt is not None and _resume.resumable(held.job, partial):
+                self._submit_resumed(held, prompt, partial)
+            else:
+                self.submit(held)
+
+    # -- resume (WeightSyncSettings.abort_resume) ---------------------------------------------
+    def collect_partials(self) -> None:
+        """The engine is about to end every running request (``pause("abort")``): keep the
+        output each reports (its samples so far, ``finish_reason="abort"``) on the job and
+        park it, instead of finishing it; :meth:`partials` waits for them. A request that
+        finished before the abort reached it is finished as usual."""
+        self._collecting = set(self.running)
+        self._collected = asyncio.Event()
+        if not self._collecting:
+            self._collected.set()
+
+    async def partials(self, timeout: float) -> list[JobInHand]:
+        """The jobs parked since :meth:`collect_partials`, once every running request
+        reported (at most ``timeout`` seconds; those that did not are aborted and run again
+        from scratch). A resumed job running at the time keeps the partial it resumed from
+        (its continuations are aborted) and resumes from it again."""
+        try:
+            await asyncio.wait_for(self._collected.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("%d running requests did not report after the abort; they run again from scratch",
+                        len(self._collecting))
+        for rid in list(self._collecting):
+            run = self.running.pop(rid, None)
+            self._collecting.discard(rid)
+            if run is None:
+                continue
+            resumed = rid in self._subs
+            self._abort(rid)
+            self.by_job.pop(run.job.id, None)
+            if not resumed:
+                run.partial = None
+            self.parked.append(run)
+        return list(self.parked)
+
+    def _submit_resumed(self, held: JobInHand, prompt: list[int], partial: EngineOutput) -> None:
+        """Continue ``held`` from ``partial`` on the version now served: one request per
+        aborted sample; the version it started at stays, and the swap is marked after
+        exactly the tokens each sample had."""
+        ctx = self._ctx
+        job = held.job
+        conts = _resume.continuations(job, prompt, partial)
+        held.partial = partial
+        # Swaps its partial ran through (an earlier resume, a ``keep`` update) stay marked.
+        held.swaps = [*(held.swaps or []), (ctx.version, {k: len(s.tokens) // 4 for k, s in enumerate(partial.samples)}, True)]
+        k = self._restarts[job.id] = self._restarts.get(job.id, 0) + 1
+        rid = f"{job.id}@{held.eid.decode()}~{k}"
+        self.running[rid] = held
+        self.by_job[job.id] = rid
+        if not conts:
+            self._finish_resumed(rid, {})
+            return
+        subs = self._subs[rid] = {f"{rid}~r{j}": j for j in conts}
+        self._sub_out[rid] = {}
+        for sub, j in subs.items():
+            self._sub_main[sub] = rid
+        for sub, j in subs.items():
+            if rid not in self._subs:
+                break  # one of them failed at once
+            try:
+                ctx.engine.submit(sub, conts[j], self._on_sub_done)
+            except Exception as e:  # an engine must report through done; be safe anyway
+                self._on_sub_done(sub, e)
+
+    def _on_sub_done(self, sub: str, out: EngineOutput | BaseException) -> None:
+        rid = self._sub_main.pop(sub, None)
+        if rid is None or rid not in self._subs:
+            return
+        if not isinstance(out, EngineOutput):
+            self._abort(rid)
+            self._on_done(rid, out)
+            return
+        got = self._sub_out[rid]
+        got[self._subs[rid][sub]] = out.samples[0]
+        if len(got) == len(self._subs[rid]):
+            del self._subs[rid]
+            self._finish_resumed(rid, self._sub_out.pop(rid))
+
+    def _finish_resumed(self, rid: str, conts: dict[int, Any]) -> None:
+        run = self.running.get(rid)
+        if run is None or run.partial is None:
+            return
+        partial, run.partial = run.partial, None
+        self._on_done(rid, _resume.stitch(partial, conts))
+
+    def _abort(self, rid: str) -> None:
+        """Abort request ``rid`` in the engine; for a resumed job, its continuations."""
+        subs = self._subs.pop(rid, None)
+        if subs is None:
+            self._ctx.engine.abort(rid)
+            return
+        self._sub_out.pop(rid, None)
+        for sub in subs:
+            if self._sub_main.pop(sub, None) is not None:
+                self._ctx.engine.abort(sub)
 
     def drop_not_owned(self, owned: set[bytes]) -> None:
         """Abort our copy of running jobs whose entries are no longer pending under this
@@ -307,7 +431,7 @@ class Jobs:
                 del self.running[rid]
                 self.by_job.pop(run.job.id, None)
                 self._restarts.pop(run.job.id, None)
-                self._ctx.engine.abort(rid)
+                self._abort(rid)
                 log.info("job %s is owned by another replica now; aborted our copy", run.job.id)
         self._versions.keep_only(owned)
 
@@ -315,7 +439,7 @@ class Jobs:
         """Shutdown: abort what runs and let go of every job in hand (they stay pending in
         Redis; peers reclaim them once the lease is released)."""
         for rid in list(self.running):
-            self._ctx.engine.abort(rid)
+            self._abort(rid)
         self.running.clear()
         self.by_job.clear()
         self._restarts.clear()

@@ -90,6 +90,10 @@ class Engine(abc.ABC):
     tp_size: int = 1
     #: The dtype the model's floating-point weights are served in ("" for engines without weights).
     dtype: str = ""
+    #: ``pause("abort")`` ends running requests through ``done``, with each sample's tokens
+    #: so far and ``finish_reason="abort"`` (what a resume continues from; engines that do
+    #: not are aborted and run again from scratch).
+    reports_aborted: bool = False
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Bring the engine up (load the model)."""
@@ -120,7 +124,8 @@ class Engine(abc.ABC):
 
     # -- weight updates (used by rollq.weightsync) ---------------------------------------
     async def pause(self, mode: str = "keep") -> None:  # noqa: B027
-        """Stop generating (``keep``: in-flight requests resume later; ``abort``: they end)."""
+        """Stop generating (``keep``: in-flight requests resume later; ``abort``: they end,
+        reported through ``done`` where :attr:`reports_aborted`)."""
 
     async def resume(self) -> None:  # noqa: B027
         """Resume generating after :meth:`pause`."""
@@ -173,9 +178,15 @@ class EchoEngine(Engine):
 
     name = "echo"
     model = "echo"
+    reports_aborted = True
 
-    def __init__(self, delay_per_token: float = 0.0, vocab_size: int = 32000, max_model_len: int = 1 << 16):
+    def __init__(self, delay_per_token: float = 0.0, vocab_size: int = 32000, max_model_len: int = 1 << 16,
+                 abort_at: int | None = None):
         self.delay_per_token = delay_per_token
+        #: ``pause("abort")`` ends each running request with this many tokens per sample
+        #: (None: as many as ``delay_per_token`` gave it time for).
+        self.abort_at = abort_at
+        self._running: dict[str, tuple[EngineOutput, DoneCallback, float]] = {}
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -232,6 +243,7 @@ class EchoEngine(Engine):
 
         def fire() -> None:
             self._timers.pop(request_id, None)
+            self._running.pop(request_id, None)
             # Kept a while: a swap's report may still be asked about a request that reported.
             self._finished[request_id] = self._lengths.pop(request_id, {})
             if len(self._finished) > 4096:
@@ -239,9 +251,11 @@ class EchoEngine(Engine):
             done(request_id, out)
 
         self._timers[request_id] = loop.call_later(delay, fire)
+        self._running[request_id] = (out, done, loop.time())
         self._lengths[request_id] = {j: len(s.tokens) // 4 for j, s in enumerate(out.samples)}
 
     def abort(self, request_id: str) -> None:
+        self._running.pop(request_id, None)
         t = self._timers.pop(request_id, None)
         self._lengths.pop(request_id, None)
         if t is not None:
@@ -256,7 +270,19 @@ class EchoEngine(Engine):
         return SwapProgress(tokens={rid: dict(n) for rid, n in (*self._finished.items(), *self._lengths.items())}, complete=True)
 
     async def pause(self, mode: str = "keep") -> None:
+        """``abort`` ends the running requests: their ``done`` gets each sample's tokens so
+        far (see :attr:`abort_at`) with ``finish_reason="abort"``, as vLLM's does."""
         self._paused = True
+        if mode != "abort":
+            return
+        now = asyncio.get_running_loop().time()
+        running, self._running = self._running, {}
+        for rid, (out, done, t0) in running.items():
+            self.abort(rid)
+            k = self.abort_at if self.abort_at is not None else int((now - t0) / self.delay_per_token)
+            cut = [Sample(tokens=s.tokens[: 4 * k], logprobs=s.logprobs[: 4 * k] if s.logprobs is not None else None,
+                          finish_reason="abort" if 4 * k < len(s.tokens) else s.finish_reason) for s in out.samples]
+            done(rid, EngineOutput(cut, out.prompt_tokens, out.prompt_ids, out.prompt_logprobs))
 
     async def resume(self) -> None:
         self._paused = False

@@ -375,8 +375,24 @@ class Consumer:
         """
         return self.jobs.abort_running()
 
+    def collect_partials(self) -> None:
+        """Before the engine ends every running request (``pause("abort")``): keep each
+        one's output so far for a resume instead of finishing it (weight sync's ``abort``
+        policy with ``WeightSyncSettings.abort_resume``; :mod:`rollq.consumer._resume`)."""
+        self.jobs.collect_partials()
+
+    async def partials(self, timeout: float) -> list[JobInHand]:
+        """The jobs whose requests the engine ended since :meth:`collect_partials`, with
+        their outputs so far, for :meth:`restart` (waits at most ``timeout`` seconds)."""
+        return await self.jobs.partials(timeout)
+
+    def parked_jobs(self) -> list[JobInHand]:
+        """The jobs parked for a weight update so far (to restart when it fails midway)."""
+        return list(self.jobs.parked)
+
     def restart(self, jobs: list[JobInHand]) -> None:
-        """Run jobs returned by :meth:`abort_running` again, from scratch."""
+        """Run jobs returned by :meth:`abort_running` or :meth:`partials` again: from their
+        partial output where they have one that may be resumed, else from scratch."""
         self.jobs.restart(jobs)
 
     def version_failed(self, version: int, reason: str) -> None:

@@ -82,6 +82,9 @@ class VllmEngine(Engine):
     """
 
     name = "vllm"
+    #: vLLM's ``pause_generation(mode="abort")`` ends each request with its tokens and
+    #: logprobs so far (``finish_reason="abort"``), which ``done`` gets.
+    reports_aborted = True
 
     def __init__(self, config: VllmEngineConfig | str) -> None:
         if not isinstance(config, VllmEngineConfig):

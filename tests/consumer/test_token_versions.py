@@ -6,6 +6,7 @@ recomputation of the logprobs through real vLLM."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import pytest_asyncio
@@ -127,5 +128,67 @@ async def test_keep_update_mid_generation_marks_the_first_token_of_the_new_versi
             td = results_to_tensordict([r])
             assert set(td["policy_version"][0].tolist()) == {v1, v2}
             await pub.publish_weights(base)  # leave the shared engine as found
+    finally:
+        await pub.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def resume_replica(vllm_engine, redis_url, queue, tmp_path):  # noqa: F811
+    root = str(tmp_path / "w")
+    async with serving_replica(vllm_engine, redis_url, queue, root) as (consumer, follower):
+        follower.settings = dataclasses.replace(follower.settings, abort_resume=True)
+        yield consumer, root
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.asyncio(loop_scope="session")
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "n": 2}], ids=["greedy", "sampled-n2"])
+async def test_abort_update_resumes_from_the_partial_tokens(resume_replica, redis_url, queue, tiny_model_path, sampling):  # noqa: F811
+    """``abort`` with ``abort_resume`` mid-generation: each sample keeps its version-1 tokens
+    (greedy: the old model's greedy choices; logprobs of the old weights) and continues on
+    version 2 from them; its logprobs after the boundary are the new weights'."""
+    consumer, root = resume_replica
+    base = checkpoint_state(tiny_model_path)
+    g = torch.Generator().manual_seed(7)
+    new = {k: v + torch.randn(v.shape, generator=g) * 0.3 for k, v in base.items()}
+    pub = WeightPublisher(redis_url, queue, root=root)
+    prompt = [9, 8, 7, 11, 42]
+    try:
+        async with Producer(redis_url, queue) as p:
+            await p.set_update_policy("abort")
+            v1 = (await pub.publish_weights(base)).version
+            await until(lambda: consumer.version == v1, 60, "version 1 served")
+            made = consumer.engine.stats().generated_tokens
+            h = await p.submit(prompt_token_ids=prompt, sampling={
+                "max_tokens": 400, "ignore_eos": True, "logprobs": 0, **sampling})  # vLLM: greedy is n=1
+            n = sampling.get("n", 1)
+            await until(lambda: consumer.running_count() == 1, 30, "the job running")
+            await until(lambda: consumer.engine.stats().generated_tokens >= made + n * 16, 30, "tokens made on version 1")
+            # Frozen mid-generation until the update's abort ends it (the swap resumes the engine).
+            await consumer.engine.pause("keep")
+            v2 = (await pub.publish_weights(new)).version
+            r = await h.result(timeout=120)
+            await pub.publish_weights(base)  # leave the shared engine as found
+        assert r.ok and r.policy_version == (v1, v2) and r.deliveries == 1 and len(r.samples) == n
+        old_model, new_model = model_at(tiny_model_path, base), model_at(tiny_model_path, new)
+        for s in r.samples:
+            (va, start_a), (vb, b) = s.versions
+            assert (va, start_a, vb) == (v1, 0, v2)
+            assert 0 < b < 400, s.versions  # aborted mid-generation, resumed from its tokens
+            toks, lps = s.token_ids, s.token_logprobs
+            assert len(toks) == len(lps) == 400 and s.finish_reason == "length"
+            # Before the boundary: what version 1 generates (greedy: its argmax), with its logprobs.
+            if sampling["temperature"] == 0.0:
+                ids = torch.tensor([prompt + toks[:b]])
+                with torch.no_grad():
+                    greedy = old_model(ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+                assert toks[:b] == greedy
+            hf_old = recompute(old_model, prompt, toks[:b])
+            assert max(abs(x - y) for x, y in zip(lps[:b], hf_old)) < 1e-3
+            # After it: version 2's logprobs over the whole sequence so far.
+            hf_new = recompute(new_model, prompt, toks)
+            assert max(abs(x - y) for x, y in zip(lps[b:], hf_new[b:])) < 1e-3
+            assert abs(lps[b] - recompute(old_model, prompt, toks[: b + 1])[b]) > 1e-2
     finally:
         await pub.close()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rollq import Consumer, EchoEngine, Producer, ProducerSettings, StalenessBound
+from rollq.protocol import Job, SamplingParams, pack_i32
 from rollq.errors import CorruptWeights, StaleVersion, WeightSyncError
 from rollq.keys import QueueKeys
 from rollq.testing.fake_workers import FakeWorkerEngine
@@ -614,3 +615,72 @@ async def test_receivers_report_their_shadow_layout_and_the_trainer_packs_bucket
         for f in followers:
             await f.stop()
         await pub.close()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_abort_resume_continues_from_the_partial_tokens(redis_url, queue, root, n):
+    """``abort`` with ``abort_resume``: each job keeps the 5 tokens per sample it had
+    (``abort_at``) and continues on version 2 from prompt + those tokens; the result is the
+    old tokens then the continuation, with versions and logprobs stitched at the boundary."""
+    pub = WeightPublisher(redis_url, queue, root=root)
+    await pub.publish_weights(state(1.0))
+    engine = FakeWorkerEngine(small_model, delay_per_token=0.05, abort_at=5)  # 20 tokens: 1 s per job
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.2, abort_resume=True))
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    jobs = [{"prompt": f"q{i}", "sampling": {"max_tokens": 20, "n": n, "logprobs": 0}} for i in range(4)]
+    seeded = {"prompt": "qs", "sampling": {"max_tokens": 20, "seed": 7}}
+    async with Producer(redis_url, queue) as p:
+        await p.set_update_policy("abort")
+        hs = await p.submit_many([*jobs, seeded])
+        await until(lambda: consumer.running_count() == 5, 10, "jobs running")
+        await pub.publish_weights(state(2.0))
+        rs = await p.gather(hs, timeout=30)
+    consumer.stop()
+    await task
+    await follower.stop()
+    await pub.close()
+    assert all(r.ok and r.deliveries == 1 for r in rs)
+    echo = EchoEngine()
+    for spec, r in zip(jobs, rs[:4]):
+        assert r.policy_version == (1, 2)
+        whole = echo.generate_now(Job(id="x", reply="p", text=spec["prompt"], sampling=SamplingParams(max_tokens=20, n=n)))
+        prompt = list(spec["prompt"].encode())
+        for j, s in enumerate(r.samples):
+            old = whole.samples[j].token_ids[:5]  # what version 1 had generated
+            cont = echo.generate_now(Job(id="x", reply="p", tokens=pack_i32(prompt + old), sampling=SamplingParams(max_tokens=15)))
+            assert s.token_ids == old + cont.samples[0].token_ids
+            assert r.token_versions(j) == [1] * 5 + [2] * 15 and s.versions == [(1, 0), (2, 5)]
+            assert s.token_logprobs is not None and len(s.token_logprobs) == 20
+            assert s.finish_reason == "length"
+    # A seeded job runs again from scratch: its random stream cannot be continued.
+    assert rs[4].policy_version == (2, 2) and rs[4].token_versions() == [2] * 20
+
+
+async def test_abort_resume_twice_stitches_three_versions(redis_url, queue, root):
+    """A resumed job aborted again by the next update keeps what its continuation made too:
+    its sample reads 5 tokens of version 1, 5 of version 2, the rest of version 3."""
+    pub = WeightPublisher(redis_url, queue, root=root)
+    await pub.publish_weights(state(1.0))
+    engine = FakeWorkerEngine(small_model, delay_per_token=0.05, abort_at=5)  # 40 tokens: 2 s
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.2, abort_resume=True))
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    async with Producer(redis_url, queue) as p:
+        await p.set_update_policy("abort")
+        h = await p.submit("q", sampling={"max_tokens": 40, "logprobs": 0})
+        await until(lambda: consumer.running_count() == 1, 10, "job running")
+        await pub.publish_weights(state(2.0))
+        await until(lambda: consumer.version == 2, 10, "version 2 served")
+        await pub.publish_weights(state(3.0))  # while the continuation (35 tokens, 1.75 s) runs
+        r = await h.result(timeout=30)
+    consumer.stop()
+    await task
+    await follower.stop()
+    await pub.close()
+    assert r.ok and r.policy_version == (1, 3) and r.deliveries == 1
+    assert r.token_versions() == [1] * 5 + [2] * 5 + [3] * 30
+    s = r.samples[0]
+    assert s.versions == [(1, 0), (2, 5), (3, 10)] and len(s.token_ids) == len(s.token_logprobs or []) == 40

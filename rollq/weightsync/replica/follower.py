@@ -24,7 +24,10 @@ Applying a version follows the queue's update policy (``config`` hash, ``update_
   generation stops only for the swap itself. vLLM's ``pause_generation(keep)`` is not
   needed for that and costs tens of milliseconds under load, so it is not used.
 - ``abort``: close intake, abort in-flight requests, load, then run them again from scratch
-  on the new weights (they stay leased to this replica: nothing is lost or duplicated).
+  on the new weights (they stay leased to this replica: nothing is lost or duplicated). With
+  ``WeightSyncSettings.abort_resume`` the engine's pause ends them and reports the samples
+  each had; they continue from those tokens on the new weights, and each result reads as one
+  sample whose per-token versions change at the boundary (:mod:`rollq.consumer._resume`).
 - ``drain``: close intake, let in-flight requests finish on the old weights, load, reopen.
 
 The pause (generation stopped) and the whole update time are recorded per replica.
@@ -403,12 +406,26 @@ class WeightFollower:
         t0 = time.perf_counter()
         staged = await self._staged(rec, acks)
         aborted: list[Any] = []
+        paused = False
         with c.paused_for_update():
             try:
-                if policy not in ("keep", "drain"):
-                    aborted = c.abort_running()
                 t_pause = time.perf_counter()  # generation stops for at most this long
-                report = await self._swap(rec, staged, policy)
+                if policy not in ("keep", "drain"):
+                    if self.settings.abort_resume and getattr(self.engine, "reports_aborted", False):
+                        # The engine ends the requests and reports each one's samples so far.
+                        c.collect_partials()
+                        await self.engine.pause("abort")
+                        paused = True
+                        try:
+                            aborted = await c.partials(self.settings.abort_resume_timeout)
+                        except BaseException:
+                            aborted = c.parked_jobs()
+                            await self.engine.resume()
+                            raise
+                    else:
+                        aborted = c.abort_running()
+                        t_pause = time.perf_counter()
+                report = await self._swap(rec, staged, policy, paused=paused)
                 pause_s = time.perf_counter() - t_pause
             finally:
                 if aborted:  # before intake reopens
@@ -438,13 +455,14 @@ class WeightFollower:
             staged = await self.memmap.stage(rec)
         return staged
 
-    async def _swap(self, rec: VersionRecord, staged: Staged | None, policy: str) -> SwapReport:
+    async def _swap(self, rec: VersionRecord, staged: Staged | None, policy: str, paused: bool = False) -> SwapReport:
         """Load ``rec`` (intake is closed): after the running requests finished (``drain``),
-        beside them (``keep``), or with the engine paused after aborting them (``abort``)."""
+        beside them (``keep``), or with the engine paused after aborting them (``abort``;
+        ``paused``: the engine was paused for it already)."""
         abort = policy not in ("keep", "drain")
         if policy == "drain":
             await self._wait_drained()
-        elif abort:
+        elif abort and not paused:
             await self.engine.pause("abort")
         try:
             # Outputs that arrive between the swap and _set_version are held back until the
