@@ -119,12 +119,19 @@ def main() -> None:
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     res = asyncio.run(main_async(a))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"args": vars(a), "arms": res}, indent=1))
-    for r in res:
-        sys.stdout.write(f"{r['arm']:>13}: waste {r['waste']:.3f} (generated {r['generated']}, delivered {r['delivered']}, "
-                         f"{r['updates']} updates, {r['wall_s']} s, {r['samples_spanning_versions']} samples span versions)\n")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out + ".json").write_text(json.dumps({"args": vars(a), "arms": res}, indent=1))
+    Path(a.out + ".md").write_text(markdown(res, " ".join(sys.argv[1:])))
+    sys.stdout.write(markdown(res, " ".join(sys.argv[1:])))
+
+
+def markdown(res: list[dict], args: str) -> str:
+    lines = [f"`python benchmarks/abort_waste.py {args}`", "",
+             "| arm | waste (generated / delivered) | generated | delivered | updates | wall | samples spanning versions |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['arm']} | {r['waste']:.3f} | {r['generated']} | {r['delivered']} | {r['updates']} | {r['wall_s']} s | "
+              f"{r['samples_spanning_versions']} |" for r in res]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
