@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Callable
 
 from redis.exceptions import ResponseError
 
-from ..connection import RETRYABLE, Client
+from ..connection import RETRYABLE, Client, text
 from ..keys import GROUP, QueueKeys
 from ..protocol import LATENCY_BUCKETS_MS
 from ..settings import ConsumerSettings, RedisSettings
@@ -188,8 +188,7 @@ class ReplicaContext:
         """A command on job stream ``key`` was refused with WRONGTYPE: read what the key holds
         (``TYPE``) and log an error naming it, once until it is usable again. Returns the type
         found (None if the key holds a stream again, or nothing: worth reading at once)."""
-        found = await self.redis.type(key)
-        found = found.decode() if isinstance(found, bytes) else str(found)
+        found = text(await self.redis.type(key))
         if found in ("stream", "none"):
             return None
         if self.bad_keys.get(key) != found:

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 
+from ..connection import text
 from ..keys import QueueKeys
 from ..protocol.replica import read_free_slots
 
@@ -68,7 +69,7 @@ class Sessions:
         last, table = await pipe.execute()
         if last is None:
             return None
-        replica = last.decode(errors="replace") if isinstance(last, bytes) else str(last)
+        replica = text(last)
         loads = self.loads(table, time.time() * 1000)
         if replica not in loads or self.escapes(replica, loads, self.margin):
             self.escaped += 1
