@@ -92,16 +92,25 @@ async def keep_replica(vllm_engine, redis_url, queue, tmp_path):  # noqa: F811
         yield consumer, root
 
 
+PROMPT = [9, 8, 7, 11, 42]
+
+
+def two_versions(model_path):
+    """The checkpoint's weights and weights far from them (every tensor moved by N(0, 0.3)):
+    the first token after a boundary between them cannot pass for the old version's."""
+    base = checkpoint_state(model_path)
+    g = torch.Generator().manual_seed(7)
+    return base, {k: v + torch.randn(v.shape, generator=g) * 0.3 for k, v in base.items()}
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="session")
 async def test_keep_update_mid_generation_marks_the_first_token_of_the_new_version(keep_replica, redis_url, queue, tiny_model_path):  # noqa: F811
     consumer, root = keep_replica
-    base = checkpoint_state(tiny_model_path)
-    g = torch.Generator().manual_seed(7)
-    new = {k: v + torch.randn(v.shape, generator=g) * 0.3 for k, v in base.items()}
+    base, new = two_versions(tiny_model_path)
     pub = WeightPublisher(redis_url, queue, root=root)
-    prompt = [9, 8, 7, 11, 42]
+    prompt = PROMPT
     try:
         async with Producer(redis_url, queue) as p:
             await p.set_update_policy("keep")
@@ -149,11 +158,9 @@ async def test_abort_update_resumes_from_the_partial_tokens(resume_replica, redi
     (greedy: the old model's greedy choices; logprobs of the old weights) and continues on
     version 2 from them; its logprobs after the boundary are the new weights'."""
     consumer, root = resume_replica
-    base = checkpoint_state(tiny_model_path)
-    g = torch.Generator().manual_seed(7)
-    new = {k: v + torch.randn(v.shape, generator=g) * 0.3 for k, v in base.items()}
+    base, new = two_versions(tiny_model_path)
     pub = WeightPublisher(redis_url, queue, root=root)
-    prompt = [9, 8, 7, 11, 42]
+    prompt = PROMPT
     try:
         async with Producer(redis_url, queue) as p:
             await p.set_update_policy("abort")
