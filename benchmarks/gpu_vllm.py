@@ -34,6 +34,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -359,6 +360,23 @@ async def engine_main(a: argparse.Namespace) -> None:
                 return {"max_step_gap_s": None, "median_step_s": None, "steps": 0}
             return {"max_step_gap_s": gaps[-1], "median_step_s": gaps[len(gaps) // 2], "steps": len(gaps)}
 
+        async def measured_update(transport: str) -> tuple[dict, dict, Any]:
+            """One update through ``transport`` with the load running: the trainer's reply, the
+            figures every phase reports (end to end, the follower's parts, the pause, the gaps
+            between engine steps, whether the served weights are the published ones), and the
+            follower's stats of the update."""
+            running = await wait_running()
+            m0 = time.monotonic()
+            r = await asyncio.to_thread(call, op="publish", transport=transport)
+            t_follower, st = await wait_version(r["version"])
+            t_served = await served_at(r["version"], t_follower)
+            row = {"version": r["version"], "transport": r["transport"], "running_at_start": running,
+                   "end_to_end_s": t_served - r["t0"], "trainer_publish_s": r["t1"] - r["t0"],
+                   "follower_done_s": t_follower - r["t0"], "copies_after_follower_s": t_served - t_follower,
+                   "follower_read_s": st.timings.get("read_s"), "swap_call_s": st.timings.get("load_call_s"),
+                   "paused_s": st.pause_s, **(await step_gaps(m0)), "weights_match": await weights_match(r["mark"])}
+            return r, row, st
+
         if "sync" in phases:
             try:
                 rows = []
@@ -373,21 +391,12 @@ async def engine_main(a: argparse.Namespace) -> None:
                         opts = variant.split(":")[1:]
                         follower.overlap.lead_s = float(opts[0]) / 1000 if opts else 0.035
                         follower.overlap.programs = int(opts[1]) if len(opts) > 1 else 0
-                    running = await wait_running()
-                    m0 = time.monotonic()
-                    r = await asyncio.to_thread(call, op="publish", transport="nccl")
-                    t_follower, st = await wait_version(r["version"])
-                    t_served = await served_at(r["version"], t_follower)
+                    r, row, st = await measured_update("nccl")
                     hinted = st.timings.get("hinted_at") or 0.0
-                    row = {"variant": variant, "version": r["version"], "transport": r["transport"], "running_at_start": running,
-                           "end_to_end_s": t_served - r["t0"], "follower_done_s": t_follower - r["t0"],
-                           "trainer_publish_s": r["t1"] - r["t0"],
+                    row = {"variant": variant, **row,
                            # after the trainer's publish call returned (the commit is its last step)
                            "hint_after_publish_s": hinted - r["t1"] if hinted else None,
-                           "follower_read_s": st.timings.get("read_s"), "swap_call_s": st.timings.get("load_call_s"),
-                           "copies_after_follower_s": t_served - t_follower,
-                           "paused_s": st.pause_s, "swap": st.load, "trainer": r["timings"], **(await step_gaps(m0)),
-                           "weights_match": await weights_match(r["mark"])}
+                           "swap": st.load, "trainer": r["timings"]}
                     log("sync", row)
                     if i > 0:
                         rows.append(row)
@@ -442,16 +451,10 @@ async def engine_main(a: argparse.Namespace) -> None:
             try:
                 rows = []
                 for i in range(a.memmap_reps):
-                    await wait_running()
-                    m0 = time.monotonic()
-                    r = await asyncio.to_thread(call, op="publish", transport="memmap")
-                    t_follower, st = await wait_version(r["version"])
-                    t_served = await served_at(r["version"], t_follower)
+                    r, row, st = await measured_update("memmap")
                     nb = r.get("nbytes") or 15.2e9
-                    row = {"version": r["version"], "write_s": r["timings"].get("write_s"), "checksum_s": r["timings"].get("checksum_s"),
-                           "pinned_write": r["timings"].get("pinned"), "publish_s": r["t1"] - r["t0"], "load": st.load,
-                           "paused_s": st.pause_s, "end_to_end_s": t_served - r["t0"], **(await step_gaps(m0)),
-                           "weights_match": await weights_match(r["mark"])}
+                    row.update(write_s=r["timings"].get("write_s"), checksum_s=r["timings"].get("checksum_s"),
+                               pinned_write=r["timings"].get("pinned"), publish_s=row["trainer_publish_s"], load=st.load)
                     row["gb_per_s_publish_plus_load"] = nb / 1e9 / row["end_to_end_s"]
                     # The first use of each slot (keep=2) creates its files, the second maps and
                     # page-locks them once per process; steady state starts at the fifth update.
@@ -475,21 +478,11 @@ async def engine_main(a: argparse.Namespace) -> None:
                     follower.settings = dataclasses.replace(follower.settings, ipc_chunk_bytes=chunk)
                     for tr in follower._transports.values():
                         tr.settings = follower.settings
-                    running = await wait_running()
-                    m0 = time.monotonic()
-                    r = await asyncio.to_thread(call, op="publish", transport="ipc")
-                    t_follower, st = await wait_version(r["version"])
-                    t_served = await served_at(r["version"], t_follower)
-                    row = {"version": r["version"], "transport": r["transport"], "running_at_start": running,
-                           "chunk_mb": chunk / (1 << 20), "end_to_end_s": t_served - r["t0"], "trainer_publish_s": r["t1"] - r["t0"],
-                           "expose_s": r["timings"].get("expose_s"), "checksum_s": r["timings"].get("checksum_s"),
-                           "trainer_copied_bytes": r["timings"].get("ipc_copied_bytes"),
-                           "trainer_extra_gpu_bytes": r["trainer_extra_gpu_bytes"],
-                           "follower_done_s": t_follower - r["t0"], "copies_after_follower_s": t_served - t_follower,
-                           "follower_read_s": st.timings.get("read_s"), "swap_call_s": st.timings.get("load_call_s"),
-                           "stage_s": st.load.get("stage_s"), "open_s": st.load.get("open_s"), "verify_s": st.load.get("verify_s"),
-                           "paused_s": st.pause_s, "load": st.load, **(await step_gaps(m0)),
-                           "weights_match": await weights_match(r["mark"])}
+                    r, row, st = await measured_update("ipc")
+                    row.update(chunk_mb=chunk / (1 << 20), expose_s=r["timings"].get("expose_s"),
+                               checksum_s=r["timings"].get("checksum_s"), trainer_copied_bytes=r["timings"].get("ipc_copied_bytes"),
+                               trainer_extra_gpu_bytes=r["trainer_extra_gpu_bytes"], stage_s=st.load.get("stage_s"),
+                               open_s=st.load.get("open_s"), verify_s=st.load.get("verify_s"), load=st.load)
                     log("ipc", row)
                     if i > 0:
                         rows.append(row)
