@@ -24,10 +24,8 @@ Applying a version follows the queue's update policy (``config`` hash, ``update_
   generation stops only for the swap itself. vLLM's ``pause_generation(keep)`` is not
   needed for that and costs tens of milliseconds under load, so it is not used.
 - ``abort``: close intake, abort in-flight requests, load, then run them again from scratch
-  on the new weights (they stay leased to this replica: nothing is lost or duplicated). With
-  ``WeightSyncSettings.abort_resume`` the engine's pause ends them and reports the samples
-  each had; they continue from those tokens on the new weights, and each result reads as one
-  sample whose per-token versions change at the boundary (:mod:`rollq.consumer._resume`).
+  on the new weights (they stay leased to this replica: nothing is lost or duplicated), or
+  with ``WeightSyncSettings.abort_resume`` continue from their tokens (``_abort``).
 - ``drain``: close intake, let in-flight requests finish on the old weights, load, reopen.
 
 The pause (generation stopped) and the whole update time are recorded per replica.
@@ -63,17 +61,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...connection import RETRYABLE
-from ...errors import EngineDead, WeightMismatch, WeightSyncError, WeightSyncTimeout
+from ...errors import EngineDead, WeightSyncError, WeightSyncTimeout
 from ...protocol import Control
 from ...settings import WeightSyncSettings
 from ..base import Receiver, ReplicaSide
+from ._abort import end_running
+from ._checks import check_dtypes, check_slot
 from ._load_failures import LoadFailures
-from ..manifest import Manifest, conversion, diff, encode_manifest, read_manifest
+from ..manifest import Manifest, encode_manifest, read_manifest
 from ._overlap import OverlappedSwap
 from ..transports import ReplicaTransport, Staged, replica_transport
 from ..transports.broadcast import MissedBroadcast
 from ..transports.memmap import MemmapReceive
-from ..versions import TensorMeta, VersionRecord, decode_record
+from ..versions import VersionRecord, decode_record
 from ..wire import SwapReport, to_wire
 
 log = logging.getLogger(__name__)
@@ -321,8 +321,8 @@ class WeightFollower:
             self.overlap.note_acks(acks)
             read_s = time.perf_counter() - t0
             try:
-                self._check_slot(rec)
-                self._check_dtypes(rec)
+                check_slot(rec, self.manifest, self.settings.root)
+                check_dtypes(rec, self.consumer, getattr(self.engine, "dtype", "") or "", self.manifest)
                 st = await self.apply(rec, policy, acks=acks)
             except (asyncio.CancelledError, EngineDead):
                 raise  # a dead engine says nothing about the version
@@ -345,46 +345,6 @@ class WeightFollower:
                 await self.load_failures.clear(self._client)
             await self.consumer.announce()  # waiters (wait_for_replicas) see the version now
             return st
-
-    def _check_dtypes(self, rec: VersionRecord) -> None:
-        """Refuse a version whose floating-point dtypes this replica would round without its
-        user having named the served dtype (:func:`~rollq.weightsync.manifest.conversion`);
-        say once, in the log and the registry (``converted_from``), which dtypes it converts."""
-        served = getattr(self.engine, "dtype", "") or ""
-        if not served or not rec.dtypes:
-            return
-        named = self.manifest.dtype_named if self.manifest is not None else False
-        own = {m.dtype for m in self.manifest.tensors} & {"float64", "float32", "float16", "bfloat16"} if self.manifest else set()
-        checkpoint = next(iter(own)) if len(own) == 1 else None
-        converted = []
-        for sent in rec.dtypes:
-            try:
-                how = conversion(sent, served, named, checkpoint)
-            except ValueError as e:
-                raise WeightMismatch(f"policy version {rec.version} is {', '.join(rec.dtypes)}; replica {self.consumer.id} "
-                                     f"serves {served} ({e}): publish it in {served}, or start the replica with "
-                                     f"VllmEngineConfig.dtype / --dtype naming the dtype to serve") from None
-            if how is not None:
-                converted.append(sent)
-        if converted and converted != self.consumer.converted_from:
-            log.warning("replica %s serves %s: policy version %d arrives in %s and is converted to %s%s", self.consumer.id,
-                        served, rec.version, ", ".join(converted), served,
-                        " (rounded: the served dtype was named)" if named and served not in ("float32", "float64") else "")
-        self.consumer.converted_from = converted
-
-    def _check_slot(self, rec: VersionRecord) -> None:
-        """Refuse a memmap version whose tensors do not match the served checkpoint before
-        the engine sees any of it (the publisher checks too, unless told not to)."""
-        if self.manifest is None or rec.memmap_slot is None or self.settings.root is None:
-            return
-        from ..memmap import MemmapStore
-
-        marker = MemmapStore(self.settings.root).marker(rec.memmap_slot)
-        if not marker or marker.get("version") != rec.version:
-            return  # the load itself refuses it (CorruptWeights)
-        problems = diff([TensorMeta(n, d, list(sh)) for n, d, sh in marker.get("manifest", [])], self.manifest)
-        if problems:
-            raise WeightMismatch(problems.describe(f"policy version {rec.version} ({rec.memmap_slot})", self.manifest.model), mismatch=problems)
 
     # -- swap overlapped with the receive ---------------------------------------------------
     def _can_overlap(self) -> bool:
@@ -411,19 +371,8 @@ class WeightFollower:
             try:
                 t_pause = time.perf_counter()  # generation stops for at most this long
                 if policy not in ("keep", "drain"):
-                    if self.settings.abort_resume and getattr(self.engine, "reports_aborted", False):
-                        # The engine ends the requests and reports each one's samples so far.
-                        c.collect_partials()
-                        await self.engine.pause("abort")
-                        paused = True
-                        try:
-                            aborted = await c.partials(self.settings.abort_resume_timeout)
-                        except BaseException:
-                            aborted = c.parked_jobs()
-                            await self.engine.resume()
-                            raise
-                    else:
-                        aborted = c.abort_running()
+                    aborted, paused = await end_running(c, self.engine, self.settings)
+                    if not paused:  # aborted one by one: generation stops from the engine's pause on
                         t_pause = time.perf_counter()
                 report = await self._swap(rec, staged, policy, paused=paused)
                 pause_s = time.perf_counter() - t_pause
