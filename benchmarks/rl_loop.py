@@ -1,6 +1,6 @@
 """RL loop: synchronous generate/stop/update against rollq's async loop, same trainer and task.
 
-    python benchmarks/rl_loop.py [--steps 40] [--lags 1 2] [--replicas 1] [--seed 0]
+    python benchmarks/rl_loop.py [--steps 40] [--lags 1 2] [--replicas 1] [--seed 0 | --seeds 0 1 2]
                                  [--model-size tiny|small|medium] [--out benchmarks/results/rl_loop]
     python benchmarks/rl_loop.py --stress [--tis-cap 2] [--out benchmarks/results/rl_loop_stress]
 
@@ -32,6 +32,15 @@ sample's first token's), the |behaviour - trainer| logprob difference by token l
 2+; at the trainer's weights when it trains on them), the mean clip fraction (tokens where the
 clip was active), ratio and TIS figures, the reward. The JSON keeps every step's ``diff_*``,
 ``diff_by_lag``, ``clip_frac`` and ratio stats (``runs[].per_step``).
+
+Agreement by confidence: the single-version agreement is also split by the behaviour
+probability of each token (p >= 0.9, 0.5-0.9, < 0.5; ``diff_by_confidence``). Rounding errors
+in a logprob grow as the token's probability falls, and a policy that turned near-deterministic
+agrees almost exactly whatever the kernels: runs whose policies end at different confidence
+(sync against async) compare bucket by bucket, not by one mean.
+
+Seeds: ``--seeds 0 1 2`` runs every arm once per seed with the same replicas; ratios are to
+the same seed's sync run, and ``by_arm`` has each arm's mean, min and max over the seeds.
 
 Cores: on vLLM's CPU backend the trainer and the replicas compete for cores. By default each
 replica ``i`` gets ``VLLM_CPU_OMP_THREADS_BIND=<i + 1>`` (its own core) and, once the engines
@@ -122,7 +131,7 @@ def make_task(vocab_size: int, min_tokens: int, max_tokens: int):
 
 #: StepRecord fields kept per step in the JSON.
 PER_STEP = ("step", "version", "reward", "wait_s", "train_s", "publish_s", "elapsed_s", "tokens", "lags", "swap_tokens",
-            "loss", "clip_frac", "diff_sum", "diff_max", "diff_tokens", "diff_by_lag", "loss_stats")
+            "loss", "clip_frac", "diff_sum", "diff_max", "diff_tokens", "diff_by_lag", "diff_by_confidence", "loss_stats")
 
 
 def _rounded(v):
@@ -142,11 +151,12 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     from rollq.rl import GrpoTrainer, LoopConfig, run_loop
     from rollq.weightsync.trainer.publisher import WeightPublisher
 
+    seed = a.seed
     queue = f"rl-{name}"
     root = tempfile.mkdtemp(prefix=f"rollq-rl-{name}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     await replicas.attach(queue, weights_root=root)
-    torch.manual_seed(a.seed)
-    trainer = GrpoTrainer.from_pretrained(model, grpo_config(arm, a), seed=a.seed)
+    torch.manual_seed(seed)
+    trainer = GrpoTrainer.from_pretrained(model, grpo_config(arm, a), seed=seed)
     trainer.model.to(getattr(torch, a.trainer_dtype))
     trainer.rebase(0)  # the snapshot of version 0 in the trainer's dtype
     trainer.to(device)
@@ -157,7 +167,7 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     trainer.rebase(rec.version)
     await replicas.wait_version(rec.version)
     task = make_task(len(tokenizer), a.min_tokens, a.max_tokens)
-    cfg = LoopConfig(steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode=mode, max_lag=max_lag, seed=a.seed,
+    cfg = LoopConfig(steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode=mode, max_lag=max_lag, seed=seed,
                      transport=a.transport)
 
     def on_step(r) -> None:
@@ -173,6 +183,7 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     s = report.summary()
     s["name"] = name
     s["arm"] = arm
+    s["seed"] = seed
     s.update(served_dtype=replicas.served_dtype, trainer_dtype=trainer.dtype, converted_from=replicas.converted_from())
     steps = report.per_step()
     s["per_step"] = [{k: _rounded(d[k]) for k in PER_STEP} for d in steps]
@@ -188,13 +199,15 @@ ROOTS: list[str] = []
 
 
 def ratios(runs: list[dict]) -> list[dict]:
-    base = runs[0]
+    """Each run's figures as ratios to the ``sync`` run of its seed."""
+    base_of = {r.get("seed"): r for r in runs if r["mode"] == "sync"}
 
     def ratio(x, y):
         return None if x is None or y in (None, 0) else round(x / y, 3)
 
     out = []
     for r in runs:
+        base = base_of.get(r.get("seed"), runs[0])
         out.append({
             "run": r["name"],
             "time_to_reward_0.8": ratio(r["time_to_reward_0.8_s"], base["time_to_reward_0.8_s"]),
@@ -202,6 +215,27 @@ def ratios(runs: list[dict]) -> list[dict]:
             "replica_idle_fraction": ratio(r["replica_idle_fraction"], base["replica_idle_fraction"]),
             "final_reward": ratio(r["reward_last"], base["reward_last"]),
         })
+    return out
+
+
+def by_arm(runs: list[dict]) -> list[dict]:
+    """Runs of the same arm over the seeds: each figure's mean, min and max, and the time to
+    reward 0.8 as a ratio to the same seed's sync run (None where either did not reach it)."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        groups.setdefault(r.get("run", r["name"]), []).append(r)
+    sync = {r.get("seed"): r for r in runs if r["mode"] == "sync"}
+    out = []
+    for name, rs in groups.items():
+        row: dict = {"run": name, "seeds": [r.get("seed") for r in rs]}
+        for key in ("reward_last", "wall_s", "time_to_reward_0.8_s", "logprob_abs_diff_mean", "rollout_tokens_per_s"):
+            xs = [r[key] for r in rs if r.get(key) is not None]
+            row[key] = {"mean": _rounded(sum(xs) / len(xs)), "min": _rounded(min(xs)), "max": _rounded(max(xs)),
+                        "n": len(xs)} if xs else None
+        t = [r["time_to_reward_0.8_s"] / sync[r.get("seed")]["time_to_reward_0.8_s"] for r in rs
+             if r.get("time_to_reward_0.8_s") and sync.get(r.get("seed"), {}).get("time_to_reward_0.8_s")]
+        row["time_to_0.8_vs_sync"] = [round(x, 3) for x in t]
+        out.append(row)
     return out
 
 
@@ -249,6 +283,29 @@ def markdown(res: dict) -> str:
             f"{' | '.join(lag)} | {r['clip_frac_mean']:.3f} | {_g(r.get('ratio_mean'))} / {_g(r.get('ratio_max'))} | "
             f"{_g(r.get('tis_frac_mean'))} | {r['reward_last']:.3f} | {'not reached' if t is None else f'{t:.1f} s'} |"
         )
+    lines += [
+        "",
+        "Agreement by the behaviour probability p of the sampled token (single-version samples, at their version): "
+        "mean |behaviour - trainer| logprob (tokens compared).",
+        "",
+        "| run | p >= 0.9 | 0.5 <= p < 0.9 | p < 0.5 |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in res["runs"]:
+        by = r.get("logprob_abs_diff_by_confidence", {})
+        cells = [f"{_g(by[k]['mean'])} ({by[k]['tokens']})" if k in by else "-" for k in ("p>=0.9", "0.5<=p<0.9", "p<0.5")]
+        lines.append(f"| {r['name']} | {' | '.join(cells)} |")
+    if len(res.get("seeds", [])) > 1:
+        lines += ["", f"Over seeds {res['seeds']} (mean [min, max]):", "",
+                  "| run | final reward | time to 0.8 (s) | time to 0.8 / same seed's sync | wall (s) | logprob \\|diff\\| mean |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+
+        def agg(x) -> str:
+            return "-" if x is None else f"{_g(x['mean'])} [{_g(x['min'])}, {_g(x['max'])}]" + (f" ({x['n']} runs)" if x["n"] < len(res["seeds"]) else "")
+
+        for row in res["by_arm"]:
+            lines.append(f"| {row['run']} | {agg(row['reward_last'])} | {agg(row['time_to_reward_0.8_s'])} | "
+                         f"{row['time_to_0.8_vs_sync'] or '-'} | {agg(row['wall_s'])} | {agg(row['logprob_abs_diff_mean'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -288,11 +345,18 @@ async def main_async(a: argparse.Namespace) -> dict:
                 from vllm.model_executor.layers.batch_invariant import init_batch_invariance
 
                 init_batch_invariance()
-            runs = [await one_run("sync", "sync", 0, a, srv.url, replicas, model, tokenizer, device)]
-            for lag in a.lags:
-                for arm in a.arms:
-                    name = f"async-lag{lag}" if a.arms == ["ratio"] else f"async-lag{lag}-{arm}"
-                    runs.append(await one_run(name, "async", lag, a, srv.url, replicas, model, tokenizer, device, arm))
+            runs = []
+            seeds = a.seeds or [a.seed]
+            for seed in seeds:
+                a.seed = seed
+                tag = f"-s{seed}" if len(seeds) > 1 else ""
+                runs.append(await one_run(f"sync{tag}", "sync", 0, a, srv.url, replicas, model, tokenizer, device))
+                runs[-1]["run"] = "sync"
+                for lag in a.lags:
+                    for arm in a.arms:
+                        name = f"async-lag{lag}" if a.arms == ["ratio"] else f"async-lag{lag}-{arm}"
+                        runs.append(await one_run(name + tag, "async", lag, a, srv.url, replicas, model, tokenizer, device, arm))
+                        runs[-1]["run"] = name
             # Written before the replicas stop: an engine that hangs on shutdown loses no figures.
             res = {
                 "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
@@ -304,7 +368,8 @@ async def main_async(a: argparse.Namespace) -> dict:
                 "groups_per_step": a.groups,
                 "group_size": a.group_size,
                 "lr": a.lr,
-                "seed": a.seed,
+                "seed": seeds[0],
+                "seeds": seeds,
                 "stress": a.stress,
                 "min_tokens": a.min_tokens,
                 "max_tokens": a.max_tokens,
@@ -314,6 +379,7 @@ async def main_async(a: argparse.Namespace) -> dict:
                 "batch_invariant": a.batch_invariant,
                 "runs": runs,
                 "ratios": ratios(runs),
+                "by_arm": by_arm(runs),
             }
             write_results(a, res)
         finally:
@@ -342,6 +408,9 @@ def main() -> None:
                     help="weight sync: memmap files in /dev/shm, or ipc (the trainer's tensors shared with the replicas)")
     ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+",
+                    help="run every arm once per seed, with the same replicas (ratios per seed, and each arm's "
+                         "mean/min/max over the seeds); overrides --seed")
     ap.add_argument("--model-size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="no core pinning")
     ap.add_argument("--dtype", default="auto",

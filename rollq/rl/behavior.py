@@ -16,7 +16,9 @@ import torch
 
 __all__ = [
     "SamplingTransformError",
+    "agreement_terms",
     "behavior_temperature",
+    "diff_by_confidence",
     "logprob_agreement",
     "single_version",
     "token_logprobs",
@@ -221,13 +223,65 @@ def logprob_agreement(
 
     >>> mean, worst, n = logprob_agreement(model, results, prompts)   # doctest: +SKIP
     """
+    d, _ = agreement_terms(model, results, prompts, state)
+    if d.numel() == 0:
+        return 0.0, 0.0, 0
+    return float(d.mean()), float(d.max()), int(d.numel())
+
+
+def agreement_terms(
+    model: torch.nn.Module,
+    results: Sequence[Any],
+    prompts: Sequence[Sequence[int]],
+    state: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token terms behind :func:`logprob_agreement`: ``|behavior - trainer|`` of every
+    compared token and the behavior logprob of each (flat tensors of one length), for figures
+    that split the agreement, e.g. :func:`diff_by_confidence`."""
     rows = [(prompts[i], s.token_ids) for i, r in enumerate(results) for s in r.samples]
     if not rows:
-        return 0.0, 0.0, 0
+        return torch.zeros(0), torch.zeros(0)
     behavior, temps = _behavior(results)
     with torch.no_grad():
         logp, mask = token_logprobs(model, [p for p, _ in rows], [c for _, c in rows], state, temps)
-    return _diff(logp, mask, behavior)
+    b = _padded(behavior, logp)
+    return (logp - b).abs()[mask], b[mask]
+
+
+#: :func:`diff_by_confidence`'s buckets: the behavior probability of the sampled token.
+CONFIDENCE_BUCKETS = (("p>=0.9", 0.9, 1.01), ("0.5<=p<0.9", 0.5, 0.9), ("p<0.5", 0.0, 0.5))
+
+
+def diff_by_confidence(diff: torch.Tensor, behavior: torch.Tensor) -> dict[str, list[float]]:
+    """``{bucket: [sum, max, tokens]}`` of ``diff`` by the behavior probability of each token
+    (:data:`CONFIDENCE_BUCKETS`). Rounding errors in logprobs grow as a token's probability
+    falls, and a policy that turned near-deterministic agrees almost exactly whatever the
+    kernels, so runs whose policies differ in confidence compare bucket by bucket.
+
+    >>> d = diff_by_confidence(torch.tensor([0.1, 0.2, 0.3]), torch.tensor([-0.01, -2.0, -3.0]))
+    >>> d["p>=0.9"], d["p<0.5"][2]
+    ([0.10000000149011612, 0.10000000149011612, 1], 2)
+    """
+    p = behavior.exp()
+    out: dict[str, list[float]] = {}
+    for name, lo, hi in CONFIDENCE_BUCKETS:
+        sel = (p >= lo) & (p < hi)
+        k = int(sel.sum())
+        if k:
+            out[name] = [float(diff[sel].sum()), float(diff[sel].max()), k]
+    return out
+
+
+def merge_buckets(into: dict[str, list[float]], more: dict[str, list[float]]) -> dict[str, list[float]]:
+    """``into`` with ``more`` added (``[sum, max, tokens]`` per bucket), in place.
+
+    >>> merge_buckets({"a": [1.0, 0.5, 2]}, {"a": [2.0, 0.7, 3], "b": [1.0, 1.0, 1]})
+    {'a': [3.0, 0.7, 5], 'b': [1.0, 1.0, 1]}
+    """
+    for k, (dsum, dmax, n) in more.items():
+        acc = into.setdefault(k, [0.0, 0.0, 0])
+        acc[0], acc[1], acc[2] = acc[0] + dsum, max(acc[1], dmax), acc[2] + n
+    return into
 
 
 def _padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
@@ -235,11 +289,3 @@ def _padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
     for i, lp in enumerate(rows):
         out[i, : len(lp)] = torch.tensor(lp, dtype=like.dtype)
     return out.to(like.device)
-
-
-def _diff(logp: torch.Tensor, mask: torch.Tensor, behavior: list[list[float]]) -> tuple[float, float, int]:
-    b = _padded(behavior, logp)
-    d = (logp.detach() - b).abs()[mask]
-    if d.numel() == 0:
-        return 0.0, 0.0, 0
-    return float(d.mean()), float(d.max()), int(d.numel())

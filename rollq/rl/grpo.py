@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from .._torch_extras import hide_broken_torch_extras
-from .behavior import _behavior, _padded, logprob_agreement, single_version, token_logprobs
+from .behavior import _behavior, _padded, agreement_terms, diff_by_confidence, merge_buckets, single_version, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +195,9 @@ class StepStats:
     #: ``[sum, max, tokens]``. Lag 0 is the weight-sync check; lags 1 and 2+ show how far
     #: off-policy the behavior logprobs are. Tokens of an unknown version are left out.
     diff_by_lag: dict[str, list[float]] = field(default_factory=dict)
+    #: The agreement's tokens (those of ``diff_sum``) by the behavior probability of each
+    #: (:func:`~rollq.rl.behavior.diff_by_confidence`): ``{bucket: [sum, max, tokens]}``.
+    diff_by_confidence: dict[str, list[float]] = field(default_factory=dict)
     train_s: float = 0.0
     #: The loss's stats beyond ``clip_frac`` (:func:`grpo_loss`): ``ratio_mean``,
     #: ``ratio_max``, ``tis_frac``.
@@ -301,20 +304,18 @@ class GrpoTrainer:
         by_lag = self._diff_by_lag(logp.detach(), b, mask, [vs for _, r in batch for vs in _versions(r)])
         # Agreement: groups generated entirely at the current version use this forward pass.
         lags = [self.version - res.version_start for _, res in batch]
-        dsum, dmax, dn = 0.0, 0.0, 0
+        terms: list[tuple[torch.Tensor, torch.Tensor]] = []
         cur = [i for i, g in enumerate(owner) if single_version(batch[g][1]) == self.version]
         if cur:
-            d = (logp.detach()[cur] - b[cur]).abs()[mask[cur]]
-            dsum, dmax, dn = float(d.sum()), float(d.max()), int(d.numel())
+            terms.append(((logp.detach()[cur] - b[cur]).abs()[mask[cur]], b[cur][mask[cur]]))
         older: dict[int, list[int]] = {}
         for g, (_, res) in enumerate(batch):
             v = single_version(res)
             if v is not None and v != self.version and v in self._snapshots:
                 older.setdefault(v, []).append(g)
         for v, groups in older.items():
-            m, mx, n = logprob_agreement(self.model, [batch[g][1] for g in groups], [batch[g][0] for g in groups], self._snapshots[v])
-            dsum, dmax, dn = dsum + m * n, max(dmax, mx), dn + n
-        return self._update(loss, st, rewards, lags, (dsum, dmax, dn), by_lag, t0)
+            terms.append(agreement_terms(self.model, [batch[g][1] for g in groups], [batch[g][0] for g in groups], self._snapshots[v]))
+        return self._update(loss, st, rewards, lags, terms, by_lag, t0)
 
     def step_episodes(self, groups: Sequence[Any], rewards: Sequence[Sequence[float]]) -> StepStats:
         """One GRPO update on whole multi-turn episodes: ``groups`` holds one sequence of
@@ -343,7 +344,7 @@ class GrpoTrainer:
         detached = logp.detach()
         by_lag = self._diff_by_lag(detached, b, mask, [e.versions[e.prompt_len :] for e in eps])
         lags = [self.version - min(e.version_start for e in g) for g in groups if g]
-        dsum, dmax, dn = 0.0, 0.0, 0
+        terms: list[tuple[torch.Tensor, torch.Tensor]] = []
         at: dict[int, list[int]] = {}
         for i, e in enumerate(eps):
             v = e.single_version
@@ -351,15 +352,14 @@ class GrpoTrainer:
                 at.setdefault(v, []).append(i)
         for v, rows in at.items():
             if v == self.version:  # this forward pass
-                d = (detached[rows] - b[rows]).abs()[mask[rows]]
+                terms.append(((detached[rows] - b[rows]).abs()[mask[rows]], b[rows][mask[rows]]))
             else:
                 with torch.no_grad():
                     lp, _ = token_logprobs(self.model, [prompts[i] for i in rows], [rest[i] for i in rows], self._snapshots[v],
                                            [eps[i].temperature for i in rows])
-                d = (lp - b[rows][:, : lp.shape[1]]).abs()[mask[rows][:, : lp.shape[1]]]
-            if d.numel():
-                dsum, dmax, dn = dsum + float(d.sum()), max(dmax, float(d.max())), dn + int(d.numel())
-        return self._update(loss, st, rewards, lags, (dsum, dmax, dn), by_lag, t0)
+                w = lp.shape[1]
+                terms.append(((lp - b[rows][:, :w]).abs()[mask[rows][:, :w]], b[rows][:, :w][mask[rows][:, :w]]))
+        return self._update(loss, st, rewards, lags, terms, by_lag, t0)
 
     def _loss(self, logp: torch.Tensor, behavior: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
@@ -368,9 +368,16 @@ class GrpoTrainer:
 
     def _update(
         self, loss: torch.Tensor, st: dict[str, float], rewards: Sequence[Sequence[float]], lags: list[int],
-        diff: tuple[float, float, int], by_lag: dict[str, list[float]], t0: float,
+        terms: list[tuple[torch.Tensor, torch.Tensor]], by_lag: dict[str, list[float]], t0: float,
     ) -> StepStats:
-        """One Adam step on ``loss``; the next version; the step's stats."""
+        """One Adam step on ``loss``; the next version; the step's stats (``terms``: the
+        agreement's ``(|behavior - trainer|, behavior logprob)`` tokens, :func:`agreement_terms`)."""
+        by_conf: dict[str, list[float]] = {}
+        dsum, dmax, dn = 0.0, 0.0, 0
+        for d, beh in terms:
+            if d.numel():
+                dsum, dmax, dn = dsum + float(d.sum()), max(dmax, float(d.max())), dn + int(d.numel())
+                merge_buckets(by_conf, diff_by_confidence(d, beh))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.config.max_grad_norm > 0:
@@ -382,8 +389,8 @@ class GrpoTrainer:
         flat = [x for r in rewards for x in r]
         return StepStats(
             version=trained_at, reward_mean=sum(flat) / max(1, len(flat)), loss=float(loss.detach()),
-            clip_frac=st.pop("clip_frac"), lags=lags, diff_sum=diff[0], diff_max=diff[1], diff_tokens=diff[2],
-            diff_by_lag=by_lag, train_s=time.perf_counter() - t0, extra=st,
+            clip_frac=st.pop("clip_frac"), lags=lags, diff_sum=dsum, diff_max=dmax, diff_tokens=dn,
+            diff_by_lag=by_lag, diff_by_confidence=by_conf, train_s=time.perf_counter() - t0, extra=st,
         )
 
     def _diff_by_lag(

@@ -58,6 +58,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from .behavior import CONFIDENCE_BUCKETS, merge_buckets
 from .episodes import EpisodeGroup, play_group
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,8 @@ class StepRecord:
     diff_tokens: int = 0
     #: :attr:`~rollq.rl.grpo.StepStats.diff_by_lag`: ``{"0"|"1"|"2+": [sum, max, tokens]}``.
     diff_by_lag: dict[str, list[float]] = field(default_factory=dict)
+    #: :attr:`~rollq.rl.grpo.StepStats.diff_by_confidence`: the agreement by behavior probability.
+    diff_by_confidence: dict[str, list[float]] = field(default_factory=dict)
     #: The loss's other stats (``ratio_mean``, ``ratio_max``, ``tis_frac``; :func:`~rollq.rl.grpo.grpo_loss`).
     loss_stats: dict[str, float] = field(default_factory=dict)
 
@@ -169,10 +172,10 @@ class LoopReport:
         dn = sum(s.diff_tokens for s in self.steps)
         tokens = sum(s.tokens for s in self.steps)
         by_lag: dict[str, list[float]] = {}
+        by_conf: dict[str, list[float]] = {}
         for s in self.steps:
-            for k, (dsum, dmax, n) in s.diff_by_lag.items():
-                acc = by_lag.setdefault(k, [0.0, 0.0, 0])
-                acc[0], acc[1], acc[2] = acc[0] + dsum, max(acc[1], dmax), acc[2] + n
+            merge_buckets(by_lag, s.diff_by_lag)
+            merge_buckets(by_conf, s.diff_by_confidence)
         upd = [u.update_s for u in self.updates]
         pause = [u.pause_s for u in self.updates]
         return {
@@ -203,6 +206,10 @@ class LoopReport:
             "logprob_abs_diff_by_lag": {
                 k: {"mean": by_lag[k][0] / by_lag[k][2], "max": by_lag[k][1], "tokens": int(by_lag[k][2])}
                 for k in ("0", "1", "2+") if k in by_lag
+            },
+            "logprob_abs_diff_by_confidence": {
+                k: {"mean": by_conf[k][0] / by_conf[k][2], "max": by_conf[k][1], "tokens": int(by_conf[k][2])}
+                for k, _, _ in CONFIDENCE_BUCKETS if k in by_conf
             },
             "swap_tokens": sum(s.swap_tokens for s in self.steps),
             "swap_token_share": round(sum(s.swap_tokens for s in self.steps) / tokens, 4) if tokens else 0.0,
@@ -354,6 +361,7 @@ async def run_loop(
                         rec.loss, rec.clip_frac = st.loss, st.clip_frac
                         rec.diff_sum, rec.diff_max, rec.diff_tokens = st.diff_sum, st.diff_max, st.diff_tokens
                         rec.diff_by_lag, rec.loss_stats = st.diff_by_lag, dict(st.extra)
+                        rec.diff_by_confidence = st.diff_by_confidence
                     else:  # nothing to learn from; the next version is published all the same
                         trainer.advance()
                     t2 = time.perf_counter()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import json
 
 import pytest
@@ -276,6 +278,28 @@ def test_ratio_off_gives_the_on_policy_gradient_of_a_real_model(trainer):
     assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(on_policy, off))
     assert any(not torch.allclose(a, b, atol=1e-5) for a, b in zip(on_policy, with_ratio))
     m.zero_grad(set_to_none=True)
+
+
+def test_agreement_is_split_by_the_behaviour_probability_of_each_token(tiny_model_path):
+    """Single-version groups at the trainer's version (this forward pass) and at an older one
+    (its snapshot): every compared token lands in one confidence bucket, the buckets add up
+    to the agreement's totals, and each bucket holds the tokens of its probability range."""
+    from rollq.rl.behavior import CONFIDENCE_BUCKETS
+
+    torch.set_num_threads(1)
+    tr = GrpoTrainer.from_pretrained(str(tiny_model_path), GrpoConfig(lr=5e-3), seed=0)
+    gen = torch.Generator().manual_seed(5)
+    prompt = [21] * 6
+    samples = _sample(tr.model, prompt, 4, 6, gen)
+    batch = [(prompt, Result(id="a", samples=samples, version_start=tr.version, version_end=tr.version))]
+    probs = [math.exp(x) for s in samples for x in s.token_logprobs]
+    for st in (tr.step(batch, [[0.0, 1.0, 0.0, 1.0]]), tr.step(batch, [[0.0, 1.0, 0.0, 1.0]])):  # at v, then from v's snapshot
+        assert st.diff_tokens == 24
+        assert sum(b[2] for b in st.diff_by_confidence.values()) == 24
+        assert sum(b[0] for b in st.diff_by_confidence.values()) == pytest.approx(st.diff_sum, rel=1e-6, abs=1e-9)
+        for name, lo, hi in CONFIDENCE_BUCKETS:
+            expected = sum(lo <= p < hi for p in probs)
+            assert st.diff_by_confidence.get(name, [0, 0, 0])[2] == expected
 
 
 def test_trainer_step_reports_ratio_tis_and_agreement_by_lag(tiny_model_path):
