@@ -18,10 +18,16 @@ cryptographic hash: it protects against accidents, not adversaries.
 
 from __future__ import annotations
 
-from typing import Iterable
+import logging
+import os
+import threading
+from collections import OrderedDict
+from typing import Any, Iterable
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 _LANES = 4096
 #: Bytes per row of lanes: byte ranges starting at multiples of it checksum independently.
@@ -93,7 +99,9 @@ def state_checksum(named: Iterable[tuple[str, torch.Tensor]], sync_bytes: int = 
     """Order-independent checksum of named tensors, as 16 hex digits.
 
     Tensors on one CUDA device are reduced entirely on the device with a single host sync at
-    the end (a per-tensor sync costs seconds when a busy engine holds the GIL). With
+    the end (a per-tensor sync costs seconds when a busy engine holds the GIL), by a CUDA
+    graph captured the first time these very tensors are checksummed and replayed after
+    (weights updated in place keep their addresses: one launch per version). With
     ``sync_bytes`` the current stream is also waited for after every ``sync_bytes`` read, so
     that an engine sharing the GPU runs its steps between the parts instead of behind one
     burst that reads the whole version.
@@ -124,7 +132,27 @@ def _signed(u: int) -> int:
 
 
 def _state_checksum_device(items: list[tuple[str, torch.Tensor]], sync_bytes: int = 0) -> int:
-    """The same arithmetic as the host path, in int64 (two's complement wraps like mod 2**64)."""
+    """The same arithmetic as the host path, in int64 (two's complement wraps like mod 2**64).
+
+    Without ``sync_bytes``, CUDA tensors are reduced by a captured CUDA graph, replayed for
+    every later call on the same tensors (:class:`_GraphedChecksum`)."""
+    if sync_bytes <= 0 and items[0][1].device.type == "cuda":
+        graphed = _graphed(items)
+        if graphed is not None:
+            return graphed.run()
+    return int(_device_sum(items, _consts(items), sync_bytes).item()) & _MASK
+
+
+def _consts(items: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """Each tensor's meta hash and name hash, on the tensors' device."""
+    return torch.tensor(
+        [[_signed(_name_hash(f"{t.dtype}|{tuple(t.shape)}|{t.numel() * t.element_size()}")), _signed(_name_hash(n))] for n, t in items],
+        dtype=torch.int64, device=items[0][1].device,
+    )
+
+
+def _device_sum(items: list[tuple[str, torch.Tensor]], consts: torch.Tensor, sync_bytes: int = 0) -> torch.Tensor:
+    """The checksum as a device scalar (int64), enqueued on the current stream."""
     dev = items[0][1].device
     w = _lane_weights(dev)
     sums = []
@@ -149,13 +177,82 @@ def _state_checksum_device(items: list[tuple[str, torch.Tensor]], sync_bytes: in
             torch.cuda.current_stream(dev).synchronize()
             read = 0
     s = torch.stack(sums)
-    consts = torch.tensor(
-        [[_signed(_name_hash(f"{t.dtype}|{tuple(t.shape)}|{t.numel() * t.element_size()}")), _signed(_name_hash(n))] for n, t in items],
-        dtype=torch.int64, device=dev,
-    )
     h = s * 1099511628211 + consts[:, 0]
-    acc = ((h ^ consts[:, 1]) * 0x100000001B3).sum()
-    return int(acc.item()) & _MASK
+    return ((h ^ consts[:, 1]) * 0x100000001B3).sum()
+
+
+#: Captured checksums kept (each holds its intermediates, about 64 KiB per tensor, on the GPU).
+GRAPHS_KEPT = 2
+_graphs: OrderedDict[tuple[Any, ...], _GraphedChecksum | None] = OrderedDict()
+_graphs_lock = threading.Lock()
+
+
+class _GraphedChecksum:
+    """:func:`_device_sum` of fixed tensors captured once as a CUDA graph: each later call is
+    one graph launch and one host sync instead of ~8 kernel launches and as many Python
+    calls per tensor (a weight-sync thread that shares the GIL with a busy engine waits for
+    the GIL at each of them). The graph reads the tensors' addresses; a call with tensors of
+    the same names, addresses, dtypes and shapes (:func:`_graph_key`) replays it, which reads
+    exactly those tensors' current bytes."""
+
+    def __init__(self, items: list[tuple[str, torch.Tensor]]):
+        dev = items[0][1].device
+        _lane_weights(dev)  # created outside the capture
+        self.consts = _consts(items)
+        self.graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            # thread_local: other threads (an engine serving meanwhile) keep their CUDA calls
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.out = _device_sum(items, self.consts)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.runs = 0
+        self._lock = threading.Lock()  # one replay at a time: they share ``out``
+
+    def run(self) -> int:
+        with self._lock:
+            self.graph.replay()  # on the current stream: after whatever wrote the tensors
+            self.runs += 1
+            return int(self.out.item()) & _MASK
+
+
+def _graph_key(items: list[tuple[str, torch.Tensor]]) -> tuple[Any, ...] | None:
+    """What a captured checksum is valid for; None where the capture would hold copies of the
+    tensors themselves (non-contiguous ones, or unaligned views that are cloned first)."""
+    key = []
+    for n, t in items:
+        if not t.is_contiguous() or t.data_ptr() % 8:
+            return None
+        key.append((n, t.device.index, t.data_ptr(), t.dtype, tuple(t.shape)))
+    return tuple(key)
+
+
+def _graphed(items: list[tuple[str, torch.Tensor]]) -> _GraphedChecksum | None:
+    """The captured checksum of ``items`` (captured on first use), or None where graphs are
+    off (``ROLLQ_CHECKSUM_GRAPHS=0``), not applicable, or failed to capture (then the eager
+    path is used for these tensors from then on)."""
+    if os.environ.get("ROLLQ_CHECKSUM_GRAPHS", "1") == "0" or torch.cuda.is_current_stream_capturing():
+        return None
+    key = _graph_key(items)
+    if key is None:
+        return None
+    with _graphs_lock:
+        if key in _graphs:
+            _graphs.move_to_end(key)
+            return _graphs[key]
+        try:
+            g: _GraphedChecksum | None = _GraphedChecksum(items)
+        except RuntimeError as e:  # capture refused (e.g. another capture in this thread)
+            log.warning("checksum: CUDA graph capture failed (%s); checksumming these tensors eagerly", e)
+            g = None
+        _graphs[key] = g
+        while len(_graphs) > GRAPHS_KEPT:
+            _graphs.popitem(last=False)
+        return g
 
 
 def _name_hash(name: str) -> int:

@@ -60,3 +60,42 @@ def test_on_a_gpu_it_equals_the_host_value_with_and_without_waits_and_at_odd_add
     assert ck.state_checksum(dev, sync_bytes=4096) == host
     odd = torch.randn(100_001, dtype=torch.bfloat16)
     assert ck.state_checksum([("o", odd.cuda()[1:])]) == ck.state_checksum([("o", odd[1:])])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_a_captured_checksum_is_replayed_and_reads_the_current_bytes():
+    """The second checksum of the same tensors replays the first one's CUDA graph; it gives
+    the host value, follows an in-place change of the bytes, and a thread serving other CUDA
+    work meanwhile (an engine) is not disturbed by the capture."""
+    import threading
+
+    ck._graphs.clear()
+    items = [(f"t{i}", torch.randn(n, dtype=torch.bfloat16)) for i, n in enumerate([4096, 3 * 8192 + 4, 100_000])]
+    dev = [(n, t.cuda()) for n, t in items]
+    stop = threading.Event()
+
+    def busy() -> None:  # other CUDA work in another thread, on its own stream
+        x = torch.randn(512, 512, device="cuda")
+        with torch.cuda.stream(torch.cuda.Stream()):
+            while not stop.is_set():
+                x = (x @ x).tanh()
+                torch.cuda.synchronize()
+
+    th = threading.Thread(target=busy)
+    th.start()
+    try:
+        first = ck.state_checksum(dev)  # captured here
+        graphed = ck._graphs[ck._graph_key(dev)]
+        assert graphed is not None and graphed.runs == 1
+        assert first == ck.state_checksum(items)
+        assert ck.state_checksum(dev) == first and graphed.runs == 2
+        dev[1][1][7] += 1  # in place: same address, new bytes
+        items[1][1][7] += 1
+        assert ck.state_checksum(dev) == ck.state_checksum(items) != first and graphed.runs == 3
+    finally:
+        stop.set()
+        th.join()
+    other = [(n, t.clone()) for n, t in dev]  # other addresses: another graph
+    assert ck.state_checksum(other) == ck.state_checksum(items)
+    assert ck._graphs[ck._graph_key(other)] is not graphed

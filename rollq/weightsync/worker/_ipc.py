@@ -24,6 +24,7 @@ import torch
 from ...errors import CorruptWeights
 from ..checksum import state_checksum
 from ..ipc_wire import IpcHandles, IpcStorage, IpcUnavailable, StorageKind, decode_handles
+from ..layout import typed_views
 from ..memmap import manifest_of
 from ..process_group import responsive_gil
 from ..versions import TensorMeta
@@ -100,6 +101,7 @@ class IpcStaging:
         self.chunk_bytes = 0
         self._since = 0  # bytes enqueued since the last wait
         self._open_s = self._verify_s = 0.0  # the last staging's parts
+        self._dest: tuple[Any, Items] | None = None  # _typed's views and what they are for
         self._thread: threading.Thread | None = None
 
     def stage(self, handles: bytes, version: int, chunk_bytes: int = 0) -> StageStatus:
@@ -180,12 +182,20 @@ class IpcStaging:
             if target is not None:  # straight into the shadow's bytes
                 try:
                     with torch.cuda.stream(stream):
-                        for i, ((_, src), view) in enumerate(zip(srcs, target.views)):
-                            self._before(i)
-                            view.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
-                            self._pace(stream, view.numel())
-                        stream.synchronize()
-                        self._check(h, srcs)  # the sources were still the trainer's when copied
+                        dest = self._typed(manifest, target.views)
+                        if self.before_copy is None and self.chunk_bytes <= 0:
+                            # one call for every tensor (device-to-device, C++ loops): not
+                            # hundreds of Python calls, each waiting for the engine's GIL
+                            torch._foreach_copy_([t for _, t in dest], [t for _, t in srcs], non_blocking=True)
+                        else:
+                            for i, ((_, src), (_, view)) in enumerate(zip(srcs, dest)):
+                                self._before(i)
+                                view.copy_(src, non_blocking=True)
+                                self._pace(stream, view.numel() * view.element_size())
+                        # The shadow's bytes are the trainer's checksum, or the trainer changed
+                        # them during the copy (the checksum is a captured graph: these views
+                        # have the same addresses every version).
+                        self._check(h, dest)
                 except BaseException:
                     target.done(version, False)
                     raise
@@ -210,6 +220,14 @@ class IpcStaging:
             self.staged = (version, None if shadowed else items)
         return StageStatus(state=State.STAGED, version=version, stage_s=t1 - t0, prepare_s=time.perf_counter() - t1,
                            shadow=shadowed, open_s=self._open_s, verify_s=self._verify_s)
+
+    def _typed(self, manifest: list[TensorMeta], views: list[torch.Tensor]) -> Items:
+        """``views`` (raw shadow bytes) typed as ``manifest`` says, made once per set of views
+        (the shadow's direct views are the same tensors every version)."""
+        key = (tuple(id(v) for v in views), tuple((m.name, m.dtype, tuple(m.shape)) for m in manifest))
+        if self._dest is None or self._dest[0] != key:
+            self._dest = (key, typed_views(manifest, views))
+        return self._dest[1]
 
     def _copy_one(self, i: int, src: torch.Tensor) -> torch.Tensor:
         """Tensor ``i`` copied onto this worker's device (from the trainer's device or memory)."""
