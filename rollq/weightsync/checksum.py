@@ -152,10 +152,11 @@ def _consts(items: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
 
 
 def _device_sum(items: list[tuple[str, torch.Tensor]], consts: torch.Tensor, sync_bytes: int = 0) -> torch.Tensor:
-    """The checksum as a device scalar (int64), enqueued on the current stream."""
+    """The checksum as a device scalar (int64), enqueued on the current stream: one reduction
+    kernel per tensor (two more where its size is not a multiple of :data:`LANE_BYTES`), then
+    three for the whole state."""
     dev = items[0][1].device
-    w = _lane_weights(dev)
-    sums = []
+    rows = []
     read = 0
     for _, t in items:
         t = t.detach()
@@ -164,19 +165,16 @@ def _device_sum(items: list[tuple[str, torch.Tensor]], consts: torch.Tensor, syn
         raw = _aligned(t.reshape(-1).view(torch.uint8))
         n = raw.numel()
         full = (n // LANE_BYTES) * LANE_BYTES
-        lanes = torch.zeros(_LANES, dtype=torch.int64, device=dev)
-        if full:
-            lanes += raw[:full].view(torch.int64).view(-1, _LANES).sum(0)
+        lanes = raw[:full].view(torch.int64).view(-1, _LANES).sum(0) if full else None
         if n > full:
-            tail = torch.zeros(LANE_BYTES, dtype=torch.uint8, device=dev)
-            tail[: n - full] = raw[full:]
-            lanes += tail.view(torch.int64)
-        sums.append((lanes * w).sum())
+            tail = torch.nn.functional.pad(raw[full:], (0, LANE_BYTES - (n - full))).view(torch.int64)
+            lanes = tail if lanes is None else lanes + tail
+        rows.append(lanes if lanes is not None else torch.zeros(_LANES, dtype=torch.int64, device=dev))
         read += n
         if sync_bytes > 0 and read >= sync_bytes and dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
             read = 0
-    s = torch.stack(sums)
+    s = (torch.stack(rows) * _lane_weights(dev)).sum(1)
     h = s * 1099511628211 + consts[:, 0]
     return ((h ^ consts[:, 1]) * 0x100000001B3).sum()
 
