@@ -27,6 +27,12 @@ ratio against the behaviour logprobs (:class:`rollq.rl.GrpoConfig`):
 - ``no-ratio``: the ratio fixed at 1 (``importance_ratio=False``), the control;
 - ``tis``: truncated importance weighting, the ratio capped at ``--tis-cap`` (``tis_cap``).
 
+And once per update policy of ``--policies`` (default ``keep``): ``keep`` (a request continues
+on the new weights), ``abort`` (the queue's ``abort`` policy: requests in flight are aborted at
+the swap and rerun from scratch) and ``abort-resume`` (aborted, then continued from the
+tokens they had, their context re-prefilled at the new version:
+``WeightSyncSettings.abort_resume``).
+
 Reported per run: the share of tokens that span a swap (their version differs from their
 sample's first token's), the |behaviour - trainer| logprob difference by token lag (0, 1,
 2+; at the trainer's weights when it trains on them), the mean clip fraction (tokens where the
@@ -99,6 +105,8 @@ def pin_trainer(core: int) -> bool:
 
 #: --arms: the trainer's treatment of the importance ratio (see the module doc).
 ARMS = ("ratio", "no-ratio", "tis")
+#: --policies: how a replica applies a version mid-generation (see the module doc).
+POLICIES = ("keep", "abort", "abort-resume")
 
 
 def grpo_config(arm: str, a: argparse.Namespace):
@@ -145,16 +153,19 @@ def _rounded(v):
 
 
 async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv_url: str, replicas, model: str,
-                  tokenizer, device: str, arm: str = "ratio") -> dict:
+                  tokenizer, device: str, arm: str = "ratio", policy: str = "keep") -> dict:
     import torch
 
+    from rollq.producer import Producer
     from rollq.rl import GrpoTrainer, LoopConfig, run_loop
     from rollq.weightsync.trainer.publisher import WeightPublisher
 
     seed = a.seed
     queue = f"rl-{name}"
     root = tempfile.mkdtemp(prefix=f"rollq-rl-{name}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    await replicas.attach(queue, weights_root=root)
+    async with Producer(srv_url, queue) as p:  # read by the followers at each update
+        await p.set_update_policy("keep" if policy == "keep" else "abort")
+    await replicas.attach(queue, weights_root=root, abort_resume=policy == "abort-resume")
     torch.manual_seed(seed)
     trainer = GrpoTrainer.from_pretrained(model, grpo_config(arm, a), seed=seed)
     trainer.model.to(getattr(torch, a.trainer_dtype))
@@ -183,6 +194,7 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     s = report.summary()
     s["name"] = name
     s["arm"] = arm
+    s["update_policy"] = policy
     s["seed"] = seed
     s.update(served_dtype=replicas.served_dtype, trainer_dtype=trainer.dtype, converted_from=replicas.converted_from())
     steps = report.per_step()
@@ -271,15 +283,15 @@ def markdown(res: dict) -> str:
         "|diff| by lag: mean |behaviour - trainer| logprob at the trainer's weights when it trained on the tokens "
         "(tokens compared); clip: mean share of tokens where the clip was active; ratio: against the behaviour logprobs.",
         "",
-        "| run | arm | tokens spanning a swap | \\|diff\\| lag 0 | lag 1 | lag 2+ | clip | ratio mean / max | TIS capped | final reward | time to 0.8 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | arm | update policy | tokens spanning a swap | \\|diff\\| lag 0 | lag 1 | lag 2+ | clip | ratio mean / max | TIS capped | final reward | time to 0.8 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["runs"]:
         by = r.get("logprob_abs_diff_by_lag", {})
         lag = [f"{_g(by[k]['mean'])} ({by[k]['tokens']})" if k in by else "-" for k in ("0", "1", "2+")]
         t = r["time_to_reward_0.8_s"]
         lines.append(
-            f"| {r['name']} | {r['arm']} | {r['swap_tokens']} of {r['rollout_tokens']} ({100 * r['swap_token_share']:.1f}%) | "
+            f"| {r['name']} | {r['arm']} | {r.get('update_policy', 'keep')} | {r['swap_tokens']} of {r['rollout_tokens']} ({100 * r['swap_token_share']:.1f}%) | "
             f"{' | '.join(lag)} | {r['clip_frac_mean']:.3f} | {_g(r.get('ratio_mean'))} / {_g(r.get('ratio_max'))} | "
             f"{_g(r.get('tis_frac_mean'))} | {r['reward_last']:.3f} | {'not reached' if t is None else f'{t:.1f} s'} |"
         )
@@ -354,9 +366,12 @@ async def main_async(a: argparse.Namespace) -> dict:
                 runs[-1]["run"] = "sync"
                 for lag in a.lags:
                     for arm in a.arms:
-                        name = f"async-lag{lag}" if a.arms == ["ratio"] else f"async-lag{lag}-{arm}"
-                        runs.append(await one_run(name + tag, "async", lag, a, srv.url, replicas, model, tokenizer, device, arm))
-                        runs[-1]["run"] = name
+                        for policy in a.policies:
+                            name = f"async-lag{lag}" + ("" if a.arms == ["ratio"] else f"-{arm}")
+                            name += "" if a.policies == ["keep"] else f"-{policy}"
+                            runs.append(await one_run(name + tag, "async", lag, a, srv.url, replicas, model, tokenizer, device,
+                                                      arm, policy))
+                            runs[-1]["run"] = name
             # Written before the replicas stop: an engine that hangs on shutdown loses no figures.
             res = {
                 "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
@@ -375,6 +390,7 @@ async def main_async(a: argparse.Namespace) -> dict:
                 "max_tokens": a.max_tokens,
                 "arms": a.arms,
                 "tis_cap": a.tis_cap,
+                "policies": a.policies,
                 "engine_start_s": round(replicas.start_s, 1),
                 "batch_invariant": a.batch_invariant,
                 "runs": runs,
@@ -403,6 +419,9 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", choices=ARMS,
                     help="the async runs' importance-ratio arms (default ratio; --stress: all three)")
     ap.add_argument("--tis-cap", type=float, default=2.0, help="the tis arm's cap on the importance ratio")
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=["keep"],
+                    help="the async runs' update policies: keep (requests continue on the new weights), abort "
+                         "(rerun from scratch), abort-resume (continue from their tokens after a re-prefill)")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--transport", choices=["memmap", "ipc"], default="memmap",
                     help="weight sync: memmap files in /dev/shm, or ipc (the trainer's tensors shared with the replicas)")

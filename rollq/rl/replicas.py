@@ -115,17 +115,20 @@ class Replicas:
         await self.attach(self.queue)
         return self
 
-    async def attach(self, queue: str, weights_root: str | None = None) -> None:
+    async def attach(self, queue: str, weights_root: str | None = None, *, abort_resume: bool = False) -> None:
         """Serve ``queue`` (a consumer and a weight follower per engine), leaving the previous
         one. The engines keep the weights they hold; a follower loads the queue's committed
-        version, if it has one, before its consumer pulls."""
+        version, if it has one, before its consumer pulls. ``abort_resume``: under the queue's
+        ``abort`` update policy, aborted requests continue from their tokens
+        (``WeightSyncSettings.abort_resume``)."""
         await self.detach()
         self.queue = queue
         if weights_root is not None:
             self.weights_root = weights_root
         weights = None
         if self.kind == "vllm":
-            weights = WeightSyncSettings(root=self.weights_root, reconcile_interval=self.reconcile_interval, broadcast=self.broadcast)
+            weights = WeightSyncSettings(root=self.weights_root, reconcile_interval=self.reconcile_interval, broadcast=self.broadcast,
+                                         abort_resume=abort_resume)
         for i, e in enumerate(self.engines):
             replica = Replica(e, self.url, queue, consumer_id=f"replica-{i}", settings=ConsumerSettings(lease_ttl=10.0),
                               weights=weights, own_engine=False)
