@@ -242,6 +242,7 @@ class WeightReceiver:
             raise WeightUpdateRefused("a weight update is in progress: call /finish_weight_update before joining a new group")
         self._joining = True
         self._drop_group()  # a trainer that initialises again replaces its old group
+        t0 = time.perf_counter()
         try:
             group = await self._bounded(open_group, self.config.backend, info, info.rank_offset, self.config.timeout,
                                         self.config.device, what=f"joining the trainer's {self.config.backend} group "
@@ -249,6 +250,9 @@ class WeightReceiver:
         except WeightTransferError:
             raise
         except Exception as e:  # noqa: BLE001 - any rendezvous failure is the route's 500
+            if time.perf_counter() - t0 >= self.config.timeout:  # the store's or gloo's own bound
+                raise WeightTransferTimeout(f"joining the trainer's group timed out after {self.config.timeout:.0f}s "
+                                            f"(rollq serve --weight-timeout): {type(e).__name__}: {str(e)[:300]}") from e
             raise WeightTransferError(f"joining the trainer's {self.config.backend} group failed: {type(e).__name__}: {e}") from e
         finally:
             self._joining = False

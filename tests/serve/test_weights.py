@@ -380,3 +380,28 @@ async def test_pause_holds_new_requests_until_resume_and_reset_prefix_cache_reac
         assert (await c.post("/pause", params={"mode": "wait"})).json() == {"status": "paused"}
         await c.post("/resume")
 
+
+
+async def test_pause_abort_cancels_this_servers_jobs_in_flight(make_producer, make_consumer, queue):
+    make_consumer.start(make_consumer(queue, engine=EchoEngine(delay_per_token=0.5)))
+    producer = await make_producer(queue)
+    async with served_app(producer, None) as c:
+        slow = asyncio.create_task(c.post("/v1/completions", json={"prompt": [1], "max_tokens": 40, "ignore_eos": True}))
+        await until(lambda: len(producer._ledger.handles) == 1, 10, "the job to be submitted")
+        await asyncio.sleep(0.3)
+        assert (await c.post("/pause", params={"mode": "abort"})).json() == {"status": "paused"}
+        r = await asyncio.wait_for(slow, 10)  # 20 s of generation left: cancelled instead
+        assert r.status_code >= 400 and "ancel" in r.text, r.text
+        await c.post("/resume")
+
+
+async def test_a_trainer_that_never_joins_times_out(redis_url, queue, tmp_path, model_dir, make_producer):
+    cfg = WeightTransferConfig(backend="gloo", root=str(tmp_path / "w"), model=model_dir, timeout=2)
+    producer = await make_producer(queue)
+    async with served_app(producer, cfg) as c:
+        r = await c.post("/init_weight_transfer_engine", json={"init_info": init_info(free_port())})
+        assert r.status_code == 504 and "--weight-timeout" in r.json()["error"]["message"], r.text
+        assert (await c.get("/v1/models")).status_code == 200
+        assert (await c.post("/start_weight_update", json={})).status_code == 200  # no group: updates say so
+        r = await c.post("/update_weights", json={"update_info": meta([])})
+        assert r.status_code == 500 and "not initialized" in r.json()["error"]["message"]
