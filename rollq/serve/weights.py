@@ -160,10 +160,18 @@ def load_state(model: str) -> dict[str, torch.Tensor]:
     ...
     ValueError: --weight-model /no/such/model: no local folder with safetensors files
     """
+    import json
+
     from safetensors.torch import load_file
 
     d = model_dir(model)
-    files = sorted(Path(d).glob("*.safetensors")) if d is not None else []
+    files: list[Path] = []
+    if d is not None:
+        index = d / "model.safetensors.index.json"
+        if index.is_file():  # sharded: the shards the index names (not consolidated.* copies), as read_manifest
+            files = sorted({d / f for f in json.loads(index.read_text())["weight_map"].values()})
+        else:
+            files = sorted(d.glob("*.safetensors"))
     if not files:
         raise ValueError(f"--weight-model {model}: no local folder with safetensors files")
     state: dict[str, torch.Tensor] = {}
@@ -337,7 +345,10 @@ class WeightReceiver:
             try:
                 rec: VersionRecord = await self.publisher.publish_weights(merged, version=version)
             except (WeightMismatch, StaleVersion) as e:
-                raise WeightUpdateRefused(str(e)) from e
+                raise WeightUpdateRefused(f"{e}; the update is dropped") from e
+            except Exception as e:  # noqa: BLE001 - storage or Redis: the route's 500, with the cause
+                raise WeightTransferError(f"publishing the update failed ({type(e).__name__}: {str(e)[:300]}); "
+                                          "the update is dropped: send it again") from e
             self.state, self.version = merged, rec.version
             if self.manifest is None:
                 self._set_manifest()
