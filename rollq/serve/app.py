@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
 import msgspec
@@ -36,7 +36,9 @@ from .pause import Gate
 from .schemas import ChatRequest, CompletionRequest, chat_messages, completion_prompts, exact_turns, sampling_of
 from .sessions import Sessions
 from .template import template_ids
-from .weights import WeightReceiver, WeightTransferConfig
+
+if TYPE_CHECKING:  # torch: imported at startup where weight transfer is on
+    from .weights import WeightReceiver, WeightTransferConfig
 
 #: Bodies larger than this are refused with 413 (a chat of long token lists stays far below).
 MAX_BODY_BYTES = 8 << 20
@@ -479,8 +481,6 @@ def create_app(producer: Any, *, model_name: str, tokenizer: Any = None, api_key
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        from ..weightsync.trainer.publisher import WeightPublisher
-
         await producer.connect()
         s.redis = connect(producer.redis_settings)
         publisher = None
@@ -488,6 +488,9 @@ def create_app(producer: Any, *, model_name: str, tokenizer: Any = None, api_key
             s.sessions = Sessions(s.redis, producer.keys, margin=session_margin, ttl=session_ttl)
         try:
             if weights is not None:
+                from ..weightsync.trainer.publisher import WeightPublisher
+                from .weights import WeightReceiver
+
                 publisher = WeightPublisher(producer.redis_settings, producer.queue, root=weights.root,
                                             trainer_id=f"rollq-serve-{producer.id}")
                 s.receiver = dev.receiver = WeightReceiver(weights, publisher)

@@ -17,7 +17,7 @@ Without ``--weight-transfer`` the four weight routes answer as vLLM's do without
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import msgspec
 from starlette.requests import Request
@@ -25,9 +25,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..protocol import Control, control_message
-from .errors import VALIDATION_ERROR, error_response, unauthorized
+from .errors import NOT_CONFIGURED, VALIDATION_ERROR, WeightTransferError, error_response, unauthorized
 from .pause import PAUSE_MODES, Gate
-from .weights import NOT_CONFIGURED, WeightReceiver, WeightTransferError
+
+if TYPE_CHECKING:  # torch: imported where weight transfer is on
+    from .weights import WeightReceiver
 
 log = logging.getLogger(__name__)
 

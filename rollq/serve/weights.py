@@ -39,31 +39,10 @@ import torch
 from ..errors import StaleVersion, WeightMismatch
 from ..weightsync.manifest import Manifest, model_dir, normalize
 from ..weightsync.versions import TensorMeta, VersionRecord
+from .errors import WeightTransferError, WeightTransferTimeout, WeightUpdateRefused
 from .weight_group import BACKENDS, Group, InitInfo, Meta, chunk_plan, nbytes, open_group
 
 log = logging.getLogger(__name__)
-
-#: vLLM's worker message for every weight route when no weight-transfer engine is configured.
-NOT_CONFIGURED = "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
-
-
-class WeightTransferError(Exception):
-    """A weight route's failure; ``status`` is the HTTP status vLLM's server gives it."""
-
-    status = 500
-
-
-class WeightUpdateRefused(WeightTransferError, ValueError):
-    """Input that cannot be applied (vLLM answers a ``ValueError`` with 400)."""
-
-    status = 400
-
-
-class WeightTransferTimeout(WeightTransferError):
-    """A rendezvous or receive that outlasted the configured timeout."""
-
-    status = 504
-
 
 @dataclass
 class WeightTransferConfig:
@@ -201,10 +180,6 @@ class WeightReceiver:
         self.version = 0
         self._busy = asyncio.Lock()
         self._joining = False
-
-    @property
-    def rank(self) -> int:
-        return self.info.rank_offset if self.info is not None else 1
 
     async def load_base(self) -> None:
         """Read the full state from ``config.model`` (nothing to read without one)."""

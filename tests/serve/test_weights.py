@@ -405,3 +405,14 @@ async def test_a_trainer_that_never_joins_times_out(redis_url, queue, tmp_path, 
         assert (await c.post("/start_weight_update", json={})).status_code == 200  # no group: updates say so
         r = await c.post("/update_weights", json={"update_info": meta([])})
         assert r.status_code == 500 and "not initialized" in r.json()["error"]["message"]
+
+
+def test_the_server_needs_torch_only_where_weight_transfer_is_on():
+    """``rollq serve`` runs on the dashboard extra alone: its app imports no torch."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    code = "import sys, rollq.serve.app, rollq.serve.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
