@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import anyio
 import msgspec
@@ -30,10 +30,15 @@ from ..connection import connect
 from ..errors import InvalidJob
 from ..protocol import Result
 from . import generate as gen
+from .dev_routes import DevRoutes
 from .errors import VALIDATION_ERROR, error_response, unauthorized
+from .pause import Gate
 from .schemas import ChatRequest, CompletionRequest, chat_messages, completion_prompts, exact_turns, sampling_of
 from .sessions import Sessions
 from .template import template_ids
+
+if TYPE_CHECKING:  # torch: imported at startup where weight transfer is on
+    from .weights import WeightReceiver, WeightTransferConfig
 
 #: Bodies larger than this are refused with 413 (a chat of long token lists stays far below).
 MAX_BODY_BYTES = 8 << 20
@@ -54,6 +59,12 @@ class _Server:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
+        #: ``/pause`` and ``/resume`` (:mod:`rollq.serve.pause`).
+        self.gate = Gate()
+        #: A trainer's weight updates (``--weight-transfer``; :mod:`rollq.serve.weights`).
+        self.receiver: WeightReceiver | None = None
+        #: The server's Redis client (set at startup).
+        self.redis: Any = None
 
     # -- request plumbing --------------------------------------------------------------
     def _authorized(self, request: Request) -> bool:
@@ -72,6 +83,13 @@ class _Server:
                 raise _BodyTooLarge
             chunks.append(chunk)
         return b"".join(chunks)
+
+    async def _body_or_empty(self, request: Request) -> bytes | None:
+        """The body of a development route (None: larger than the bound, or the client went away)."""
+        try:
+            return await self._body(request)
+        except (_BodyTooLarge, ClientDisconnect):
+            return None
 
     async def _decode(self, request: Request, typ: type) -> Any:
         """The decoded body, or the error response to send instead."""
@@ -142,12 +160,20 @@ class _Server:
         return request.headers.get("x-session-id") or getattr(req, "user", None) or None
 
     async def _submit(self, spec: dict[str, Any], session: str | None = None) -> Any:
-        """Submit one job; a session's job is targeted at its replica (see the module doc)."""
+        """Submit one job once the gate is open (``/pause``); a session's job is targeted at
+        its replica (see the module doc); after a trainer's weight update it needs the
+        version that update published, as vLLM serves every request after
+        ``/finish_weight_update`` on the new weights."""
+        await self.gate.wait_open()
         if session is not None and self.sessions is not None:
             replica = await self.sessions.pick(session)
             if replica is not None:
                 spec = {**spec, "replica": replica}
-        return await self.producer.submit(**spec)
+        if self.receiver is not None and self.receiver.version:
+            spec = {**spec, "min_version": self.receiver.version}
+        handle = await self.producer.submit(**spec)
+        self.gate.track(handle)
+        return handle
 
     async def _served(self, session: str | None, res: Result) -> None:
         if session is not None and self.sessions is not None and res.error is None:
@@ -440,30 +466,45 @@ def _sse(events: AsyncIterator[dict[str, Any]], handles: Any) -> StreamingRespon
 
 def create_app(producer: Any, *, model_name: str, tokenizer: Any = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, own_producer: bool = True,
-               session_margin: int | None = 8, session_ttl: float = 3600.0) -> Starlette:
+               session_margin: int | None = 8, session_ttl: float = 3600.0,
+               weights: WeightTransferConfig | None = None) -> Starlette:
     """The app over ``producer`` (a :class:`~rollq.Producer`; connected at startup, closed at
     shutdown when ``own_producer``). ``tokenizer``: a Hugging Face tokenizer of the served model
     (chat template, logprob token strings). ``session_margin``, ``session_ttl``: sticky
-    sessions (:class:`~rollq.serve.sessions.Sessions`; None: off)."""
+    sessions (:class:`~rollq.serve.sessions.Sessions`; None: off). ``weights``: receive a
+    trainer's weight updates and publish them as versions of the queue
+    (:mod:`rollq.serve.weights`; None: the weight routes answer as vLLM's without a
+    weight-transfer engine)."""
     s = _Server(producer, model_name, tokenizer, api_key, max_body_bytes)
+    dev = DevRoutes(model_name=model_name, receiver=None, gate=s.gate, keys=producer.keys, redis=lambda: s.redis,
+                    authorized=s._authorized, read_body=s._body_or_empty)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await producer.connect()
-        client = None
+        s.redis = connect(producer.redis_settings)
+        publisher = None
         if session_margin is not None:
-            client = connect(producer.redis_settings)
-            s.sessions = Sessions(client, producer.keys, margin=session_margin, ttl=session_ttl)
+            s.sessions = Sessions(s.redis, producer.keys, margin=session_margin, ttl=session_ttl)
         try:
+            if weights is not None:
+                from ..weightsync.trainer.publisher import WeightPublisher
+                from .weights import WeightReceiver
+
+                publisher = WeightPublisher(producer.redis_settings, producer.queue, root=weights.root,
+                                            trainer_id=f"rollq-serve-{producer.id}")
+                s.receiver = dev.receiver = WeightReceiver(weights, publisher)
+                await s.receiver.load_base()
             yield
         finally:
-            if client is not None:
-                await client.aclose()
+            if publisher is not None:
+                await publisher.close()
+            await s.redis.aclose()
             if own_producer:
                 await producer.close()
 
     routes = [Route("/health", s.health, methods=["GET"]), Route("/v1/models", s.models, methods=["GET"]),
               Route("/v1/completions", s.completions, methods=["POST"]),
               Route("/v1/chat/completions", s.chat, methods=["POST"]),
-              Route("/inference/v1/generate", s.generate, methods=["POST"])]
+              Route("/inference/v1/generate", s.generate, methods=["POST"]), *dev.routes()]
     return Starlette(routes=routes, lifespan=lifespan)

@@ -27,3 +27,26 @@ def error_response(message: str, code: int = 400, param: str | None = None, err_
 
 def unauthorized() -> JSONResponse:
     return JSONResponse({"error": "Unauthorized"}, status_code=401)
+
+
+#: vLLM's worker message for every weight route when no weight-transfer engine is configured.
+NOT_CONFIGURED = "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
+
+
+class WeightTransferError(Exception):
+    """A weight route's failure (:mod:`rollq.serve.weights`); ``status`` is the HTTP status
+    vLLM's server gives it."""
+
+    status = 500
+
+
+class WeightUpdateRefused(WeightTransferError, ValueError):
+    """Input that cannot be applied (vLLM answers a ``ValueError`` with 400)."""
+
+    status = 400
+
+
+class WeightTransferTimeout(WeightTransferError):
+    """A rendezvous or receive that outlasted the configured timeout."""
+
+    status = 504

@@ -41,3 +41,35 @@ def test_rollq_serve_command(redis_url, queue):
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def test_rollq_serve_weight_transfer_flags(redis_url, queue, tmp_path):
+    """``--weight-transfer gloo`` shows in /server_info; without ``--weight-root`` it refuses to start."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": torch.zeros(2)}, str(model / "model.safetensors"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    base_cmd = [sys.executable, "-m", "rollq.cli", "serve", "--url", redis_url, "--queue", queue, "--weight-transfer", "gloo"]
+    bad = subprocess.run(base_cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--weight-root" in bad.stderr
+    port = _free_port()
+    proc = subprocess.Popen([*base_cmd, "--weight-root", str(tmp_path / "w"), "--weight-model", str(model),
+                             "--port", str(port)], env=env, cwd=ROOT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = httpx.get(f"{base}/server_info", params={"config_format": "json"}, timeout=2)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "rollq serve did not start"
+                time.sleep(0.2)
+        assert r.json()["vllm_config"]["weight_transfer_config"] == {"backend": "gloo"}
+        assert r.json()["vllm_config"]["model_config"]["dtype"] == "torch.float32"
+    finally:
+        proc.terminate()
+        proc.wait(15)

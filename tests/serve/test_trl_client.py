@@ -78,3 +78,57 @@ async def test_chat_renders_the_template_once_on_the_server(trl):
     # top-N logprobs beyond the sampled token's are not in a rollq result: refused, saying so
     with pytest.raises(Exception, match="400.*top_logprobs above 0 are not served"):
         await asyncio.to_thread(client.chat, [conv], max_tokens=2, logprobs=1)
+
+
+async def test_trl_weight_updates_over_gloo_reach_the_vllm_replica_bit_for_bit(
+    vllm_engine, redis_url, queue, tmp_path, tiny_model_path, monkeypatch,  # noqa: F811
+):
+    """TRL's ``init_communicator`` and ``update_model_params`` (gloo under them: CPU) through
+    ``rollq serve --weight-transfer gloo``: the vLLM replica serves the trainer's weights, and
+    sending the checkpoint's weights back makes it serve the checkpoint bit for bit."""
+    import torch
+
+    from rollq.serve import gloo_trainer
+    from rollq.serve.weights import WeightTransferConfig
+    from tests.serve.test_weights import free_port
+    from tests.vllm_fixtures import checkpoint_digest, served_digest
+
+    monkeypatch.setattr(trl_client, "open_trainer_endpoint", lambda info: gloo_trainer.trainer_init(info, timeout=60))
+    monkeypatch.setattr(trl_client, "packed_nccl_broadcast_producer", gloo_trainer.packed_broadcast_producer)
+    monkeypatch.setattr(trl_client, "get_ip", lambda: "127.0.0.1")
+    root = str(tmp_path / "w")
+    cfg = WeightTransferConfig(backend="gloo", root=root, model=str(tiny_model_path), timeout=60)
+    tok = transformers.AutoTokenizer.from_pretrained(str(tiny_model_path))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_path), torch_dtype=torch.float32)
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    settings = ConsumerSettings(lease_ttl=5, heartbeat_interval=0.2, block=0.2)
+    async with serving_replica(vllm_engine, redis_url, queue, root, settings=settings) as (consumer, _):
+        producer = await Producer(redis_url, queue).connect()
+        try:
+            async with http_server(producer, model_name=MODEL, tokenizer=tok, weights=cfg) as base:
+                client = await asyncio.to_thread(trl_client.VLLMClient, base_url=base, group_port=free_port(),
+                                                 connection_timeout=30)
+                greedy = {"max_tokens": 8, "temperature": 0.0, "generation_kwargs": {"ignore_eos": True}}
+                before = await asyncio.to_thread(client.generate, ["one two three"], **greedy)
+                await asyncio.to_thread(client.init_communicator, "cuda")
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(-1.0)
+                await asyncio.to_thread(client.update_model_params, model)
+                await asyncio.to_thread(client.reset_prefix_cache)
+                after = await asyncio.to_thread(client.generate, ["one two three"], **greedy)  # served at the new version
+                assert consumer.version == 1
+                assert await served_digest(vllm_engine) != checkpoint_digest(vllm_engine)
+                assert after["completion_ids"] != before["completion_ids"]
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(original[n])
+                await asyncio.to_thread(client.update_model_params, model)
+                again = await asyncio.to_thread(client.generate, ["one two three"], **greedy)
+                assert consumer.version == 2
+                assert await served_digest(vllm_engine) == checkpoint_digest(vllm_engine)
+                assert again["completion_ids"] == before["completion_ids"]
+                client.close_communicator()
+                client.session.close()
+        finally:
+            await producer.close()
