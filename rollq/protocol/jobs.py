@@ -84,6 +84,9 @@ def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: boo
     if job.tokens is not None:
         if len(job.tokens) % 4 or not job.tokens:
             raise InvalidJob("prompt_token_ids must be a non-empty int32 array")
+        # the sign bit of each little-endian int32 (an engine may index its embedding with it)
+        if max(job.tokens[3::4]) >= 0x80:
+            raise InvalidJob("prompt_token_ids must not be negative")
     if job.text is not None and not job.text:
         raise InvalidJob("prompt text is empty")
     if job.replica is not None:

@@ -160,20 +160,28 @@ class _Server:
         return request.headers.get("x-session-id") or getattr(req, "user", None) or None
 
     async def _submit(self, spec: dict[str, Any], session: str | None = None) -> Any:
-        """Submit one job once the gate is open (``/pause``); a session's job is targeted at
-        its replica (see the module doc); after a trainer's weight update it needs the
-        version that update published, as vLLM serves every request after
-        ``/finish_weight_update`` on the new weights."""
+        """Submit one job (:meth:`_submit_all`)."""
+        return (await self._submit_all([spec], session))[0]
+
+    async def _submit_all(self, specs: list[dict[str, Any]], session: str | None = None) -> list[Any]:
+        """Submit the jobs of one request once the gate is open (``/pause``), in one pipelined
+        batch: every spec is validated first, so a bad one sends none (:class:`InvalidJob`).
+        A session's jobs are targeted at its replica (see the module doc); after a trainer's
+        weight update they need the version that update published, as vLLM serves every
+        request after ``/finish_weight_update`` on the new weights."""
         await self.gate.wait_open()
+        extra: dict[str, Any] = {}
         if session is not None and self.sessions is not None:
             replica = await self.sessions.pick(session)
             if replica is not None:
-                spec = {**spec, "replica": replica}
+                extra["replica"] = replica
         if self.receiver is not None and self.receiver.version:
-            spec = {**spec, "min_version": self.receiver.version}
-        handle = await self.producer.submit(**spec)
-        self.gate.track(handle)
-        return handle
+            extra["min_version"] = self.receiver.version
+        jobs = [self.producer.build_job({**spec, **extra}) for spec in specs]
+        handles = await self.producer.submit_many(jobs)
+        for handle in handles:
+            self.gate.track(handle)
+        return handles
 
     async def _served(self, session: str | None, res: Result) -> None:
         if session is not None and self.sessions is not None and res.error is None:
@@ -216,8 +224,8 @@ class _Server:
             prompts = completion_prompts(req)
             sampling = sampling_of(req, req.max_tokens, req.logprobs is not None)
             session = self._session(request, req)
-            for prompt in prompts:  # one job per prompt of a batch
-                handles.append(await self._submit({**prompt, "sampling": sampling}, session))
+            # one job per prompt of a batch, sent in one pipelined round trip
+            handles = await self._submit_all([{**prompt, "sampling": sampling} for prompt in prompts], session)
         except InvalidJob as e:
             await _cancel(handles)
             return error_response(str(e), 400)

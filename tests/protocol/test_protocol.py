@@ -324,6 +324,8 @@ def test_exactly_one_prompt(prompts):
     [
         ({"prompt": ""}, "empty"),
         ({"prompt_token_ids": []}, "non-empty"),
+        ({"prompt_token_ids": [5, -3, 7]}, "negative"),
+        ({"prompt_token_ids": [-(2**31)]}, "negative"),
         ({"messages": []}, "empty"),
         ({"messages": [{"role": "user"}]}, "role.*content"),
     ],
@@ -340,6 +342,11 @@ def test_decoder_enforces_exactly_one_prompt():
     j = Job(id="j", reply="p", tokens=b"\x01\x00\x00")  # not a whole number of int32
     with pytest.raises(InvalidJob, match="int32"):
         decode_job(encode_job(j))
+    # a negative id written by something other than a producer: refused where it is read
+    j = Job(id="j", reply="p", tokens=pack_i32([1, 2**31 - 1]) + b"\xff\xff\xff\xff")
+    with pytest.raises(InvalidJob, match="negative"):
+        decode_job(encode_job(j))
+    assert decode_job(encode_job(Job(id="j", reply="p", tokens=pack_i32([0, 2**31 - 1, 255, 128, 2**24])))).tokens
 
 
 @pytest.mark.parametrize(
@@ -387,9 +394,10 @@ def test_token_ids_are_little_endian_int32():
     assert pack_i32(None) == b""
     assert pack_i32(data) == data  # bytes pass through
     assert pack_i32(range(3)) == struct.pack("<3i", 0, 1, 2)
-    j = make_job(id="j", reply="p", prompt_token_ids=ids[:6])
-    assert j.tokens == struct.pack("<6i", *ids[:6])
-    assert decode_job(encode_job(j)).prompt_token_ids == ids[:6]
+    prompt = [i for i in ids if i >= 0]  # a prompt's ids are never negative
+    j = make_job(id="j", reply="p", prompt_token_ids=prompt)
+    assert j.tokens == struct.pack(f"<{len(prompt)}i", *prompt)
+    assert decode_job(encode_job(j)).prompt_token_ids == prompt
 
 
 def test_token_ids_from_numpy():

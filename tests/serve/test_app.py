@@ -213,3 +213,23 @@ async def test_oversized_body_without_a_length_is_413_over_http(echo):
             ok = await c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})  # the server serves on
             assert ok.status_code == 200
     assert producer.outstanding == 0
+
+
+async def test_a_batch_goes_out_in_one_submission_and_a_bad_prompt_sends_none(client, echo, redis_client, queue, monkeypatch):
+    """Every job of a batch is validated first and sent in one pipelined submission (no round
+    trip per prompt); a prompt the queue refuses sends no job of the batch."""
+    producer, _ = echo
+
+    async def one_by_one(*a, **kw):
+        raise AssertionError("a batch's prompts were submitted one job at a time")
+
+    monkeypatch.setattr(producer, "submit", one_by_one)
+    r = await client.post("/v1/completions", json={"prompt": [[5, 6], [7], [8, 9]], "max_tokens": 2})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+    from rollq.keys import QueueKeys
+
+    stream = QueueKeys(queue).jobs
+    before = await redis_client.xlen(stream)
+    r = await client.post("/v1/completions", json={"prompt": [[5, 6], [-3]], "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert await redis_client.xlen(stream) == before  # the good first prompt was not sent either
