@@ -85,7 +85,7 @@ def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: boo
         if len(job.tokens) % 4 or not job.tokens:
             raise InvalidJob("prompt_token_ids must be a non-empty int32 array")
         # the sign bit of each little-endian int32 (an engine may index its embedding with it)
-        if max(job.tokens[3::4]) >= 0x80:
+        if not job.tokens[3::4].isascii():
             raise InvalidJob("prompt_token_ids must not be negative")
     if job.text is not None and not job.text:
         raise InvalidJob("prompt text is empty")
