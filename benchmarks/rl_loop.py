@@ -47,6 +47,11 @@ agrees almost exactly whatever the kernels: runs whose policies end at different
 
 Seeds: ``--seeds 0 1 2`` runs every arm once per seed with the same replicas; ratios are to
 the same seed's sync run, and ``by_arm`` has each arm's mean, min and max over the seeds.
+``--shuffle`` draws the order of the arms per seed (recorded as ``order``). Each run reports
+steps to reward 0.8 and seconds per step apart (time to 0.8 is their product, roughly), the
+trainer's time with the diagnostic agreement forwards at older versions shown apart
+(``step_agree_s``, part of ``step_train_s``), and the waste: tokens the engines generated per
+token the trainer got (1.0: nothing thrown away; the ``abort`` policy reruns what it aborted).
 
 Cores: on vLLM's CPU backend the trainer and the replicas compete for cores. By default each
 replica ``i`` gets ``VLLM_CPU_OMP_THREADS_BIND=<i + 1>`` (its own core) and, once the engines
@@ -65,6 +70,7 @@ import json
 import logging
 import os
 import platform
+import random
 import shutil
 import sys
 import tempfile
@@ -185,8 +191,10 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
         if r.step % 10 == 0 or r.step == a.steps - 1:
             log.info("%s step %d reward %.3f wait %.3fs train %.3fs publish %.3fs", name, r.step, r.reward, r.wait_s, r.train_s, r.publish_s)
 
+    made0 = generated_tokens(replicas)
     try:
         report = await run_loop(srv_url, queue, trainer, task, tokenizer, pub, cfg, on_step=on_step, producer_id=f"trainer-{name}")
+        made = generated_tokens(replicas) - made0
         report.updates = [u for u in replicas.update_history() if u.version > rec.version]  # not the reset
     finally:
         await pub.close()
@@ -194,6 +202,10 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     s = report.summary()
     s["name"] = name
     s["arm"] = arm
+    # Tokens the engines generated per token the trainer got (1.0: nothing thrown away; the
+    # abort policy reruns what it aborted; the last step's jobs still running are counted too).
+    s["generated_tokens"] = made
+    s["waste"] = round(made / s["rollout_tokens"], 3) if s["rollout_tokens"] else None
     s["update_policy"] = policy
     s["seed"] = seed
     s.update(served_dtype=replicas.served_dtype, trainer_dtype=trainer.dtype, converted_from=replicas.converted_from())
@@ -204,6 +216,11 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     s["ratio_max"] = _rounded(max(x["ratio_max"] for x in stats)) if stats else None
     s["tis_frac_mean"] = _rounded(sum(x["tis_frac"] for x in stats) / len(stats)) if stats else None
     return s
+
+
+def generated_tokens(replicas) -> int:
+    """Tokens the replicas' engines generated so far (vLLM's own count)."""
+    return sum(e.stats().generated_tokens for e in replicas.engines)
 
 
 #: Weight roots of the runs (in /dev/shm where there is one: RAM), removed at the end.
@@ -240,7 +257,8 @@ def by_arm(runs: list[dict]) -> list[dict]:
     out = []
     for name, rs in groups.items():
         row: dict = {"run": name, "seeds": [r.get("seed") for r in rs]}
-        for key in ("reward_last", "wall_s", "time_to_reward_0.8_s", "logprob_abs_diff_mean", "rollout_tokens_per_s"):
+        for key in ("reward_last", "wall_s", "time_to_reward_0.8_s", "steps_to_reward_0.8", "seconds_per_step",
+                    "logprob_abs_diff_mean", "rollout_tokens_per_s", "waste"):
             xs = [r[key] for r in rs if r.get(key) is not None]
             row[key] = {"mean": _rounded(sum(xs) / len(xs)), "min": _rounded(min(xs)), "max": _rounded(max(xs)),
                         "n": len(xs)} if xs else None
@@ -261,16 +279,17 @@ def markdown(res: dict) -> str:
         "",
         f"`{res['command']}` on {res['machine']}; cores: {res['cores']}.",
         "",
-        "| run | time to reward 0.8 | rollout tokens/s | replica idle | final reward | wall | lag histogram | generate wait / train / publish (s, all steps) | trainer / served dtype | logprob \\|diff\\| mean / max |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | time to reward 0.8 | steps to 0.8 | s per step | rollout tokens/s | replica idle | final reward | wall | lag histogram | generate wait / train (of it agreement) / publish (s, all steps) | trainer / served dtype | logprob \\|diff\\| mean / max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["runs"]:
         t = r["time_to_reward_0.8_s"]
         conv = f" (converts {', '.join(r['converted_from'])})" if r.get("converted_from") else ""
         lines.append(
-            f"| {r['name']} | {'not reached' if t is None else f'{t:.1f} s'} | {r['rollout_tokens_per_s']:.0f} | "
+            f"| {r['name']} | {'not reached' if t is None else f'{t:.1f} s'} | {r.get('steps_to_reward_0.8') or '-'} | "
+            f"{_g(r.get('seconds_per_step'))} | {r['rollout_tokens_per_s']:.0f} | "
             f"{r['replica_idle_fraction']:.2f} | {r['reward_last']:.3f} | {r['wall_s']:.1f} s | {r['lag_histogram']} | "
-            f"{r['step_wait_s']:.1f} / {r['step_train_s']:.1f} / {r['step_publish_s']:.1f} | "
+            f"{r['step_wait_s']:.1f} / {r['step_train_s']:.1f} ({r.get('step_agree_s', 0.0):.1f}) / {r['step_publish_s']:.1f} | "
             f"{r.get('trainer_dtype')} / {r.get('served_dtype')}{conv} | "
             f"{_g(r.get('logprob_abs_diff_mean'))} / {_g(r.get('logprob_abs_diff_max'))} |"
         )
@@ -283,15 +302,15 @@ def markdown(res: dict) -> str:
         "|diff| by lag: mean |behaviour - trainer| logprob at the trainer's weights when it trained on the tokens "
         "(tokens compared); clip: mean share of tokens where the clip was active; ratio: against the behaviour logprobs.",
         "",
-        "| run | arm | update policy | tokens spanning a swap | \\|diff\\| lag 0 | lag 1 | lag 2+ | clip | ratio mean / max | TIS capped | final reward | time to 0.8 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | arm | update policy | waste (generated / delivered) | tokens spanning a swap | \\|diff\\| lag 0 | lag 1 | lag 2+ | clip | ratio mean / max | TIS capped | final reward | time to 0.8 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["runs"]:
         by = r.get("logprob_abs_diff_by_lag", {})
         lag = [f"{_g(by[k]['mean'])} ({by[k]['tokens']})" if k in by else "-" for k in ("0", "1", "2+")]
         t = r["time_to_reward_0.8_s"]
         lines.append(
-            f"| {r['name']} | {r['arm']} | {r.get('update_policy', 'keep')} | {r['swap_tokens']} of {r['rollout_tokens']} ({100 * r['swap_token_share']:.1f}%) | "
+            f"| {r['name']} | {r['arm']} | {r.get('update_policy', 'keep')} | {_g(r.get('waste'))} | {r['swap_tokens']} of {r['rollout_tokens']} ({100 * r['swap_token_share']:.1f}%) | "
             f"{' | '.join(lag)} | {r['clip_frac_mean']:.3f} | {_g(r.get('ratio_mean'))} / {_g(r.get('ratio_max'))} | "
             f"{_g(r.get('tis_frac_mean'))} | {r['reward_last']:.3f} | {'not reached' if t is None else f'{t:.1f} s'} |"
         )
@@ -309,15 +328,16 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['name']} | {' | '.join(cells)} |")
     if len(res.get("seeds", [])) > 1:
         lines += ["", f"Over seeds {res['seeds']} (mean [min, max]):", "",
-                  "| run | final reward | time to 0.8 (s) | time to 0.8 / same seed's sync | wall (s) | logprob \\|diff\\| mean |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| run | final reward | time to 0.8 (s) | time to 0.8 / same seed's sync | steps to 0.8 | s per step | wall (s) | logprob \\|diff\\| mean |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
 
         def agg(x) -> str:
             return "-" if x is None else f"{_g(x['mean'])} [{_g(x['min'])}, {_g(x['max'])}]" + (f" ({x['n']} runs)" if x["n"] < len(res["seeds"]) else "")
 
         for row in res["by_arm"]:
             lines.append(f"| {row['run']} | {agg(row['reward_last'])} | {agg(row['time_to_reward_0.8_s'])} | "
-                         f"{row['time_to_0.8_vs_sync'] or '-'} | {agg(row['wall_s'])} | {agg(row['logprob_abs_diff_mean'])} |")
+                         f"{row['time_to_0.8_vs_sync'] or '-'} | {agg(row['steps_to_reward_0.8'])} | {agg(row['seconds_per_step'])} | "
+                         f"{agg(row['wall_s'])} | {agg(row['logprob_abs_diff_mean'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -359,19 +379,23 @@ async def main_async(a: argparse.Namespace) -> dict:
                 init_batch_invariance()
             runs = []
             seeds = a.seeds or [a.seed]
+            orders = []
             for seed in seeds:
                 a.seed = seed
                 tag = f"-s{seed}" if len(seeds) > 1 else ""
-                runs.append(await one_run(f"sync{tag}", "sync", 0, a, srv.url, replicas, model, tokenizer, device))
-                runs[-1]["run"] = "sync"
+                plan = [("sync", "sync", 0, "ratio", "keep")]
                 for lag in a.lags:
                     for arm in a.arms:
                         for policy in a.policies:
                             name = f"async-lag{lag}" + ("" if a.arms == ["ratio"] else f"-{arm}")
                             name += "" if a.policies == ["keep"] else f"-{policy}"
-                            runs.append(await one_run(name + tag, "async", lag, a, srv.url, replicas, model, tokenizer, device,
-                                                      arm, policy))
-                            runs[-1]["run"] = name
+                            plan.append((name, "async", lag, arm, policy))
+                if a.shuffle:  # the order of the arms, drawn per seed (and recorded)
+                    random.Random(f"order-{seed}").shuffle(plan)
+                orders.append([p[0] for p in plan])
+                for name, mode, lag, arm, policy in plan:
+                    runs.append(await one_run(name + tag, mode, lag, a, srv.url, replicas, model, tokenizer, device, arm, policy))
+                    runs[-1]["run"] = name
             # Written before the replicas stop: an engine that hangs on shutdown loses no figures.
             res = {
                 "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
@@ -391,6 +415,7 @@ async def main_async(a: argparse.Namespace) -> dict:
                 "arms": a.arms,
                 "tis_cap": a.tis_cap,
                 "policies": a.policies,
+                "order": orders,
                 "engine_start_s": round(replicas.start_s, 1),
                 "batch_invariant": a.batch_invariant,
                 "runs": runs,
@@ -419,6 +444,9 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", choices=ARMS,
                     help="the async runs' importance-ratio arms (default ratio; --stress: all three)")
     ap.add_argument("--tis-cap", type=float, default=2.0, help="the tis arm's cap on the importance ratio")
+    ap.add_argument("--shuffle", action="store_true",
+                    help="run the arms of each seed in a random order (drawn from the seed, recorded as 'order'), "
+                         "so that drift of the machine over the command does not favour the arms that run first")
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=["keep"],
                     help="the async runs' update policies: keep (requests continue on the new weights), abort "
                          "(rerun from scratch), abort-resume (continue from their tokens after a re-prefill)")

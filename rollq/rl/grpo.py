@@ -199,6 +199,9 @@ class StepStats:
     #: (:func:`~rollq.rl.behavior.diff_by_confidence`): ``{bucket: [sum, max, tokens]}``.
     diff_by_confidence: dict[str, list[float]] = field(default_factory=dict)
     train_s: float = 0.0
+    #: Of :attr:`train_s`, the seconds of the diagnostic agreement forwards at older versions'
+    #: weights (:attr:`diff_sum`'s tokens not covered by the training forward itself).
+    agree_s: float = 0.0
     #: The loss's stats beyond ``clip_frac`` (:func:`grpo_loss`): ``ratio_mean``,
     #: ``ratio_max``, ``tis_frac``.
     extra: dict[str, float] = field(default_factory=dict)
@@ -313,9 +316,10 @@ class GrpoTrainer:
             v = single_version(res)
             if v is not None and v != self.version and v in self._snapshots:
                 older.setdefault(v, []).append(g)
+        ta = time.perf_counter()
         for v, groups in older.items():
             terms.append(agreement_terms(self.model, [batch[g][1] for g in groups], [batch[g][0] for g in groups], self._snapshots[v]))
-        return self._update(loss, st, rewards, lags, terms, by_lag, t0)
+        return self._update(loss, st, rewards, lags, terms, by_lag, t0, time.perf_counter() - ta if older else 0.0)
 
     def step_episodes(self, groups: Sequence[Any], rewards: Sequence[Sequence[float]]) -> StepStats:
         """One GRPO update on whole multi-turn episodes: ``groups`` holds one sequence of
@@ -350,6 +354,7 @@ class GrpoTrainer:
             v = e.single_version
             if v is not None and (v == self.version or v in self._snapshots):
                 at.setdefault(v, []).append(i)
+        ta = time.perf_counter()
         for v, rows in at.items():
             if v == self.version:  # this forward pass
                 terms.append(((detached[rows] - b[rows]).abs()[mask[rows]], b[rows][mask[rows]]))
@@ -359,7 +364,7 @@ class GrpoTrainer:
                                            [eps[i].temperature for i in rows])
                 w = lp.shape[1]
                 terms.append(((lp - b[rows][:, :w]).abs()[mask[rows][:, :w]], b[rows][:, :w][mask[rows][:, :w]]))
-        return self._update(loss, st, rewards, lags, terms, by_lag, t0)
+        return self._update(loss, st, rewards, lags, terms, by_lag, t0, time.perf_counter() - ta)
 
     def _loss(self, logp: torch.Tensor, behavior: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
@@ -368,7 +373,7 @@ class GrpoTrainer:
 
     def _update(
         self, loss: torch.Tensor, st: dict[str, float], rewards: Sequence[Sequence[float]], lags: list[int],
-        terms: list[tuple[torch.Tensor, torch.Tensor]], by_lag: dict[str, list[float]], t0: float,
+        terms: list[tuple[torch.Tensor, torch.Tensor]], by_lag: dict[str, list[float]], t0: float, agree_s: float = 0.0,
     ) -> StepStats:
         """One Adam step on ``loss``; the next version; the step's stats (``terms``: the
         agreement's ``(|behavior - trainer|, behavior logprob)`` tokens, :func:`agreement_terms`)."""
@@ -390,7 +395,7 @@ class GrpoTrainer:
         return StepStats(
             version=trained_at, reward_mean=sum(flat) / max(1, len(flat)), loss=float(loss.detach()),
             clip_frac=st.pop("clip_frac"), lags=lags, diff_sum=dsum, diff_max=dmax, diff_tokens=dn,
-            diff_by_lag=by_lag, diff_by_confidence=by_conf, train_s=time.perf_counter() - t0, extra=st,
+            diff_by_lag=by_lag, diff_by_confidence=by_conf, train_s=time.perf_counter() - t0, agree_s=agree_s, extra=st,
         )
 
     def _diff_by_lag(

@@ -132,6 +132,8 @@ class StepRecord:
     diff_tokens: int = 0
     #: :attr:`~rollq.rl.grpo.StepStats.diff_by_lag`: ``{"0"|"1"|"2+": [sum, max, tokens]}``.
     diff_by_lag: dict[str, list[float]] = field(default_factory=dict)
+    #: Of ``train_s``, the diagnostic agreement forwards (:attr:`~rollq.rl.grpo.StepStats.agree_s`).
+    agree_s: float = 0.0
     #: :attr:`~rollq.rl.grpo.StepStats.diff_by_confidence`: the agreement by behavior probability.
     diff_by_confidence: dict[str, list[float]] = field(default_factory=dict)
     #: The loss's other stats (``ratio_mean``, ``ratio_max``, ``tis_frac``; :func:`~rollq.rl.grpo.grpo_loss`).
@@ -159,11 +161,17 @@ class LoopReport:
 
     def time_to_reward(self, target: float, window: int = 3) -> float | None:
         """Seconds until the trailing mean of ``window`` step rewards first reached ``target``."""
+        n = self.steps_to_reward(target, window)
+        return self.steps[n - 1].elapsed_s if n else None
+
+    def steps_to_reward(self, target: float, window: int = 3) -> int | None:
+        """Steps (1-based) until the trailing mean of ``window`` step rewards first reached
+        ``target`` (:meth:`time_to_reward` in steps)."""
         r = self.reward_by_step()
         for i in range(len(r)):
             seg = r[max(0, i - window + 1) : i + 1]
             if len(seg) == min(window, len(r)) and sum(seg) / len(seg) >= target:
-                return self.steps[i].elapsed_s
+                return i + 1
         return None
 
     def summary(self) -> dict[str, Any]:
@@ -216,9 +224,12 @@ class LoopReport:
             "spanning_samples": sum(s.spanning for s in self.steps),
             "clip_frac_mean": round(_mean([s.clip_frac for s in self.steps]), 4),
             "time_to_reward_0.8_s": _round(self.time_to_reward(0.8)),
+            "steps_to_reward_0.8": self.steps_to_reward(0.8),
+            "seconds_per_step": round(self.wall_s / len(self.steps), 4) if self.steps else None,
             "failed_jobs": sum(s.failed for s in self.steps),
             "step_wait_s": round(sum(s.wait_s for s in self.steps), 3),
             "step_train_s": round(sum(s.train_s for s in self.steps), 3),
+            "step_agree_s": round(sum(s.agree_s for s in self.steps), 3),
             "step_publish_s": round(sum(s.publish_s for s in self.steps), 3),
             "wall_s": round(self.wall_s, 3),
         }
@@ -361,7 +372,7 @@ async def run_loop(
                         rec.loss, rec.clip_frac = st.loss, st.clip_frac
                         rec.diff_sum, rec.diff_max, rec.diff_tokens = st.diff_sum, st.diff_max, st.diff_tokens
                         rec.diff_by_lag, rec.loss_stats = st.diff_by_lag, dict(st.extra)
-                        rec.diff_by_confidence = st.diff_by_confidence
+                        rec.diff_by_confidence, rec.agree_s = st.diff_by_confidence, st.agree_s
                     else:  # nothing to learn from; the next version is published all the same
                         trainer.advance()
                     t2 = time.perf_counter()

@@ -293,7 +293,9 @@ def test_agreement_is_split_by_the_behaviour_probability_of_each_token(tiny_mode
     samples = _sample(tr.model, prompt, 4, 6, gen)
     batch = [(prompt, Result(id="a", samples=samples, version_start=tr.version, version_end=tr.version))]
     probs = [math.exp(x) for s in samples for x in s.token_logprobs]
-    for st in (tr.step(batch, [[0.0, 1.0, 0.0, 1.0]]), tr.step(batch, [[0.0, 1.0, 0.0, 1.0]])):  # at v, then from v's snapshot
+    at_v, from_snapshot = tr.step(batch, [[0.0, 1.0, 0.0, 1.0]]), tr.step(batch, [[0.0, 1.0, 0.0, 1.0]])
+    assert at_v.agree_s == 0.0 and 0.0 < from_snapshot.agree_s < from_snapshot.train_s  # the extra forward, timed apart
+    for st in (at_v, from_snapshot):
         assert st.diff_tokens == 24
         assert sum(b[2] for b in st.diff_by_confidence.values()) == 24
         assert sum(b[0] for b in st.diff_by_confidence.values()) == pytest.approx(st.diff_sum, rel=1e-6, abs=1e-9)

@@ -27,6 +27,20 @@ def test_summary_reports_swaps_agreement_by_lag_and_clip():
     assert s["clip_frac_mean"] == pytest.approx(0.1)
 
 
+def test_summary_reports_steps_and_seconds_to_reward_and_the_agreement_time_apart():
+    rewards = [0.2, 0.5, 0.9, 0.9, 1.0, 0.2]
+    steps = [StepRecord(step=i, version=i, reward=r, lags=[0], wait_s=0.1, train_s=0.3, publish_s=0.0, elapsed_s=2.0 * (i + 1), tokens=10,
+                        agree_s=0.1, diff_by_confidence={"p<0.5": [0.5, 0.2, 10]}) for i, r in enumerate(rewards)]
+    rep = LoopReport(config=LoopConfig(steps=6), steps=steps, wall_s=12.0, random_policy_reward=0.25)
+    s = rep.summary()
+    # trailing mean of 3: (0.9 + 0.9 + 1.0) / 3 at the fifth step; (0.5 + 0.9 + 0.9) / 3 < 0.8 before
+    assert s["steps_to_reward_0.8"] == 5 and s["time_to_reward_0.8_s"] == 10.0
+    assert s["seconds_per_step"] == 2.0
+    assert s["step_train_s"] == pytest.approx(1.8) and s["step_agree_s"] == pytest.approx(0.6)
+    assert s["logprob_abs_diff_by_confidence"] == {"p<0.5": {"mean": pytest.approx(0.05), "max": 0.2, "tokens": 60}}
+    assert rep.steps_to_reward(0.99) is None and rep.time_to_reward(0.99) is None
+
+
 
 # ----------------------------------------------------------------------------------------
 # A multi-turn task through the loop's plumbing (echo replicas, no trainer)
