@@ -162,15 +162,12 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
                   tokenizer, device: str, arm: str = "ratio", policy: str = "keep") -> dict:
     import torch
 
-    from rollq.producer import Producer
     from rollq.rl import GrpoTrainer, LoopConfig, run_loop
     from rollq.weightsync.trainer.publisher import WeightPublisher
 
     seed = a.seed
     queue = f"rl-{name}"
     root = tempfile.mkdtemp(prefix=f"rollq-rl-{name}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    async with Producer(srv_url, queue) as p:  # read by the followers at each update
-        await p.set_update_policy("keep" if policy == "keep" else "abort")
     await replicas.attach(queue, weights_root=root, abort_resume=policy == "abort-resume")
     torch.manual_seed(seed)
     trainer = GrpoTrainer.from_pretrained(model, grpo_config(arm, a), seed=seed)
@@ -185,7 +182,7 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     await replicas.wait_version(rec.version)
     task = make_task(len(tokenizer), a.min_tokens, a.max_tokens)
     cfg = LoopConfig(steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode=mode, max_lag=max_lag, seed=seed,
-                     transport=a.transport)
+                     transport=a.transport, update_policy="keep" if policy == "keep" else "abort")
 
     def on_step(r) -> None:
         if r.step % 10 == 0 or r.step == a.steps - 1:

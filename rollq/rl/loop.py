@@ -90,10 +90,15 @@ class LoopConfig:
     #: Publish each new version to the replicas. False: the negative control (module doc);
     #: the trainer still trains, the replicas keep the initial weights.
     publish: bool = True
+    #: The queue's update policy for the run (``keep``, ``abort`` or ``drain``: how replicas
+    #: apply a version while requests run; set on the queue when the loop starts).
+    update_policy: str = "keep"
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
             raise ValueError(f"mode must be 'async' or 'sync', got {self.mode!r}")
+        if self.update_policy not in ("keep", "abort", "drain"):
+            raise ValueError(f"update_policy must be 'keep', 'abort' or 'drain', got {self.update_policy!r}")
         if self.transport not in ("memmap", "broadcast", "ipc"):
             raise ValueError(f"transport must be 'memmap', 'broadcast' or 'ipc', got {self.transport!r}")
         if self.max_lag < 0 or self.steps < 1 or self.groups_per_step < 1 or self.group_size < 1:
@@ -307,7 +312,7 @@ async def run_loop(
     steps: list[StepRecord] = []
     jobs: list[tuple[str, float, float]] = []
     async with Producer(url, queue, producer_id=producer_id) as p:
-        await p.set_update_policy("keep")
+        await p.set_update_policy(config.update_policy)
         # Versions reach the replicas only when published: without that nothing waits on one.
         versioned = trainer is not None and config.publish
         bounded = config.mode == "async" and versioned

@@ -50,6 +50,24 @@ class _Tok:
         return [ord(c) for c in text]
 
 
+def test_an_unknown_update_policy_is_refused():
+    with pytest.raises(ValueError, match="update_policy"):
+        LoopConfig(update_policy="restart")
+
+
+async def test_the_loop_sets_its_update_policy_on_the_queue(redis_url, redis_client, queue):
+    """The replicas read the queue's policy at each update: a run configured with ``abort``
+    leaves ``abort`` there (and one with the default, ``keep``)."""
+    from rollq.keys import QueueKeys
+    from rollq.rl import BucketTask, Replicas, run_loop
+
+    for policy in ("abort", "keep"):
+        config = LoopConfig(steps=1, groups_per_step=2, group_size=2, seed=0, result_timeout=30, update_policy=policy)
+        async with Replicas(redis_url, queue, weights_root=None, count=1, engine="echo"):
+            await run_loop(redis_url, queue, None, BucketTask(vocab_size=1024, length=2), _Tok(), None, config)
+        assert (await redis_client.hget(QueueKeys(queue).config, "update_policy")) in (policy, policy.encode())
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 async def test_the_loop_plays_two_turn_episodes_one_job_per_turn(redis_url, queue, mode):
     """Every step gets its groups whole: 4 groups of 3 episodes, each of two turns (one job for
