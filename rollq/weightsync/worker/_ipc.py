@@ -223,8 +223,8 @@ class IpcStaging:
 
     def _typed(self, manifest: list[TensorMeta], views: list[torch.Tensor]) -> Items:
         """``views`` (raw shadow bytes) typed as ``manifest`` says, made once per set of views
-        (the shadow's direct views are the same tensors every version)."""
-        key = (tuple(id(v) for v in views), tuple((m.name, m.dtype, tuple(m.shape)) for m in manifest))
+        (the shadow's direct views are the same bytes every version: keyed by their addresses)."""
+        key = (tuple((v.data_ptr(), v.numel()) for v in views), tuple((m.name, m.dtype, tuple(m.shape)) for m in manifest))
         if self._dest is None or self._dest[0] != key:
             self._dest = (key, typed_views(manifest, views))
         return self._dest[1]
