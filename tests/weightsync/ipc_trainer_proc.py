@@ -8,10 +8,13 @@ Reads one command a line on stdin and answers one JSON line on stdout:
   (:func:`perturbed`) with ``transport="ipc"``; answers ``{"version": V, "timings": {...}}``
   once the version is committed (its tensors stay exposed until the next command says so).
 - ``release``: stop exposing the current version (the process lives on); ``{"released": true}``.
+- ``bump X``: add X to every tensor of the last published state, in place (a trainer's next
+  optimizer step right after publishing); ``{"bumped": X}``.
 
 ``--shared``: the tensors are put in shared memory first (``share_memory_()``), so the
 transport exposes them zero-copy. ``--root``: the publisher's memmap store, which then holds a
-memmap copy of every version too.
+memmap copy of every version too. ``--snapshot``: ``WeightPublisher(ipc_snapshot=True)``
+(each version exposed as copies taken at publish).
 
 Tests drive it through :func:`trainer`.
 """
@@ -65,6 +68,9 @@ class Trainer:
     async def release(self) -> None:
         assert (await self._ask("release")) == {"released": True}
 
+    async def bump(self, x: float) -> None:
+        assert (await self._ask(f"bump {x}")) == {"bumped": x}
+
     async def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         await self.proc.wait()  # reaped: no zombie holds anything
@@ -95,8 +101,9 @@ async def main(a: argparse.Namespace) -> int:
         from tests.vllm_fixtures import checkpoint_state
 
         base = checkpoint_state(a.model)
-    pub = WeightPublisher(a.url, a.queue, trainer_id="ipc-trainer", root=a.root or None)
+    pub = WeightPublisher(a.url, a.queue, trainer_id="ipc-trainer", root=a.root or None, ipc_snapshot=a.snapshot)
     loop = asyncio.get_running_loop()
+    state: dict[str, torch.Tensor] = {}
     try:
         while True:
             line = (await loop.run_in_executor(None, sys.stdin.readline)).split()
@@ -111,6 +118,13 @@ async def main(a: argparse.Namespace) -> int:
                 out: dict = {"version": rec.version, "timings": rec.timings}
             elif line[0] == "release":
                 out = {"released": release(pub)}
+            elif line[0] == "bump":
+                with torch.no_grad():
+                    for t in state.values():
+                        t.add_(float(line[1]))
+                if a.cuda:
+                    torch.cuda.synchronize()
+                out = {"bumped": float(line[1])}
             else:
                 out = {"error": f"unknown command {line[0]!r}"}
             print(json.dumps(out), flush=True)
@@ -126,4 +140,5 @@ if __name__ == "__main__":
     p.add_argument("--shared", action="store_true")
     p.add_argument("--root", default="")
     p.add_argument("--cuda", action="store_true", help="publish test_gpu.ckpt(SEED) from cuda:0 (MODEL_DIR unused)")
+    p.add_argument("--snapshot", action="store_true", help="WeightPublisher(ipc_snapshot=True)")
     sys.exit(asyncio.run(main(p.parse_args())))

@@ -205,3 +205,29 @@ async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_ur
             check(engine, 5.0)
     finally:
         await follower.stop()
+
+
+async def test_a_cuda_snapshot_lets_the_trainer_step_right_after_publishing(redis_url, queue, shm_root):
+    """``WeightPublisher(ipc_snapshot=True)`` on a GPU: the version is exposed as copies on the
+    trainer's GPU (the extra memory is reported), so the trainer's next step, in place before
+    the replica copied anything, does not reach the replica, which serves the published values."""
+    from tests.weightsync.ipc_trainer_proc import trainer
+
+    engine = FakeWorkerEngine(Fused, device="cuda:0")
+    consumer = Consumer(engine, redis_url, queue)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3))
+    await follower.start()
+    try:
+        async with trainer(redis_url, queue, "-", "--cuda", "--snapshot") as t:
+            for fill in (1, 2):  # the second goes straight into the shadow's bytes
+                async with follower._lock:  # the replica copies only after the trainer's step
+                    rec = await t.publish(fill)
+                    await t.bump(100.0)
+                nbytes = sum(v.numel() * v.element_size() for v in ckpt(0.0, "cuda:0").values())
+                assert rec["timings"]["ipc_copied_bytes"] == nbytes, rec["timings"]  # one copy, on the GPU
+                await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
+                assert follower.history[-1].load["ipc"] is True
+                check(engine, float(fill))
+    finally:
+        await follower.stop()
+
