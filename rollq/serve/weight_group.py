@@ -35,6 +35,9 @@ import torch
 #: vLLM's default packed chunk size and buffer count (``DEFAULT_PACKED_*``).
 DEFAULT_BUFFER_BYTES = 1 << 30
 DEFAULT_NUM_BUFFERS = 2
+#: Bounds of an ``init_info``: the packed chunk is allocated whole on the receiving side.
+MAX_BUFFER_BYTES = 16 << 30
+MAX_WORLD_SIZE = 1 << 16
 #: The weight-transfer backends ``rollq serve`` joins a trainer's group with.
 BACKENDS = ("nccl", "gloo")
 
@@ -61,8 +64,10 @@ class InitInfo(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
         if self.rank_offset < 1 or self.rank_offset + ranks > self.world_size:
             raise ValueError(f"init_info: rank_offset {self.rank_offset} + {ranks} receiving rank(s) does not fit "
                              f"world_size {self.world_size} (the trainer is rank 0)")
-        if self.packed_buffer_size_bytes < 1:
-            raise ValueError("init_info.packed_buffer_size_bytes must be at least 1")
+        if not 1 <= self.packed_buffer_size_bytes <= MAX_BUFFER_BYTES:
+            raise ValueError(f"init_info.packed_buffer_size_bytes must be 1-{MAX_BUFFER_BYTES} (a chunk is allocated whole)")
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ValueError(f"init_info.world_size {self.world_size} is above {MAX_WORLD_SIZE}")
 
 
 class Group(Protocol):

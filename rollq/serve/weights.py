@@ -69,6 +69,13 @@ class WeightTransferConfig:
             raise ValueError(f"weight transfer backend {self.backend!r} is not one of {BACKENDS}")
 
 
+#: Bounds of one ``update_info`` (checked before anything is received or allocated).
+MAX_UPDATE_TENSORS = 100_000
+MAX_DIMS = 8
+#: Without the served model's state, the most one update may carry.
+MAX_UPDATE_BYTES = 1 << 40
+
+
 class UpdateInfo(msgspec.Struct, kw_only=True):
     """``update_info`` of ``POST /update_weights`` (vLLM's ``NCCLWeightTransferUpdateInfo``;
     ``packed`` here is how vLLM before 0.28 said it, per update)."""
@@ -89,6 +96,8 @@ class UpdateInfo(msgspec.Struct, kw_only=True):
         ValueError: update_info.dtype_names[0]: 'nope' is not a torch dtype
         """
         n = len(self.names)
+        if n > MAX_UPDATE_TENSORS:
+            raise ValueError(f"update_info.names: {n} tensors in one update (at most {MAX_UPDATE_TENSORS})")
         if len(self.dtype_names) != n:
             raise ValueError(f"`dtype_names` should be of the same size as `names`: got {len(self.dtype_names)} and {n}")
         if len(self.shapes) != n:
@@ -98,8 +107,9 @@ class UpdateInfo(msgspec.Struct, kw_only=True):
             dtype = getattr(torch, dn, None) if dn.isidentifier() else None
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"update_info.dtype_names[{i}]: {dn[:40]!r} is not a torch dtype")
-            if any(d < 0 for d in shape):
-                raise ValueError(f"update_info.shapes[{i}]: {shape[:8]} has a negative dimension")
+            if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+                raise ValueError(f"update_info.shapes[{i}]: {shape[:MAX_DIMS + 1]} has a negative dimension or more "
+                                 f"than {MAX_DIMS}")
             out.append((name, list(shape), dtype))
         if len(set(self.names)) != n:
             raise ValueError("update_info.names: a name appears twice")
@@ -266,6 +276,14 @@ class WeightReceiver:
                 self._drop_group()
                 raise WeightUpdateRefused(f"update_info: {e} (the trainer's broadcast cannot be matched: the group is "
                                           "dropped, call /init_weight_transfer_engine again)") from e
+            size = sum(nbytes(shape, dtype) for _, shape, dtype in metas)
+            bound = self._max_update_bytes()
+            if size > bound:
+                self._end_update()
+                self._drop_group()
+                raise WeightUpdateRefused(f"update_info describes {size} bytes, more than {bound} (twice the served model's "
+                                          "state, or 1 TiB without one): nothing is received, the group is dropped, call "
+                                          "/init_weight_transfer_engine again")
             packed = info.packed if upd.packed is None else upd.packed
             device = torch.device(self.config.device or "cuda") if self.config.backend == "nccl" else torch.device("cpu")
             t0 = time.perf_counter()
@@ -289,6 +307,13 @@ class WeightReceiver:
             log.info("weight transfer: received %d tensors (%.1f MB) in %.3fs", len(items),
                      sum(t.nbytes for _, t in items) / 1e6, time.perf_counter() - t0)
             return len(items)
+
+    def _max_update_bytes(self) -> int:
+        """The most one update may carry: twice the held state (a full update in a wider
+        dtype is received, then refused by name), else :data:`MAX_UPDATE_BYTES`."""
+        if not self.state:
+            return MAX_UPDATE_BYTES
+        return 2 * sum(t.nbytes for t in self.state.values()) + (1 << 20)
 
     def _check(self, items: list[tuple[str, torch.Tensor]]) -> None:
         """Rename ``items`` to the model's names into ``pending``, or refuse the whole update."""

@@ -228,6 +228,18 @@ async def test_multi_chunk_updates_and_refused_input(redis_url, queue, tmp_path,
         r = await c.post("/start_weight_update", json={})
         r = await c.post("/update_weights", json={"update_info": meta(items)})
         assert r.status_code == 500 and "not initialized" in r.json()["error"]["message"]
+        # sizes a server cannot hold: refused before anything is allocated or received
+        for upd, needle in [({"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[1 << 40]]}, "bytes, more than"),
+                            ({"names": ["a"], "dtype_names": ["float32"], "shapes": [[1] * 9]}, "more than 8"),
+                            ({"names": [f"n{i}" for i in range(100_001)], "dtype_names": ["float32"] * 100_001,
+                              "shapes": [[1]] * 100_001}, "at most 100000")]:
+            await join(c, init_info(free_port()))  # each refusal drops the group
+            assert (await c.post("/start_weight_update", json={})).status_code == 200
+            r = await c.post("/update_weights", json={"update_info": upd})
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        for bad in ({"packed_buffer_size_bytes": 1 << 50}, {"world_size": 1 << 20}):
+            r = await c.post("/init_weight_transfer_engine", json={"init_info": {**init_info(free_port()), **bad}})
+            assert r.status_code == 400, r.text
         # a body without init_info / update_info: vLLM's validation error
         r = await c.post("/init_weight_transfer_engine", json={})
         assert r.status_code == 400 and r.json()["error"]["type"] == "Bad Request"
