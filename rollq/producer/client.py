@@ -281,6 +281,21 @@ class Producer:
         await self.connect()
         return (await self._submission.submit_chunk([job]))[0]
 
+    async def submit_batch(self, specs: Iterable[JobSpec | Job]) -> list[JobHandle]:
+        """Submit a few jobs together, as :meth:`submit` submits one: all validated first (a
+        spec that fails raises and none is sent), then one round of SUBMIT calls on the
+        shared connections. For the jobs of one request (a batch of prompts); a stream of
+        thousands goes through :meth:`submit_many`, which pipelines chunks on a connection
+        of its own.
+
+        >>> hs = await p.submit_batch([{"prompt_token_ids": [1, 2]}, {"prompt": "hi"}])   # doctest: +SKIP
+        """
+        jobs = self.build_jobs(specs)
+        if not jobs:
+            return []
+        await self.connect()
+        return await self._submission.submit_chunk(jobs)
+
     async def score(self, context: Sequence[int], continuation: Sequence[int], *, timeout: float | None = None, **fields: Any) -> Scores:
         """The logprob of each token of ``continuation`` after ``context`` (token ids) under
         the weights a replica serves, without sampling it (a scoring job: vLLM's

@@ -164,8 +164,8 @@ class _Server:
         return (await self._submit_all([spec], session))[0]
 
     async def _submit_all(self, specs: list[dict[str, Any]], session: str | None = None) -> list[Any]:
-        """Submit the jobs of one request once the gate is open (``/pause``), in one pipelined
-        batch: every spec is validated first, so a bad one sends none (:class:`InvalidJob`).
+        """Submit the jobs of one request once the gate is open (``/pause``), in one round
+        (``Producer.submit_batch``): every spec is validated first, so a bad one sends none.
         A session's jobs are targeted at its replica (see the module doc); after a trainer's
         weight update they need the version that update published, as vLLM serves every
         request after ``/finish_weight_update`` on the new weights."""
@@ -177,8 +177,7 @@ class _Server:
                 extra["replica"] = replica
         if self.receiver is not None and self.receiver.version:
             extra["min_version"] = self.receiver.version
-        jobs = [self.producer.build_job({**spec, **extra}) for spec in specs]
-        handles = await self.producer.submit_many(jobs)
+        handles = await self.producer.submit_batch([{**spec, **extra} for spec in specs])
         for handle in handles:
             self.gate.track(handle)
         return handles
@@ -224,7 +223,7 @@ class _Server:
             prompts = completion_prompts(req)
             sampling = sampling_of(req, req.max_tokens, req.logprobs is not None)
             session = self._session(request, req)
-            # one job per prompt of a batch, sent in one pipelined round trip
+            # one job per prompt of a batch, sent in one round
             handles = await self._submit_all([{**prompt, "sampling": sampling} for prompt in prompts], session)
         except InvalidJob as e:
             await _cancel(handles)

@@ -111,3 +111,23 @@ def test_the_router_numbers_calls_and_routes_each_kind_of_job():
     other = next(f"id{i}" for i in range(100) if shard_of_id(f"id{i}", 4) != 0)
     (keys0, args, _), = router.calls([Job(id=other, reply="p1", text="x", tracked=True)])
     assert keys0[0] == keys.jobs and args[7] == "1"
+
+
+async def test_submit_batch_sends_a_requests_jobs_together_or_none_of_them(make_producer, queue, redis_client):
+    """``Producer.submit_batch``: every spec validated before anything is sent; many batches
+    at once share the producer's connections (no connection held per batch, unlike
+    ``submit_many``)."""
+    import asyncio
+
+    from rollq.errors import InvalidJob
+
+    p = await make_producer(queue)
+    stream = QueueKeys(queue).jobs
+    with pytest.raises(InvalidJob):
+        await p.submit_batch([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": []}])
+    assert await redis_client.xlen(stream) == 0
+    assert await p.submit_batch([]) == []
+    batches = await asyncio.gather(*(p.submit_batch([{"prompt_token_ids": [i, 1]}, {"prompt": f"x{i}"}]) for i in range(300)))
+    assert sum(len(b) for b in batches) == 600 and await redis_client.xlen(stream) == 600
+    ids = [h.id for b in batches for h in b]
+    assert len(set(ids)) == 600

@@ -216,7 +216,7 @@ async def test_oversized_body_without_a_length_is_413_over_http(echo):
 
 
 async def test_a_batch_goes_out_in_one_submission_and_a_bad_prompt_sends_none(client, echo, redis_client, queue, monkeypatch):
-    """Every job of a batch is validated first and sent in one pipelined submission (no round
+    """Every job of a batch is validated first and sent in one round of submit calls (no round
     trip per prompt); a prompt the queue refuses sends no job of the batch."""
     producer, _ = echo
 
