@@ -36,7 +36,7 @@ QUEUE = "demo"
 RECIPES: dict[str, dict[str, Any]] = {
     "bucket": {"model": {}, "steps": 40, "groups": 16, "group_size": 8, "lr": 5e-3, "decay_after": None},
     "positional": {"model": {"layers": 4}, "steps": 600, "groups": 16, "group_size": 8, "lr": 2e-3, "decay_after": 100},
-    "length": {"model": {}, "steps": 600, "groups": 16, "group_size": 16, "lr": 5e-3, "decay_after": 100},
+    "length": {"model": {}, "steps": 800, "groups": 16, "group_size": 16, "lr": 5e-3, "decay_after": 100},
     "two_turn": {"model": {}, "steps": 60, "groups": 16, "group_size": 8, "lr": 5e-3, "decay_after": None},
 }
 
