@@ -33,11 +33,16 @@ QUEUE = "demo"
 #: arguments; {} is the default model) and the run's defaults where the command line leaves
 #: them out. Why each recipe is what it is: benchmarks/README.md, "Harder tasks".
 #: ``decay_after``: the learning rate is ``lr * min(1, decay_after / step)`` (None: constant).
+#: ``entropy_coef``: :attr:`~rollq.rl.grpo.GrpoConfig.entropy_coef` (0: no entropy bonus).
 RECIPES: dict[str, dict[str, Any]] = {
-    "bucket": {"model": {}, "steps": 40, "groups": 16, "group_size": 8, "lr": 5e-3, "decay_after": None},
-    "positional": {"model": {"layers": 4}, "steps": 600, "groups": 16, "group_size": 8, "lr": 2e-3, "decay_after": 100},
-    "length": {"model": {}, "steps": 600, "groups": 16, "group_size": 16, "lr": 5e-3, "decay_after": 100},
-    "two_turn": {"model": {}, "steps": 60, "groups": 16, "group_size": 8, "lr": 5e-3, "decay_after": None},
+    "bucket": {"model": {}, "steps": 40, "groups": 16, "group_size": 8, "lr": 5e-3, "decay_after": None,
+               "entropy_coef": 0.0},
+    "positional": {"model": {"layers": 4}, "steps": 600, "groups": 16, "group_size": 8, "lr": 2e-3, "decay_after": 100,
+                   "entropy_coef": 0.0},
+    "length": {"model": {}, "steps": 800, "groups": 16, "group_size": 16, "lr": 5e-3, "decay_after": 100,
+               "entropy_coef": 0.0},
+    "two_turn": {"model": {}, "steps": 60, "groups": 16, "group_size": 8, "lr": 5e-3, "decay_after": None,
+                 "entropy_coef": 0.0},
 }
 
 
@@ -53,7 +58,7 @@ def lr_at(lr: float, decay_after: int | None, step: int) -> float:
 def resolve(a: argparse.Namespace) -> argparse.Namespace:
     """``a`` with the task's recipe filling the run options the command line left at None."""
     recipe = RECIPES[a.task]
-    for key in ("steps", "groups", "group_size", "lr"):
+    for key in ("steps", "groups", "group_size", "lr", "entropy_coef"):
         if getattr(a, key, None) is None:
             setattr(a, key, recipe[key])
     return a
@@ -116,7 +121,8 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                     device = _device(a.transport)
                     if device == "cpu":
                         torch.set_num_threads(a.trainer_threads)
-                    trainer = GrpoTrainer.from_pretrained(model_dir, GrpoConfig(lr=a.lr), seed=a.seed).to(device)
+                    grpo = GrpoConfig(lr=a.lr, entropy_coef=a.entropy_coef)
+                    trainer = GrpoTrainer.from_pretrained(model_dir, grpo, seed=a.seed).to(device)
                     publisher = _publisher(srv.url, weights_root, a)
                 with Progress(
                     TextColumn("[bold]steps"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -149,7 +155,8 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
         summary["reward_heldout"] = round(heldout, 4)
     summary.update(task=a.task, model=RECIPES[a.task]["model"] or "default", jobs=a.steps * a.groups, engine=a.engine,
                    replicas=a.replicas, transport=a.transport if learn else "none",
-                   seed=a.seed, lr=a.lr if learn else None, lr_decay_after=RECIPES[a.task]["decay_after"] if learn else None, engine_start_s=round(replicas.start_s, 1),
+                   seed=a.seed, lr=a.lr if learn else None, lr_decay_after=RECIPES[a.task]["decay_after"] if learn else None,
+                   entropy_coef=a.entropy_coef if learn else None, engine_start_s=round(replicas.start_s, 1),
                    served_dtype=served, trainer_dtype=trainer.dtype if trainer is not None else None,
                    converted_from=converted)
     try:

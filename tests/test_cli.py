@@ -105,3 +105,14 @@ def test_demo_trains_through_vllm_replicas(tmp_path):
     assert set(s["lag_histogram"]) <= {"0", "1"}
     assert 0 <= s["pause_s"] <= s["weight_update_s_max"]
     assert (tmp_path / "d.png").stat().st_size > 0
+
+
+def test_demo_recipe_fills_the_entropy_bonus_unless_the_command_line_sets_it():
+    from rollq.cli.main import build_parser
+    from rollq.demo import RECIPES, resolve
+
+    p = build_parser()
+    a = resolve(p.parse_args(["demo", "--task", "positional"]))
+    assert a.entropy_coef == RECIPES["positional"]["entropy_coef"] == 0.0
+    a = resolve(p.parse_args(["demo", "--task", "positional", "--entropy-coef", "0.003"]))
+    assert a.entropy_coef == 0.003 and a.lr == RECIPES["positional"]["lr"] and a.steps == RECIPES["positional"]["steps"]

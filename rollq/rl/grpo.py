@@ -64,6 +64,7 @@ def grpo_loss(
     *,
     tis_cap: float | None = None,
     importance_ratio: bool = True,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clipped GRPO surrogate, averaged over the tokens where ``mask`` is set.
 
@@ -78,6 +79,15 @@ def grpo_loss(
       batch, so the clip stays inactive);
     - ``importance_ratio=False`` (a control arm): the ratio is fixed at 1, the gradient is
       the on-policy one ``advantage * grad(logp)``, whatever the behavior logprobs say.
+
+    ``entropy_coef=c`` (> 0) adds an entropy bonus, estimated from the sampled tokens alone
+    (no full distribution is needed): each token's advantage gains ``c * (-logp - b)``, its
+    surprisal under the current policy (detached) minus ``b``, the mean surprisal of the
+    batch's tokens (a baseline: it changes the variance, not the expectation). The expected
+    gradient of that term is ``c`` times the gradient of the policy's entropy at the sampled
+    contexts, so a token the policy has grown sure of is pushed back towards the others and a
+    group whose samples all agree still gets a gradient. 0 (the default): no bonus, the loss
+    is exactly the one above.
 
     Returns the loss and stats: ``clip_frac``, the share of tokens where the clip was active
     (the clipped term was the smaller one, so the token gave no gradient); ``ratio_mean`` and
@@ -100,6 +110,9 @@ def grpo_loss(
     mask_f = mask.to(logp.dtype)
     n = mask_f.sum().clamp(min=1)
     adv = advantages.unsqueeze(-1)
+    if entropy_coef:
+        surprisal = -logp.detach()
+        adv = adv + entropy_coef * (surprisal - (surprisal * mask_f).sum() / n) * mask_f
     log_ratio = logp - behavior_logp
     if importance_ratio and tis_cap is None:
         ratio = torch.exp(log_ratio)
@@ -157,6 +170,11 @@ class GrpoConfig:
     #: False: the importance ratio is fixed at 1 (the behavior logprobs only feed the
     #: diagnostics), the control arm that shows what the off-policy correction does.
     importance_ratio: bool = True
+    #: Entropy bonus (:func:`grpo_loss`): each token's advantage gains this times its
+    #: surprisal ``-logp`` minus the batch's mean surprisal, whose expected gradient is this
+    #: times the entropy's. It keeps groups from all agreeing on a wrong answer (zero
+    #: advantage, no gradient) while the policy sharpens. 0: off.
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -165,6 +183,8 @@ class GrpoConfig:
             raise ValueError(f"clip_eps must be in (0, 1), got {self.clip_eps!r}")
         if self.max_grad_norm < 0:
             raise ValueError(f"max_grad_norm must be >= 0 (0: off), got {self.max_grad_norm!r}")
+        if not self.entropy_coef >= 0:  # also refuses NaN
+            raise ValueError(f"entropy_coef must be >= 0 (0: off), got {self.entropy_coef!r}")
         if self.snapshots < 1:
             raise ValueError(f"snapshots must be >= 1, got {self.snapshots!r}")
         if self.tis_cap is not None:
@@ -369,7 +389,7 @@ class GrpoTrainer:
     def _loss(self, logp: torch.Tensor, behavior: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
         return grpo_loss(logp, behavior, adv.to(logp.device), mask, cfg.clip_eps, tis_cap=cfg.tis_cap,
-                         importance_ratio=cfg.importance_ratio)
+                         importance_ratio=cfg.importance_ratio, entropy_coef=cfg.entropy_coef)
 
     def _update(
         self, loss: torch.Tensor, st: dict[str, float], rewards: Sequence[Sequence[float]], lags: list[int],
