@@ -11,9 +11,10 @@ tensors, taking turns per rep:
 - ``per-tensor (before)``: the checksum as rollq computed it until 2026-12-04 (about 8 kernels
   and as many Python calls per tensor: a zeroed lane row, the reduction, the tail, the
   weighting, a sum per tensor), eager;
-- ``eager``: rollq's checksum with graphs off (``ROLLQ_CHECKSUM_GRAPHS=0``): one reduction per
+- ``eager``: rollq's checksum (``state_checksum``): one reduction per
   tensor into a stacked ``[tensors, 4096]`` lane matrix, weighted and summed once;
-- ``graphed``: the same captured once as a CUDA graph and replayed (rollq's default).
+- ``graphed``: the same captured once as a CUDA graph and replayed (``graph=True``, what
+  the IPC transport uses).
 
 Each variant runs ``idle`` and ``busy``: beside a thread that keeps a second CUDA stream busy
 with small matmuls from a Python loop (what a serving engine's loop looks like to the
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -71,8 +71,7 @@ def rollq_checksum(graphs: bool):
     from rollq.weightsync.checksum import state_checksum
 
     def run(items: list[tuple[str, torch.Tensor]]) -> int:
-        os.environ["ROLLQ_CHECKSUM_GRAPHS"] = "1" if graphs else "0"  # read at each call
-        return int(state_checksum(items), 16)
+        return int(state_checksum(items, graph=graphs), 16)
 
     return run
 

@@ -95,20 +95,21 @@ def _cpu_sum(raw: np.ndarray, pad: int) -> int:
         return int((lanes * w).sum(dtype=np.int64)) & _MASK
 
 
-def state_checksum(named: Iterable[tuple[str, torch.Tensor]], sync_bytes: int = 0) -> str:
+def state_checksum(named: Iterable[tuple[str, torch.Tensor]], sync_bytes: int = 0, *, graph: bool = False) -> str:
     """Order-independent checksum of named tensors, as 16 hex digits.
 
     Tensors on one CUDA device are reduced entirely on the device with a single host sync at
-    the end (a per-tensor sync costs seconds when a busy engine holds the GIL), by a CUDA
-    graph captured the first time these very tensors are checksummed and replayed after
-    (weights updated in place keep their addresses: one launch per version). With
+    the end (a per-tensor sync costs seconds when a busy engine holds the GIL). With
+    ``graph``, by a CUDA graph captured the first time these very tensors are checksummed
+    and replayed after (weights updated in place keep their addresses: one launch per
+    version); the IPC transport's two sides use it, where it was measured on a GPU. With
     ``sync_bytes`` the current stream is also waited for after every ``sync_bytes`` read, so
     that an engine sharing the GPU runs its steps between the parts instead of behind one
     burst that reads the whole version.
     """
     items = list(named)
     if items and all(t.device.type == "cuda" for _, t in items) and len({t.device for _, t in items}) == 1:
-        return f"{_state_checksum_device(items, sync_bytes):016x}"
+        return f"{_state_checksum_device(items, sync_bytes, graph):016x}"
     return combine_checksums((name, tensor_checksum(t)) for name, t in items)
 
 
@@ -131,12 +132,12 @@ def _signed(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u
 
 
-def _state_checksum_device(items: list[tuple[str, torch.Tensor]], sync_bytes: int = 0) -> int:
+def _state_checksum_device(items: list[tuple[str, torch.Tensor]], sync_bytes: int = 0, graph: bool = False) -> int:
     """The same arithmetic as the host path, in int64 (two's complement wraps like mod 2**64).
 
-    Without ``sync_bytes``, CUDA tensors are reduced by a captured CUDA graph, replayed for
-    every later call on the same tensors (:class:`_GraphedChecksum`)."""
-    if sync_bytes <= 0 and items[0][1].device.type == "cuda":
+    With ``graph`` and without ``sync_bytes``, CUDA tensors are reduced by a captured CUDA
+    graph, replayed for every later call on the same tensors (:class:`_GraphedChecksum`)."""
+    if graph and sync_bytes <= 0 and items[0][1].device.type == "cuda":
         graphed = _graphed(items)
         if graphed is not None:
             return graphed.run()

@@ -85,17 +85,19 @@ def test_on_a_gpu_a_captured_checksum_is_replayed_and_reads_the_current_bytes():
     th = threading.Thread(target=busy)
     th.start()
     try:
-        first = ck.state_checksum(dev)  # captured here
+        first = ck.state_checksum(dev, graph=True)  # captured here
         graphed = ck._graphs[ck._graph_key(dev)]
         assert graphed is not None and graphed.runs == 1
         assert first == ck.state_checksum(items)
-        assert ck.state_checksum(dev) == first and graphed.runs == 2
+        assert ck.state_checksum(dev, graph=True) == first and graphed.runs == 2
         dev[1][1][7] += 1  # in place: same address, new bytes
         items[1][1][7] += 1
-        assert ck.state_checksum(dev) == ck.state_checksum(items) != first and graphed.runs == 3
+        assert ck.state_checksum(dev, graph=True) == ck.state_checksum(items) != first and graphed.runs == 3
     finally:
         stop.set()
         th.join()
     other = [(n, t.clone()) for n, t in dev]  # other addresses: another graph
-    assert ck.state_checksum(other) == ck.state_checksum(items)
+    assert ck.state_checksum(other, graph=True) == ck.state_checksum(items)
     assert ck._graphs[ck._graph_key(other)] is not graphed
+    ck.state_checksum(other + [("z", torch.zeros(8, device="cuda"))])  # without graph=True: none captured
+    assert len(ck._graphs) == 2

@@ -100,7 +100,7 @@ class Exposure:
             torch.cuda.synchronize(dev)  # the bytes a replica reads are written
         self.expose_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        checksum = state_checksum(exposed)
+        checksum = state_checksum(exposed, graph=True)
         self.checksum_s = time.perf_counter() - t1
         self.handles = IpcHandles(
             version=version, host=socket.gethostname(), pid=os.getpid(), checksum=checksum,

@@ -168,7 +168,7 @@ class IpcStaging:
     def _verify(self, h: IpcHandles, items: Items) -> None:
         if not _token_alive(h):
             raise IpcUnavailable(f"trainer process {h.pid} exited or released version {h.version} during the copy")
-        if state_checksum(items, self.chunk_bytes) != h.checksum:
+        if state_checksum(items, self.chunk_bytes, graph=True) != h.checksum:
             raise CorruptWeights(f"version {h.version}: the exposed tensors changed before this worker copied them (checksum mismatch)")
 
     def _copy(self, h: IpcHandles, srcs: Items, t0: float) -> StageStatus:
