@@ -270,6 +270,11 @@ def _g(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def _bucket_cells(by: dict, keys) -> list[str]:
+    """A table's cells of a run's ``{bucket: {mean, tokens}}`` figures: ``mean (tokens)``, ``-`` where none."""
+    return [f"{_g(by[k]['mean'])} ({by[k]['tokens']})" if k in by else "-" for k in keys]
+
+
 def markdown(res: dict) -> str:
     lines = [
         f"# RL loop: sync vs rollq async ({res['model_size']} model, {res['replicas']} replica(s), {res['steps']} steps)",
@@ -303,8 +308,7 @@ def markdown(res: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["runs"]:
-        by = r.get("logprob_abs_diff_by_lag", {})
-        lag = [f"{_g(by[k]['mean'])} ({by[k]['tokens']})" if k in by else "-" for k in ("0", "1", "2+")]
+        lag = _bucket_cells(r.get("logprob_abs_diff_by_lag", {}), ("0", "1", "2+"))
         t = r["time_to_reward_0.8_s"]
         lines.append(
             f"| {r['name']} | {r['arm']} | {r.get('update_policy', 'keep')} | {_g(r.get('waste'))} | {r['swap_tokens']} of {r['rollout_tokens']} ({100 * r['swap_token_share']:.1f}%) | "
@@ -320,8 +324,7 @@ def markdown(res: dict) -> str:
         "| --- | --- | --- | --- |",
     ]
     for r in res["runs"]:
-        by = r.get("logprob_abs_diff_by_confidence", {})
-        cells = [f"{_g(by[k]['mean'])} ({by[k]['tokens']})" if k in by else "-" for k in ("p>=0.9", "0.5<=p<0.9", "p<0.5")]
+        cells = _bucket_cells(r.get("logprob_abs_diff_by_confidence", {}), ("p>=0.9", "0.5<=p<0.9", "p<0.5"))
         lines.append(f"| {r['name']} | {' | '.join(cells)} |")
     if len(res.get("seeds", [])) > 1:
         lines += ["", f"Over seeds {res['seeds']} (mean [min, max]):", "",

@@ -19,6 +19,7 @@ __all__ = [
     "agreement_terms",
     "behavior_temperature",
     "diff_by_confidence",
+    "diff_terms",
     "logprob_agreement",
     "single_version",
     "token_logprobs",
@@ -244,8 +245,20 @@ def agreement_terms(
     behavior, temps = _behavior(results)
     with torch.no_grad():
         logp, mask = token_logprobs(model, [p for p, _ in rows], [c for _, c in rows], state, temps)
-    b = _padded(behavior, logp)
-    return (logp - b).abs()[mask], b[mask]
+    return diff_terms(logp, _padded(behavior, logp), mask)
+
+
+def diff_terms(logp: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(|behavior - trainer|, behavior logprob)`` of the tokens where ``mask`` is set (flat;
+    ``logp`` may be narrower than the other two: they are cut to its width).
+
+    >>> d, b = diff_terms(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0, 0.0]]), torch.tensor([[True, False, True]]))
+    >>> d.tolist(), b.tolist()
+    ([0.5], [-1.5])
+    """
+    w = logp.shape[1]
+    b, m = behavior[:, :w], mask[:, :w]
+    return (logp.detach() - b).abs()[m], b[m]
 
 
 #: :func:`diff_by_confidence`'s buckets: the behavior probability of the sampled token.

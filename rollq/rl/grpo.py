@@ -36,7 +36,16 @@ from typing import Any, Sequence
 import torch
 
 from .._torch_extras import hide_broken_torch_extras
-from .behavior import _behavior, _padded, agreement_terms, diff_by_confidence, merge_buckets, single_version, token_logprobs
+from .behavior import (
+    _behavior,
+    _padded,
+    agreement_terms,
+    diff_by_confidence,
+    diff_terms,
+    merge_buckets,
+    single_version,
+    token_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +339,7 @@ class GrpoTrainer:
         terms: list[tuple[torch.Tensor, torch.Tensor]] = []
         cur = [i for i, g in enumerate(owner) if single_version(batch[g][1]) == self.version]
         if cur:
-            terms.append(((logp.detach()[cur] - b[cur]).abs()[mask[cur]], b[cur][mask[cur]]))
+            terms.append(diff_terms(logp[cur], b[cur], mask[cur]))
         older: dict[int, list[int]] = {}
         for g, (_, res) in enumerate(batch):
             v = single_version(res)
@@ -377,14 +386,14 @@ class GrpoTrainer:
         ta = time.perf_counter()
         for v, rows in at.items():
             if v == self.version:  # this forward pass
-                terms.append(((detached[rows] - b[rows]).abs()[mask[rows]], b[rows][mask[rows]]))
+                terms.append(diff_terms(detached[rows], b[rows], mask[rows]))
             else:
                 with torch.no_grad():
                     lp, _ = token_logprobs(self.model, [prompts[i] for i in rows], [rest[i] for i in rows], self._snapshots[v],
                                            [eps[i].temperature for i in rows])
-                w = lp.shape[1]
-                terms.append(((lp - b[rows][:, :w]).abs()[mask[rows][:, :w]], b[rows][:, :w][mask[rows][:, :w]]))
-        return self._update(loss, st, rewards, lags, terms, by_lag, t0, time.perf_counter() - ta)
+                terms.append(diff_terms(lp, b[rows], mask[rows]))
+        older = any(v != self.version for v in at)
+        return self._update(loss, st, rewards, lags, terms, by_lag, t0, time.perf_counter() - ta if older else 0.0)
 
     def _loss(self, logp: torch.Tensor, behavior: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config

@@ -216,14 +216,8 @@ class LoopReport:
             "logprob_abs_diff_mean": sum(s.diff_sum for s in self.steps) / dn if dn else None,
             "logprob_abs_diff_max": max((s.diff_max for s in self.steps), default=0.0) if dn else None,
             "logprob_tokens_compared": dn,
-            "logprob_abs_diff_by_lag": {
-                k: {"mean": by_lag[k][0] / by_lag[k][2], "max": by_lag[k][1], "tokens": int(by_lag[k][2])}
-                for k in ("0", "1", "2+") if k in by_lag
-            },
-            "logprob_abs_diff_by_confidence": {
-                k: {"mean": by_conf[k][0] / by_conf[k][2], "max": by_conf[k][1], "tokens": int(by_conf[k][2])}
-                for k, _, _ in CONFIDENCE_BUCKETS if k in by_conf
-            },
+            "logprob_abs_diff_by_lag": _bucket_means(by_lag, ("0", "1", "2+")),
+            "logprob_abs_diff_by_confidence": _bucket_means(by_conf, [k for k, _, _ in CONFIDENCE_BUCKETS]),
             "swap_tokens": sum(s.swap_tokens for s in self.steps),
             "swap_token_share": round(sum(s.swap_tokens for s in self.steps) / tokens, 4) if tokens else 0.0,
             "spanning_samples": sum(s.spanning for s in self.steps),
@@ -242,6 +236,11 @@ class LoopReport:
     def per_step(self) -> list[dict[str, Any]]:
         """The per-step records as plain dicts (JSON)."""
         return [asdict(s) for s in self.steps]
+
+
+def _bucket_means(acc: dict[str, list[float]], order: Sequence[str]) -> dict[str, dict[str, float]]:
+    """``{bucket: {mean, max, tokens}}`` of ``[sum, max, tokens]`` buckets, in ``order``."""
+    return {k: {"mean": acc[k][0] / acc[k][2], "max": acc[k][1], "tokens": int(acc[k][2])} for k in order if k in acc}
 
 
 def busy_fraction(jobs: Sequence[tuple[str, float, float]], window: tuple[float, float]) -> float:
