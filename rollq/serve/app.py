@@ -19,11 +19,10 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
-import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..connection import connect
@@ -33,6 +32,7 @@ from . import generate as gen
 from .dev_routes import DevRoutes
 from .errors import VALIDATION_ERROR, error_response, unauthorized
 from .pause import Gate
+from .responses import cancel_all, job_error, sse, summed
 from .schemas import ChatRequest, CompletionRequest, chat_messages, completion_prompts, exact_turns, sampling_of
 from .sessions import Sessions
 from .template import template_ids
@@ -193,7 +193,7 @@ class _Server:
         if res is None:
             return Response(status_code=499)
         await self._served(session, res)
-        return _job_error(res) if res.error is not None else res
+        return job_error(res) if res.error is not None else res
 
     async def _streamed(self, handle: Any, session: str | None) -> Result:
         """A streamed request's result, its session noted."""
@@ -226,16 +226,16 @@ class _Server:
             # one job per prompt of a batch, sent in one round
             handles = await self._submit_all([{**prompt, "sampling": sampling} for prompt in prompts], session)
         except InvalidJob as e:
-            await _cancel(handles)
+            await cancel_all(handles)
             return error_response(str(e), 400)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._completion_stream(req, handles, rid, prompts, session), handles)
+            return sse(self._completion_stream(req, handles, rid, prompts, session), handles)
         results: list[Result] = []
         for handle in handles:
             res = await self._outcome(request, handle, session)
             if isinstance(res, Response):
-                await _cancel(handles)
+                await cancel_all(handles)
                 return res
             results.append(res)
         choices: list[dict[str, Any]] = []
@@ -245,7 +245,7 @@ class _Server:
             # prompt-major, as vLLM's server: the n choices of prompt i are indices i*n .. i*n+n-1
             choices += [self._completion_choice(req, res, len(choices) + k, s, prompt_ids) for k, s in enumerate(res.samples)]
             usages.append(self._usage(res, len(prompt_ids) or res.prompt_tokens))
-        usage = _summed(usages)
+        usage = summed(usages)
         return JSONResponse({"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                              "choices": choices, "usage": usage,
                              "system_fingerprint": None, "service_tier": None, "kv_transfer_params": None})
@@ -275,7 +275,7 @@ class _Server:
         for handle, prompt in zip(handles, prompts):
             res = await self._streamed(handle, session)
             if res.error is not None:
-                await _cancel(handles)  # the rest of the batch
+                await cancel_all(handles)  # the rest of the batch
                 yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
                 return
             prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
@@ -286,7 +286,7 @@ class _Server:
                        "choices": [choice], "usage": None}
             usages.append(self._usage(res, len(prompt_ids) or res.prompt_tokens))
         yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name, "choices": [],
-               "usage": _summed(usages)}
+               "usage": summed(usages)}
 
     def _chat_prompt(self, req: ChatRequest) -> dict[str, Any]:
         messages = chat_messages(req)
@@ -316,7 +316,7 @@ class _Server:
             return error_response(str(e), 400)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._chat_stream(req, handle, rid, prompt, session), handle)
+            return sse(self._chat_stream(req, handle, rid, prompt, session), handle)
         res = await self._outcome(request, handle, session)
         if isinstance(res, Response):
             return res
@@ -375,7 +375,7 @@ class _Server:
             return error_response(str(e), 400)
         rid = f"generate-tokens-{request.headers.get('x-request-id') or req.request_id or uuid.uuid4().hex}"
         if req.stream:
-            return _sse(self._generate_stream(req, handle, rid, session), handle)
+            return sse(self._generate_stream(req, handle, rid, session), handle)
         res = await self._outcome(request, handle, session)
         if isinstance(res, Response):
             return res
@@ -424,51 +424,6 @@ class _Server:
             total = gen.usage(n_prompt, sum(len(s.token_ids) for s in res.samples))
             yield {"request_id": rid, "usage": {k: v for k, v in total.items() if v is not None},
                    "output_mode": req.output_mode, "choices": []}
-
-
-#: Job errors that are the request's fault: vLLM's server answers these with 400.
-_CLIENT_ERRORS = frozenset({"InvalidJob", "PromptTooLong", "JobRejected"})
-
-
-def _job_error(res: Result) -> Response:
-    err = res.error
-    if err is None:
-        return error_response("the job failed without an error", 500)
-    return error_response(f"{err.type}: {err.message}", 400 if err.type in _CLIENT_ERRORS else 500)
-
-
-def _summed(usages: list[dict[str, int | None]]) -> dict[str, int | None]:
-    """The usage of a batch: its prompts' usages added up."""
-    keys = ("prompt_tokens", "total_tokens", "completion_tokens")
-    return {**{k: sum(u[k] or 0 for u in usages) for k in keys}, "prompt_tokens_details": None}
-
-
-async def _cancel(handles: list[Any]) -> None:
-    """Cancel the jobs of ``handles`` not done (a batch given up), even from a cancelled task."""
-    with anyio.CancelScope(shield=True):
-        for h in handles:
-            if not h.done():
-                with contextlib.suppress(Exception):
-                    await h.cancel()
-
-
-def _sse(events: AsyncIterator[dict[str, Any]], handles: Any) -> StreamingResponse:
-    """Server-sent events of ``events``, then ``data: [DONE]``; the jobs of ``handles`` (one
-    handle or a list) are cancelled when the stream stops early (the client went away)."""
-    jobs = handles if isinstance(handles, list) else [handles]
-
-    async def body() -> AsyncIterator[bytes]:
-        finished = False
-        try:
-            async for ev in events:
-                yield b"data: " + msgspec.json.encode(ev) + b"\n\n"
-            yield b"data: [DONE]\n\n"
-            finished = True
-        finally:
-            if not finished:
-                await _cancel(jobs)
-
-    return StreamingResponse(body(), media_type="text/event-stream")
 
 
 def create_app(producer: Any, *, model_name: str, tokenizer: Any = None, api_key: str | None = None,

@@ -17,8 +17,9 @@ False
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
+
+from .responses import cancel_all
 
 #: vLLM's ``PauseMode`` values.
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -59,9 +60,7 @@ class Gate:
             raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode[:40]!r}")
         self._open.clear()
         if mode == "abort":
-            for h in self.running():
-                with contextlib.suppress(Exception):
-                    await h.cancel()
+            await cancel_all(self.running())
         elif mode == "wait":
             while self.running():
                 await asyncio.sleep(_POLL_S)
