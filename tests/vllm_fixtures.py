@@ -197,7 +197,7 @@ def checkpoint_state(model_dir: str | Path) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def serving_replica(
     engine: Any, url: str, queue: str, root: str, *, settings: Any = None, consumer_id: str | None = None,
-    broadcast: bool = False,
+    broadcast: bool = False, reconcile_interval: float = 0.5, stop_timeout: float = 30,
 ) -> AsyncIterator[tuple[Any, Any]]:
     """A consumer of ``queue`` on ``engine`` with its weight follower (memmap store ``root``,
     broadcasts too with ``broadcast``), serving until the block ends: ``(consumer, follower)``."""
@@ -206,12 +206,12 @@ async def serving_replica(
     from rollq.weightsync import WeightFollower
 
     consumer = Consumer(engine, url, queue, consumer_id=consumer_id, settings=settings or ConsumerSettings(lease_ttl=5))
-    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.5, broadcast=broadcast))
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=reconcile_interval, broadcast=broadcast))
     await follower.start()
     task = asyncio.create_task(consumer.run())
     try:
         yield consumer, follower
     finally:
         consumer.stop()
-        await asyncio.wait_for(task, 30)
+        await asyncio.wait_for(task, stop_timeout)
         await follower.stop()

@@ -21,16 +21,15 @@ import torch
 from safetensors.torch import save_file
 
 from rollq import Consumer, ConsumerSettings
-from rollq.weightsync import WeightFollower
 from rollq.consumer.engine import EchoEngine
 from rollq.keys import QueueKeys
 from rollq.serve import gloo_trainer
 from rollq.serve.weights import WeightTransferConfig
-from rollq.settings import WeightSyncSettings
 from rollq.testing.fake_workers import FakeWorkerEngine
 from rollq.weightsync import MemmapStore, read_version
 from tests.helpers import until
 from tests.serve.conftest import http_server
+from tests.vllm_fixtures import serving_replica
 
 trl_client = pytest.importorskip("trl.generation.vllm_client")
 
@@ -70,17 +69,10 @@ def model_dir(tmp_path):
 async def replica(redis_url: str, queue: str, root: str) -> AsyncIterator[tuple[Consumer, FakeWorkerEngine]]:
     """A consumer over fake workers holding Tiny(0), following the queue's versions."""
     engine = FakeWorkerEngine(lambda: Tiny(0))
-    consumer = Consumer(engine, redis_url, queue, consumer_id="r0",
-                        settings=ConsumerSettings(lease_ttl=5, heartbeat_interval=0.2, block=0.2))
-    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.2))
-    await follower.start()
-    task = asyncio.create_task(consumer.run())
-    try:
+    settings = ConsumerSettings(lease_ttl=5, heartbeat_interval=0.2, block=0.2)
+    async with serving_replica(engine, redis_url, queue, root, settings=settings, consumer_id="r0", reconcile_interval=0.2,
+                               stop_timeout=15) as (consumer, _):
         yield consumer, engine
-    finally:
-        consumer.stop()
-        await asyncio.wait_for(task, 15)
-        await follower.stop()
 
 
 def served(engine: FakeWorkerEngine) -> dict[str, torch.Tensor]:
