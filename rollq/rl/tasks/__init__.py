@@ -22,11 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..task import BucketTask
-from .length import LengthTask
+from .length import LengthTask, Shaping
 from .positional import PositionalTask
 from .two_turn import TwoTurnTask
 
-__all__ = ["LengthTask", "PositionalTask", "TASKS", "TwoTurnTask", "make_task"]
+__all__ = ["LengthTask", "PositionalTask", "Shaping", "TASKS", "TwoTurnTask", "make_task"]
 
 #: ``rollq demo --task`` names.
 TASKS = {"bucket": BucketTask, "positional": PositionalTask, "length": LengthTask, "two_turn": TwoTurnTask}
