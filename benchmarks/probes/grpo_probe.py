@@ -114,7 +114,8 @@ def main() -> None:
             for i, c in enumerate(comps):
                 body, (q, L) = task.content(c), metas[i // n]
                 diag.append((body is not None, body is not None and len(body) == L,
-                             sum(task.quarter_of(t) == q for t in body) / max(1, len(body)) if body else 0.0))
+                             sum(task.quarter_of(t) == q for t in body) / max(1, len(body)) if body else 0.0, L,
+                             len(body) if body is not None else -1))
         logp, mask = token_logprobs(model, [p for p in prompts for _ in range(n)], comps)
         b = torch.zeros_like(logp)
         for i, lp in enumerate(behav):
@@ -146,6 +147,10 @@ def main() -> None:
                 stopped = [x[2] for x in d if x[0]]
                 line += (f"  stopped {len(stopped) / len(d):.2f} exact {sum(x[1] for x in d) / len(d):.2f}"
                          f" in-quarter (of those that stopped) {sum(stopped) / max(1, len(stopped)):.2f}")
+                by_len = {L: [x for x in d if x[3] == L] for L in range(task.min_length, task.max_length + 1)}
+                line += "  exact by L " + " ".join(f"{L}:{sum(x[1] for x in xs) / max(1, len(xs)):.2f}" for L, xs in by_len.items())
+                line += "  mean stop by L " + " ".join(
+                    f"{L}:{sum(x[4] for x in xs if x[4] >= 0) / max(1, sum(x[4] >= 0 for x in xs)):.1f}" for L, xs in by_len.items())
             print(line, flush=True)
         if time.time() - t0 > a.max_seconds:
             break
