@@ -11,7 +11,9 @@ Every task has the interface the RL loop uses (:func:`rollq.rl.run_loop`):
 ``job_specs(tokenizer, rng, count, group_size)``, ``rewards(result)``,
 ``prompt_of(tokenizer, result)`` and ``random_policy_reward``; a multi-turn task has
 ``follow_up`` and ``jobs_per_group`` instead of ``prompt_of``, and its ``rewards`` take an
-:class:`~rollq.rl.episodes.EpisodeGroup`.
+:class:`~rollq.rl.episodes.EpisodeGroup`. A task with ``training_rewards(result, step)``
+(:class:`~rollq.rl.task.ShapedTask`: ``length`` with a :class:`Shaping`) is trained on those
+and reports ``rewards``.
 
 >>> make_task("positional", vocab_size=1024).random_policy_reward
 0.25
