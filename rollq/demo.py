@@ -34,13 +34,16 @@ QUEUE = "demo"
 #: them out. Why each recipe is what it is: benchmarks/README.md, "Harder tasks".
 #: ``decay_after``: the learning rate is ``lr * min(1, decay_after / step)`` (None: constant).
 #: ``entropy_coef``: :attr:`~rollq.rl.grpo.GrpoConfig.entropy_coef` (0: no entropy bonus).
+#: ``shaping``: the task's reward-shaping schedule (:class:`~rollq.rl.tasks.Shaping` arguments;
+#: absent: the task trains on its exact reward). ``agree_every``:
+#: :attr:`~rollq.rl.loop.LoopConfig.agree_every` (absent: 1, the agreement forward every step).
 RECIPES: dict[str, dict[str, Any]] = {
     "bucket": {"model": {}, "steps": 40, "groups": 16, "group_size": 8, "lr": 5e-3, "decay_after": None,
                "entropy_coef": 0.0},
     "positional": {"model": {"layers": 4}, "steps": 600, "groups": 16, "group_size": 8, "lr": 2e-3, "decay_after": 100,
                    "entropy_coef": 0.0},
-    "length": {"model": {}, "steps": 800, "groups": 16, "group_size": 16, "lr": 5e-3, "decay_after": 100,
-               "entropy_coef": 0.0},
+    "length": {"model": {}, "steps": 1000, "groups": 16, "group_size": 16, "lr": 5e-3, "decay_after": 100,
+               "entropy_coef": 0.0, "shaping": {"hold": 100, "anneal": 200}, "agree_every": 10},
     "two_turn": {"model": {}, "steps": 60, "groups": 16, "group_size": 8, "lr": 5e-3, "decay_after": None,
                  "entropy_coef": 0.0},
 }
@@ -90,19 +93,22 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from .rl import GrpoConfig, GrpoTrainer, LoopConfig, Replicas, plot_run, run_loop
-    from .rl.tasks import make_task
+    from .rl.tasks import Shaping, make_task
     from .server import RedisServer
 
     a = resolve(a)
+    learn = a.engine == "vllm"
     model_dir = model_for(a.task)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    task = make_task(a.task, len(tokenizer))
+    recipe = RECIPES[a.task]
+    shaping = recipe.get("shaping")
+    task = make_task(a.task, len(tokenizer), **({"shaping": Shaping(**shaping)} if shaping and learn else {}))
     heldout: float | None = None
-    learn = a.engine == "vllm"
     broadcast = learn and a.transport in ("gloo", "nccl")
     cfg = LoopConfig(
         steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode="async", max_lag=a.max_lag,
         transport="broadcast" if broadcast else ("ipc" if a.transport == "ipc" else "memmap"), seed=a.seed,
+        agree_every=recipe.get("agree_every", 1),
     )
     weights_root = tempfile.mkdtemp(prefix="rollq-demo-weights-")
     try:
@@ -156,7 +162,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     summary.update(task=a.task, model=RECIPES[a.task]["model"] or "default", jobs=a.steps * a.groups, engine=a.engine,
                    replicas=a.replicas, transport=a.transport if learn else "none",
                    seed=a.seed, lr=a.lr if learn else None, lr_decay_after=RECIPES[a.task]["decay_after"] if learn else None,
-                   entropy_coef=a.entropy_coef if learn else None, engine_start_s=round(replicas.start_s, 1),
+                   entropy_coef=a.entropy_coef if learn else None, shaping=shaping if learn else None, engine_start_s=round(replicas.start_s, 1),
                    served_dtype=served, trainer_dtype=trainer.dtype if trainer is not None else None,
                    converted_from=converted)
     try:

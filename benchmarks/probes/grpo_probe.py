@@ -33,7 +33,7 @@ import torch
 
 from rollq._torch_extras import hide_broken_torch_extras
 from rollq.rl import group_advantages, grpo_loss, token_logprobs
-from rollq.rl.tasks import LengthTask, PositionalTask
+from rollq.rl.tasks import LengthTask, PositionalTask, Shaping
 from rollq.testing.tiny_model import build_tiny_model
 
 
@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--entropy-coef", type=float, default=0.0)
     ap.add_argument("--token-credit", action="store_true")
+    ap.add_argument("--shaping-hold", type=int, default=-1, help="length: train on LengthTask's Shaping (-1: off)")
+    ap.add_argument("--shaping-anneal", type=int, default=0)
     ap.add_argument("--lag", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-seconds", type=float, default=1e9)
@@ -88,7 +90,8 @@ def main() -> None:
     torch.manual_seed(a.seed)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.train()
-    task: Any = PositionalTask(vocab_size=len(tok)) if a.task == "positional" else LengthTask(vocab_size=len(tok))
+    shaping = Shaping(a.shaping_hold, a.shaping_anneal) if a.shaping_hold >= 0 else None
+    task: Any = PositionalTask(vocab_size=len(tok)) if a.task == "positional" else LengthTask(vocab_size=len(tok), shaping=shaping)
     opt = torch.optim.Adam(model.parameters(), lr=a.lr)
     actors = [copy.deepcopy(model).eval()]
     rng, gen = random.Random(a.seed), torch.Generator().manual_seed(a.seed + 1)
@@ -107,15 +110,18 @@ def main() -> None:
             prompts = [task.prompt_ids(tok, q, L) for q, L in metas]
             comps, behav = sample(actors[0], prompts, n, task.max_length + 1, task.eos_ids, gen)
             rewards = [task.reward(*metas[i // n], c) for i, c in enumerate(comps)]
+            train = [task.training_reward(*metas[i // n], c, None, step) for i, c in enumerate(comps)]
             for i, c in enumerate(comps):
                 body, (q, L) = task.content(c), metas[i // n]
                 diag.append((body is not None, body is not None and len(body) == L,
-                             sum(task.quarter_of(t) == q for t in body) / max(1, len(body)) if body else 0.0))
+                             sum(task.quarter_of(t) == q for t in body) / max(1, len(body)) if body else 0.0, L,
+                             len(body) if body is not None else -1))
         logp, mask = token_logprobs(model, [p for p in prompts for _ in range(n)], comps)
         b = torch.zeros_like(logp)
         for i, lp in enumerate(behav):
             b[i, : len(lp)] = torch.tensor(lp)
         R = torch.tensor(rewards).view(a.groups, n)
+        T_R = torch.tensor(train).view(a.groups, n) if a.task == "length" else R
         if a.token_credit and a.task == "positional":
             T = torch.tensor([[float(task.quarter_of(t) == int(d)) / task.digits for d, t in zip(metas[i // n], c)]
                               for i, c in enumerate(comps)]).view(a.groups, n, -1)
@@ -125,7 +131,7 @@ def main() -> None:
             sur = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
             loss = -(sur * mask).sum() / mask.sum()
         else:
-            loss, _ = grpo_loss(logp, b, group_advantages(R).view(-1), mask, entropy_coef=a.entropy_coef)
+            loss, _ = grpo_loss(logp, b, group_advantages(T_R).view(-1), mask, entropy_coef=a.entropy_coef)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -141,6 +147,10 @@ def main() -> None:
                 stopped = [x[2] for x in d if x[0]]
                 line += (f"  stopped {len(stopped) / len(d):.2f} exact {sum(x[1] for x in d) / len(d):.2f}"
                          f" in-quarter (of those that stopped) {sum(stopped) / max(1, len(stopped)):.2f}")
+                by_len = {L: [x for x in d if x[3] == L] for L in range(task.min_length, task.max_length + 1)}
+                line += "  exact by L " + " ".join(f"{L}:{sum(x[1] for x in xs) / max(1, len(xs)):.2f}" for L, xs in by_len.items())
+                line += "  mean stop by L " + " ".join(
+                    f"{L}:{sum(x[4] for x in xs if x[4] >= 0) / max(1, sum(x[4] >= 0 for x in xs)):.1f}" for L, xs in by_len.items())
             print(line, flush=True)
         if time.time() - t0 > a.max_seconds:
             break

@@ -319,8 +319,13 @@ class GrpoTrainer:
         while len(self._snapshots) > max(1, self.config.snapshots):
             self._snapshots.popitem(last=False)
 
-    def step(self, batch: Sequence[tuple[Sequence[int], Any]], rewards: Sequence[Sequence[float]]) -> StepStats:
-        """One GRPO update on ``batch`` (``(prompt_ids, result)`` per group) with per-sample ``rewards``."""
+    def step(
+        self, batch: Sequence[tuple[Sequence[int], Any]], rewards: Sequence[Sequence[float]], *, agreement: bool = True
+    ) -> StepStats:
+        """One GRPO update on ``batch`` (``(prompt_ids, result)`` per group) with per-sample
+        ``rewards``. ``agreement=False`` skips the diagnostic forwards at older versions'
+        weights (the agreement then covers only groups of the current version, which the
+        training forward gives for free); the update is the same."""
         t0 = time.perf_counter()
         prompts, comps, owner = [], [], []
         for g, (prompt, res) in enumerate(batch):
@@ -343,14 +348,16 @@ class GrpoTrainer:
         older: dict[int, list[int]] = {}
         for g, (_, res) in enumerate(batch):
             v = single_version(res)
-            if v is not None and v != self.version and v in self._snapshots:
+            if agreement and v is not None and v != self.version and v in self._snapshots:
                 older.setdefault(v, []).append(g)
         ta = time.perf_counter()
         for v, groups in older.items():
             terms.append(agreement_terms(self.model, [batch[g][1] for g in groups], [batch[g][0] for g in groups], self._snapshots[v]))
         return self._update(loss, st, rewards, lags, terms, by_lag, t0, time.perf_counter() - ta if older else 0.0)
 
-    def step_episodes(self, groups: Sequence[Any], rewards: Sequence[Sequence[float]]) -> StepStats:
+    def step_episodes(
+        self, groups: Sequence[Any], rewards: Sequence[Sequence[float]], *, agreement: bool = True
+    ) -> StepStats:
         """One GRPO update on whole multi-turn episodes: ``groups`` holds one sequence of
         :class:`~rollq.rl.episodes.Episode` per GRPO group (an
         :class:`~rollq.rl.episodes.EpisodeGroup`'s ``episodes``), ``rewards`` one reward per
@@ -358,7 +365,8 @@ class GrpoTrainer:
         ``loss_mask``; prompt and environment tokens are context only), each token's ratio
         against the behavior logprob its turn's replica returned, its lag counted from the
         version that generated that very token. Agreement (``diff_*``) is measured on the
-        episodes generated entirely at one version the trainer still has weights for.
+        episodes generated entirely at one version the trainer still has weights for (with
+        ``agreement=False``: at the current version only, as in :meth:`step`).
 
         >>> stats = trainer.step_episodes([g.episodes for g in groups], [task.rewards(g) for g in groups])  # doctest: +SKIP
         """
@@ -381,7 +389,7 @@ class GrpoTrainer:
         at: dict[int, list[int]] = {}
         for i, e in enumerate(eps):
             v = e.single_version
-            if v is not None and (v == self.version or v in self._snapshots):
+            if v is not None and (v == self.version or (agreement and v in self._snapshots)):
                 at.setdefault(v, []).append(i)
         ta = time.perf_counter()
         for v, rows in at.items():

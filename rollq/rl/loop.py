@@ -60,6 +60,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from .behavior import CONFIDENCE_BUCKETS, merge_buckets
 from .episodes import EpisodeGroup, play_group
+from .task import training_rewards
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class LoopConfig:
     #: The queue's update policy for the run (``keep``, ``abort`` or ``drain``: how replicas
     #: apply a version while requests run; set on the queue when the loop starts).
     update_policy: str = "keep"
+    #: The trainer's agreement forward at older versions' weights on every k-th step only (the update is the same).
+    agree_every: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in ("async", "sync"):
@@ -101,8 +104,8 @@ class LoopConfig:
             raise ValueError(f"update_policy must be 'keep', 'abort' or 'drain', got {self.update_policy!r}")
         if self.transport not in ("memmap", "broadcast", "ipc"):
             raise ValueError(f"transport must be 'memmap', 'broadcast' or 'ipc', got {self.transport!r}")
-        if self.max_lag < 0 or self.steps < 1 or self.groups_per_step < 1 or self.group_size < 1:
-            raise ValueError("LoopConfig needs steps, groups_per_step, group_size >= 1 and max_lag >= 0")
+        if self.max_lag < 0 or min(self.steps, self.groups_per_step, self.group_size, self.agree_every) < 1:
+            raise ValueError("LoopConfig needs steps, groups_per_step, group_size, agree_every >= 1 and max_lag >= 0")
 
 
 @dataclass
@@ -222,13 +225,13 @@ class LoopReport:
             "swap_token_share": round(sum(s.swap_tokens for s in self.steps) / tokens, 4) if tokens else 0.0,
             "spanning_samples": sum(s.spanning for s in self.steps),
             "clip_frac_mean": round(_mean([s.clip_frac for s in self.steps]), 4),
-            "time_to_reward_0.8_s": _round(self.time_to_reward(0.8)),
+            "time_to_reward_0.8_s": None if (t8 := self.time_to_reward(0.8)) is None else round(t8, 3),
             "steps_to_reward_0.8": self.steps_to_reward(0.8),
             "seconds_per_step": round(self.wall_s / len(self.steps), 4) if self.steps else None,
             "failed_jobs": sum(s.failed for s in self.steps),
             "step_wait_s": round(sum(s.wait_s for s in self.steps), 3),
             "step_train_s": round(sum(s.train_s for s in self.steps), 3),
-            "step_agree_s": round(sum(s.agree_s for s in self.steps), 3),
+            "step_agree_s": round(sum(s.agree_s for s in self.steps), 3), "agree_every": self.config.agree_every,
             "step_publish_s": round(sum(s.publish_s for s in self.steps), 3),
             "wall_s": round(self.wall_s, 3),
         }
@@ -272,10 +275,6 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 3)
-
-
 # ----------------------------------------------------------------------------------------
 async def run_loop(
     url: str,
@@ -293,7 +292,8 @@ async def run_loop(
 
     ``trainer`` is a :class:`~rollq.rl.grpo.GrpoTrainer` (None: queue only, nothing trained or
     published, e.g. on the echo engine), ``task`` a :class:`~rollq.rl.task.BucketTask` or one of
-    :mod:`rollq.rl.tasks` (``job_specs``, ``rewards``, ``prompt_of``, ``random_policy_reward``;
+    :mod:`rollq.rl.tasks` (``job_specs``, ``rewards``, ``prompt_of``, ``random_policy_reward``; a
+    :class:`~rollq.rl.task.ShapedTask` trains on its ``training_rewards`` and reports ``rewards``;
     a multi-turn task has ``follow_up`` and ``jobs_per_group`` and is played in episodes),
     ``publisher`` a :class:`~rollq.weightsync.trainer.publisher.WeightPublisher` (with a broadcast
     ``sender`` for ``transport="broadcast"``; unused, may be None, with ``publish=False``).
@@ -357,7 +357,8 @@ async def run_loop(
                     if r.error is not None:
                         log.warning("job %s failed (%s: %s); left out of step %d", r.id, r.error.type, r.error.message, step)
                 jobs.extend(span for r in ok for span in _job_spans(r))
-                rewards = [task.rewards(r) for r in ok]
+                rewards = [task.rewards(r) for r in ok]  # exact: reported; `train`: the advantages' (shaping)
+                train = training_rewards(task, ok, step, rewards)
                 counts = [_rollout_counts(r) for r in ok]
                 tokens, swaps, spanning = (sum(c[i] for c in counts) for i in range(3))
                 rec = StepRecord(
@@ -369,10 +370,11 @@ async def run_loop(
                 if trainer is not None:
                     t1 = time.perf_counter()
                     if ok:  # in a thread: the event loop keeps serving the replicas meanwhile
+                        kw = {"agreement": step % config.agree_every == 0}  # older versions' agreement forward
                         if episodic:
-                            st = await asyncio.to_thread(trainer.step_episodes, [g.episodes for g in ok], rewards)
+                            st = await asyncio.to_thread(trainer.step_episodes, [g.episodes for g in ok], train, **kw)
                         else:
-                            st = await asyncio.to_thread(trainer.step, [(task.prompt_of(tokenizer, r), r) for r in ok], rewards)
+                            st = await asyncio.to_thread(trainer.step, [(task.prompt_of(tokenizer, r), r) for r in ok], train, **kw)
                         rec.loss, rec.clip_frac = st.loss, st.clip_frac
                         rec.diff_sum, rec.diff_max, rec.diff_tokens = st.diff_sum, st.diff_max, st.diff_tokens
                         rec.diff_by_lag, rec.loss_stats = st.diff_by_lag, dict(st.extra)

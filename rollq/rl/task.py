@@ -23,9 +23,32 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
-__all__ = ["BucketTask", "vocab_range"]
+__all__ = ["BucketTask", "ShapedTask", "training_rewards", "vocab_range"]
+
+
+@runtime_checkable
+class ShapedTask(Protocol):
+    """A task that trains on other rewards than it reports (e.g. a reward-shaping schedule,
+    :class:`~rollq.rl.tasks.Shaping`): ``rewards(result)`` stays the task's exact reward, the
+    one every figure reports; ``training_rewards(result, step)`` is what advantages come from."""
+
+    def rewards(self, result: Any) -> list[float]: ...
+
+    def training_rewards(self, result: Any, step: int) -> list[float]: ...
+
+
+def training_rewards(task: Any, results: Sequence[Any], step: int, exact: list[list[float]]) -> list[list[float]]:
+    """The rewards the loop trains on at ``step``: ``exact`` (each result's ``task.rewards``,
+    which the loop reports) unless ``task`` is a :class:`ShapedTask`.
+
+    >>> training_rewards(BucketTask(), ["a result"], 0, [[0.5]])   # no shaping: the same list
+    [[0.5]]
+    """
+    if not isinstance(task, ShapedTask):
+        return exact
+    return [task.training_rewards(r, step) for r in results]
 
 
 def vocab_range(token_id: int, parts: int, vocab_size: int) -> int:

@@ -11,7 +11,9 @@ Every task has the interface the RL loop uses (:func:`rollq.rl.run_loop`):
 ``job_specs(tokenizer, rng, count, group_size)``, ``rewards(result)``,
 ``prompt_of(tokenizer, result)`` and ``random_policy_reward``; a multi-turn task has
 ``follow_up`` and ``jobs_per_group`` instead of ``prompt_of``, and its ``rewards`` take an
-:class:`~rollq.rl.episodes.EpisodeGroup`.
+:class:`~rollq.rl.episodes.EpisodeGroup`. A task with ``training_rewards(result, step)``
+(:class:`~rollq.rl.task.ShapedTask`: ``length`` with a :class:`Shaping`) is trained on those
+and reports ``rewards``.
 
 >>> make_task("positional", vocab_size=1024).random_policy_reward
 0.25
@@ -22,11 +24,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..task import BucketTask
-from .length import LengthTask
+from .length import LengthTask, Shaping
 from .positional import PositionalTask
 from .two_turn import TwoTurnTask
 
-__all__ = ["LengthTask", "PositionalTask", "TASKS", "TwoTurnTask", "make_task"]
+__all__ = ["LengthTask", "PositionalTask", "Shaping", "TASKS", "TwoTurnTask", "make_task"]
 
 #: ``rollq demo --task`` names.
 TASKS = {"bucket": BucketTask, "positional": PositionalTask, "length": LengthTask, "two_turn": TwoTurnTask}

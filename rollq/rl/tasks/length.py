@@ -18,6 +18,12 @@ A uniform policy almost never stops (two EOS ids in 1024): its reward is close t
 (1.0, 0.0, 0.6666666666666666)
 >>> task.reward(2, 3, [512, 600, 700, 701])       # no EOS: cut at max_tokens
 0.0
+
+That product is hard to learn from: each half of the skill (the quarter, the stop) earns
+nothing unless the other half is right. :class:`Shaping` trains on a denser reward first
+(:meth:`LengthTask.partial_reward`: half for the in-quarter fraction, half for stopping near
+``L``) and anneals it into the exact one; :meth:`LengthTask.training_rewards` is what the
+loop trains on, :meth:`LengthTask.rewards` (always the exact reward) what it reports.
 """
 
 from __future__ import annotations
@@ -28,7 +34,34 @@ from typing import Any, Sequence
 
 from ..task import vocab_range
 
-__all__ = ["LengthTask"]
+__all__ = ["LengthTask", "Shaping"]
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """A reward-shaping schedule: the weight of the exact reward in the reward trained on,
+    ``0`` for the first ``hold`` steps, then rising linearly to ``1`` over ``anneal`` steps
+    (the partial-credit reward has weight ``1 - weight``).
+
+    >>> sh = Shaping(hold=100, anneal=200)
+    >>> [sh.weight(s) for s in (0, 100, 200, 300, 900)]
+    [0.0, 0.0, 0.5, 1.0, 1.0]
+    """
+
+    #: Steps trained on the partial-credit reward alone.
+    hold: int = 0
+    #: Steps over which the exact reward's weight then rises from 0 to 1 (0: at once).
+    anneal: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hold < 0 or self.anneal < 0:
+            raise ValueError(f"Shaping needs hold >= 0 and anneal >= 0, got {self.hold}, {self.anneal}")
+
+    def weight(self, step: int) -> float:
+        """The exact reward's weight at ``step`` (0-based)."""
+        if step < self.hold:
+            return 0.0
+        return 1.0 if self.anneal == 0 else min(1.0, (step - self.hold) / self.anneal)
 
 
 @dataclass(frozen=True)
@@ -46,6 +79,8 @@ class LengthTask:
     eos_ids: tuple[int, ...] = (3, 0)
     #: Times the quarter and the length are each written in the prompt.
     repeat: int = 4
+    #: Train on a partial-credit reward first (:meth:`training_rewards`); None: on the exact one.
+    shaping: Shaping | None = None
 
     def __post_init__(self) -> None:
         if not 2 <= self.quarters <= 10 or self.vocab_size < self.quarters:
@@ -72,6 +107,42 @@ class LengthTask:
         if body is None or len(body) != length:
             return 0.0
         return sum(self.quarter_of(t) == quarter for t in body) / length
+
+    def partial_reward(self, quarter: int, length: int, token_ids: Sequence[int], finish_reason: str | None = None) -> float:
+        """Partial credit, each half of the skill on its own: half the in-quarter fraction of
+        the content (of every token, for a completion that did not stop) plus half
+        ``1 / (1 + |n - length|)`` for a completion that stopped after ``n`` tokens (0 if it did
+        not stop). 1 exactly where :meth:`reward` is 1.
+
+        >>> task = LengthTask(vocab_size=1024)
+        >>> task.partial_reward(2, 3, [512, 600, 700, 3]), task.partial_reward(2, 3, [512, 600, 3])
+        (1.0, 0.75)
+        >>> task.partial_reward(2, 3, [512, 5, 700, 1000])   # no stop: the fraction's half only
+        0.25
+        """
+        body = self.content(token_ids, finish_reason)
+        tokens = list(token_ids) if body is None else body
+        frac = sum(self.quarter_of(t) == quarter for t in tokens) / len(tokens) if tokens else 0.0
+        stop = 0.0 if body is None else 1.0 / (1 + abs(len(body) - length))
+        return (frac + stop) / 2
+
+    def training_reward(
+        self, quarter: int, length: int, token_ids: Sequence[int], finish_reason: str | None, step: int
+    ) -> float:
+        """The reward trained on at ``step``: :meth:`reward` without :attr:`shaping`, else the
+        schedule's mix of it and :meth:`partial_reward`.
+
+        >>> task = LengthTask(vocab_size=1024, shaping=Shaping(hold=0, anneal=10))
+        >>> [task.training_reward(2, 3, [512, 600, 3], None, s) for s in (0, 5, 10)]
+        [0.75, 0.375, 0.0]
+        """
+        exact = self.reward(quarter, length, token_ids, finish_reason)
+        if self.shaping is None:
+            return exact
+        w = self.shaping.weight(step)
+        if w >= 1.0:
+            return exact
+        return w * exact + (1 - w) * self.partial_reward(quarter, length, token_ids, finish_reason)
 
     @property
     def random_policy_reward(self) -> float:
@@ -115,6 +186,12 @@ class LengthTask:
         return out
 
     def rewards(self, result: Any) -> list[float]:
-        """Rewards of a result's samples (trainer side)."""
+        """The exact rewards of a result's samples: what the loop reports."""
         q, n = int(result.meta["quarter"]), int(result.meta["length"])
         return [self.reward(q, n, s.token_ids, s.finish_reason) for s in result.samples]
+
+    def training_rewards(self, result: Any, step: int) -> list[float]:
+        """The rewards the loop trains on at ``step`` (:meth:`training_reward`; :meth:`rewards`
+        without :attr:`shaping`)."""
+        q, n = int(result.meta["quarter"]), int(result.meta["length"])
+        return [self.training_reward(q, n, s.token_ids, s.finish_reason, step) for s in result.samples]
