@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--token-credit", action="store_true")
     ap.add_argument("--shaping-hold", type=int, default=-1, help="length: train on LengthTask's Shaping (-1: off)")
     ap.add_argument("--shaping-anneal", type=int, default=0)
+    ap.add_argument("--shaping-floor", type=float, default=0.0, help="length: the partial credit's lasting weight")
     ap.add_argument("--lag", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-seconds", type=float, default=1e9)
@@ -90,7 +91,7 @@ def main() -> None:
     torch.manual_seed(a.seed)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.train()
-    shaping = Shaping(a.shaping_hold, a.shaping_anneal) if a.shaping_hold >= 0 else None
+    shaping = Shaping(a.shaping_hold, a.shaping_anneal, a.shaping_floor) if a.shaping_hold >= 0 else None
     task: Any = PositionalTask(vocab_size=len(tok)) if a.task == "positional" else LengthTask(vocab_size=len(tok), shaping=shaping)
     opt = torch.optim.Adam(model.parameters(), lr=a.lr)
     actors = [copy.deepcopy(model).eval()]

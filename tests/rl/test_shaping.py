@@ -56,6 +56,21 @@ def test_shaping_schedule_holds_then_anneals_linearly_to_the_exact_reward():
         Shaping(anneal=-1)
 
 
+def test_shaping_floor_keeps_the_partial_credit_after_the_anneal():
+    sh = Shaping(hold=10, anneal=20, floor=0.25)
+    assert [sh.weight(s) for s in (0, 10, 20, 25, 30, 1000)] == [0.0, 0.0, 0.5, 0.75, 0.75, 0.75]
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="floor"):
+            Shaping(floor=bad)
+    samples = [[512, 600, 700, 3], [512, 600, 3], [512, 3], [512, 600, 700, 701, 702]]
+    task = LengthTask(vocab_size=1024, shaping=sh)
+    r = _result(2, 3, samples)
+    assert task.rewards(r) == [1.0, 0.0, 0.0, 0.0]  # the reported reward stays exact
+    late = task.training_rewards(r, 1000)  # 0.75 * exact + 0.25 * partial, for good
+    assert late == pytest.approx([1.0, 0.25 * 0.75, 0.25 * (1 + 1 / 3) / 2, 0.25 * 0.5])
+    assert late[1] > late[2] > 0.0  # a near miss of the length beats a farther one: a gradient left
+
+
 def _result(quarter, length, samples):
     return Result(id="j", meta={"quarter": quarter, "length": length},
                   samples=[Sample(tokens=pack_i32(s)) for s in samples])

@@ -41,27 +41,36 @@ __all__ = ["LengthTask", "Shaping"]
 class Shaping:
     """A reward-shaping schedule: the weight of the exact reward in the reward trained on,
     ``0`` for the first ``hold`` steps, then rising linearly to ``1`` over ``anneal`` steps
-    (the partial-credit reward has weight ``1 - weight``).
+    (the partial-credit reward has weight ``1 - weight``). With ``floor`` > 0 the partial
+    credit keeps at least that weight for good (the exact weight tops out at ``1 - floor``), so
+    near misses of the length still differ after the anneal.
 
     >>> sh = Shaping(hold=100, anneal=200)
     >>> [sh.weight(s) for s in (0, 100, 200, 300, 900)]
     [0.0, 0.0, 0.5, 1.0, 1.0]
+    >>> [Shaping(hold=100, anneal=200, floor=0.25).weight(s) for s in (0, 200, 300, 900)]
+    [0.0, 0.5, 0.75, 0.75]
     """
 
     #: Steps trained on the partial-credit reward alone.
     hold: int = 0
     #: Steps over which the exact reward's weight then rises from 0 to 1 (0: at once).
     anneal: int = 0
+    #: The partial credit's weight never falls below this (0: the exact reward alone at the end).
+    floor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.hold < 0 or self.anneal < 0:
             raise ValueError(f"Shaping needs hold >= 0 and anneal >= 0, got {self.hold}, {self.anneal}")
+        if not 0.0 <= self.floor < 1.0:
+            raise ValueError(f"Shaping needs 0 <= floor < 1, got {self.floor}")
 
     def weight(self, step: int) -> float:
         """The exact reward's weight at ``step`` (0-based)."""
         if step < self.hold:
             return 0.0
-        return 1.0 if self.anneal == 0 else min(1.0, (step - self.hold) / self.anneal)
+        w = 1.0 if self.anneal == 0 else min(1.0, (step - self.hold) / self.anneal)
+        return min(w, 1.0 - self.floor)
 
 
 @dataclass(frozen=True)
