@@ -148,6 +148,16 @@ class QueueKeys:
         """Per-producer result stream; the producer deletes what it has consumed."""
         return f"{self.tag}:res:{producer}"
 
+    def progress(self, producer: str, job_id: str) -> str:
+        """Progress stream of a streamed job (``Job.stream``): its samples' tokens while they
+        are generated, in the shard of the job's stream; trimmed and expiring (the replica
+        sets both), so nothing is left behind.
+
+        >>> QueueKeys("grpo").progress("p1", "j7")
+        'rollq:{grpo}:pg:p1:j7'
+        """
+        return f"{self.tag}:pg:{producer}:{job_id}"
+
     # -- replicas --------------------------------------------------------------------------
     @cached_property
     def consumers(self) -> str:

@@ -175,6 +175,16 @@ class ConsumerSettings:
     #: Bytes of a dead-lettered entry kept in its dead letter (the rest is cut; a cut entry
     #: cannot be requeued). ``dlq_maxlen`` bounds how many dead letters are kept.
     dlq_payload_bytes: int = 64 << 10
+    #: Streamed jobs (``Job.stream``): their new tokens are written to Redis at most this
+    #: often (seconds; one pipeline per flush for every streamed job)...
+    progress_interval: float = 0.025
+    #: ... to a per-job stream trimmed (approximately) to this many entries ...
+    progress_maxlen: int = 4096
+    #: ... that expires this long after its last write (seconds).
+    progress_ttl: float = 600.0
+    #: Most tokens of progress buffered between flushes (more are dropped: progress is a
+    #: preview; the result is authoritative).
+    progress_buffer_tokens: int = 1 << 20
     #: Extra fields shown in the replica registry.
     labels: dict[str, str] = field(default_factory=dict)
 

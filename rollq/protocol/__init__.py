@@ -14,7 +14,7 @@ as raw little-endian arrays (``int32`` / ``float32``) with their dtype implied b
 
 Modules: :mod:`~rollq.protocol.limits` (schema version, bounds), :mod:`~rollq.protocol.arrays`
 (int32/float32 packing), :mod:`~rollq.protocol.sampling`, :mod:`~rollq.protocol.prompts`,
-:mod:`~rollq.protocol.jobs`, :mod:`~rollq.protocol.results`, :mod:`~rollq.protocol.codec`,
+:mod:`~rollq.protocol.jobs`, :mod:`~rollq.protocol.results`, :mod:`~rollq.protocol.progress`, :mod:`~rollq.protocol.codec`,
 :mod:`~rollq.protocol.control` (the control channel's verbs), :mod:`~rollq.protocol.text`
 (untrusted strings cut short). Import from ``rollq.protocol``.
 """
@@ -43,6 +43,7 @@ from .limits import (
     MAX_TOKENS_LIMIT,
     SCHEMA_VERSION,
 )
+from .progress import MAX_PROGRESS_TEXT, MAX_PROGRESS_TOKENS, ProgressEntry, decode_progress, encode_progress
 from .prompts import SCORE_SETS, Scores, prompt_parts, score_spec, token_list
 from .replica import LATENCY_BUCKETS_MS, FreeSlots, ReplicaInfo, latency_bucket
 from .results import RAW_LOGPROBS, UNKNOWN_START, DeadLetter, ErrorInfo, LogprobSource, Result, Sample
@@ -63,6 +64,8 @@ __all__ = [
     # codec
     "encode", "encode_job", "decode_job", "job_like", "peek_id", "encode_result", "decode_result",
     "encode_dead_letter", "decode_dead_letter",
+    # progress of streamed jobs
+    "ProgressEntry", "encode_progress", "decode_progress", "MAX_PROGRESS_TOKENS", "MAX_PROGRESS_TEXT",
     # raw arrays
     "pack_i32", "unpack_i32", "pack_f32", "unpack_f32", "i32_packer",
     # control channel

@@ -93,3 +93,30 @@ def unpack_f32(data: bytes) -> list[float]:
     if not _LITTLE:
         a.byteswap()
     return a.tolist()
+
+
+class PackedTokens:
+    """Accessors for a struct whose ``tokens`` (int32 bytes) and ``logprobs`` (float32 bytes
+    or None) fields hold one sample's tokens, as :class:`~rollq.protocol.results.Sample` and
+    :class:`~rollq.protocol.progress.ProgressEntry` do.
+
+    >>> import msgspec
+    >>> class S(msgspec.Struct, PackedTokens):
+    ...     tokens: bytes
+    ...     logprobs: bytes | None = None
+    >>> s = S(tokens=pack_i32([4, 2]), logprobs=pack_f32([-0.5, -1.0]))
+    >>> s.token_ids, s.token_logprobs
+    ([4, 2], [-0.5, -1.0])
+    """
+
+    __slots__ = ()
+    tokens: bytes
+    logprobs: bytes | None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return unpack_i32(self.tokens)
+
+    @property
+    def token_logprobs(self) -> list[float] | None:
+        return unpack_f32(self.logprobs) if self.logprobs is not None else None

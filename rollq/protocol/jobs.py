@@ -52,6 +52,9 @@ class Job(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     meta: Any = None
     #: The caller chose the id: it is recorded while queued or running (idempotency).
     tracked: bool = False
+    #: Publish the samples' tokens while they are generated (:mod:`rollq.protocol.progress`;
+    #: ``JobHandle.stream()`` reads them), not only the final result.
+    stream: bool = False
 
     @property
     def prompt_token_ids(self) -> list[int] | None:
@@ -96,6 +99,8 @@ def validate_job(job: Job, *, max_prompt_bytes: int | None = None, sampling: boo
             raise InvalidJob(f"job {job.id!r} targets an impossible replica: {e}") from e
     if job.messages is not None and not job.messages:
         raise InvalidJob("messages is empty")
+    if type(job.stream) is not bool:
+        raise InvalidJob(f"stream must be true or false (got {type(job.stream).__name__})")
     if max_prompt_bytes is not None:
         size = len(job.text.encode()) if job.text is not None else (
             len(job.tokens) if job.tokens is not None else sum(len(m.content.encode()) for m in job.messages or ())
@@ -208,11 +213,13 @@ def make_job(
     meta: Any = None,
     max_prompt_bytes: int | None = None,
     tracked: bool = False,
+    stream: bool = False,
 ) -> Job:
     """Build and validate a :class:`Job` from user-facing arguments."""
     spec = {
         "prompt": prompt, "prompt_token_ids": prompt_token_ids, "messages": messages, "sampling": sampling,
         "replica": replica, "min_version": min_version, "deadline": deadline, "timeout": timeout, "meta": meta,
+        "stream": stream,
     }
     return job_from_spec(spec, id, reply, max_prompt_bytes, tracked)
 
@@ -279,7 +286,8 @@ def token_jobs(specs: Iterator[Any], out: list[Job], reply: str, max_prompt_byte
 def job_from_spec(spec: Mapping[str, Any], id: str, reply: str, max_prompt_bytes: int | None = None, tracked: bool = False) -> Job:
     """:func:`make_job` for fields given as a mapping (the producer's hot path; unknown keys
     are the caller's to refuse). Keys: ``prompt``, ``prompt_token_ids``, ``messages``,
-    ``sampling``, ``replica``, ``min_version``, ``deadline`` or ``timeout``, ``meta``."""
+    ``sampling``, ``replica``, ``min_version``, ``deadline`` or ``timeout``, ``meta``,
+    ``stream`` (publish progress while it runs)."""
     get = spec.get
     tokens = get("prompt_token_ids")
     if type(tokens) is list and tokens:  # perhaps the common shape: token_jobs takes it if it is
@@ -313,6 +321,7 @@ def job_from_spec(spec: Mapping[str, Any], id: str, reply: str, max_prompt_bytes
         submitted=now,
         meta=get("meta"),
         tracked=tracked,
+        stream=get("stream", False),
     )
     validate_job(job, max_prompt_bytes=max_prompt_bytes, sampling=False)
     if job.tokens is not None:

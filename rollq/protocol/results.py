@@ -8,7 +8,7 @@ from typing import Any, Iterator, Literal, Sequence
 import msgspec
 
 from ..errors import job_error
-from .arrays import unpack_f32, unpack_i32
+from .arrays import PackedTokens, unpack_f32, unpack_i32
 from .limits import SCHEMA_VERSION
 from .sampling import SamplingParams
 
@@ -73,7 +73,7 @@ _TRANSFORM_FIELDS = ("temperature", "min_p", "top_k", "top_p", "presence_penalty
                      "repetition_penalty", "min_tokens")
 
 
-class Sample(msgspec.Struct, array_like=True, gc=False):
+class Sample(msgspec.Struct, PackedTokens, array_like=True, gc=False):
     """One of the ``n`` completions of a job.
 
     ``versions`` says which policy version generated which tokens when a weight update
@@ -96,14 +96,6 @@ class Sample(msgspec.Struct, array_like=True, gc=False):
         """What :attr:`token_logprobs` are the logprobs of: :data:`RAW_LOGPROBS` for a sample
         that does not say (results of replicas before this field, engines that do not know)."""
         return self.lp_source or RAW_LOGPROBS
-
-    @property
-    def token_ids(self) -> list[int]:
-        return unpack_i32(self.tokens)
-
-    @property
-    def token_logprobs(self) -> list[float] | None:
-        return unpack_f32(self.logprobs) if self.logprobs is not None else None
 
     def token_versions(self, version_start: int) -> list[int]:
         """The policy version that generated each token (``-1``: not known exactly).
