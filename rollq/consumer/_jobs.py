@@ -8,7 +8,7 @@ A stream entry is admitted (:meth:`Jobs.admit`: decoded and checked), then it is
 - **parked**: aborted for a weight update (the ``abort`` policy), to run again from scratch,
   or, with resume, to continue from the samples it had so far (:mod:`rollq.consumer._resume`:
   one engine request per unfinished sample, under ``<request id>~r<k>``, stitched into one
-  output when all have reported).
+  output when all have reported; their tokens are not streamed, :mod:`rollq.consumer._progress`).
 
 Each is one :class:`~rollq.consumer._in_hand.JobInHand`. A running job ends with the engine's ``done`` callback, a
 cancellation or its deadline; its outcome goes to the :class:`~rollq.consumer._finisher.Finisher`.
@@ -35,6 +35,7 @@ from ..protocol import Job, cut, decode_job, encode_job, peek_id
 from ._context import ReplicaContext
 from .engine import EngineOutput, SwapProgress
 from ._in_hand import Failure, JobInHand
+from ._progress import ProgressWriter
 from . import _resume
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class Jobs:
         self._subs: dict[str, dict[str, int]] = {}
         self._sub_out: dict[str, dict[int, Any]] = {}
         self._sub_main: dict[str, str] = {}
+        #: Streamed jobs' tokens to Redis while they run (:mod:`rollq.consumer._progress`).
+        self.progress = ProgressWriter(ctx)
 
     def free_slots(self) -> int:
         """Jobs the next read may take: the in-flight cap less what runs or is held. Jobs
@@ -149,8 +152,12 @@ class Jobs:
         held.started, held.version_start, held.swaps = time.time(), ctx.version, None
         self.running[rid] = held
         self.by_job[job.id] = rid
+        progress = self.progress.callback(held, k or 0) if job.stream and ctx.engine.streams_progress else None
         try:
-            ctx.engine.submit(rid, job, self._on_done)
+            if progress is None:
+                ctx.engine.submit(rid, job, self._on_done)
+            else:
+                ctx.engine.submit(rid, job, self._on_done, progress)
         except Exception as e:  # an engine must report through done; be safe anyway
             self._on_done(rid, e)
 
@@ -252,10 +259,12 @@ class Jobs:
         (or :meth:`end_swap`, when the swap failed), since the engine may produce tokens on
         the new weights before the swap's caller resumes."""
         self.swap_pending = True
+        self.progress.hold()
 
     def end_swap(self) -> None:
         """Finish the outputs held back since :meth:`begin_swap` (their swap marks are set)."""
         self.swap_pending = False
+        self.progress.release()
         deferred, self.deferred = self.deferred, []
         for _, run, out in deferred:
             self._finisher.complete(run, out)
@@ -294,6 +303,7 @@ class Jobs:
             run = self.running.pop(rid)
             self.by_job.pop(run.job.id, None)
             self._abort(rid)
+            self.progress.drop(run)
             self._restarts[run.job.id] = self._restarts.get(run.job.id, 0) + 1
             self.restarted.append(run)
 

@@ -67,6 +67,14 @@ class EngineStats:
 #: ``done(request_id, output_or_exception)``; called exactly once per submitted request
 #: unless the request was aborted, always on the event loop thread.
 DoneCallback = Callable[[str, "EngineOutput | BaseException"], None]
+#: ``progress(sample, offset, tokens, logprobs, text)``: sample ``sample`` generated
+#: ``tokens`` (int32 bytes) after its first ``offset`` ones, with their ``logprobs`` (float32
+#: bytes; None unless the job asked) and the ``text`` they added (None where the engine does
+#: not detokenize); on the event loop thread, never after ``done`` or :meth:`Engine.abort`.
+ProgressCallback = Callable[[int, int, bytes, "bytes | None", "str | None"], None]
+#: Most progress calls :class:`EchoEngine` makes per sample of a request (it reports its
+#: tokens in at most this many pieces, spread over the request's delay).
+ECHO_PROGRESS_STEPS = 64
 
 
 class Engine(abc.ABC):
@@ -94,6 +102,9 @@ class Engine(abc.ABC):
     #: so far and ``finish_reason="abort"`` (what a resume continues from; engines that do
     #: not are aborted and run again from scratch).
     reports_aborted: bool = False
+    #: :meth:`submit` takes a ``progress`` callback (streamed jobs); engines without it get
+    #: no callback and their streamed jobs publish only their result.
+    streams_progress: bool = False
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Bring the engine up (load the model)."""
@@ -102,8 +113,9 @@ class Engine(abc.ABC):
         """Release the engine's resources."""
 
     @abc.abstractmethod
-    def submit(self, request_id: str, job: Job, done: DoneCallback) -> None:
-        """Start generating ``job``; report through ``done``."""
+    def submit(self, request_id: str, job: Job, done: DoneCallback, progress: ProgressCallback | None = None) -> None:
+        """Start generating ``job``; report through ``done`` (and, where
+        :attr:`streams_progress`, each sample's new tokens through ``progress`` as they come)."""
 
     @abc.abstractmethod
     def abort(self, request_id: str) -> None:
@@ -179,6 +191,7 @@ class EchoEngine(Engine):
     name = "echo"
     model = "echo"
     reports_aborted = True
+    streams_progress = True
 
     def __init__(self, delay_per_token: float = 0.0, vocab_size: int = 32000, max_model_len: int = 1 << 16,
                  abort_at: int | None = None):
@@ -192,7 +205,7 @@ class EchoEngine(Engine):
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._generated = 0
         self._paused = False
-        self._held: list[tuple[str, Job, DoneCallback]] = []
+        self._held: list[tuple[str, Job, DoneCallback, ProgressCallback | None]] = []
         self._lengths: dict[str, dict[int, int]] = {}  # running request -> tokens per sample
         self._finished: dict[str, dict[int, int]] = {}  # the same, of requests that reported lately
 
@@ -227,31 +240,47 @@ class EchoEngine(Engine):
         return EngineOutput(samples=samples, prompt_tokens=n_prompt,
                             prompt_ids=raw if job.tokens is None else None, prompt_logprobs=plp)
 
-    def submit(self, request_id: str, job: Job, done: DoneCallback) -> None:
+    def submit(self, request_id: str, job: Job, done: DoneCallback, progress: ProgressCallback | None = None) -> None:
+        """With ``progress``, each sample's tokens are reported in pieces as their time comes
+        (at most :data:`ECHO_PROGRESS_STEPS`; all at once without a delay), then ``done``."""
         if self._paused:
-            self._held.append((request_id, job, done))
+            self._held.append((request_id, job, done, progress))
             return
         try:
             out: EngineOutput | BaseException = self.generate_now(job)
         except InvalidJob as e:
             out = e
-        if self.delay_per_token <= 0 or isinstance(out, BaseException):
+        if isinstance(out, BaseException):
+            done(request_id, out)
+            return
+        if self.delay_per_token <= 0:
+            if progress is not None:
+                _report(out, 0, job.sampling.max_tokens, progress)
             done(request_id, out)
             return
         loop = asyncio.get_running_loop()
-        delay = self.delay_per_token * job.sampling.max_tokens
+        k = job.sampling.max_tokens
+        step = k if progress is None else max(1, -(-k // ECHO_PROGRESS_STEPS))
+        t0 = loop.time()
+        final = out
 
-        def fire() -> None:
+        def tick(at: int) -> None:
+            end = min(k, at + step)
+            if progress is not None:
+                _report(final, at, end, progress)
+            if end < k:  # the next piece, at the time its last token is due
+                self._timers[request_id] = loop.call_at(t0 + self.delay_per_token * min(k, end + step), tick, end)
+                return
             self._timers.pop(request_id, None)
             self._running.pop(request_id, None)
             # Kept a while: a swap's report may still be asked about a request that reported.
             self._finished[request_id] = self._lengths.pop(request_id, {})
             if len(self._finished) > 4096:
                 self._finished.pop(next(iter(self._finished)))
-            done(request_id, out)
+            done(request_id, final)
 
-        self._timers[request_id] = loop.call_later(delay, fire)
-        self._running[request_id] = (out, done, loop.time())
+        self._timers[request_id] = loop.call_at(t0 + self.delay_per_token * min(k, step), tick, 0)
+        self._running[request_id] = (out, done, t0)
         self._lengths[request_id] = {j: len(s.tokens) // 4 for j, s in enumerate(out.samples)}
 
     def abort(self, request_id: str) -> None:
@@ -287,6 +316,14 @@ class EchoEngine(Engine):
     async def resume(self) -> None:
         self._paused = False
         held, self._held = self._held, []
-        for rid, job, done in held:
-            self.submit(rid, job, done)
+        for rid, job, done, progress in held:
+            self.submit(rid, job, done, progress)
 
+
+
+def _report(out: EngineOutput, start: int, end: int, progress: ProgressCallback) -> None:
+    """Report tokens ``start .. end`` of each sample of ``out`` through ``progress``."""
+    for j, s in enumerate(out.samples):
+        toks = s.tokens[4 * start: 4 * end]
+        if toks:
+            progress(j, start, toks, s.logprobs[4 * start: 4 * end] if s.logprobs is not None else None, None)

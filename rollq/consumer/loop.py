@@ -259,6 +259,7 @@ class Consumer:
         if unfinished:  # jobs waiting for a version are not waited for
             log.warning("consumer %s handing back %d unfinished jobs", self.id, unfinished)
         jobs.hand_back()
+        await jobs.progress.close()
         await self.finisher.drain(max(5.0, self.settings.drain_timeout / 5))  # bounded even if Redis is down
         ctx.closed = True  # every background loop ends at its next turn, even if a cancel is lost
         for t in self._tasks:

@@ -1,7 +1,8 @@
 """The :class:`~rollq.consumer.engine.Engine` adapter for vLLM's v1 ``AsyncLLM``.
 
 One asyncio task per request iterates ``AsyncLLM.generate`` with
-``RequestOutputKind.FINAL_ONLY`` (vLLM sends one output per request, not one per token) and
+``RequestOutputKind.FINAL_ONLY`` (vLLM sends one output per request, not one per token; a
+streamed job's is ``DELTA``: :mod:`~rollq.consumer._vllm_stream`) and
 reports through ``done`` exactly once, unless the request was aborted. Prompts are tokenized
 here, so the context-length check happens before vLLM sees the request:
 
@@ -27,12 +28,10 @@ one in :mod:`rollq.consumer._vllm_api`.
 >>> async def main():  # doctest: +SKIP
 ...     engine = VllmEngine(VllmEngineConfig(model="/path/to/model", max_model_len=2048))
 ...     await engine.start()
-...     loop = asyncio.get_running_loop()
-...     fut = loop.create_future()
+...     fut = asyncio.get_running_loop().create_future()
 ...     job = Job(id="j1", reply="p1", text="hello", sampling=SamplingParams(max_tokens=8))
 ...     engine.submit("j1", job, lambda rid, out: fut.set_result(out))
-...     out = await fut
-...     print(out.samples[0].token_ids)
+...     print((await fut).samples[0].token_ids)
 ...     await engine.stop()
 >>> if __name__ == "__main__":  # AsyncLLM starts processes: scripts need this guard
 ...     asyncio.run(main())  # doctest: +SKIP
@@ -52,7 +51,8 @@ from ..errors import EngineDead, EngineFailed, InvalidJob, PromptTooLong, RollqE
 from ..protocol import Job, SamplingParams
 from ..weightsync.replica.worker_calls import WorkerCalls
 from . import _vllm_api, _vllm_children, _vllm_liveness
-from .engine import DoneCallback, Engine, EngineOutput, EngineStats, SwapProgress
+from .engine import DoneCallback, Engine, EngineOutput, EngineStats, ProgressCallback, SwapProgress
+from ._vllm_stream import DeltaFold
 from ._vllm_api import DEFAULT_CPU_KV_CACHE_BYTES, _Api, _vllm
 from .vllm_config import VllmEngineConfig
 from ._vllm_stats import StatsSink, stat_logger_factory
@@ -85,6 +85,7 @@ class VllmEngine(Engine):
     #: vLLM's ``pause_generation(mode="abort")`` ends each request with its tokens and
     #: logprobs so far (``finish_reason="abort"``), which ``done`` gets.
     reports_aborted = True
+    streams_progress = True
 
     def __init__(self, config: VllmEngineConfig | str) -> None:
         if not isinstance(config, VllmEngineConfig):
@@ -214,8 +215,9 @@ class VllmEngine(Engine):
         )
 
     # -- requests ----------------------------------------------------------------------
-    def submit(self, request_id: str, job: Job, done: DoneCallback) -> None:
-        """Start ``job``; ``done(request_id, EngineOutput | exception)`` follows once.
+    def submit(self, request_id: str, job: Job, done: DoneCallback, progress: ProgressCallback | None = None) -> None:
+        """Start ``job``; ``done(request_id, EngineOutput | exception)`` follows once (and with
+        ``progress``, each step's new tokens: :mod:`~rollq.consumer._vllm_stream`).
 
         Raises ``RuntimeError`` before :meth:`start` and ``ValueError`` for a request id that
         is already running (both are caller bugs, not job errors).
@@ -224,27 +226,25 @@ class VllmEngine(Engine):
             raise RuntimeError("VllmEngine.submit() called before start()")
         if request_id in self._tasks:
             raise ValueError(f"request id {request_id!r} is already running")
-        self._tasks[request_id] = asyncio.create_task(self._run(request_id, job, done))
+        self._tasks[request_id] = asyncio.create_task(self._run(request_id, job, done, progress))
 
     def abort(self, request_id: str) -> None:
         """Cancel the request's task and free it in vLLM; ``done`` is not called for it.
 
         vLLM's ``generate`` aborts on cancellation too, but not when the cancellation lands
         while the request is being added; the explicit ``AsyncLLM.abort`` after the task has
-        unwound covers that window.
-        """
+        unwound covers that window."""
         task = self._tasks.pop(request_id, None)
         if task is None:
             return
         task.cancel()
-        llm = self._llm
-        if llm is not None:
-            self._spawn(_abort_after(llm, task, request_id))
+        if self._llm is not None:
+            self._spawn(_abort_after(self._llm, task, request_id))
 
-    async def _run(self, rid: str, job: Job, done: DoneCallback) -> None:
+    async def _run(self, rid: str, job: Job, done: DoneCallback, progress: ProgressCallback | None = None) -> None:
         me = asyncio.current_task()
         try:
-            outcome: EngineOutput | BaseException = await self._generate(rid, job)
+            outcome: EngineOutput | BaseException = await self._generate(rid, job, progress)
         except asyncio.CancelledError:
             if not (self._stopping and self._tasks.get(rid) is me):
                 raise  # aborted: the caller no longer wants an answer
@@ -263,7 +263,7 @@ class VllmEngine(Engine):
         except Exception:
             logger.exception("done callback failed for request %s", rid)
 
-    async def _generate(self, rid: str, job: Job) -> EngineOutput:
+    async def _generate(self, rid: str, job: Job, progress: ProgressCallback | None = None) -> EngineOutput:
         if self._dead is not None:
             raise EngineDead(f"vLLM engine is not serving: {self._dead}")
         llm, api = self._llm, self._api
@@ -275,15 +275,16 @@ class VllmEngine(Engine):
             raise InvalidJob("this replica cannot run seeded jobs: vLLM's CPU backend with chunked prefill on kills its "
                              "engine on them (send the job without a seed, or start the replica with max_model_len set)")
         prompt_ids = self._prompt_ids(job)
-        max_tokens = self._check_length(len(prompt_ids), sp)
-        params = api.sampling_params(sp, max_tokens)
+        params = api.sampling_params(sp, self._check_length(len(prompt_ids), sp), stream=progress is not None)
         if sp.prompt_logprobs is not None and len(prompt_ids) < 2:
             raise InvalidJob("prompt_logprobs needs a prompt of at least 2 tokens (the first has no logprob)")
-        final = None
-        # FINAL_ONLY: vLLM yields once, when every one of the n samples has finished.
+        final, fold = None, DeltaFold(progress, sp.logprobs is not None, sp.detokenize) if progress else None
+        # FINAL_ONLY: vLLM yields once, when all n samples finished; DELTA (streamed): once a step.
         async for out in llm.generate(api.prompt(prompt_ids, self.cache_salt), params, rid):
             final = out
-        if final is None:
+            if fold is not None:
+                fold.add(out)
+        if (final := fold.final() if fold is not None else final) is None:
             raise EngineFailed(f"vLLM returned no output for job {job.id}", job_id=job.id)
         return _vllm_api.to_output(final, sp, prompt_ids, job.tokens is None, self.config.logprobs_mode)
 
@@ -335,8 +336,7 @@ class VllmEngine(Engine):
         return EngineFailed(f"vLLM failed on job {job.id}: {type(cause).__name__}: {cause}", job_id=job.id)
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
+        self._background.add(task := asyncio.get_running_loop().create_task(coro))
         task.add_done_callback(self._background.discard)
 
     # -- load signals ------------------------------------------------------------------
