@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, OrderedDict
-from typing import Any
+from typing import Any, AsyncIterator
 
 import msgspec
 
 from ..errors import JobCancelled, JobRejected, QueueFull, job_error
-from ..protocol import ErrorInfo, Job, Result, short
+from ..protocol import ErrorInfo, Job, ProgressEntry, Result, short
+from ._progress import read_progress
 from ..settings import ProducerSettings
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,43 @@ class JobHandle(msgspec.Struct, gc=False, eq=False):
 
     def __await__(self):
         return self.result().__await__()
+
+    async def stream(self) -> AsyncIterator[ProgressEntry]:
+        """The job's tokens while it runs (it was submitted with ``stream=True``): one
+        :class:`~rollq.protocol.ProgressEntry` per piece (a sample's tokens after ``offset``),
+        until its result is in; then ``await handle.result()`` (the record: it may hold more
+        tokens than the pieces). Only the newest delivery's pieces are yielded: a job run
+        again after its replica died starts over at offset 0 with a new ``attempt``
+        (:mod:`rollq.producer._progress`). Ends at once when the result is in already.
+
+        >>> async for piece in handle.stream():   # doctest: +SKIP
+        ...     print(piece.sample, piece.offset, piece.token_ids)
+        """
+        target = self._twin or self
+        producer = self._producer()
+        if producer is None:
+            raise RuntimeError(f"cannot stream job {self.id!r}: its producer is gone")
+        entry = target._entry
+        if target._result is not None or entry is None or producer._client is None:
+            return
+        try:
+            key = producer._map.of_key(entry[0]).progress(producer.id, self.id)
+        except KeyError:
+            return
+        result = asyncio.get_running_loop().create_future()  # resolved by _set, as a waiter
+        if target._waiters is None:
+            target._waiters = []
+        target._waiters.append(result)
+        try:
+            async for piece in read_progress(producer._progress, key, result):
+                yield piece
+        finally:
+            if not result.done():
+                result.cancel()
+                try:
+                    target._waiters.remove(result)  # type: ignore[union-attr]
+                except (AttributeError, ValueError):
+                    pass
 
     async def cancel(self) -> bool:
         """Cancel the job (queued: it never runs; running: its engine request is aborted)."""

@@ -40,6 +40,7 @@ from ..settings import DEFAULT_QUEUE, ProducerSettings, RedisSettings
 from ..shards import ShardMap, check_shards, declare_shards, grew
 from ._calls import CALL_RECORD_TTL_MS, RESEND_BACKOFF
 from ._handles import DELIVERED_MEMORY, JobHandle, Ledger
+from ._progress import ProgressReader
 from ._results import ResultReader
 from ._submission import JobSpec, Submission
 
@@ -52,7 +53,8 @@ __all__ = ["Producer", "JobHandle", "JobSpec", "CANCEL_MARK_TTL", "CALL_RECORD_T
 CANCEL_MARK_TTL = 24 * 3600
 #: The fields a job spec may have.
 SPEC_FIELDS = frozenset(
-    {"prompt", "prompt_token_ids", "messages", "sampling", "id", "replica", "min_version", "deadline", "timeout", "meta"}
+    {"prompt", "prompt_token_ids", "messages", "sampling", "id", "replica", "min_version", "deadline", "timeout", "meta",
+     "stream"}
 )
 
 
@@ -93,6 +95,7 @@ class Producer:
         #: Cumulative counters (submitted, duplicates, results, second results dropped, resends).
         self.counters = {"submitted": 0, "duplicates": 0, "results": 0, "duplicate_results": 0, "resends": 0}
         self._ledger = Ledger(self.settings, self.counters, self._ref)
+        self._progress = ProgressReader(self._ref)  # what JobHandle.stream() reads
         #: SUBMIT calls, their numbers and their routing over the shards.
         self._submission = Submission(self._ref, self.id, self.keys, self.settings, self.redis_settings,
                                       self.counters, self._ledger)
@@ -207,6 +210,7 @@ class Producer:
                         await self._client.delete(*self._calls_keys)
             except RETRYABLE:
                 pass
+        await self._progress.close()
         if self._reader is not None:
             self._reader.cancel()
             try:

@@ -14,7 +14,7 @@ import asyncio
 import threading
 from typing import Any, Iterable, Iterator
 
-from ..protocol import Job, Result
+from ..protocol import Job, ProgressEntry, Result
 from .client import JobHandle, JobSpec, Producer
 
 
@@ -26,6 +26,17 @@ class _LoopThread:
 
     def run(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def iterate(self, agen: Any) -> Iterator[Any]:
+        """The items of the async generator ``agen`` (run on this loop), one call each."""
+        try:
+            while True:
+                try:
+                    yield self.run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self.run(agen.aclose())
 
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -49,6 +60,17 @@ class SyncJobHandle:
 
     def cancel(self) -> bool:
         return self._lt.run(self._h.cancel())
+
+    def stream(self) -> Iterator[ProgressEntry]:
+        """The job's tokens while it runs (submitted with ``stream=True``), as
+        :meth:`JobHandle.stream <rollq.producer.client.JobHandle.stream>` yields them; then
+        :meth:`result`.
+
+        >>> h = p.submit("Once upon a time", sampling={"max_tokens": 64}, stream=True)  # doctest: +SKIP
+        >>> for piece in h.stream():                                                   # doctest: +SKIP
+        ...     print(piece.sample, piece.offset, piece.text)
+        """
+        return self._lt.iterate(self._h.stream())
 
 
 class SyncProducer:
@@ -92,15 +114,7 @@ class SyncProducer:
 
     def results(self, timeout: float | None = None) -> Iterator[Result]:
         """Results as they complete; stops after ``timeout`` s without one."""
-        agen = self._p.results(timeout=timeout)
-        try:
-            while True:
-                try:
-                    yield self._lt.run(agen.__anext__())
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._lt.run(agen.aclose())
+        return self._lt.iterate(self._p.results(timeout=timeout))
 
     def gather(self, handles: list[SyncJobHandle], timeout: float | None = None) -> list[Result]:
         return self._lt.run(self._p.gather([h._h for h in handles], timeout))
