@@ -2,7 +2,8 @@
 
 ``create_app(producer, model_name=...)`` serves ``GET /health``, ``GET /v1/models``,
 ``POST /v1/completions``, ``POST /v1/chat/completions`` and vLLM's token-in/token-out
-``POST /inference/v1/generate`` (``stream: true``: server-sent events). With ``tokenizer`` the chat template is applied here, once, and the job carries the
+``POST /inference/v1/generate`` (``stream: true``: server-sent events of the tokens as the
+replica generates them, :mod:`rollq.serve.streaming`). With ``tokenizer`` the chat template is applied here, once, and the job carries the
 token ids; without it the job carries the messages and the replica applies the template.
 A client that goes away before its result cancels the job (and its vLLM request).
 
@@ -29,6 +30,7 @@ from ..connection import connect
 from ..errors import InvalidJob
 from ..protocol import Result
 from . import generate as gen
+from . import streaming
 from .dev_routes import DevRoutes
 from .errors import VALIDATION_ERROR, error_response, unauthorized
 from .pause import Gate
@@ -47,6 +49,12 @@ _DISCONNECT_POLL = 0.2
 
 class _BodyTooLarge(Exception):
     pass
+
+
+def _stream_field(req: Any) -> dict[str, Any]:
+    """The job spec's ``stream`` field for a request: its replica publishes its tokens while
+    they are generated when the request streams (:mod:`rollq.serve.streaming`)."""
+    return {"stream": True} if req.stream else {}
 
 
 class _Server:
@@ -224,13 +232,13 @@ class _Server:
             sampling = sampling_of(req, req.max_tokens, req.logprobs is not None)
             session = self._session(request, req)
             # one job per prompt of a batch, sent in one round
-            handles = await self._submit_all([{**prompt, "sampling": sampling} for prompt in prompts], session)
+            handles = await self._submit_all([{**prompt, "sampling": sampling, **_stream_field(req)} for prompt in prompts], session)
         except InvalidJob as e:
             await cancel_all(handles)
             return error_response(str(e), 400)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return sse(self._completion_stream(req, handles, rid, prompts, session), handles)
+            return sse(streaming.completion_stream(self, req, handles, rid, prompts, session), handles)
         results: list[Result] = []
         for handle in handles:
             res = await self._outcome(request, handle, session)
@@ -269,25 +277,6 @@ class _Server:
                 "token_ids": s.token_ids if req.return_token_ids else None,
                 "rollq": self._ext(res, s)}
 
-    async def _completion_stream(self, req: CompletionRequest, handles: list[Any], rid: str,
-                                 prompts: list[dict[str, Any]], session: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        created, index, usages = int(time.time()), 0, []
-        for handle, prompt in zip(handles, prompts):
-            res = await self._streamed(handle, session)
-            if res.error is not None:
-                await cancel_all(handles)  # the rest of the batch
-                yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
-                return
-            prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
-            for s in res.samples:
-                choice = self._completion_choice(req, res, index, s, prompt_ids)
-                index += 1
-                yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [choice], "usage": None}
-            usages.append(self._usage(res, len(prompt_ids) or res.prompt_tokens))
-        yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name, "choices": [],
-               "usage": summed(usages)}
-
     def _chat_prompt(self, req: ChatRequest) -> dict[str, Any]:
         messages = chat_messages(req)
         exact = exact_turns(req)
@@ -311,12 +300,13 @@ class _Server:
             prompt = self._chat_prompt(req)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             session = self._session(request, req)
-            handle = await self._submit({**prompt, "sampling": sampling_of(req, max_tokens, req.logprobs)}, session)
+            handle = await self._submit({**prompt, "sampling": sampling_of(req, max_tokens, req.logprobs), **_stream_field(req)},
+                                        session)
         except InvalidJob as e:
             return error_response(str(e), 400)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return sse(self._chat_stream(req, handle, rid, prompt, session), handle)
+            return sse(streaming.chat_stream(self, req, handle, rid, prompt, session), handle)
         res = await self._outcome(request, handle, session)
         if isinstance(res, Response):
             return res
@@ -340,28 +330,6 @@ class _Server:
             content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []})
         return {"content": content}
 
-    async def _chat_stream(self, req: ChatRequest, handle: Any, rid: str, prompt: dict[str, Any],
-                           session: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        created = int(time.time())
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        n = req.n
-        for i in range(n):
-            yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None}]}
-        res = await self._streamed(handle, session)
-        if res.error is not None:
-            yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
-            return
-        prompt_ids = prompt.get("prompt_token_ids") or res.prompt_token_ids or []
-        for i, s in enumerate(res.samples):
-            choice = {"index": i, "delta": {"content": self._text(s)},
-                      "logprobs": self._chat_logprobs(s, req.return_tokens_as_token_ids) if req.logprobs else None, "finish_reason": s.finish_reason,
-                      "stop_reason": None, "token_ids": s.token_ids if req.return_token_ids else None,
-                      "rollq": self._ext(res, s)}
-            yield {**head, "choices": [choice],
-                   "prompt_token_ids": prompt_ids if req.return_token_ids and i == 0 else None}
-        yield {**head, "choices": [], "usage": self._usage(res, len(prompt_ids) or res.prompt_tokens)}
-
     # -- token in, token out -------------------------------------------------------------
     async def generate(self, request: Request) -> Response:
         """``POST /inference/v1/generate`` (see :mod:`rollq.serve.generate`)."""
@@ -370,12 +338,13 @@ class _Server:
             return req
         try:
             session = self._session(request, req)
-            handle = await self._submit({"prompt_token_ids": req.token_ids, "sampling": gen.generate_sampling(req)}, session)
+            handle = await self._submit({"prompt_token_ids": req.token_ids, "sampling": gen.generate_sampling(req),
+                                         **_stream_field(req)}, session)
         except InvalidJob as e:
             return error_response(str(e), 400)
         rid = f"generate-tokens-{request.headers.get('x-request-id') or req.request_id or uuid.uuid4().hex}"
         if req.stream:
-            return sse(self._generate_stream(req, handle, rid, session), handle)
+            return sse(streaming.generate_stream(self, req, handle, rid, session), handle)
         res = await self._outcome(request, handle, session)
         if isinstance(res, Response):
             return res
@@ -402,28 +371,6 @@ class _Server:
             choice["text"] = self._text(s)
         choice["rollq"] = self._ext(res, s)
         return choice
-
-    async def _generate_stream(self, req: gen.GenerateRequest, handle: Any, rid: str,
-                               session: str | None = None) -> AsyncIterator[dict[str, Any]]:
-        """One chunk per choice (the whole choice: rollq returns a job's result at once), then
-        the usage chunk when ``stream_options.include_usage``, as vLLM's stream ends."""
-        res = await self._streamed(handle, session)
-        if res.error is not None:
-            yield {"error": {"message": res.error.message, "type": res.error.type, "param": None, "code": 500}}
-            return
-        opts = req.stream_options or gen.StreamOptions()
-        n_prompt = len(req.token_ids)
-        for i, s in enumerate(res.samples):
-            chunk: dict[str, Any] = {"request_id": rid, "usage": None}
-            if req.return_token_ids and i == 0:
-                chunk["prompt_token_ids"] = req.token_ids
-            if opts.continuous_usage_stats:
-                chunk["usage"] = gen.usage(n_prompt, len(s.token_ids))
-            yield {**chunk, "output_mode": req.output_mode, "choices": [self._generate_choice(req, res, i, s)]}
-        if opts.include_usage:
-            total = gen.usage(n_prompt, sum(len(s.token_ids) for s in res.samples))
-            yield {"request_id": rid, "usage": {k: v for k, v in total.items() if v is not None},
-                   "output_mode": req.output_mode, "choices": []}
 
 
 def create_app(producer: Any, *, model_name: str, tokenizer: Any = None, api_key: str | None = None,

@@ -53,10 +53,12 @@ async def test_a_batch_of_prompts_is_one_job_each_and_its_choices_come_prompt_ma
         r = await client.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         choices, usage = r.json()["choices"], r.json()["usage"]
-    got = {c["index"]: (c["prompt_token_ids"], c["token_ids"]) for c in choices}
+    got = {c["index"]: (c["prompt_token_ids"], joined(choices, c["index"], "token_ids")) for c in choices}
     assert got == {0: ([5, 6], [5, 6]), 1: ([5, 6], [6, 7]), 2: ([7, 8, 9], [7, 8]), 3: ([7, 8, 9], [8, 9])}
-    assert {c["rollq"]["job_id"] for c in choices[:2]} != {c["rollq"]["job_id"] for c in choices[2:]}
-    assert choices[2]["logprobs"]["tokens"] == ["token_id:7", "token_id:8"]
+    last = [c for c in choices if c["finish_reason"] is not None]  # the last chunk of each choice (all of it unstreamed)
+    assert [c["index"] for c in last] == [0, 1, 2, 3]
+    assert {c["rollq"]["job_id"] for c in last[:2]} != {c["rollq"]["job_id"] for c in last[2:]}
+    assert sum((c["logprobs"]["tokens"] for c in choices if c["index"] == 2), []) == ["token_id:7", "token_id:8"]
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (5, 8)
 
 
@@ -148,6 +150,11 @@ async def test_api_key(client, headers):
     assert (await client.get("/health", headers=headers)).status_code == 200
 
 
+def joined(choices: list[dict], index: int, field: str) -> list:
+    """A streamed choice's ``field`` over its chunks (each chunk holds what is new)."""
+    return sum((c[field] for c in choices if c["index"] == index), [])
+
+
 async def test_streamed_completion(client):
     async with client.stream("POST", "/v1/completions", json={"prompt": [3, 4], "max_tokens": 2, "n": 2, "stream": True,
                                                               "return_token_ids": True}) as r:
@@ -156,7 +163,7 @@ async def test_streamed_completion(client):
     assert lines[-1] == "data: [DONE]"
     events = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
     choices = [c for e in events for c in e["choices"]]
-    assert {c["index"]: c["token_ids"] for c in choices} == {0: [3, 4], 1: [4, 5]}
+    assert {c["index"]: joined(choices, c["index"], "token_ids") for c in choices} == {0: [3, 4], 1: [4, 5]}
     assert events[-1]["usage"]["completion_tokens"] == 4
 
 

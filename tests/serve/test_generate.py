@@ -84,8 +84,11 @@ async def test_generate_stream(client):
     for e in events:
         proto.GenerateTokensStreamResponse.model_validate(e)
     assert events[0]["prompt_token_ids"] == [3, 4] and "prompt_token_ids" not in events[1]
-    assert {c["index"]: c["token_ids"] for e in events for c in e["choices"]} == {0: [3, 4], 1: [4, 5]}
-    assert all(c["weight_versions"] == [{"version": "0", "start": 0, "end": 2}] for e in events for c in e["choices"])
+    choices = [c for e in events for c in e["choices"]]
+    assert {i: sum((c["token_ids"] for c in choices if c["index"] == i), []) for i in (0, 1)} == {0: [3, 4], 1: [4, 5]}
+    last = [c for c in choices if c["finish_reason"] is not None]  # each choice's last chunk covers the whole output
+    assert [c["index"] for c in last] == [0, 1]
+    assert all(c["weight_versions"] == [{"version": "0", "start": 0, "end": 2}] for c in last)
     assert events[-1]["choices"] == [] and events[-1]["usage"] == {"prompt_tokens": 2, "total_tokens": 6,
                                                                    "completion_tokens": 4}
 
@@ -94,8 +97,9 @@ async def test_generate_stream_without_usage_ends_with_the_choices(client):
     async with client.stream("POST", ROUTE, json={"token_ids": [3], "stream": True,
                                                   "sampling_params": {"max_tokens": 1}}) as r:
         lines = [ln async for ln in r.aiter_lines() if ln]
-    assert lines[-1] == "data: [DONE]" and len(lines) == 2
-    assert json.loads(lines[0][len("data: "):])["choices"][0]["token_ids"] == [3]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):])["choices"][0] for ln in lines[:-1]]
+    assert chunks[-1]["finish_reason"] == "length" and sum((c["token_ids"] for c in chunks), []) == [3]
 
 
 _INVALID, _BAD = "Bad Request", "BadRequestError"

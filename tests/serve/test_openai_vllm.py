@@ -129,6 +129,43 @@ async def test_streaming_completion_and_chat(served):
     assert roles == ["assistant"] and content == whole_chat.choices[0].message.content
 
 
+async def test_tokens_stream_while_vllm_generates(served):
+    """As vLLM's own server, rollq serve streams tokens while the replica generates them
+    (vLLM's DELTA outputs, published as the job's progress): several chunks with text come
+    while the job still runs on the replica, and the chunks add up to the non-streamed
+    answer of the same seeded request (text, token ids, logprobs)."""
+    client, _, _, consumer = served
+    kw = dict(model=MODEL, prompt="one two three", max_tokens=96, seed=11, n=2, logprobs=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = await client.completions.create(**kw)
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    lps: dict[int, list[float]] = {}
+    live = 0
+    async for chunk in await client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            ids[c.index] = ids.get(c.index, []) + (c.token_ids or [])
+            lps[c.index] = lps.get(c.index, []) + (c.logprobs.token_logprobs if c.logprobs else [])
+            live += bool(c.token_ids) and c.finish_reason is None and consumer.running_count() == 1
+    assert live >= 3, f"only {live} chunks with tokens came while the job ran on the replica"
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert ids == {c.index: c.token_ids for c in whole.choices}
+    for c in whole.choices:
+        assert lps[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-4)
+
+    whole_chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0,
+                                                      extra_body={"ignore_eos": True})
+    content, live = "", 0
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            live += bool(c.delta.content) and c.finish_reason is None and consumer.running_count() == 1
+    assert live >= 2 and content == whole_chat.choices[0].message.content
+
+
 async def test_disconnect_mid_stream_aborts_the_vllm_request(served):
     client, producer, _, consumer = served
     before = consumer.engine.stats().generated_tokens
@@ -173,7 +210,10 @@ async def test_generate_route_token_in_token_out(served):
                                                                                                  "n": 2}})
     job = await direct(producer, prompt_token_ids=ids, sampling=sp)
     assert body["prompt_token_ids"] == ids and body["usage"]["prompt_tokens"] == len(ids)
-    streamed = {c["index"]: c["token_ids"] for ln in lines for c in json.loads(ln[6:])["choices"]}
+    streamed: dict[int, list[int]] = {}  # each chunk holds the tokens a choice added since the last
+    for ln in lines:
+        for c in json.loads(ln[6:])["choices"]:
+            streamed.setdefault(c["index"], []).extend(c["token_ids"] or [])
     for choice, tchoice, sample in zip(body["choices"], text["choices"], job.samples):
         assert choice["token_ids"] == sample.token_ids == tchoice["token_ids"] == streamed[choice["index"]]
         assert [e["logprob"] for e in choice["logprobs"]["content"]] == pytest.approx(sample.token_logprobs, abs=1e-4)
