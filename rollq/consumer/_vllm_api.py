@@ -75,6 +75,7 @@ def _vllm() -> Any:
         AsyncEngineArgs=AsyncEngineArgs,
         SamplingParams=VSamplingParams,
         FINAL_ONLY=RequestOutputKind.FINAL_ONLY,
+        DELTA=RequestOutputKind.DELTA,
         EngineDeadError=EngineDeadError,
         client_errors=client_errors,
         # top_k "disabled" is 0 in recent vLLM and was -1 before; ask the installed default.
@@ -92,6 +93,7 @@ class _Api:
     AsyncEngineArgs: Any
     SamplingParams: Any
     FINAL_ONLY: Any
+    DELTA: Any
     EngineDeadError: type[BaseException]
     client_errors: tuple[type[BaseException], ...]
     top_k_off: int
@@ -109,8 +111,9 @@ class _Api:
             p["cache_salt"] = cache_salt
         return p
 
-    def sampling_params(self, sp: SamplingParams, max_tokens: int) -> Any:
-        """vLLM's ``SamplingParams`` for a job's, asking for ``max_tokens`` and one final output."""
+    def sampling_params(self, sp: SamplingParams, max_tokens: int, stream: bool = False) -> Any:
+        """vLLM's ``SamplingParams`` for a job's, asking for ``max_tokens`` and one final
+        output (``stream``: an output per step with only what is new, ``DELTA``)."""
         kw: dict[str, Any] = dict(
             n=sp.n,
             max_tokens=max_tokens,
@@ -131,7 +134,7 @@ class _Api:
             skip_special_tokens=sp.skip_special_tokens,
             detokenize=sp.detokenize,
             include_stop_str_in_output=sp.include_stop_str_in_output,
-            output_kind=self.FINAL_ONLY,
+            output_kind=self.DELTA if stream else self.FINAL_ONLY,
         )
         if (sp.logprobs is not None or sp.prompt_logprobs is not None) and self.has_flat_logprobs:
             kw["flat_logprobs"] = True  # a few flat lists instead of a dict per token

@@ -454,3 +454,29 @@ async def test_logprobs_mode_rollq_cannot_label_is_refused(config, says):
         engine_args(_vllm(), VllmEngineConfig(model="fake", **config))
     args = engine_args(_vllm(), VllmEngineConfig(model="fake", logprobs_mode="processed_logprobs"))
     assert args.logprobs_mode == "processed_logprobs"
+
+
+async def test_streamed_job_reports_each_step_and_ends_as_unstreamed(vllm_engine):
+    """A streamed job (a progress callback: vLLM's DELTA outputs) reports each step's new
+    tokens of each sample, never after ``done``, and its output is the one the same seeded
+    job gives without streaming (FINAL_ONLY): tokens, text, logprobs, prompt logprobs."""
+    spec = dict(text="count with me", max_tokens=40, seed=5, n=2, logprobs=0, prompt_logprobs=0, ignore_eos=True)
+    plain = await ok(vllm_engine, job(**spec))
+    j = job(**spec)
+    fut = asyncio.get_running_loop().create_future()
+    pieces: list[tuple[tuple, bool]] = []
+    vllm_engine.submit(j.id, j, lambda rid, out: fut.set_result(out), lambda *a: pieces.append((a, fut.done())))
+    out = await asyncio.wait_for(fut, 120)
+    assert isinstance(out, EngineOutput) and not any(late for _, late in pieces)
+    assert len(pieces) >= 20, "a report per step, not one at the end"
+    for k, (s, p) in enumerate(zip(out.samples, plain.samples)):
+        assert (s.token_ids, s.text, s.finish_reason) == (p.token_ids, p.text, p.finish_reason)
+        assert s.token_logprobs == pytest.approx(p.token_logprobs, abs=1e-5)
+        mine = [a for a, _ in pieces if a[0] == k]
+        assert [a[1] for a in mine] == [sum(len(b[2]) // 4 for b in mine[:i]) for i in range(len(mine))]  # offsets
+        assert b"".join(a[2] for a in mine) == s.tokens and b"".join(a[3] for a in mine) == s.logprobs
+        assert "".join(a[4] for a in mine) == s.text
+    assert out.prompt_ids == plain.prompt_ids and out.prompt_tokens == plain.prompt_tokens
+    assert out.prompt_logprobs is not None
+    assert list(memoryview(out.prompt_logprobs).cast("f")) == pytest.approx(
+        list(memoryview(plain.prompt_logprobs).cast("f")), abs=1e-5, nan_ok=True)
