@@ -70,7 +70,8 @@ def register(sub: Any) -> None:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--enforce-eager", action="store_true", default=None,
                    help="vllm: no torch.compile or CUDA graphs (starts faster, decodes slower; the default on CPU)")
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of GPU memory for vLLM (default 0.9; 0.1, a start check only, with --kv-cache-memory-bytes)")
     s.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="vllm: KV cache size in bytes (instead of a share of device memory)")
     s.add_argument("--worker-extension", default=None, help="vllm worker_extension_cls (weight sync)")

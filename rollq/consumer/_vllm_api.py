@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 from .._torch_extras import hide_broken_torch_extras
 from ..protocol import LogprobSource, Sample, SamplingParams, pack_f32, pack_i32
 from .engine import EngineOutput
+from .vllm_config import memory_utilization
 
 if TYPE_CHECKING:
     from .vllm_config import VllmEngineConfig
@@ -180,7 +181,7 @@ def engine_args(api: _Api, cfg: VllmEngineConfig) -> Any:
         dtype=dtype,
         seed=cfg.seed,
         enforce_eager=cpu if cfg.enforce_eager is None else cfg.enforce_eager,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        gpu_memory_utilization=memory_utilization(cfg),
         disable_log_stats=cfg.disable_log_stats,
     )
     if cfg.max_model_len is not None:

@@ -33,9 +33,13 @@ class VllmEngineConfig:
     dtype: str = "auto"
     #: Context window; None takes the model's.
     max_model_len: int | None = None
-    #: GPU: fraction of device memory vLLM may use. CPU: fraction of RAM, only when no KV size
+    #: GPU: fraction of device memory vLLM may use; with :attr:`kv_cache_memory_bytes` set,
+    #: vLLM sizes nothing by it and only checks at start that this fraction of the device is
+    #: free. None: 0.9, or :data:`KV_SIZED_START_CHECK` (0.1) when
+    #: ``kv_cache_memory_bytes`` is set, so that a replica with a fixed KV size starts beside a
+    #: trainer or another replica on the same GPU. CPU: fraction of RAM, only when no KV size
     #: is set (this adapter sets one on CPU).
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
     #: KV-cache size in bytes. None: vLLM's choice on GPU, :data:`~rollq.consumer._vllm_api.DEFAULT_CPU_KV_CACHE_BYTES`
     #: on CPU. vLLM versions without ``kv_cache_memory_bytes`` get ``VLLM_CPU_KVCACHE_SPACE``
     #: (GiB, rounded up) instead, unless that variable is already set; where it is set, vLLM
@@ -66,3 +70,25 @@ class VllmEngineConfig:
     #: Any other ``AsyncEngineArgs`` field, passed as is (and checked against the installed
     #: vLLM's fields).
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+#: ``gpu_memory_utilization`` passed when the user sets ``kv_cache_memory_bytes`` and no
+#: utilization: vLLM then uses it only for its start check (free memory >= this fraction of
+#: the device), so it asks for a tenth rather than vLLM's 0.9, which would refuse to start
+#: beside a trainer or another replica holding more than a tenth of the GPU.
+KV_SIZED_START_CHECK = 0.1
+
+
+def memory_utilization(cfg: VllmEngineConfig) -> float:
+    """The ``gpu_memory_utilization`` vLLM gets for ``cfg``.
+
+    >>> memory_utilization(VllmEngineConfig(model="m"))
+    0.9
+    >>> memory_utilization(VllmEngineConfig(model="m", kv_cache_memory_bytes=1 << 26))
+    0.1
+    >>> memory_utilization(VllmEngineConfig(model="m", kv_cache_memory_bytes=1 << 26, gpu_memory_utilization=0.5))
+    0.5
+    """
+    if cfg.gpu_memory_utilization is not None:
+        return cfg.gpu_memory_utilization
+    return KV_SIZED_START_CHECK if cfg.kv_cache_memory_bytes is not None else 0.9

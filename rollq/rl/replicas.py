@@ -53,7 +53,7 @@ class Replicas:
         broadcast: bool = False,
         cpu_binds: Sequence[str | None] | None = None,
         reconcile_interval: float = 1.0,
-        gpu_memory_utilization: float = 0.3,
+        gpu_memory_utilization: float | None = None,
         dtype: str = "auto",
     ):
         if engine not in ("vllm", "echo"):
@@ -66,7 +66,8 @@ class Replicas:
         self.broadcast = broadcast
         self.cpu_binds = list(cpu_binds) if cpu_binds else []
         self.reconcile_interval = reconcile_interval
-        #: GPU: each replica's share of device memory (the trainer and the other replicas share it).
+        #: GPU: each replica's share of device memory (the trainer and the other replicas share
+        #: it); None: vLLM's start check only (:attr:`~rollq.consumer.vllm_config.VllmEngineConfig.gpu_memory_utilization`).
         self.gpu_memory_utilization = gpu_memory_utilization
         #: ``VllmEngineConfig.dtype`` of every replica ("auto": the checkpoint's own on GPU).
         self.dtype = dtype

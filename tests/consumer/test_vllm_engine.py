@@ -456,6 +456,21 @@ async def test_logprobs_mode_rollq_cannot_label_is_refused(config, says):
     assert args.logprobs_mode == "processed_logprobs"
 
 
+async def test_a_fixed_kv_size_asks_vllm_only_for_a_tenth_of_the_gpu_at_start():
+    """With ``kv_cache_memory_bytes`` and no utilization, vLLM's start check asks a tenth of
+    the device free (not 0.9, which refuses to start beside a trainer on the same GPU); an
+    explicit utilization is passed as given."""
+    pytest.importorskip("vllm")
+    from rollq.consumer._vllm_api import engine_args
+    from rollq.consumer.vllm_config import VllmEngineConfig
+    from rollq.consumer.vllm_engine import _vllm
+
+    assert engine_args(_vllm(), VllmEngineConfig(model="fake", kv_cache_memory_bytes=1 << 26)).gpu_memory_utilization == 0.1
+    assert engine_args(_vllm(), VllmEngineConfig(model="fake")).gpu_memory_utilization == 0.9
+    explicit = VllmEngineConfig(model="fake", kv_cache_memory_bytes=1 << 26, gpu_memory_utilization=0.4)
+    assert engine_args(_vllm(), explicit).gpu_memory_utilization == 0.4
+
+
 async def test_streamed_job_reports_each_step_and_ends_as_unstreamed(vllm_engine):
     """A streamed job (a progress callback: vLLM's DELTA outputs) reports each step's new
     tokens of each sample, never after ``done``, and its output is the one the same seeded
