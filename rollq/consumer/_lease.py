@@ -175,6 +175,8 @@ class Lease:
             failed=ctx.counters.failed, started_at=ctx.started_at, heartbeat_at=time.time(),
             state=ctx.state, labels=dict(ctx.settings.labels), paused_s_total=round(ctx.paused_s_total, 4),
             tp_size=engine.tp_size, served_dtype=getattr(engine, "dtype", "") or "", converted_from=list(ctx.converted_from),
+            progress_sent=self._jobs.progress.sent, progress_dropped=self._jobs.progress.dropped,
+            progress_failed=self._jobs.progress.failed,
             **ctx.update_info,
         )
 

@@ -160,6 +160,8 @@ def queue_document(st: QueueStatus, p: Point, points: Sequence[Point], versions:
             "completed": i.get("completed"), "failed": i.get("failed"),
             "last_update_s": i.get("last_update_s"), "last_pause_s": i.get("last_pause_s"),
             "paused_s_total": i.get("paused_s_total"), "updates": i.get("updates", 0),
+            "progress_sent": i.get("progress_sent", 0), "progress_dropped": i.get("progress_dropped", 0),
+            "progress_failed": i.get("progress_failed", 0),
             "engine": i.get("engine"), "model": i.get("model"), "device": i.get("device"),
             "host": i.get("host"), "pid": i.get("pid"), "started_at": i.get("started_at"),
             "labels": i.get("labels") or {},

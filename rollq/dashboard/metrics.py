@@ -28,6 +28,12 @@ from .sampler import Sampler
 #: (metric names are plain ASCII, so nothing needs the 1.0.0 format's escaping).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+_PROGRESS_COUNTERS = (
+    # (registry field, help): streamed jobs' progress (rollq/consumer/_progress.py)
+    ("progress_sent", "Progress entries of streamed jobs the replica wrote to Redis."),
+    ("progress_dropped", "Tokens of streamed jobs' progress the replica dropped (the results hold them)."),
+    ("progress_failed", "Progress flushes of the replica that Redis refused."),
+)
 _REPLICA_GAUGES = (
     # (metric, registry field, help)
     ("rollq_replica_inflight", "inflight", "Jobs the replica is running."),
@@ -71,6 +77,7 @@ class SamplerCollector(Collector):
         state = gauge("rollq_replica_state", "1 for the replica's current state.", labels=["queue", "replica", "state"])
         paused = counter("rollq_replica_paused_seconds", "Time the replica was paused for weight updates.", labels=R)
         done = counter("rollq_replica_jobs_completed", "Jobs the replica completed since it started.", labels=R)
+        progress = {key: counter(f"rollq_replica_{key}", doc, labels=R) for key, doc in _PROGRESS_COUNTERS}
         per_replica = {name: gauge(name, doc, labels=R) for name, _, doc in _REPLICA_GAUGES}
         age = gauge("rollq_dashboard_sample_age_seconds", "Seconds since the dashboard's last good sample.", labels=Q)
         errors = counter("rollq_dashboard_sample_errors", "Samples of the queue that failed.", labels=Q)
@@ -112,12 +119,15 @@ class SamplerCollector(Collector):
                 state.add_metric([*lab, r["state"]], 1.0)
                 paused.add_metric(lab, r["paused_s_total"] or 0.0)
                 done.add_metric(lab, r["completed"] or 0)
+                for key, _ in _PROGRESS_COUNTERS:
+                    progress[key].add_metric(lab, r.get(key) or 0)
                 for name, key, _ in _REPLICA_GAUGES:
                     if r.get(key) is not None:
                         per_replica[name].add_metric(lab, r[key])
         yield from jobs.values()
         yield from (waiting, in_flight, oldest, dlq, shards, shard_waiting, shard_in_flight, latency, quantile, version, lag, replicas, up, state, paused, done)
         yield from per_replica.values()
+        yield from progress.values()
         yield from (age, errors)
 
 

@@ -97,3 +97,8 @@ class ReplicaInfo(msgspec.Struct, kw_only=True):
     served_dtype: str = ""
     #: dtypes of the served policy version that the engine converts to ``served_dtype``.
     converted_from: list[str] = []
+    #: Streamed jobs' progress (:mod:`rollq.consumer._progress`): entries written to Redis,
+    #: tokens dropped (buffer full, a swap's thrown-away run, a failed flush), flushes failed.
+    progress_sent: int = 0
+    progress_dropped: int = 0
+    progress_failed: int = 0

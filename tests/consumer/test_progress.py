@@ -18,6 +18,7 @@ from rollq.consumer import _progress
 from rollq.consumer.engine import SwapProgress
 from rollq.errors import InvalidJob
 from rollq.keys import FIELD, QueueKeys
+from rollq.status import queue_status
 from rollq.protocol import Job, ProgressEntry, SamplingParams, encode_progress, make_job, pack_i32
 from rollq.producer._progress import ProgressReader, read_progress
 from tests.helpers import bounded, until
@@ -59,6 +60,9 @@ async def test_pieces_arrive_before_the_result_and_add_up_to_it(queue, make_prod
     key = QueueKeys(queue).progress(p.id, h.id)
     ttl = await redis_client.pttl(key)
     assert 0 < ttl <= c.settings.progress_ttl * 1000, "the progress stream expires"
+    await c.announce()  # the registry entry (rollq status, the dashboard) counts the entries
+    (view,) = (await queue_status(redis_client, QueueKeys(queue))).replicas
+    assert view.info["progress_sent"] >= early and view.info["progress_dropped"] == view.info["progress_failed"] == 0
     await make_consumer.stop(c)
 
 

@@ -323,6 +323,8 @@ async def test_metrics_parse_and_carry_the_queue_figures(queue, rig):
     assert get("rollq_replica_policy_version", replica="rep-m") == 0
     assert get("rollq_replica_up", replica="rep-m") == 1
     assert get("rollq_replica_state", replica="rep-m", state="serving") == 1
+    assert get("rollq_replica_progress_sent_total", replica="rep-m") == 0  # no job was streamed
+    assert types["rollq_replica_progress_dropped"] == "counter"
     assert get("rollq_replicas", state="serving") == 1 and get("rollq_replicas", state="dead") == 0
     assert get("rollq_dashboard_sample_errors_total") == 0
 
