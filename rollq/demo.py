@@ -32,7 +32,8 @@ QUEUE = "demo"
 #: Per task: the tiny model's shape (:func:`~rollq.testing.tiny_model.build_tiny_model`
 #: arguments; {} is the default model) and the run's defaults where the command line leaves
 #: them out. Why each recipe is what it is: benchmarks/README.md, "Harder tasks".
-#: ``decay_after``: the learning rate is ``lr * min(1, decay_after / step)`` (None: constant).
+#: ``decay_after``: the learning rate is ``lr * min(1, decay_after / step)`` (None: constant),
+#: never below ``lr_min`` (absent: 0, no floor).
 #: ``entropy_coef``: :attr:`~rollq.rl.grpo.GrpoConfig.entropy_coef` (0: no entropy bonus).
 #: ``shaping``: the task's reward-shaping schedule (:class:`~rollq.rl.tasks.Shaping` arguments;
 #: absent: the task trains on its exact reward). ``agree_every``:
@@ -49,13 +50,14 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
-def lr_at(lr: float, decay_after: int | None, step: int) -> float:
-    """The learning rate of ``step``: constant, or ``lr * decay_after / step`` past ``decay_after``.
+def lr_at(lr: float, decay_after: int | None, step: int, lr_min: float = 0.0) -> float:
+    """The learning rate of ``step``: constant, or ``lr * decay_after / step`` past ``decay_after``
+    but never below ``lr_min``.
 
-    >>> lr_at(2e-3, 100, 50), lr_at(2e-3, 100, 400), lr_at(2e-3, None, 400)
-    (0.002, 0.0005, 0.002)
+    >>> lr_at(2e-3, 100, 50), lr_at(2e-3, 100, 400), lr_at(2e-3, None, 400), lr_at(5e-3, 100, 1000, 1e-3)
+    (0.002, 0.0005, 0.002, 0.001)
     """
-    return lr if decay_after is None or step <= decay_after else lr * decay_after / step
+    return lr if decay_after is None or step <= decay_after else max(lr * decay_after / step, lr_min)
 
 
 def resolve(a: argparse.Namespace) -> argparse.Namespace:
@@ -64,6 +66,8 @@ def resolve(a: argparse.Namespace) -> argparse.Namespace:
     for key in ("steps", "groups", "group_size", "lr", "entropy_coef"):
         if getattr(a, key, None) is None:
             setattr(a, key, recipe[key])
+    if getattr(a, "lr_min", None) is None:
+        a.lr_min = recipe.get("lr_min", 0.0)
     return a
 
 
@@ -136,13 +140,13 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                 ) as prog:
                     bar = prog.add_task("", total=a.steps)
 
-                    decay_after = RECIPES[a.task]["decay_after"]
+                    decay_after = recipe["decay_after"]
 
                     def on_step(rec: Any) -> None:
                         prog.update(bar, advance=1, description=f"reward {rec.reward:.3f}  v{rec.version}")
                         if trainer is not None:  # the next step's rate (the loop calls this between steps)
                             for g in trainer.optimizer.param_groups:
-                                g["lr"] = lr_at(a.lr, decay_after, rec.step + 1)
+                                g["lr"] = lr_at(a.lr, decay_after, rec.step + 1, a.lr_min)
 
                     report = await run_loop(srv.url, QUEUE, trainer, task, tokenizer, publisher, cfg, on_step=on_step)
                 if trainer is not None and hasattr(task, "heldout_specs"):
@@ -161,7 +165,8 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
         summary["reward_heldout"] = round(heldout, 4)
     summary.update(task=a.task, model=RECIPES[a.task]["model"] or "default", jobs=a.steps * a.groups, engine=a.engine,
                    replicas=a.replicas, transport=a.transport if learn else "none",
-                   seed=a.seed, lr=a.lr if learn else None, lr_decay_after=RECIPES[a.task]["decay_after"] if learn else None,
+                   seed=a.seed, lr=a.lr if learn else None, lr_decay_after=recipe["decay_after"] if learn else None,
+                   lr_min=a.lr_min if learn else None,
                    entropy_coef=a.entropy_coef if learn else None, shaping=shaping if learn else None, engine_start_s=round(replicas.start_s, 1),
                    served_dtype=served, trainer_dtype=trainer.dtype if trainer is not None else None,
                    converted_from=converted)

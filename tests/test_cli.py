@@ -116,3 +116,19 @@ def test_demo_recipe_fills_the_entropy_bonus_unless_the_command_line_sets_it():
     assert a.entropy_coef == RECIPES["positional"]["entropy_coef"] == 0.0
     a = resolve(p.parse_args(["demo", "--task", "positional", "--entropy-coef", "0.003"]))
     assert a.entropy_coef == 0.003 and a.lr == RECIPES["positional"]["lr"] and a.steps == RECIPES["positional"]["steps"]
+
+
+def test_demo_lr_schedule_decays_to_its_floor_and_the_command_line_sets_it():
+    from rollq.cli.main import build_parser
+    from rollq.demo import RECIPES, lr_at, resolve
+
+    rates = [lr_at(5e-3, 100, s, 1e-3) for s in range(1301)]
+    assert rates[0] == rates[100] == 5e-3 and rates[400] == 1.25e-3
+    assert all(a >= b for a, b in zip(rates, rates[1:]))  # never rises
+    assert min(rates) == rates[500] == rates[-1] == 1e-3
+    assert lr_at(2e-3, 100, 400) == lr_at(2e-3, 100, 400, 0.0) == 5e-4  # no floor: the plain decay
+    p = build_parser()
+    a = resolve(p.parse_args(["demo", "--task", "length"]))
+    assert a.lr_min == RECIPES["length"].get("lr_min", 0.0)
+    a = resolve(p.parse_args(["demo", "--task", "length", "--lr-min", "1e-3", "--steps", "1300"]))
+    assert a.lr_min == 1e-3 and a.steps == 1300 and a.lr == RECIPES["length"]["lr"]

@@ -3,7 +3,7 @@
 The tiny model (``build_tiny_model``) samples its own groups with transformers, one step behind
 the trainer (``--lag 1``, as the async loop at max lag 1), and trains with
 :func:`rollq.rl.grpo_loss` / :func:`rollq.rl.group_advantages` / :func:`rollq.rl.token_logprobs`,
-Adam, grad-norm clip 1.0, the demo's ``lr * decay_after / step`` decay. One thread (as the
+Adam, grad-norm clip 1.0, the demo's ``lr * decay_after / step`` decay (``--lr-min``: its floor). One thread (as the
 demo's trainer). It iterates on a recipe in minutes; a recipe is confirmed through the real
 loop (``rollq demo --task ...``), which is what benchmarks/README.md reports.
 
@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--decay-after", type=int, default=100, help="0: constant lr")
+    ap.add_argument("--lr-min", type=float, default=0.0, help="the decay never goes below this (0: no floor)")
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=600)
@@ -98,7 +99,7 @@ def main() -> None:
     rng, gen = random.Random(a.seed), torch.Generator().manual_seed(a.seed + 1)
     n, hist, diag, t0 = a.group_size, [], [], time.time()
     for step in range(a.steps):
-        lr = a.lr * a.decay_after / step if a.decay_after and step > a.decay_after else a.lr
+        lr = max(a.lr * a.decay_after / step, a.lr_min) if a.decay_after and step > a.decay_after else a.lr
         for g in opt.param_groups:
             g["lr"] = lr
         if a.task == "positional":

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight sync: memmap files, a gloo (CPU) / NCCL (GPU) broadcast, or ipc (the trainer's "
                         "tensors shared with the replicas on its host: CUDA IPC or CPU shared memory)")
     s.add_argument("--lr", type=float, help="Adam learning rate (default: the task's, 5e-3 for bucket)")
+    s.add_argument("--lr-min", type=float,
+                   help="floor of the lr decay (default: the task's, 0 for every task: the plain decay)")
     s.add_argument("--entropy-coef", type=float,
                    help="entropy bonus, GrpoConfig.entropy_coef (default: the task's, 0 for every task)")
     s.add_argument("--seed", type=int, default=0)
