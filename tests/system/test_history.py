@@ -150,9 +150,11 @@ async def test_history_through_shard_growth_resubmitted_ids_and_a_publisher_dyin
             await proxy.stop()
         record = await read_version(r, keys)
         assert record is not None and record.version == 2 and record.trainer == "publisher_proc", record
-        # Committed, not mirrored, unless a healer (the reclaimer) already ran
+        # Committed, not mirrored, unless a healer (the reclaimer) already ran: a heal is a
+        # pipeline of one call per shard, so a read may fall between its calls and see some
+        # mirrors at 2 and the others still at 1.
         mirrors = [await r.hget(s.version, "v") for s in keys.shards(k)][1:]
-        assert mirrors in ([b"1", b"1"], [b"2", b"2"]), mirrors
+        assert set(mirrors) <= {b"1", b"2"}, mirrors
         c_ids = [i for s in (1, 2) for i in [f"c{s}-{j}" for j in range(2000) if shard_of_id(f"c{s}-{j}", k) == s][:150]]
         c_specs = [{"id": i, "prompt_token_ids": [6], "sampling": {"max_tokens": 2}} for i in c_ids]
         submitted("new", await bounded(new.submit_many(c_specs), 30, "round C at version 2 (mirrors at 1)"))
