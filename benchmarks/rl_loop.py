@@ -3,6 +3,7 @@
     python benchmarks/rl_loop.py [--steps 40] [--lags 1 2] [--replicas 1] [--seed 0 | --seeds 0 1 2]
                                  [--model-size tiny|small|medium] [--out benchmarks/results/rl_loop]
     python benchmarks/rl_loop.py --stress [--tis-cap 2] [--out benchmarks/results/rl_loop_stress]
+    python benchmarks/rl_loop.py --task positional --seeds 0 1 2 --shuffle [--steps 400]
 
 One process, one embedded Redis, the same replicas for every run (each run gets a fresh
 queue; the replicas are reset to the initial weights by publishing them as the run's first
@@ -53,6 +54,11 @@ trainer's time with the diagnostic agreement forwards at older versions shown ap
 (``step_agree_s``, part of ``step_train_s``), and the waste: tokens the engines generated per
 token the trainer got (1.0: nothing thrown away; the ``abort`` policy reruns what it aborted).
 
+Tasks (``--task``): ``bucket`` (the default; ``rollq demo``'s task) or ``positional`` (``rollq
+demo --task positional``: its recipe's 4-layer tiny model, and its steps, groups, group size,
+learning rate and decay unless given; every run then also reports ``reward_heldout``, the mean
+reward of 8 samples of each held-out digit string at the run's final version, as the demo does).
+
 Cores: on vLLM's CPU backend the trainer and the replicas compete for cores. By default each
 replica ``i`` gets ``VLLM_CPU_OMP_THREADS_BIND=<i + 1>`` (its own core) and, once the engines
 are up, this process (trainer, event loop, vLLM's front end) is pinned to core 0 with one
@@ -78,7 +84,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rollq.demo import RECIPES, heldout_reward, lr_at  # noqa: E402  (after the path insert)
+
 log = logging.getLogger("rl_loop")
+
+#: --task: the tasks this benchmark runs (their recipes: rollq.demo.RECIPES).
+TASKS = ("bucket", "positional")
 
 #: --model-size -> build_tiny_model arguments (None: the cached tiny model).
 SIZES = {
@@ -88,9 +99,12 @@ SIZES = {
 }
 
 
-def model_dir(size: str) -> str:
+def model_dir(size: str, task: str = "bucket") -> str:
+    from rollq.demo import model_for
     from rollq.testing.tiny_model import build_tiny_model, default_model_dir, ensure_tiny_model
 
+    if task != "bucket":
+        return model_for(task)  # the task's recipe decides the model
     if SIZES[size] is None:
         return str(ensure_tiny_model())
     return str(build_tiny_model(default_model_dir().parent / f"random-qwen2-{size}", **SIZES[size]))
@@ -125,11 +139,15 @@ def grpo_config(arm: str, a: argparse.Namespace):
     return GrpoConfig(lr=a.lr)
 
 
-def make_task(vocab_size: int, min_tokens: int, max_tokens: int):
+def make_task(vocab_size: int, min_tokens: int, max_tokens: int, name: str = "bucket"):
     """The bucket task with completions of ``min_tokens..max_tokens`` tokens (a length drawn per
-    job; the reward, the in-bucket fraction, does not depend on it)."""
+    job; the reward, the in-bucket fraction, does not depend on it); ``positional``: that task
+    (its completions are always 4 tokens)."""
     from rollq.rl import BucketTask
+    from rollq.rl.tasks import make_task as task_named
 
+    if name != "bucket":
+        return task_named(name, vocab_size)
     if min_tokens == max_tokens:
         return BucketTask(vocab_size=vocab_size, length=max_tokens)
 
@@ -180,11 +198,13 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     rec = await pub.publish_weights(trainer.state_dict(), transport=a.transport)
     trainer.rebase(rec.version)
     await replicas.wait_version(rec.version)
-    task = make_task(len(tokenizer), a.min_tokens, a.max_tokens)
+    task = make_task(len(tokenizer), a.min_tokens, a.max_tokens, a.task)
     cfg = LoopConfig(steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode=mode, max_lag=max_lag, seed=seed,
                      transport=a.transport, update_policy="keep" if policy == "keep" else "abort")
 
     def on_step(r) -> None:
+        for g in trainer.optimizer.param_groups:  # the next step's rate (the task's schedule)
+            g["lr"] = lr_at(a.lr, a.decay_after, r.step + 1)
         if r.step % 10 == 0 or r.step == a.steps - 1:
             log.info("%s step %d reward %.3f wait %.3fs train %.3fs publish %.3fs", name, r.step, r.reward, r.wait_s, r.train_s, r.publish_s)
 
@@ -193,12 +213,17 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
         report = await run_loop(srv_url, queue, trainer, task, tokenizer, pub, cfg, on_step=on_step, producer_id=f"trainer-{name}")
         made = generated_tokens(replicas) - made0
         report.updates = [u for u in replicas.update_history() if u.version > rec.version]  # not the reset
+        heldout = (await heldout_reward(srv_url, queue, task, tokenizer, 8, trainer.version)
+                   if hasattr(task, "heldout_specs") else None)
     finally:
         await pub.close()
         ROOTS.append(root)  # removed once the replicas stopped (they may still read its slots)
     s = report.summary()
     s["name"] = name
     s["arm"] = arm
+    s["task"] = a.task
+    if heldout is not None:
+        s["reward_heldout"] = round(heldout, 4)
     # Tokens the engines generated per token the trainer got (1.0: nothing thrown away; the
     # abort policy reruns what it aborted; the last step's jobs still running are counted too).
     s["generated_tokens"] = made
@@ -254,7 +279,7 @@ def by_arm(runs: list[dict]) -> list[dict]:
     out = []
     for name, rs in groups.items():
         row: dict = {"run": name, "seeds": [r.get("seed") for r in rs]}
-        for key in ("reward_last", "wall_s", "time_to_reward_0.8_s", "steps_to_reward_0.8", "seconds_per_step",
+        for key in ("reward_last", "reward_heldout", "wall_s", "time_to_reward_0.8_s", "steps_to_reward_0.8", "seconds_per_step",
                     "logprob_abs_diff_mean", "rollout_tokens_per_s", "waste"):
             xs = [r[key] for r in rs if r.get(key) is not None]
             row[key] = {"mean": _rounded(sum(xs) / len(xs)), "min": _rounded(min(xs)), "max": _rounded(max(xs)),
@@ -281,8 +306,8 @@ def markdown(res: dict) -> str:
         "",
         f"`{res['command']}` on {res['machine']}; cores: {res['cores']}.",
         "",
-        "| run | time to reward 0.8 | steps to 0.8 | s per step | rollout tokens/s | replica idle | final reward | wall | lag histogram | generate wait / train (of it agreement) / publish (s, all steps) | trainer / served dtype | logprob \\|diff\\| mean / max |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | time to reward 0.8 | steps to 0.8 | s per step | rollout tokens/s | replica idle | final reward | held-out reward | wall | lag histogram | generate wait / train (of it agreement) / publish (s, all steps) | trainer / served dtype | logprob \\|diff\\| mean / max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["runs"]:
         t = r["time_to_reward_0.8_s"]
@@ -290,7 +315,7 @@ def markdown(res: dict) -> str:
         lines.append(
             f"| {r['name']} | {'not reached' if t is None else f'{t:.1f} s'} | {r.get('steps_to_reward_0.8') or '-'} | "
             f"{_g(r.get('seconds_per_step'))} | {r['rollout_tokens_per_s']:.0f} | "
-            f"{r['replica_idle_fraction']:.2f} | {r['reward_last']:.3f} | {r['wall_s']:.1f} s | {r['lag_histogram']} | "
+            f"{r['replica_idle_fraction']:.2f} | {r['reward_last']:.3f} | {_g(r.get('reward_heldout'))} | {r['wall_s']:.1f} s | {r['lag_histogram']} | "
             f"{r['step_wait_s']:.1f} / {r['step_train_s']:.1f} ({r.get('step_agree_s', 0.0):.1f}) / {r['step_publish_s']:.1f} | "
             f"{r.get('trainer_dtype')} / {r.get('served_dtype')}{conv} | "
             f"{_g(r.get('logprob_abs_diff_mean'))} / {_g(r.get('logprob_abs_diff_max'))} |"
@@ -328,14 +353,14 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['name']} | {' | '.join(cells)} |")
     if len(res.get("seeds", [])) > 1:
         lines += ["", f"Over seeds {res['seeds']} (mean [min, max]):", "",
-                  "| run | final reward | time to 0.8 (s) | time to 0.8 / same seed's sync | steps to 0.8 | s per step | wall (s) | logprob \\|diff\\| mean |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| run | final reward | held-out reward | time to 0.8 (s) | time to 0.8 / same seed's sync | steps to 0.8 | s per step | wall (s) | logprob \\|diff\\| mean |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
 
         def agg(x) -> str:
             return "-" if x is None else f"{_g(x['mean'])} [{_g(x['min'])}, {_g(x['max'])}]" + (f" ({x['n']} runs)" if x["n"] < len(res["seeds"]) else "")
 
         for row in res["by_arm"]:
-            lines.append(f"| {row['run']} | {agg(row['reward_last'])} | {agg(row['time_to_reward_0.8_s'])} | "
+            lines.append(f"| {row['run']} | {agg(row['reward_last'])} | {agg(row['reward_heldout'])} | {agg(row['time_to_reward_0.8_s'])} | "
                          f"{row['time_to_0.8_vs_sync'] or '-'} | {agg(row['steps_to_reward_0.8'])} | {agg(row['seconds_per_step'])} | "
                          f"{agg(row['wall_s'])} | {agg(row['logprob_abs_diff_mean'])} |")
     return "\n".join(lines) + "\n"
@@ -355,7 +380,7 @@ async def main_async(a: argparse.Namespace) -> dict:
     from rollq.rl import Replicas
     from rollq.server import RedisServer
 
-    model = model_dir(a.model_size)
+    model = model_dir(a.model_size, a.task)
     tokenizer = AutoTokenizer.from_pretrained(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -401,7 +426,9 @@ async def main_async(a: argparse.Namespace) -> dict:
                 "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
                 "machine": f"{platform.machine()}, {ncpu} cores, {device}",
                 "cores": cores,
+                "task": a.task,
                 "model_size": a.model_size,
+                "lr_decay_after": a.decay_after,
                 "replicas": a.replicas,
                 "steps": a.steps,
                 "groups_per_step": a.groups,
@@ -432,9 +459,11 @@ async def main_async(a: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--groups", type=int, default=16)
-    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--task", choices=TASKS, default="bucket",
+                    help="bucket (rollq demo's task) or positional (its recipe's model, schedule and held-out reward)")
+    ap.add_argument("--steps", type=int, help="steps per run (default: the task's recipe: 40 for bucket)")
+    ap.add_argument("--groups", type=int, help="groups per step (default: the task's recipe: 16)")
+    ap.add_argument("--group-size", type=int, help="samples per group (default: the task's recipe: 8)")
     ap.add_argument("--lags", type=int, nargs="+", help="async runs' max lag (default 1 2; --stress: 4 8)")
     ap.add_argument("--stress", action="store_true",
                     help="off-policy under stress: the defaults become --lags 4 8 --min-tokens 32 --max-tokens 64 "
@@ -453,7 +482,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--transport", choices=["memmap", "ipc"], default="memmap",
                     help="weight sync: memmap files in /dev/shm, or ipc (the trainer's tensors shared with the replicas)")
-    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--lr", type=float, help="Adam's learning rate (default: the task's recipe: 5e-3 for bucket)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", type=int, nargs="+",
                     help="run every arm once per seed, with the same replicas (ratios per seed, and each arm's "
@@ -474,6 +503,13 @@ def main() -> None:
                                 ("arms", ["ratio"], list(ARMS))):
         if getattr(a, key) is None:
             setattr(a, key, stress if a.stress else normal)
+    recipe = RECIPES[a.task]
+    for key in ("steps", "groups", "group_size", "lr"):
+        if getattr(a, key) is None:
+            setattr(a, key, recipe[key])
+    a.decay_after = recipe["decay_after"]
+    if a.task != "bucket" and (a.model_size != "tiny" or a.stress):
+        ap.error(f"--task {a.task} runs its recipe's model, without --stress")
     if not 1 <= a.min_tokens <= a.max_tokens:
         ap.error(f"--min-tokens {a.min_tokens} / --max-tokens {a.max_tokens}: need 1 <= min <= max")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
