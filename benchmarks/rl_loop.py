@@ -4,6 +4,7 @@
                                  [--model-size tiny|small|medium] [--out benchmarks/results/rl_loop]
     python benchmarks/rl_loop.py --stress [--tis-cap 2] [--out benchmarks/results/rl_loop_stress]
     python benchmarks/rl_loop.py --task positional --seeds 0 1 2 --shuffle [--steps 400]
+    python benchmarks/rl_loop.py --task positional --sync-only --lr 1e-3   # the sync arm alone
 
 One process, one embedded Redis, the same replicas for every run (each run gets a fresh
 queue; the replicas are reset to the initial weights by publishing them as the run's first
@@ -409,7 +410,7 @@ async def main_async(a: argparse.Namespace) -> dict:
                 a.seed = seed
                 tag = f"-s{seed}" if len(seeds) > 1 else ""
                 plan = [("sync", "sync", 0, "ratio", "keep")]
-                for lag in a.lags:
+                for lag in [] if a.sync_only else a.lags:
                     for arm in a.arms:
                         for policy in a.policies:
                             name = f"async-lag{lag}" + ("" if a.arms == ["ratio"] else f"-{arm}")
@@ -479,6 +480,8 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=["keep"],
                     help="the async runs' update policies: keep (requests continue on the new weights), abort "
                          "(rerun from scratch), abort-resume (continue from their tokens after a re-prefill)")
+    ap.add_argument("--sync-only", action="store_true",
+                    help="only the sync arm (e.g. a control of sync at other learning rates; no async runs)")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--transport", choices=["memmap", "ipc"], default="memmap",
                     help="weight sync: memmap files in /dev/shm, or ipc (the trainer's tensors shared with the replicas)")
