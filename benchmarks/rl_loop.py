@@ -85,7 +85,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollq.demo import RECIPES, heldout_reward, lr_at  # noqa: E402  (after the path insert)
+from rollq.demo import RECIPES, heldout_reward, lr_at, model_for, resolve  # noqa: E402  (after the path insert)
 
 log = logging.getLogger("rl_loop")
 
@@ -101,7 +101,6 @@ SIZES = {
 
 
 def model_dir(size: str, task: str = "bucket") -> str:
-    from rollq.demo import model_for
     from rollq.testing.tiny_model import build_tiny_model, default_model_dir, ensure_tiny_model
 
     if task != "bucket":
@@ -205,7 +204,7 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
 
     def on_step(r) -> None:
         for g in trainer.optimizer.param_groups:  # the next step's rate (the task's schedule)
-            g["lr"] = lr_at(a.lr, a.decay_after, r.step + 1)
+            g["lr"] = lr_at(a.lr, a.decay_after, r.step + 1, a.lr_min)
         if r.step % 10 == 0 or r.step == a.steps - 1:
             log.info("%s step %d reward %.3f wait %.3fs train %.3fs publish %.3fs", name, r.step, r.reward, r.wait_s, r.train_s, r.publish_s)
 
@@ -506,11 +505,8 @@ def main() -> None:
                                 ("arms", ["ratio"], list(ARMS))):
         if getattr(a, key) is None:
             setattr(a, key, stress if a.stress else normal)
-    recipe = RECIPES[a.task]
-    for key in ("steps", "groups", "group_size", "lr"):
-        if getattr(a, key) is None:
-            setattr(a, key, recipe[key])
-    a.decay_after = recipe["decay_after"]
+    resolve(a)  # the task's recipe fills what the command line left out, as in rollq demo
+    a.decay_after = RECIPES[a.task]["decay_after"]
     if a.task != "bucket" and (a.model_size != "tiny" or a.stress):
         ap.error(f"--task {a.task} runs its recipe's model, without --stress")
     if not 1 <= a.min_tokens <= a.max_tokens:
