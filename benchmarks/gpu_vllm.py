@@ -17,7 +17,9 @@
    from the trainer's tensors into the replica's shadow, device to device while it serves, then
    the swap. End to end, generation stopped, and the trainer's extra GPU memory for exposing
    the version. The trainer publishes it without a memmap copy (a second publisher with no
-   store), as a colocated trainer whose replicas are all on its GPU would.
+   store), as a colocated trainer whose replicas are all on its GPU would. ``--ipc-keep 1,0``
+   alternates the replica keeping the trainer's storages mapped from one version to the next
+   (``WeightSyncSettings.ipc_keep_mappings``) with opening every handle each version.
 
 Results go to ``<out>.json`` and ``<out>.md``; each phase is written as soon as it ends.
 """
@@ -472,19 +474,28 @@ async def engine_main(a: argparse.Namespace) -> None:
 
                 rows = []
                 chunks = [int(float(c) * (1 << 20)) for c in a.ipc_chunk_mb.split(",")]
-                # The first traces the load plan into the shadow; then the chunk sizes take turns.
-                for i in range(a.ipc_reps * len(chunks) + 1):
-                    chunk = chunks[(i - 1) % len(chunks)] if i else chunks[0]
-                    follower.settings = dataclasses.replace(follower.settings, ipc_chunk_bytes=chunk)
+                combos = [(c, k == "1") for c in chunks for k in a.ipc_keep.split(",")]
+                # The first traces the load plan into the shadow; then the variants take turns.
+                # A kept-mappings update right after one without opens everything again: that
+                # one is a warm-up, not measured.
+                prev_keep, i = True, 0
+                while len(rows) < a.ipc_reps * len(combos):
+                    chunk, keep = combos[len(rows) % len(combos)]
+                    warm = i == 0 or (keep and not prev_keep)
+                    follower.settings = dataclasses.replace(follower.settings, ipc_chunk_bytes=chunk, ipc_keep_mappings=keep)
                     for tr in follower._transports.values():
                         tr.settings = follower.settings
                     r, row, st = await measured_update("ipc")
-                    row.update(chunk_mb=chunk / (1 << 20), expose_s=r["timings"].get("expose_s"),
+                    hinted = st.timings.get("hinted_at") or 0.0
+                    row.update(chunk_mb=chunk / (1 << 20), keep_mappings=keep, warm_up=warm, expose_s=r["timings"].get("expose_s"),
                                checksum_s=r["timings"].get("checksum_s"), trainer_copied_bytes=r["timings"].get("ipc_copied_bytes"),
                                trainer_extra_gpu_bytes=r["trainer_extra_gpu_bytes"], stage_s=st.load.get("stage_s"),
-                               open_s=st.load.get("open_s"), verify_s=st.load.get("verify_s"), load=st.load)
-                    log("ipc", row)
-                    if i > 0:
+                               open_s=st.load.get("open_s"), verify_s=st.load.get("verify_s"), opened=st.load.get("opened"),
+                               reused=st.load.get("reused"), hint_after_publish_s=hinted - r["t1"] if hinted else None,
+                               stage_call_s=st.timings.get("stage_call_s"), load=st.load)
+                    log("ipc", {k: v for k, v in row.items() if k != "load"})
+                    i, prev_keep = i + 1, keep
+                    if not warm:
                         rows.append(row)
                 out["phases"]["ipc"] = {"reps": rows}
             except Exception as e:
@@ -562,15 +573,20 @@ def render(out: dict) -> str:
                   f"{med(r, 'gb_per_s_publish_plus_load'):.1f} GB/s, write {med(r, 'write_s'):.2f} s, "
                   f"longest gap between engine steps {med(r, 'max_step_gap_s') * 1000:.0f} ms; "
                   f"served weights equal the published ones: {all(x.get('weights_match') for x in ph['memmap']['reps'])}", ""]
-    for chunk in sorted({x.get("chunk_mb", 0) for x in ph.get("ipc", {}).get("reps", [])}):
-        r = [x for x in ph["ipc"]["reps"] if x.get("chunk_mb", 0) == chunk]
+    ipc_variants = sorted({(x.get("chunk_mb", 0), x.get("keep_mappings", False)) for x in ph.get("ipc", {}).get("reps", [])})
+    for chunk, keep in ipc_variants:
+        r = [x for x in ph["ipc"]["reps"] if (x.get("chunk_mb", 0), x.get("keep_mappings", False)) == (chunk, keep)]
         e2e = sorted(x["end_to_end_s"] * 1000 for x in r)
         paced = f"waits every {chunk:.0f} MiB" if chunk else "one burst"
-        lines += [f"CUDA IPC on one GPU, {paced} ({len(r)} updates, {r[0].get('running_at_start')} requests running): end to end "
+        kept = "handles kept mapped across versions" if keep else "every handle opened each version"
+        lines += [f"CUDA IPC on one GPU, {paced}, {kept} ({len(r)} updates, {r[0].get('running_at_start')} requests running): end to end "
                   f"{med(r, 'end_to_end_s') * 1000:.1f} ms ({e2e[0]:.1f}-{e2e[-1]:.1f}), publish call "
                   f"{med(r, 'trainer_publish_s') * 1000:.1f} ms (expose {med(r, 'expose_s') * 1000:.1f}, checksum "
                   f"{med(r, 'checksum_s') * 1000:.1f}), replica's copy {med(r, 'stage_s') * 1000:.1f} ms (open "
-                  f"{med(r, 'open_s') * 1000:.1f}, verify {med(r, 'verify_s') * 1000:.1f}), swap call {med(r, 'paused_s') * 1000:.1f} ms, longest gap between engine "
+                  f"{med(r, 'open_s') * 1000:.1f} for {med(r, 'opened'):.0f} storages opened, {med(r, 'reused'):.0f} kept; verify "
+                  f"{med(r, 'verify_s') * 1000:.1f}), announcement after the publish call {med(r, 'hint_after_publish_s') * 1000:.1f} ms, "
+                  f"follower's read {med(r, 'follower_read_s') * 1000:.1f} ms, staging as the follower saw it "
+                  f"{med(r, 'stage_call_s') * 1000:.1f} ms, swap call {med(r, 'paused_s') * 1000:.1f} ms, longest gap between engine "
                   f"steps {med(r, 'max_step_gap_s') * 1000:.1f} ms (median step {med(r, 'median_step_s') * 1000:.1f} ms); "
                   f"trainer's extra GPU memory {max(x.get('trainer_extra_gpu_bytes') or 0 for x in r) / 2**20:.0f} MiB, copied "
                   f"{max(x.get('trainer_copied_bytes') or 0 for x in r) / 2**20:.0f} MiB; served weights equal the published ones: "
@@ -591,6 +607,8 @@ def main() -> None:
     ap.add_argument("--ipc-reps", type=int, default=6, help="updates per --ipc-chunk-mb value")
     ap.add_argument("--ipc-chunk-mb", default="0",
                     help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_chunk_bytes in MiB (0: one burst)")
+    ap.add_argument("--ipc-keep", default="1",
+                    help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_keep_mappings (1: kept, 0: opened every version)")
     ap.add_argument("--memmap-chunks", type=int, default=3, help="256 MiB read chunks in flight (0: unthrottled)")
     ap.add_argument("--gpu-mem", type=float, default=0.55)
     ap.add_argument("--sync-variants", default="direct",

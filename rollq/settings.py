@@ -225,6 +225,11 @@ class WeightSyncSettings:
     #: checksummed, so the engine on the same GPU steps between the parts instead of behind
     #: one burst over the whole version (0: one burst, the fastest copy).
     ipc_chunk_bytes: int = 0
+    #: IPC copies keep the trainer's storages mapped from one version to the next, so a
+    #: trainer that updates its tensors in place costs no handle opening after its first
+    #: version (:mod:`rollq.weightsync.worker._ipc_maps`). False: every version opens every
+    #: handle and unmaps it after the copy.
+    ipc_keep_mappings: bool = True
     #: Swap broadcast versions in part by part while they arrive (``keep``, one worker;
     #: :class:`~rollq.weightsync.replica._overlap.OverlappedSwap`).
     swap_overlap: bool = False

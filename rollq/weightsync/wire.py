@@ -266,6 +266,8 @@ class StageStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     shadow: bool | None = None  # held in the shadow weights
     in_place: bool | None = None  # read straight into the shadow's bytes
     open_s: float | None = None  # IPC: the trainer's handles opened (part of stage_s)
+    opened: int | None = None  # IPC: storages opened for this version
+    reused: int | None = None  # IPC: storages kept mapped from the last version
     verify_s: float | None = None  # the checksum verified after the copy (part of stage_s)
     error: WorkerError | None = None
 

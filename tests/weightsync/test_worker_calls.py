@@ -70,7 +70,7 @@ CASES = [
      {"root": "/r", "slot": "slot-1", "version": 4, "checksum": "c", "chunks_in_flight": 0}, STAGED,
      StageStatus(state=State.STAGED, version=4, stage_s=0.25)),
     (lambda w: w.staged_status(), WorkerRpc.STAGED_STATUS, {}, STAGED, StageStatus(state=State.STAGED, version=4, stage_s=0.25)),
-    (lambda w: w.stage_ipc(handles=b"h", version=4, chunk_bytes=512), WorkerRpc.STAGE_IPC, {"handles": b"h", "version": 4, "chunk_bytes": 512}, STAGED,
+    (lambda w: w.stage_ipc(handles=b"h", version=4, chunk_bytes=512), WorkerRpc.STAGE_IPC, {"handles": b"h", "version": 4, "chunk_bytes": 512, "keep_maps": True}, STAGED,
      StageStatus(state=State.STAGED, version=4, stage_s=0.25)),
     (lambda w: w.ipc_status(), WorkerRpc.IPC_STATUS, {}, STAGED, StageStatus(state=State.STAGED, version=4, stage_s=0.25)),
     (lambda w: w.receive_status(), WorkerRpc.RECEIVE_STATUS, {}, STATUS, WorkerStatus(group="g1", joined=True, rank=1)),

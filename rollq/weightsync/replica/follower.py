@@ -96,7 +96,9 @@ class UpdateStats:
     #: memmap staging's timings when the version was staged from memmap).
     load: dict[str, Any] = field(default_factory=dict)
     #: Where the update's time went on this side: ``read_s`` (the record, policy and acks),
-    #: ``load_call_s`` (the load or swap call to the engine, as the follower saw it) and
+    #: ``stage_call_s`` (staging the version while serving, as the follower saw it: the
+    #: workers' RPCs and status polls included), ``load_call_s`` (the load or swap call to
+    #: the engine, as the follower saw it) and
     #: ``hinted_at`` (wall clock when the pub/sub announcement reached this follower; 0: the
     #: update was found by polling).
     timings: dict[str, float] = field(default_factory=dict)
@@ -365,6 +367,7 @@ class WeightFollower:
         c = self.consumer
         t0 = time.perf_counter()
         staged = await self._staged(rec, acks)
+        stage_call_s = time.perf_counter() - t0
         aborted: list[Any] = []
         paused = False
         with c.paused_for_update():
@@ -381,7 +384,7 @@ class WeightFollower:
                     c.restart(aborted)
         load = dict(staged.report if staged is not None else {}, **to_wire(report))
         return self._updated(UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load,
-                                         timings={"load_call_s": self._load_call_s}))
+                                         timings={"stage_call_s": stage_call_s, "load_call_s": self._load_call_s}))
 
     def transport(self, rec: VersionRecord) -> ReplicaTransport:
         """The replica side of the transport ``rec`` was sent over

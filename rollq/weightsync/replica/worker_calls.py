@@ -97,11 +97,13 @@ class WorkerCalls:
         return await self._each(WorkerRpc.STAGED_STATUS, StageStatus)
 
     # -- IPC (the trainer process on the same host) -------------------------------------
-    async def stage_ipc(self, *, handles: bytes, version: int, chunk_bytes: int = 0) -> list[StageStatus]:
+    async def stage_ipc(self, *, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True) -> list[StageStatus]:
         """Start copying ``version`` from the trainer's exposed tensors (``handles``: msgpack
         :class:`~rollq.weightsync.ipc_wire.IpcHandles`) in a thread of each worker, waiting
-        for the device after every ``chunk_bytes`` (0: never); poll :meth:`ipc_status`."""
-        return await self._each(WorkerRpc.STAGE_IPC, StageStatus, handles=handles, version=version, chunk_bytes=chunk_bytes)
+        for the device after every ``chunk_bytes`` (0: never), keeping the trainer's storages
+        mapped for the next version when ``keep_maps``; poll :meth:`ipc_status`."""
+        return await self._each(WorkerRpc.STAGE_IPC, StageStatus, handles=handles, version=version, chunk_bytes=chunk_bytes,
+                                keep_maps=keep_maps)
 
     async def ipc_status(self) -> list[StageStatus]:
         """Where each worker's IPC staging stands."""

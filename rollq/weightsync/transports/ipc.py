@@ -120,7 +120,8 @@ class IpcReceive(ReplicaTransport):
         if raw is None:
             raise IpcUnavailable(f"version {rec.version}: the trainer exposes no version over IPC")
         started = await asyncio.wait_for(
-            self.workers.stage_ipc(handles=raw, version=rec.version, chunk_bytes=self.settings.ipc_chunk_bytes), timeout)
+            self.workers.stage_ipc(handles=raw, version=rec.version, chunk_bytes=self.settings.ipc_chunk_bytes,
+                                   keep_maps=self.settings.ipc_keep_mappings), timeout)
         if not started:  # an engine without weights (echo): nothing to copy; the swap is empty too
             return Staged(rec.version, self)
         return await self._until_staged(rec, self.workers.ipc_status, delay=0.002, report={"ipc": True},

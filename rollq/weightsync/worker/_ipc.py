@@ -6,7 +6,9 @@ GPU: straight into the shadow weights' bytes when they have a load plan for the 
 else into new tensors loaded into the shadow; on CPU into new tensors), verifies the
 trainer's checksum and checks that the trainer still exposes the version, all in a thread of
 the worker while the engine serves; the swap then only swaps it in
-(:func:`rollq.weightsync.worker._swap.apply_staged`). Handles that cannot be opened, or a
+(:func:`rollq.weightsync.worker._swap.apply_staged`). The trainer's storages stay mapped
+until the next version has been opened (:class:`~rollq.weightsync.worker._ipc_maps.MappedStorages`),
+so a trainer that updates its tensors in place is opened once, not every version. Handles that cannot be opened, or a
 trainer that exited or released the version before the copy ended, fail the staging with
 :class:`~rollq.weightsync.ipc_wire.IpcUnavailable`; the live weights are never touched.
 """
@@ -29,6 +31,7 @@ from ..memmap import manifest_of
 from ..process_group import responsive_gil
 from ..versions import TensorMeta
 from ..wire import StageStatus, State, WorkerError
+from ._ipc_maps import MappedStorages
 
 Items = list[tuple[str, torch.Tensor]]
 
@@ -102,17 +105,22 @@ class IpcStaging:
         self._since = 0  # bytes enqueued since the last wait
         self._open_s = self._verify_s = 0.0  # the last staging's parts
         self._dest: tuple[Any, Items] | None = None  # _typed's views and what they are for
+        #: The trainer's storages kept mapped from the last version copied.
+        self.maps = MappedStorages()
+        self.keep_maps = True
         self._thread: threading.Thread | None = None
 
-    def stage(self, handles: bytes, version: int, chunk_bytes: int = 0) -> StageStatus:
+    def stage(self, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True) -> StageStatus:
         """Start copying ``version`` from ``handles`` (a msgpack ``IpcHandles``) in a thread of
         this worker, on a GPU waiting for the device after every ``chunk_bytes`` copied or
-        checksummed (0: never); poll :attr:`status`."""
+        checksummed (0: never), keeping the trainer's storages mapped for the next version when
+        ``keep_maps`` (:attr:`maps`); poll :attr:`status`."""
         if self._thread is not None and self._thread.is_alive():
             return StageStatus(state=State.BUSY, version=self.status.version)
         self.staged = None  # free a previously staged copy first
         self.status = StageStatus(state=State.STAGING, version=version)
         self.chunk_bytes, self._since = max(0, int(chunk_bytes)), 0
+        self.keep_maps = bool(keep_maps)
         self._thread = threading.Thread(target=self._stage, args=(handles, version), name="rollq-ipc-stage", daemon=True)
         self._thread.start()
         return self.status
@@ -132,22 +140,30 @@ class IpcStaging:
                 srcs = self._open(h)
                 self._open_s = time.perf_counter() - t_open
                 staged = self._copy(h, srcs, t0)
-                del srcs  # unmap the trainer's storages
+                del srcs  # the views; the storages stay mapped in self.maps when kept
+                if not self.keep_maps:
+                    self.maps.clear()
+                staged.opened, staged.reused = self.maps.opened, self.maps.reused
                 self.status = staged
         except Exception as e:
+            self.maps.clear()  # the next version opens everything afresh
             self.status = StageStatus(state=State.FAILED, version=version, error=WorkerError.of(e))
 
     def _open(self, h: IpcHandles) -> Items:
-        """The trainer's tensors, mapped into this process."""
+        """The trainer's tensors, mapped into this process (storages the last version mapped
+        are taken as they are: :attr:`maps`)."""
         dev = self.state.device
-        opened: list[torch.UntypedStorage] = []
-        for i, s in enumerate(h.storages):
+
+        def open_one(i: int, s: IpcStorage) -> torch.UntypedStorage:
             if s.kind is StorageKind.CUDA:
                 if dev.type != "cuda":
                     raise IpcUnavailable("the trainer exposes CUDA tensors; this worker has no GPU")
-                opened.append(_open_cuda(s, dev))
-            else:
-                opened.append(_open_cpu(h.pid, s, f"storage {i} of version {h.version}"))
+                return _open_cuda(s, dev)
+            return _open_cpu(h.pid, s, f"storage {i} of version {h.version}")
+
+        if not self.keep_maps:
+            self.maps.clear()
+        opened = self.maps.open(h, open_one)
         out: Items = []
         for t in h.tensors:
             s = opened[t.storage]

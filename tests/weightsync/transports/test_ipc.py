@@ -10,7 +10,8 @@ import torch
 
 from rollq.weightsync.trainer.ipc_export import Exposure
 from rollq.weightsync.ipc_wire import (
-    IPC_SCHEMA, IpcHandles, IpcStorage, IpcTensor, MalformedIpcHandles, StorageKind, decode_handles, encode_handles,
+    IPC_SCHEMA, IpcHandles, IpcStorage, IpcTensor, IpcUnavailable, MalformedIpcHandles, StorageKind, decode_handles,
+    encode_handles,
 )
 from rollq.weightsync.transports import replica_transport, trainer_transport
 from rollq.weightsync.transports.ipc import IpcReceive, IpcSend
@@ -216,3 +217,85 @@ async def test_a_snapshot_lets_the_trainer_change_its_weights_right_after_publis
     finally:
         await follower.stop()
         await pub.close()
+
+
+@pytest.mark.parametrize("keep", [True, False])
+async def test_storages_updated_in_place_are_opened_once_and_stay_mapped(redis_url, queue, tmp_path, keep):
+    """A trainer that steps in place exposes the same storages every version: each worker
+    opens them for the first version and copies later ones through the mappings it kept
+    (``ipc_keep_mappings``); a version of other tensors opens those and unmaps the old ones.
+    With the setting off, every version opens every storage and unmaps it after the copy."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model, num_workers=2)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1, ipc_keep_mappings=keep))
+    pub = WeightPublisher(redis_url, queue)
+    await follower.start()
+    try:
+        st = {k: v.share_memory_() for k, v in state(0.0).items()}
+        n = len(st)
+        for fill in (1.0, 2.0, 3.0, 4.0):
+            if fill == 4.0:  # other tensors: new storages
+                st = {k: v.share_memory_() for k, v in state(0.0).items()}
+            with torch.no_grad():
+                for v in st.values():
+                    v.fill_(fill)
+            rec = await pub.publish_weights(st, transport="ipc")
+            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+            load = follower.history[-1].load
+            kept = keep and fill in (2.0, 3.0)
+            assert (load["opened"], load["reused"]) == ((0, n) if kept else (n, 0)), (fill, load)
+            assert all(len(w.rollq_state.ipc.maps) == (n if keep else 0) for w in engine.workers)
+            assert all(float(w.model_runner.model.module[0].weight[0, 0].detach()) == fill for w in engine.workers)
+    finally:
+        await follower.stop()
+        await pub.close()
+
+
+EXPOSER = """
+import sys, time, msgspec, torch
+from rollq.weightsync.trainer.ipc_export import Exposure
+x = Exposure(1, [("w", torch.ones(1024).share_memory_())])
+sys.stdout.buffer.write(msgspec.msgpack.encode(x.handles).hex().encode() + b"\\n")
+sys.stdout.flush()
+time.sleep(120)
+"""
+
+
+def test_mappings_of_a_trainer_process_that_exited_are_dropped():
+    """A worker keeps no memory of a trainer that is gone: the mappings kept from its last
+    version are dropped within the watch interval of its exit, and an opening that fails drops
+    every mapping."""
+    import subprocess
+    import sys
+    import time
+
+    from rollq.weightsync.worker._ipc_maps import MappedStorages, process_start
+
+    proc = subprocess.Popen([sys.executable, "-c", EXPOSER], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        h = decode_handles(bytes.fromhex(proc.stdout.readline().decode()))
+        maps = MappedStorages(watch_interval=0.05)
+        opened = maps.open(h, lambda i, s: _open_cpu(h.pid, s, "w"))
+        assert torch.equal(torch.empty(0).set_(opened[0], 0, (1024,)), torch.ones(1024))
+        del opened
+        assert len(maps) == 1 and process_start(h.pid) is not None
+        time.sleep(0.3)
+        assert len(maps) == 1  # the trainer lives: kept
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while len(maps) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(maps) == 0
+        with pytest.raises(IpcUnavailable, match="the trainer exited"):
+            maps.open(h, lambda i, s: _open_cpu(h.pid, s, "w"))
+        assert len(maps) == 0
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -1,0 +1,158 @@
+"""The trainer's storages a worker keeps mapped from one IPC version to the next.
+
+A trainer that steps its optimizer in place exposes the same storages every version, so the
+handles of version N+1 name memory this worker already mapped for version N. Opening a CUDA
+IPC handle costs a driver call (``cudaIpcOpenMemHandle``) and an IPC event per storage, tens
+of milliseconds for a few hundred tensors beside a busy engine; a mapping kept from the last
+version costs a dictionary lookup. :class:`MappedStorages` keeps the storages the last
+version used, keyed by what identifies their memory in the trainer process (a CUDA handle and
+offset, or a shared-memory file's descriptor and inode), and maps only storages it does not
+hold. What the last version held and the next one does not name is unmapped when the next
+one has been opened.
+
+Why a kept mapping is the trainer's current memory: while it is mapped here, the trainer's
+allocation cannot be freed or reused (torch's CUDA IPC reference count, which this worker's
+first opening holds, keeps the block allocated; a mapped shared-memory file keeps its inode),
+so equal handles name the same memory. The copy's checksum still verifies every byte.
+
+Holding a dead trainer's memory would keep it from being freed: every mapping goes when a
+version comes from another trainer process, when the staging fails, and, within
+``watch_interval`` seconds, when the trainer process that exposed them exits.
+
+>>> import os, torch
+>>> from rollq.weightsync.trainer.ipc_export import Exposure
+>>> from rollq.weightsync.worker._ipc import _open_cpu
+>>> w = torch.zeros(4).share_memory_()
+>>> maps = MappedStorages()
+>>> x = Exposure(1, [("w", w)])
+>>> len(maps.open(x.handles, lambda i, s: _open_cpu(x.handles.pid, s, "w"))), maps.reused
+(1, 0)
+>>> x.release(); x = Exposure(2, [("w", w)])  # the next version: the same storage
+>>> len(maps.open(x.handles, lambda i, s: _open_cpu(x.handles.pid, s, "w"))), maps.reused
+(1, 1)
+>>> x.release(); maps.clear(); len(maps)
+0
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Hashable
+
+import torch
+
+from ..ipc_wire import IpcHandles, IpcStorage, StorageKind
+
+log = logging.getLogger(__name__)
+
+Opener = Callable[[int, IpcStorage], torch.UntypedStorage]
+
+
+def storage_key(pid: int, s: IpcStorage) -> Hashable:
+    """What identifies ``s``'s memory in trainer process ``pid``."""
+    if s.kind is StorageKind.CUDA:
+        return ("cuda", s.device_uuid, s.handle, s.offset, s.nbytes)
+    return ("cpu", pid, s.fd, s.inode, s.nbytes)
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), or None when there is none: a
+    pid reused by a later process has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces; start time is field 22.
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def _release_message(s: IpcStorage) -> None:
+    """Give back the reference the trainer counted for this message of ``s``, as opening it
+    would have done when the opened storage went (torch's CUDA IPC reference counting)."""
+    if s.kind is StorageKind.CUDA and s.ref_counter_handle:
+        torch.UntypedStorage._release_ipc_counter_cuda(s.ref_counter_handle, s.ref_counter_offset)
+
+
+class MappedStorages:
+    """The storages of the last IPC version a worker copied, kept mapped for the next."""
+
+    def __init__(self, watch_interval: float = 1.0):
+        #: Seconds between checks that the trainer process still runs (while mappings are held).
+        self.watch_interval = watch_interval
+        #: Of the last :meth:`open`: storages opened, and storages taken from the last version.
+        self.opened = self.reused = 0
+        self._lock = threading.Lock()
+        self._maps: dict[Hashable, torch.UntypedStorage] = {}
+        self._owner: tuple[int, int | None] | None = None  # (pid, start time) of their trainer
+        self._watcher: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def open(self, h: IpcHandles, open_one: Opener) -> list[torch.UntypedStorage]:
+        """The storages of ``h``, in order: those the last version mapped as they are, the
+        others through ``open_one(index, storage)``. Raises what ``open_one`` raises, having
+        unmapped everything."""
+        owner = (h.pid, process_start(h.pid))
+        with self._lock:
+            if self._owner != owner:
+                self._maps, self._owner = {}, owner
+            kept = self._maps
+        out: list[torch.UntypedStorage] = []
+        now: dict[Hashable, torch.UntypedStorage] = {}
+        opened = reused = 0
+        try:
+            for i, s in enumerate(h.storages):
+                key = storage_key(h.pid, s)
+                got = now.get(key)
+                if got is None:
+                    got = kept.get(key)
+                    if got is None:
+                        got = open_one(i, s)
+                        opened += 1
+                    else:
+                        _release_message(s)
+                        reused += 1
+                    now[key] = got
+                out.append(got)
+        except BaseException:
+            self.clear()
+            raise
+        with self._lock:
+            kept, self._maps = self._maps, now
+        del kept  # what the last version held and this one does not is unmapped here
+        self.opened, self.reused = opened, reused
+        self._watch()
+        return out
+
+    def clear(self) -> None:
+        """Unmap everything (the next version opens every storage)."""
+        with self._lock:
+            old, self._maps, self._owner = self._maps, {}, None
+        del old  # unmapped here, outside the lock
+
+    def _watch(self) -> None:
+        with self._lock:
+            if not self._maps or self._watcher is not None:
+                return
+            self._watcher = threading.Thread(target=self._watch_loop, name="rollq-ipc-maps", daemon=True)
+            self._watcher.start()
+
+    def _watch_loop(self) -> None:
+        pause = threading.Event()
+        while True:
+            pause.wait(self.watch_interval)
+            with self._lock:
+                if not self._maps or self._owner is None:
+                    self._watcher = None
+                    return
+                pid, start = self._owner
+                if process_start(pid) == start:
+                    continue
+                old, self._maps, self._owner, self._watcher = self._maps, {}, None, None
+            log.info("trainer process %d exited: unmapped the %d storages kept from its last version", pid, len(old))
+            del old
+            return
