@@ -150,8 +150,8 @@ class IpcStaging:
             self.status = StageStatus(state=State.FAILED, version=version, error=WorkerError.of(e))
 
     def _open(self, h: IpcHandles) -> Items:
-        """The trainer's tensors, mapped into this process (storages the last version mapped
-        are taken as they are: :attr:`maps`)."""
+        """The trainer's tensors, mapped into this process (storages the last version mapped,
+        and the tensors over them, are taken as they are: :attr:`maps`)."""
         dev = self.state.device
 
         def open_one(i: int, s: IpcStorage) -> torch.UntypedStorage:
@@ -163,15 +163,18 @@ class IpcStaging:
 
         if not self.keep_maps:
             self.maps.clear()
-        opened = self.maps.open(h, open_one)
-        out: Items = []
-        for t in h.tensors:
-            s = opened[t.storage]
-            dtype = getattr(torch, t.dtype)
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            src = torch.empty(0, dtype=dtype, device=s.device).set_(s, t.offset // itemsize, tuple(t.shape))
-            out.append((t.name, src))
-        return out
+        def views(opened: list[torch.UntypedStorage]) -> Items:
+            out: Items = []
+            for t in h.tensors:
+                s = opened[t.storage]
+                dtype = getattr(torch, t.dtype)
+                itemsize = torch.empty(0, dtype=dtype).element_size()
+                src = torch.empty(0, dtype=dtype, device=s.device).set_(s, t.offset // itemsize, tuple(t.shape))
+                out.append((t.name, src))
+            return out
+
+        got: Items = self.maps.tensors(h, open_one, views)
+        return got
 
     def _check(self, h: IpcHandles, items: Items) -> None:
         """After the copy: the trainer still exposes the version, and the bytes are its."""

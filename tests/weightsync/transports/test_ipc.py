@@ -281,9 +281,12 @@ def test_mappings_of_a_trainer_process_that_exited_are_dropped():
         assert proc.stdout is not None
         h = decode_handles(bytes.fromhex(proc.stdout.readline().decode()))
         maps = MappedStorages(watch_interval=0.05)
-        opened = maps.open(h, lambda i, s: _open_cpu(h.pid, s, "w"))
-        assert torch.equal(torch.empty(0).set_(opened[0], 0, (1024,)), torch.ones(1024))
-        del opened
+        views = maps.tensors(h, lambda i, s: _open_cpu(h.pid, s, "w"), lambda st: [torch.empty(0).set_(st[0], 0, (1024,))])
+        assert torch.equal(views[0], torch.ones(1024))
+        # the same storages laid out the same way: the same views, nothing opened
+        assert maps.tensors(h, lambda i, s: pytest.fail("opened again"), lambda st: pytest.fail("built again")) is views
+        assert (maps.opened, maps.reused) == (0, 1)
+        del views
         assert len(maps) == 1 and process_start(h.pid) is not None
         time.sleep(0.3)
         assert len(maps) == 1  # the trainer lives: kept
@@ -292,7 +295,7 @@ def test_mappings_of_a_trainer_process_that_exited_are_dropped():
         deadline = time.monotonic() + 10
         while len(maps) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert len(maps) == 0
+        assert len(maps) == 0 and maps._views is None  # the views held the storages too
         with pytest.raises(IpcUnavailable, match="the trainer exited"):
             maps.open(h, lambda i, s: _open_cpu(h.pid, s, "w"))
         assert len(maps) == 0
