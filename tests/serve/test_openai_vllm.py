@@ -133,9 +133,12 @@ async def test_tokens_stream_while_vllm_generates(served):
     """As vLLM's own server, rollq serve streams tokens while the replica generates them
     (vLLM's DELTA outputs, published as the job's progress): several chunks with text come
     while the job still runs on the replica, and the chunks add up to the non-streamed
-    answer of the same seeded request (text, token ids, logprobs)."""
+    answer of the same seeded request (text, token ids, logprobs). The jobs are long enough
+    (400 and 300 tokens) to run for many of the replica's 25 ms progress flushes on fast
+    cores too: 96 tokens of the tiny model can finish before the first chunk reaches the
+    client."""
     client, _, _, consumer = served
-    kw = dict(model=MODEL, prompt="one two three", max_tokens=96, seed=11, n=2, logprobs=0,
+    kw = dict(model=MODEL, prompt="one two three", max_tokens=400, seed=11, n=2, logprobs=0,
               extra_body={"ignore_eos": True, "return_token_ids": True})
     whole = await client.completions.create(**kw)
     texts: dict[int, str] = {}
@@ -154,10 +157,10 @@ async def test_tokens_stream_while_vllm_generates(served):
     for c in whole.choices:
         assert lps[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-4)
 
-    whole_chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0,
+    whole_chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0,
                                                       extra_body={"ignore_eos": True})
     content, live = "", 0
-    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0,
+    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0,
                                                   stream=True, extra_body={"ignore_eos": True})
     async for chunk in stream:
         for c in chunk.choices:
