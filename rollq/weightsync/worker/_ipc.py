@@ -163,6 +163,7 @@ class IpcStaging:
 
         if not self.keep_maps:
             self.maps.clear()
+
         def views(opened: list[torch.UntypedStorage]) -> Items:
             out: Items = []
             for t in h.tensors:

@@ -151,8 +151,14 @@ class MappedStorages:
     def clear(self) -> None:
         """Unmap everything (the next version opens every storage)."""
         with self._lock:
-            old, self._maps, self._owner, self._views = self._maps, {}, None, None
+            old = self._detach()
         del old  # unmapped here, outside the lock
+
+    def _detach(self) -> dict[Hashable, torch.UntypedStorage]:
+        """Forget every mapping and the views over them (under the lock); the caller unmaps
+        what this returns by dropping it outside the lock."""
+        old, self._maps, self._owner, self._views = self._maps, {}, None, None
+        return old
 
     def _watch(self) -> None:
         with self._lock:
@@ -172,7 +178,7 @@ class MappedStorages:
                 pid, start = self._owner
                 if process_start(pid) == start:
                     continue
-                old, self._maps, self._owner, self._watcher, self._views = self._maps, {}, None, None, None
+                old, self._watcher = self._detach(), None
             log.info("trainer process %d exited: unmapped the %d storages kept from its last version", pid, len(old))
             del old
             return
