@@ -61,9 +61,10 @@ learning rate and decay unless given; every run then also reports ``reward_heldo
 reward of 8 samples of each held-out digit string at the run's final version, as the demo does).
 
 Cores: on vLLM's CPU backend the trainer and the replicas compete for cores. By default each
-replica ``i`` gets ``VLLM_CPU_OMP_THREADS_BIND=<i + 1>`` (its own core) and, once the engines
-are up, this process (trainer, event loop, vLLM's front end) is pinned to core 0 with one
-torch thread, where the machine has the cores for it (``--no-pin``: leave placement to the OS).
+replica gets a core of its own, the last ones (``VLLM_CPU_OMP_THREADS_BIND``), and, once the
+engines are up, this process (trainer, event loop, vLLM's front end) is pinned to the rest with
+one torch thread, where the machine has the cores for it (:func:`rollq.rl.cores.plan_cores`, as
+``rollq demo`` does; ``--no-pin``: leave placement to the OS).
 
 ``--model-size small|medium`` builds a larger random Qwen2-shaped model (vocab 1024) with
 ``rollq.testing.tiny_model.build_tiny_model``; meant for a GPU (the trainer then runs on CUDA).
@@ -108,19 +109,6 @@ def model_dir(size: str, task: str = "bucket") -> str:
     if SIZES[size] is None:
         return str(ensure_tiny_model())
     return str(build_tiny_model(default_model_dir().parent / f"random-qwen2-{size}", **SIZES[size]))
-
-
-def pin_trainer(core: int) -> bool:
-    """Pin this process's threads (trainer, event loop) to ``core``; one torch thread."""
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        os.sched_setaffinity(0, {core})
-    except (AttributeError, OSError) as e:
-        log.warning("could not pin the trainer to core %d: %s", core, e)
-        return False
-    return True
 
 
 #: --arms: the trainer's treatment of the importance ratio (see the module doc).
@@ -378,16 +366,17 @@ async def main_async(a: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     from rollq.rl import Replicas
+    from rollq.rl.cores import available_cores, pin_process, plan_cores
     from rollq.server import RedisServer
 
     model = model_dir(a.model_size, a.task)
     tokenizer = AutoTokenizer.from_pretrained(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ncpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    pin = a.pin and device == "cpu" and ncpu >= a.replicas + 1
-    binds = [str(i + 1) for i in range(a.replicas)] if pin else None
-    cores = ("trainer + event loop pinned to core 0 (1 torch thread); replica i on core i+1 (VLLM_CPU_OMP_THREADS_BIND)"
-             if pin else f"no pinning ({ncpu} cores{'' if a.pin else ', --no-pin'}; device {device})")
+    plan = plan_cores(a.replicas) if a.pin and device == "cpu" else None
+    binds = list(plan.replicas) if plan else None
+    cores = (f"trainer + event loop pinned to cores {list(plan.trainer)} (1 torch thread); replicas on cores "
+             f"{list(plan.replicas)} (VLLM_CPU_OMP_THREADS_BIND)" if plan
+             else f"no pinning ({len(available_cores())} cores{'' if a.pin else ', --no-pin'}; device {device})")
     if a.batch_invariant:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by the replicas' engine processes
     with RedisServer() as srv:
@@ -396,8 +385,9 @@ async def main_async(a: argparse.Namespace) -> dict:
         await replicas.start()
         try:
             log.info("%d replica(s) up in %.1fs (%s)", a.replicas, replicas.start_s, cores)
-            if pin:
-                pin_trainer(0)
+            if plan:
+                torch.set_num_threads(1)
+                pin_process(plan.trainer)
             if a.batch_invariant:  # the same kernel overrides for the trainer's forward passes
                 from vllm.model_executor.layers.batch_invariant import init_batch_invariance
 
@@ -424,7 +414,7 @@ async def main_async(a: argparse.Namespace) -> dict:
             # Written before the replicas stop: an engine that hangs on shutdown loses no figures.
             res = {
                 "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
-                "machine": f"{platform.machine()}, {ncpu} cores, {device}",
+                "machine": f"{platform.machine()}, {len(available_cores())} cores, {device}",
                 "cores": cores,
                 "task": a.task,
                 "model_size": a.model_size,
