@@ -35,6 +35,7 @@ QUEUE = "demo"
 #: ``decay_after``: the learning rate is ``lr * min(1, decay_after / step)`` (None: constant),
 #: never below ``lr_min`` (absent: 0, no floor).
 #: ``entropy_coef``: :attr:`~rollq.rl.grpo.GrpoConfig.entropy_coef` (0: no entropy bonus).
+#: ``scale_rewards``: :attr:`~rollq.rl.grpo.GrpoConfig.scale_rewards` (absent: ``"group"``).
 #: ``shaping``: the task's reward-shaping schedule (:class:`~rollq.rl.tasks.Shaping` arguments;
 #: absent: the task trains on its exact reward). ``agree_every``:
 #: :attr:`~rollq.rl.loop.LoopConfig.agree_every` (absent: 1, the agreement forward every step).
@@ -68,6 +69,8 @@ def resolve(a: argparse.Namespace) -> argparse.Namespace:
             setattr(a, key, recipe[key])
     if getattr(a, "lr_min", None) is None:
         a.lr_min = recipe.get("lr_min", 0.0)
+    if getattr(a, "scale_rewards", None) is None:
+        a.scale_rewards = recipe.get("scale_rewards", "group")
     return a
 
 
@@ -97,6 +100,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from .rl import GrpoConfig, GrpoTrainer, LoopConfig, Replicas, plot_run, run_loop
+    from .rl.cores import pin_process, plan_cores
     from .rl.tasks import Shaping, make_task
     from .server import RedisServer
 
@@ -108,22 +112,30 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     shaping = recipe.get("shaping")
     task = make_task(a.task, len(tokenizer), **({"shaping": Shaping(**shaping)} if shaping and learn else {}))
     heldout: float | None = None
+    final: dict[str, Any] = {}
     broadcast = learn and a.transport in ("gloo", "nccl")
     cfg = LoopConfig(
         steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode="async", max_lag=a.max_lag,
         transport="broadcast" if broadcast else ("ipc" if a.transport == "ipc" else "memmap"), seed=a.seed,
         agree_every=recipe.get("agree_every", 1),
     )
+    # On CPU the trainer and each replica get cores of their own where there are enough.
+    cores = plan_cores(a.replicas) if learn and getattr(a, "pin", True) and _device(a.transport) == "cpu" else None
     weights_root = tempfile.mkdtemp(prefix="rollq-demo-weights-")
     try:
         with RedisServer() as srv:
             console.print(f"[bold]redis[/] {srv.url}")
             replicas = Replicas(srv.url, QUEUE, weights_root=weights_root, count=a.replicas, engine=a.engine,
-                                model=model_dir, broadcast=broadcast, dtype=a.dtype)
+                                model=model_dir, broadcast=broadcast, dtype=a.dtype,
+                                cpu_binds=list(cores.replicas) if cores else None)
             with console.status(f"starting {a.replicas} {a.engine} replica(s)..."):
                 await replicas.start()
+            if cores is not None and not pin_process(cores.trainer):
+                cores = None
             try:
                 console.print(f"[bold]{a.replicas} {a.engine} replica(s)[/] ready in {replicas.start_s:.1f}s")
+                if cores is not None:
+                    console.print(f"[bold]cores[/] trainer {list(cores.trainer)}, replicas {list(cores.replicas)}")
                 trainer = publisher = None
                 if learn:
                     import torch
@@ -131,7 +143,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                     device = _device(a.transport)
                     if device == "cpu":
                         torch.set_num_threads(a.trainer_threads)
-                    grpo = GrpoConfig(lr=a.lr, entropy_coef=a.entropy_coef)
+                    grpo = GrpoConfig(lr=a.lr, entropy_coef=a.entropy_coef, scale_rewards=a.scale_rewards)
                     trainer = GrpoTrainer.from_pretrained(model_dir, grpo, seed=a.seed).to(device)
                     publisher = _publisher(srv.url, weights_root, a)
                 with Progress(
@@ -152,6 +164,10 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                 if trainer is not None and hasattr(task, "heldout_specs"):
                     with console.status("held-out prompts..."):
                         heldout = await heldout_reward(srv.url, QUEUE, task, tokenizer, a.group_size, trainer.version)
+                if trainer is not None and hasattr(task, "final_specs"):
+                    with console.status("the final policy on every prompt..."):
+                        specs = task.final_specs(tokenizer, a.group_size)
+                        final = task.final_report(await generate(srv.url, QUEUE, specs, trainer.version))
                 report.updates = replicas.update_history()
                 served, converted = replicas.served_dtype, replicas.converted_from()
                 if publisher is not None:
@@ -163,13 +179,16 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     summary = report.summary()
     if heldout is not None:
         summary["reward_heldout"] = round(heldout, 4)
+    summary.update(final)
     summary.update(task=a.task, model=RECIPES[a.task]["model"] or "default", jobs=a.steps * a.groups, engine=a.engine,
                    replicas=a.replicas, transport=a.transport if learn else "none",
                    seed=a.seed, lr=a.lr if learn else None, lr_decay_after=recipe["decay_after"] if learn else None,
                    lr_min=a.lr_min if learn else None,
-                   entropy_coef=a.entropy_coef if learn else None, shaping=shaping if learn else None, engine_start_s=round(replicas.start_s, 1),
+                   entropy_coef=a.entropy_coef if learn else None,
+                   scale_rewards=a.scale_rewards if learn else None, shaping=shaping if learn else None, engine_start_s=round(replicas.start_s, 1),
                    served_dtype=served, trainer_dtype=trainer.dtype if trainer is not None else None,
-                   converted_from=converted)
+                   converted_from=converted,
+                   cores={"trainer": list(cores.trainer), "replicas": list(cores.replicas)} if cores else None)
     try:
         png = plot_run(report.per_step(), a.plot, random_policy_reward=task.random_policy_reward,
                        title=f"rollq demo {a.task}: {a.engine}, {a.replicas} replicas, max lag {a.max_lag}, seed {a.seed}")
@@ -188,16 +207,27 @@ async def heldout_reward(url: str, queue: str, task: Any, tokenizer: Any, group_
     >>> await heldout_reward(url, "demo", PositionalTask(), tokenizer, 8, trainer.version)   # doctest: +SKIP
     0.66
     """
+    results = await generate(url, queue, task.heldout_specs(tokenizer, group_size), version)
+    rewards = [x for r in results for x in task.rewards(r)]
+    return sum(rewards) / len(rewards)
+
+
+async def generate(url: str, queue: str, specs: list[dict[str, Any]], version: int) -> list[Any]:
+    """The results of the jobs ``specs``, generated by the replicas of ``queue`` at
+    ``version`` or later (an evaluation of the policy at ``version``); raises ``RuntimeError``
+    if any job failed.
+
+    >>> results = await generate(url, "demo", task.final_specs(tokenizer, 8), trainer.version)   # doctest: +SKIP
+    """
     from .producer.client import Producer
 
-    async with Producer(url, queue, producer_id="heldout-eval") as p:
-        specs = [dict(s, min_version=version) if version else s for s in task.heldout_specs(tokenizer, group_size)]
+    async with Producer(url, queue, producer_id="demo-eval") as p:
+        specs = [dict(s, min_version=version) if version else s for s in specs]
         results = await p.gather(await p.submit_many(specs), timeout=600)
     errors = [r.error for r in results if r.error is not None]
     if errors:
-        raise RuntimeError(f"{len(errors)} held-out jobs failed, e.g. {errors[0].type}: {errors[0].message}")
-    rewards = [x for r in results for x in task.rewards(r)]
-    return sum(rewards) / len(rewards)
+        raise RuntimeError(f"{len(errors)} evaluation jobs failed, e.g. {errors[0].type}: {errors[0].message}")
+    return results
 
 
 def _publisher(url: str, weights_root: str, a: argparse.Namespace) -> Any:
@@ -215,7 +245,7 @@ def _publisher(url: str, weights_root: str, a: argparse.Namespace) -> Any:
 
 
 #: Summary keys shown first in the table (the rest follow in order).
-_HEADLINE = ("task", "reward_first", "reward_last", "reward_heldout", "random_policy_reward", "versions", "lag_histogram",
+_HEADLINE = ("task", "reward_first", "reward_last", "reward_heldout", "reward_final", "random_policy_reward", "versions", "lag_histogram",
              "logprob_abs_diff_mean", "logprob_abs_diff_max", "weight_update_s", "pause_s",
              "rollout_tokens_per_s", "wall_s", "plot")
 
@@ -230,6 +260,8 @@ def _table(summary: dict[str, Any]) -> Any:
         v = summary[k]
         if k == "reward_by_step":
             v = " ".join(f"{x:.2f}" for x in v)
+        elif k == "final_by_length":
+            v = "  ".join(f"L={n}: {d['reward']:.2f}" for n, d in v.items())
         elif isinstance(v, float):
             v = f"{v:.3g}" if abs(v) < 1e-2 and v else f"{v:,.1f}" if abs(v) >= 1000 else f"{v:.4g}"
         t.add_row(Text(k), Text(str(v)))  # Text: no markup is interpreted in values

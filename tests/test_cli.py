@@ -107,6 +107,26 @@ def test_demo_trains_through_vllm_replicas(tmp_path):
     assert (tmp_path / "d.png").stat().st_size > 0
 
 
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_demo_length_pins_one_replica_and_reports_the_final_policy_by_length(tmp_path):
+    """``--task length --replicas 1`` on a machine of 2 or more cores: the replica's vLLM on the
+    last core, the trainer on the rest (``cores``); the summary ends with the final policy on
+    all 28 prompts, by target length."""
+    pytest.importorskip("vllm")
+    from rollq.rl.cores import plan_cores
+
+    r = rollq("demo", "--task", "length", "--replicas", "1", "--steps", "3", "--json", "--plot",
+              str(tmp_path / "d.png"), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout.splitlines()[-1])
+    plan = plan_cores(1)
+    assert s["cores"] == ({"trainer": list(plan.trainer), "replicas": list(plan.replicas)} if plan else None)
+    assert s["versions"] == 3 and s["failed_jobs"] == 0 and s["scale_rewards"] == "group"
+    assert list(s["final_by_length"]) == [str(n) for n in range(2, 9)]
+    assert 0.0 <= s["reward_final"] <= 1.0
+
+
 def test_demo_recipe_fills_the_entropy_bonus_unless_the_command_line_sets_it():
     from rollq.cli.main import build_parser
     from rollq.demo import RECIPES, resolve
@@ -116,6 +136,10 @@ def test_demo_recipe_fills_the_entropy_bonus_unless_the_command_line_sets_it():
     assert a.entropy_coef == RECIPES["positional"]["entropy_coef"] == 0.0
     a = resolve(p.parse_args(["demo", "--task", "positional", "--entropy-coef", "0.003"]))
     assert a.entropy_coef == 0.003 and a.lr == RECIPES["positional"]["lr"] and a.steps == RECIPES["positional"]["steps"]
+    a = resolve(p.parse_args(["demo", "--task", "length"]))
+    assert a.scale_rewards == RECIPES["length"].get("scale_rewards", "group") and a.pin is True
+    a = resolve(p.parse_args(["demo", "--task", "length", "--scale-rewards", "none", "--no-pin"]))
+    assert a.scale_rewards == "none" and a.pin is False
 
 
 def test_demo_lr_schedule_decays_to_its_floor_and_the_command_line_sets_it():

@@ -59,8 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="floor of the lr decay (default: the task's, 0 for every task: the plain decay)")
     s.add_argument("--entropy-coef", type=float,
                    help="entropy bonus, GrpoConfig.entropy_coef (default: the task's, 0 for every task)")
+    s.add_argument("--scale-rewards", choices=["group", "batch", "none"],
+                   help="advantages: a group's centred rewards over its own std (GRPO), the batch's std, or none "
+                        "(Dr. GRPO); GrpoConfig.scale_rewards (default: the task's, group for every task)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--trainer-threads", type=int, default=1, help="CPU: torch threads of the trainer")
+    s.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="CPU: leave placement to the OS (default: each replica on a core of its own, the last "
+                        "ones, and the trainer on the rest, where there are more cores than replicas)")
     s.add_argument("--dtype", default="auto",
                    help="the replicas' served dtype (auto: float32 on CPU, the checkpoint's own on GPU)")
     s.add_argument("--plot", default="rollq-demo.png", help="PNG of reward and policy lag (a .json beside it)")

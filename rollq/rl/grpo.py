@@ -55,13 +55,40 @@ __all__ = ["GrpoConfig", "GrpoTrainer", "StepStats", "group_advantages", "grpo_l
 # ----------------------------------------------------------------------------------------
 # Pure functions: advantages and loss
 # ----------------------------------------------------------------------------------------
-def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Group-normalised advantages of a ``[groups, n]`` reward tensor: ``(r - mean) / std``
-    per row (population std), 0 for a row whose rewards are all equal (no signal)."""
+#: How :func:`group_advantages` scales a group's centred rewards (``GrpoConfig.scale_rewards``).
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-6, scale: str = "group") -> torch.Tensor:
+    """Group-normalised advantages of a ``[groups, n]`` reward tensor: each reward minus its
+    row's mean, 0 for a row whose rewards are all equal (no signal), divided by
+
+    - ``scale="group"`` (GRPO): the row's own std (population std);
+    - ``"batch"``: one std, of every row's centred rewards together;
+    - ``"none"`` (Dr. GRPO): nothing. A row whose rewards differ only a little then moves the
+      policy only a little, where dividing by its own tiny std would give it full-size
+      advantages.
+
+    >>> r = torch.tensor([[0.0, 1.0], [0.5, 0.5], [0.0, 0.1]])
+    >>> group_advantages(r)
+    tensor([[-1.0000,  1.0000],
+            [ 0.0000,  0.0000],
+            [-1.0000,  1.0000]])
+    >>> group_advantages(r, scale="none")
+    tensor([[-0.5000,  0.5000],
+            [ 0.0000,  0.0000],
+            [-0.0500,  0.0500]])
+    """
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"scale must be one of {SCALE_REWARDS}, got {scale!r}")
     mean = rewards.mean(dim=-1, keepdim=True)
     std = rewards.std(dim=-1, keepdim=True, unbiased=False)
-    adv = (rewards - mean) / (std + eps)
-    return torch.where(std > eps, adv, torch.zeros_like(adv))
+    centred = torch.where(std > eps, rewards - mean, torch.zeros_like(rewards))
+    if scale == "group":
+        return centred / (std + eps)
+    if scale == "batch":
+        return centred / (centred.std(unbiased=False) + eps)
+    return centred
 
 
 def grpo_loss(
@@ -184,8 +211,13 @@ class GrpoConfig:
     #: times the entropy's. It keeps groups from all agreeing on a wrong answer (zero
     #: advantage, no gradient) while the policy sharpens. 0: off.
     entropy_coef: float = 0.0
+    #: How a group's centred rewards are scaled into advantages (:func:`group_advantages`):
+    #: ``"group"`` (its own std, GRPO), ``"batch"`` (the batch's std) or ``"none"`` (Dr. GRPO).
+    scale_rewards: str = "group"
 
     def __post_init__(self) -> None:
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if not 0 < self.clip_eps < 1:
@@ -334,7 +366,7 @@ class GrpoTrainer:
                 comps.append(s.token_ids)
                 owner.append(g)
         behavior, temps = _behavior([r for _, r in batch])  # refuses what it cannot reproduce
-        adv = _advantages(rewards)
+        adv = _advantages(rewards, self.config.scale_rewards)
         logp, mask = token_logprobs(self.model, prompts, comps, temperature=temps)
         b = _padded(behavior, logp)
         loss, st = self._loss(logp, b, adv, mask)
@@ -381,7 +413,7 @@ class GrpoTrainer:
         mask = mask & model_tokens
         # Behavior logprobs of prompt and environment tokens are NaN: zero, and masked out.
         b = _padded([[x if m else 0.0 for x, m in zip(e.logprobs[e.prompt_len :], e.loss_mask[e.prompt_len :])] for e in eps], logp)
-        loss, st = self._loss(logp, b, _advantages(rewards), mask)
+        loss, st = self._loss(logp, b, _advantages(rewards, self.config.scale_rewards), mask)
         detached = logp.detach()
         by_lag = self._diff_by_lag(detached, b, mask, [e.versions[e.prompt_len :] for e in eps])
         lags = [self.version - min(e.version_start for e in g) for g in groups if g]
@@ -454,12 +486,15 @@ class GrpoTrainer:
         return out
 
 
-def _advantages(rewards: Sequence[Sequence[float]]) -> torch.Tensor:
+def _advantages(rewards: Sequence[Sequence[float]], scale: str = "group") -> torch.Tensor:
     """Per-sample advantages, flat, group by group (:func:`group_advantages`; groups of
-    different sizes, e.g. with a failed sample, are normalised each on its own)."""
+    different sizes, e.g. with a failed sample, are centred each on its own; with
+    ``scale="batch"`` the std is then taken over all of them)."""
     if len({len(r) for r in rewards}) == 1:
-        return group_advantages(torch.tensor([list(r) for r in rewards], dtype=torch.float32)).reshape(-1)
-    return torch.cat([group_advantages(torch.tensor([list(r)], dtype=torch.float32))[0] for r in rewards])
+        return group_advantages(torch.tensor([list(r) for r in rewards], dtype=torch.float32), scale=scale).reshape(-1)
+    per = "group" if scale == "group" else "none"
+    flat = torch.cat([group_advantages(torch.tensor([list(r)], dtype=torch.float32), scale=per)[0] for r in rewards])
+    return flat / (flat.std(unbiased=False) + 1e-6) if scale == "batch" else flat
 
 
 def _versions(result: Any) -> list[list[int]]:

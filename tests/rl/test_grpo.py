@@ -33,6 +33,49 @@ def test_group_advantages_are_normalised_per_group_and_zero_without_spread():
     assert a[0].argsort().tolist() == [0, 1, 2, 3]
 
 
+def test_advantages_scaled_by_the_batch_or_not_at_all_keep_small_spreads_small():
+    """Dr. GRPO's point: a group whose rewards barely differ gets full-size advantages from its
+    own std, and tiny ones with ``scale="none"`` or ``"batch"``; the order within each group,
+    and the zero of a group without spread, stay."""
+    r = torch.tensor([[0.0, 1.0, 0.0, 1.0], [0.20, 0.21, 0.20, 0.21], [0.3, 0.3, 0.3, 0.3]])
+    g, n, b = (group_advantages(r, scale=k) for k in ("group", "none", "batch"))
+    assert g[1].abs().max() == pytest.approx(1.0, abs=1e-3)
+    assert n[1].abs().max() == pytest.approx(0.005, abs=1e-6) and n[0].abs().max() == pytest.approx(0.5)
+    centred = r - r.mean(-1, keepdim=True)
+    assert torch.allclose(b, centred / centred.std(unbiased=False), atol=1e-5)
+    for a in (g, n, b):
+        assert torch.equal(a[2], torch.zeros(4)) and a[0].argsort().tolist() == g[0].argsort().tolist()
+    with pytest.raises(ValueError, match="scale must be one of"):
+        group_advantages(r, scale="std")
+    with pytest.raises(ValueError, match="^scale_rewards must be one of"):
+        GrpoConfig(scale_rewards="std")
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_the_trainer_scales_advantages_as_configured(tiny_model_path, monkeypatch, scale):
+    """``GrpoConfig.scale_rewards`` reaches the advantages of a real step: the groups' rewards
+    go through ``group_advantages`` with that scale, and the step's update follows them."""
+    import rollq.rl.grpo as grpo
+
+    torch.set_num_threads(1)
+    seen = []
+
+    def spy(rewards, eps=1e-6, scale="group"):
+        seen.append((rewards.tolist(), scale))
+        return group_advantages(rewards, eps, scale)
+
+    monkeypatch.setattr(grpo, "group_advantages", spy)
+    tr = GrpoTrainer.from_pretrained(str(tiny_model_path), GrpoConfig(lr=1e-3, scale_rewards=scale), seed=0)
+    prompt = [21] * 6
+    samples = _sample(tr.model, prompt, 4, 4, torch.Generator().manual_seed(5))
+    batch = [(prompt, Result(id="a", samples=samples, version_start=tr.version, version_end=tr.version))] * 2
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    tr.step(batch, [[0.0, 1.0, 0.0, 1.0], [0.20, 0.21, 0.20, 0.21]])
+    assert [k for _, k in seen] == [scale]
+    assert seen[0][0] == [pytest.approx([0.0, 1.0, 0.0, 1.0]), pytest.approx([0.20, 0.21, 0.20, 0.21])]
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters()))
+
+
 def test_loss_gradient_raises_logprobs_of_good_samples_and_lowers_bad_ones():
     logp = torch.zeros(2, 3, requires_grad=True)
     loss, st = grpo_loss(logp, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3))

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from rollq.demo import heldout_reward
+from rollq.demo import generate, heldout_reward
 from rollq.producer.client import Producer
 from rollq.rl import GrpoConfig, GrpoTrainer, LoopConfig, Replicas, play_group, run_loop
 from rollq.rl.tasks import LengthTask, PositionalTask, TwoTurnTask
@@ -32,10 +32,11 @@ class _OneEngine(Replicas):
         self.engines = [engine]
 
 
-async def _run(engine, model_path, url, queue, tmp_path, task, config, lr, *, heldout=False):
+async def _run(engine, model_path, url, queue, tmp_path, task, config, lr, *, heldout=False, final=False):
     """Train the session engine's model on ``task`` from its own published weights; with
-    ``heldout`` also score the held-out prompts at the final version. Leaves the engine on
-    its starting weights. Returns the report and the held-out reward (or None)."""
+    ``heldout`` also score the held-out prompts at the final version, with ``final`` run the
+    task's final evaluation (``final_specs``, ``final_report``). Leaves the engine on its
+    starting weights. Returns the report and the held-out reward or final report (or None)."""
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
@@ -53,6 +54,9 @@ async def _run(engine, model_path, url, queue, tmp_path, task, config, lr, *, he
         report = await run_loop(url, queue, trainer, task, tokenizer, pub, config)
         if heldout:
             held = await heldout_reward(url, queue, task, tokenizer, config.group_size, trainer.version)
+        if final:
+            specs = task.final_specs(tokenizer, config.group_size)
+            held = task.final_report(await generate(url, queue, specs, trainer.version))
         rec = await pub.publish_weights(base)  # leave the shared engine as found
         await replicas.wait_version(rec.version)
     finally:
@@ -104,7 +108,8 @@ async def test_length_task_learns_to_stop_after_L_tokens_through_vllm(vllm_engin
     shaping = Shaping(**RECIPES["length"]["shaping"])
     assert shaping.weight(99) == 0.0  # the whole short form trains on the partial credit
     task = LengthTask(vocab_size=1024, shaping=shaping)
-    report, _ = await _run(vllm_engine, tiny_model_path, redis_url, queue, tmp_path, task, _config(100, 16), lr=5e-3)
+    report, final = await _run(vllm_engine, tiny_model_path, redis_url, queue, tmp_path, task, _config(100, 16), lr=5e-3,
+                               final=True)
     r = report.reward_by_step()
     s = report.summary()
     assert all(0.0 <= x <= 1.0 for x in r)
@@ -118,6 +123,14 @@ async def test_length_task_learns_to_stop_after_L_tokens_through_vllm(vllm_engin
     assert per_sample < task.max_length, per_sample
     assert s["failed_jobs"] == 0 and s["logprob_tokens_compared"] > 0
     assert s["logprob_abs_diff_mean"] <= agreement_bounds(vllm_engine).mean, s
+    # The final policy on all 28 prompts: every target length, 4 x 16 samples each, and where
+    # they stopped (shares of the 64, "none" for no stop) adding up to 1.
+    by_length = final["final_by_length"]
+    assert list(by_length) == [str(n) for n in range(2, 9)], by_length
+    for row in by_length.values():
+        assert 0.0 <= row["reward"] <= 1.0 and sum(row["stopped"].values()) == pytest.approx(1.0, abs=1e-3), row
+        assert set(row["stopped"]) <= {"none", *map(str, range(0, 9))}, row
+    assert final["reward_final"] == pytest.approx(sum(r["reward"] for r in by_length.values()) / 7, abs=1e-3)
 
 
 async def test_two_turn_task_rises_past_random_on_whole_episodes(vllm_engine, tiny_model_path, redis_url, queue, tmp_path):

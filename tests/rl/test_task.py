@@ -158,6 +158,25 @@ def test_length_jobs_stop_at_eos_and_carry_quarter_and_length():
     assert t.rewards(r) == [1.0, 0.0, 0.5]
 
 
+def test_length_final_evaluation_covers_every_prompt_and_says_where_samples_stopped():
+    t = LengthTask(vocab_size=1024)
+    specs = t.final_specs(_Tok(), 3)
+    assert sorted((s["meta"]["quarter"], s["meta"]["length"]) for s in specs) == [
+        (q, n) for q in range(4) for n in range(2, 9)]
+    assert all(s["sampling"]["n"] == 3 for s in specs)
+    good = Result(id="a", meta={"quarter": 1, "length": 2},
+                  samples=[Sample(tokens=pack_i32([300, 301, 3])), Sample(tokens=pack_i32([300, 301, 302, 3])),
+                           Sample(tokens=pack_i32([300] * 9), finish_reason="length")])
+    other = Result(id="b", meta={"quarter": 0, "length": 5},
+                   samples=[Sample(tokens=pack_i32([10, 11, 12, 13, 900, 3]))])
+    rep = t.final_report([good, other])
+    assert rep["final_by_length"] == {
+        "2": {"reward": round(1 / 3, 4), "stopped": {"2": round(1 / 3, 4), "3": round(1 / 3, 4), "none": round(1 / 3, 4)}},
+        "5": {"reward": 0.8, "stopped": {"5": 1.0}},
+    }
+    assert rep["reward_final"] == round((1.0 + 0.8) / 4, 4)
+
+
 def test_tasks_by_name_and_bad_shapes_are_refused():
     assert isinstance(make_task("bucket", 1024), BucketTask)
     assert make_task("length", 2048).vocab_size == 2048

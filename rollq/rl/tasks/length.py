@@ -194,6 +194,52 @@ class LengthTask:
                         "meta": {"quarter": q, "length": n}})
         return out
 
+    def final_specs(self, tokenizer: Any, group_size: int) -> list[dict[str, Any]]:
+        """One job per (quarter, length) pair, every prompt the task has, for an evaluation of
+        the final policy (:meth:`by_length`)."""
+        return [
+            {"prompt_token_ids": self.prompt_ids(tokenizer, q, n), "sampling": self.sampling(group_size),
+             "meta": {"quarter": q, "length": n}}
+            for n in range(self.min_length, self.max_length + 1) for q in range(self.quarters)
+        ]
+
+    def by_length(self, results: Sequence[Any]) -> dict[str, dict[str, Any]]:
+        """Per target length ``L`` (the key, as a string): the samples' mean exact reward and
+        where they stopped, the share of samples by content length (``"none"``: cut at
+        ``max_tokens``), most common first. Which lengths a policy confuses is what this task
+        is hard for.
+
+        >>> from types import SimpleNamespace as NS
+        >>> s = lambda ids: NS(token_ids=ids, finish_reason="stop")
+        >>> r = NS(meta={"quarter": 2, "length": 3}, samples=[s([512, 600, 700, 3]), s([512, 600, 3]), s([512, 600, 700, 3])])
+        >>> LengthTask(vocab_size=1024).by_length([r])
+        {'3': {'reward': 0.6667, 'stopped': {'3': 0.6667, '2': 0.3333}}}
+        """
+        rewards: dict[int, list[float]] = {}
+        stops: dict[int, dict[str, int]] = {}
+        for r in results:
+            n = int(r.meta["length"])
+            rewards.setdefault(n, []).extend(self.rewards(r))
+            hist = stops.setdefault(n, {})
+            for smp in r.samples:
+                body = self.content(smp.token_ids, smp.finish_reason)
+                key = "none" if body is None else str(len(body))
+                hist[key] = hist.get(key, 0) + 1
+        out = {}
+        for n in sorted(rewards):
+            total = sum(stops[n].values())
+            ranked = sorted(stops[n].items(), key=lambda kv: -kv[1])
+            out[str(n)] = {"reward": round(sum(rewards[n]) / len(rewards[n]), 4),
+                           "stopped": {k: round(c / total, 4) for k, c in ranked}}
+        return out
+
+    def final_report(self, results: Sequence[Any]) -> dict[str, Any]:
+        """What ``rollq demo`` adds to its summary from :meth:`final_specs`' results: the final
+        policy's mean exact reward over every prompt (``reward_final``) and :meth:`by_length`
+        (``final_by_length``)."""
+        flat = [x for r in results for x in self.rewards(r)]
+        return {"reward_final": round(sum(flat) / max(1, len(flat)), 4), "final_by_length": self.by_length(results)}
+
     def rewards(self, result: Any) -> list[float]:
         """The exact rewards of a result's samples: what the loop reports."""
         q, n = int(result.meta["quarter"]), int(result.meta["length"])
