@@ -372,11 +372,12 @@ async def main_async(a: argparse.Namespace) -> dict:
     model = model_dir(a.model_size, a.task)
     tokenizer = AutoTokenizer.from_pretrained(model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    ncpu = len(available_cores())  # before this process is pinned to its share
     plan = plan_cores(a.replicas) if a.pin and device == "cpu" else None
     binds = list(plan.replicas) if plan else None
     cores = (f"trainer + event loop pinned to cores {list(plan.trainer)} (1 torch thread); replicas on cores "
              f"{list(plan.replicas)} (VLLM_CPU_OMP_THREADS_BIND)" if plan
-             else f"no pinning ({len(available_cores())} cores{'' if a.pin else ', --no-pin'}; device {device})")
+             else f"no pinning ({ncpu} cores{'' if a.pin else ', --no-pin'}; device {device})")
     if a.batch_invariant:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by the replicas' engine processes
     with RedisServer() as srv:
@@ -414,7 +415,7 @@ async def main_async(a: argparse.Namespace) -> dict:
             # Written before the replicas stop: an engine that hangs on shutdown loses no figures.
             res = {
                 "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
-                "machine": f"{platform.machine()}, {len(available_cores())} cores, {device}",
+                "machine": f"{platform.machine()}, {ncpu} cores, {device}",
                 "cores": cores,
                 "task": a.task,
                 "model_size": a.model_size,
