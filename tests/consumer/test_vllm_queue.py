@@ -78,7 +78,10 @@ async def test_cancel_and_deadline_abort_the_vllm_request(replica, vllm_engine, 
         await h.cancel()
         with pytest.raises(JobCancelled):
             await h.result(timeout=5)
-        h2 = await p.submit(**long, timeout=0.2)
+        # 16 samples of ~500 tokens: on quiet fast cores one sample of 504 tokens finished
+        # inside a 0.2 s deadline (a CI run on 2026-12-05), so the deadline never fired.
+        heavy = dict(long, sampling=dict(long["sampling"], n=16))
+        h2 = await p.submit(**heavy, timeout=0.1)
         t0 = time.monotonic()
         with pytest.raises(JobExpired):
             await h2.result(timeout=30)
