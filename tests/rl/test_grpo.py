@@ -55,7 +55,7 @@ def test_advantages_scaled_by_the_batch_or_not_at_all_keep_small_spreads_small()
 def test_the_trainer_scales_advantages_as_configured(tiny_model_path, monkeypatch, scale):
     """``GrpoConfig.scale_rewards`` reaches the advantages of a real step: the groups' rewards
     go through ``group_advantages`` with that scale, and the step's update follows them."""
-    import rollq.rl.grpo as grpo
+    import rollq.rl.advantages as grpo
 
     torch.set_num_threads(1)
     seen = []
