@@ -29,6 +29,7 @@ loop trains on, :meth:`LengthTask.rewards` (always the exact reward) what it rep
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -190,18 +191,19 @@ class LengthTask:
         out = []
         for _ in range(count):
             q, n = rng.randrange(self.quarters), rng.randint(self.min_length, self.max_length)
-            out.append({"prompt_token_ids": self.prompt_ids(tokenizer, q, n), "sampling": self.sampling(group_size),
-                        "meta": {"quarter": q, "length": n}})
+            out.append(self.job_spec(tokenizer, q, n, group_size))
         return out
+
+    def job_spec(self, tokenizer: Any, quarter: int, length: int, group_size: int) -> dict[str, Any]:
+        """The job of one prompt: a group of ``group_size`` samples, quarter and length in ``meta``."""
+        return {"prompt_token_ids": self.prompt_ids(tokenizer, quarter, length), "sampling": self.sampling(group_size),
+                "meta": {"quarter": quarter, "length": length}}
 
     def final_specs(self, tokenizer: Any, group_size: int) -> list[dict[str, Any]]:
         """One job per (quarter, length) pair, every prompt the task has, for an evaluation of
         the final policy (:meth:`by_length`)."""
-        return [
-            {"prompt_token_ids": self.prompt_ids(tokenizer, q, n), "sampling": self.sampling(group_size),
-             "meta": {"quarter": q, "length": n}}
-            for n in range(self.min_length, self.max_length + 1) for q in range(self.quarters)
-        ]
+        return [self.job_spec(tokenizer, q, n, group_size)
+                for n in range(self.min_length, self.max_length + 1) for q in range(self.quarters)]
 
     def by_length(self, results: Sequence[Any]) -> dict[str, dict[str, Any]]:
         """Per target length ``L`` (the key, as a string): the samples' mean exact reward and
@@ -216,22 +218,17 @@ class LengthTask:
         {'3': {'reward': 0.6667, 'stopped': {'3': 0.6667, '2': 0.3333}}}
         """
         rewards: dict[int, list[float]] = {}
-        stops: dict[int, dict[str, int]] = {}
+        stops: dict[int, Counter[str]] = {}
         for r in results:
             n = int(r.meta["length"])
             rewards.setdefault(n, []).extend(self.rewards(r))
-            hist = stops.setdefault(n, {})
-            for smp in r.samples:
-                body = self.content(smp.token_ids, smp.finish_reason)
-                key = "none" if body is None else str(len(body))
-                hist[key] = hist.get(key, 0) + 1
-        out = {}
-        for n in sorted(rewards):
-            total = sum(stops[n].values())
-            ranked = sorted(stops[n].items(), key=lambda kv: -kv[1])
-            out[str(n)] = {"reward": round(sum(rewards[n]) / len(rewards[n]), 4),
-                           "stopped": {k: round(c / total, 4) for k, c in ranked}}
-        return out
+            bodies = (self.content(smp.token_ids, smp.finish_reason) for smp in r.samples)
+            stops.setdefault(n, Counter()).update("none" if b is None else str(len(b)) for b in bodies)
+        return {
+            str(n): {"reward": round(sum(rewards[n]) / len(rewards[n]), 4),
+                     "stopped": {k: round(c / len(rewards[n]), 4) for k, c in stops[n].most_common()}}
+            for n in sorted(rewards)
+        }
 
     def final_report(self, results: Sequence[Any]) -> dict[str, Any]:
         """What ``rollq demo`` adds to its summary from :meth:`final_specs`' results: the final
