@@ -120,7 +120,8 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
         agree_every=recipe.get("agree_every", 1),
     )
     # On CPU the trainer and each replica get cores of their own where there are enough.
-    cores = plan_cores(a.replicas) if learn and getattr(a, "pin", True) and _device(a.transport) == "cpu" else None
+    device = _device(a.transport) if learn else None
+    cores = plan_cores(a.replicas) if device == "cpu" and getattr(a, "pin", True) else None
     weights_root = tempfile.mkdtemp(prefix="rollq-demo-weights-")
     try:
         with RedisServer() as srv:
@@ -140,7 +141,6 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                 if learn:
                     import torch
 
-                    device = _device(a.transport)
                     if device == "cpu":
                         torch.set_num_threads(a.trainer_threads)
                     grpo = GrpoConfig(lr=a.lr, entropy_coef=a.entropy_coef, scale_rewards=a.scale_rewards)
