@@ -39,6 +39,7 @@ QUEUE = "demo"
 #: ``shaping``: the task's reward-shaping schedule (:class:`~rollq.rl.tasks.Shaping` arguments;
 #: absent: the task trains on its exact reward). ``agree_every``:
 #: :attr:`~rollq.rl.loop.LoopConfig.agree_every` (absent: 1, the agreement forward every step).
+#: ``explore``: :class:`~rollq.rl.tasks.Exploration` arguments (absent: every job at temperature 1).
 RECIPES: dict[str, dict[str, Any]] = {
     "bucket": {"model": {}, "steps": 40, "groups": 16, "group_size": 8, "lr": 5e-3, "decay_after": None,
                "entropy_coef": 0.0},
@@ -71,7 +72,22 @@ def resolve(a: argparse.Namespace) -> argparse.Namespace:
         a.lr_min = recipe.get("lr_min", 0.0)
     if getattr(a, "scale_rewards", None) is None:
         a.scale_rewards = recipe.get("scale_rewards", "group")
+    if getattr(a, "explore_max", None) is None:
+        a.explore_max = recipe.get("explore", {}).get("max_temperature", 1.0)
     return a
+
+
+def exploration(a: argparse.Namespace) -> dict[str, Any] | None:
+    """The :class:`~rollq.rl.tasks.Exploration` arguments of a resolved run (None: off).
+
+    >>> exploration(argparse.Namespace(task="bucket", explore_max=1.0)) is None
+    True
+    >>> exploration(argparse.Namespace(task="length", explore_max=1.5))
+    {'max_temperature': 1.5}
+    """
+    if a.explore_max <= 1.0:
+        return None
+    return dict(RECIPES[a.task].get("explore", {}), max_temperature=a.explore_max)
 
 
 def model_for(task: str) -> str:
@@ -101,7 +117,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
 
     from .rl import GrpoConfig, GrpoTrainer, LoopConfig, Replicas, plot_run, run_loop
     from .rl.cores import pin_process, plan_cores
-    from .rl.tasks import Shaping, make_task
+    from .rl.tasks import Exploration, Shaping, make_task
     from .server import RedisServer
 
     a = resolve(a)
@@ -110,7 +126,13 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     recipe = RECIPES[a.task]
     shaping = recipe.get("shaping")
-    task = make_task(a.task, len(tokenizer), **({"shaping": Shaping(**shaping)} if shaping and learn else {}))
+    explore = exploration(a) if learn else None
+    extra: dict[str, Any] = {"shaping": Shaping(**shaping)} if shaping and learn else {}
+    if explore is not None:
+        if a.task != "length":
+            raise SystemExit(f"--explore-max: the {a.task} task has no per-prompt exploration (length has)")
+        extra["exploration"] = Exploration(**explore)
+    task = make_task(a.task, len(tokenizer), **extra)
     heldout: float | None = None
     final: dict[str, Any] = {}
     broadcast = learn and a.transport in ("gloo", "nccl")
@@ -128,7 +150,8 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
             console.print(f"[bold]redis[/] {srv.url}")
             replicas = Replicas(srv.url, QUEUE, weights_root=weights_root, count=a.replicas, engine=a.engine,
                                 model=model_dir, broadcast=broadcast, dtype=a.dtype,
-                                cpu_binds=list(cores.replicas) if cores else None)
+                                cpu_binds=list(cores.replicas) if cores else None,
+                                logprobs_mode="processed_logprobs" if explore else "raw_logprobs")
             with console.status(f"starting {a.replicas} {a.engine} replica(s)..."):
                 await replicas.start()
             if cores is not None and not pin_process(cores.trainer):
@@ -185,7 +208,8 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                    seed=a.seed, lr=a.lr if learn else None, lr_decay_after=recipe["decay_after"] if learn else None,
                    lr_min=a.lr_min if learn else None,
                    entropy_coef=a.entropy_coef if learn else None,
-                   scale_rewards=a.scale_rewards if learn else None, shaping=shaping if learn else None, engine_start_s=round(replicas.start_s, 1),
+                   scale_rewards=a.scale_rewards if learn else None, shaping=shaping if learn else None,
+                   explore=explore, engine_start_s=round(replicas.start_s, 1),
                    served_dtype=served, trainer_dtype=trainer.dtype if trainer is not None else None,
                    converted_from=converted,
                    cores={"trainer": list(cores.trainer), "replicas": list(cores.replicas)} if cores else None)

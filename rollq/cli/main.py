@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scale-rewards", choices=["group", "batch", "none"],
                    help="advantages: a group's centred rewards over its own std (GRPO), the batch's std, or none "
                         "(Dr. GRPO); GrpoConfig.scale_rewards (default: the task's, group for every task)")
+    s.add_argument("--explore-max", type=float,
+                   help="length: sample a prompt whose groups all earn one wrong reward hotter, up to this "
+                        "temperature (rollq.rl.tasks.Exploration; 1: off; default: the task's recipe)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--trainer-threads", type=int, default=1, help="CPU: torch threads of the trainer")
     s.add_argument("--no-pin", dest="pin", action="store_false",

@@ -43,8 +43,7 @@ published, so the replicas keep sampling from the initial weights and the reward
 at the random policy's level. Nothing then waits on a version: no staleness bound, no
 ``min_version``, every batch is submitted at once (async) or as the step comes (sync).
 
->>> report = await run_loop(url, "grpo", trainer, task, tokenizer, publisher, LoopConfig(steps=40))  # doctest: +SKIP
->>> report.summary()["reward_last"]                                                               # doctest: +SKIP
+>>> (await run_loop(url, "grpo", trainer, task, tok, publisher, LoopConfig(steps=40))).summary()["reward_last"]  # doctest: +SKIP
 0.99
 """
 
@@ -60,7 +59,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 
 from .behavior import CONFIDENCE_BUCKETS, merge_buckets
 from .episodes import EpisodeGroup, play_group
-from .task import training_rewards
+from .task import observe_groups, training_rewards
 
 log = logging.getLogger(__name__)
 
@@ -294,13 +293,13 @@ async def run_loop(
     published, e.g. on the echo engine), ``task`` a :class:`~rollq.rl.task.BucketTask` or one of
     :mod:`rollq.rl.tasks` (``job_specs``, ``rewards``, ``prompt_of``, ``random_policy_reward``; a
     :class:`~rollq.rl.task.ShapedTask` trains on its ``training_rewards`` and reports ``rewards``;
-    a multi-turn task has ``follow_up`` and ``jobs_per_group`` and is played in episodes),
+    an :class:`~rollq.rl.task.AdaptiveTask` hears how each step's groups went; a multi-turn task
+    has ``follow_up`` and ``jobs_per_group`` and is played in episodes),
     ``publisher`` a :class:`~rollq.weightsync.trainer.publisher.WeightPublisher` (with a broadcast
     ``sender`` for ``transport="broadcast"``; unused, may be None, with ``publish=False``).
-    ``on_step`` is called after every step.
-
-    One function on purpose: it reads top to bottom as the algorithm (submit, wait for the
-    step's batch, train, publish), with the async submitter in :func:`_submit_all`.
+    ``on_step`` is called after every step. One function on purpose: it reads top to bottom as
+    the algorithm (submit, wait for the step's batch, train, publish; the async submitter is
+    :func:`_submit_all`).
     """
     from ..producer.client import Producer
 
@@ -359,6 +358,7 @@ async def run_loop(
                 jobs.extend(span for r in ok for span in _job_spans(r))
                 rewards = [task.rewards(r) for r in ok]  # exact: reported; `train`: the advantages' (shaping)
                 train = training_rewards(task, ok, step, rewards)
+                observe_groups(task, ok, train)
                 counts = [_rollout_counts(r) for r in ok]
                 tokens, swaps, spanning = (sum(c[i] for c in counts) for i in range(3))
                 rec = StepRecord(

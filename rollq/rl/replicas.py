@@ -55,6 +55,7 @@ class Replicas:
         reconcile_interval: float = 1.0,
         gpu_memory_utilization: float | None = None,
         dtype: str = "auto",
+        logprobs_mode: str = "raw_logprobs",
     ):
         if engine not in ("vllm", "echo"):
             raise ValueError(f"engine must be 'vllm' or 'echo', got {engine!r}")
@@ -71,6 +72,9 @@ class Replicas:
         self.gpu_memory_utilization = gpu_memory_utilization
         #: ``VllmEngineConfig.dtype`` of every replica ("auto": the checkpoint's own on GPU).
         self.dtype = dtype
+        #: ``VllmEngineConfig.logprobs_mode`` of every replica (``"processed_logprobs"`` for
+        #: jobs sampled at a temperature other than 1, whose ratio the trainer must reproduce).
+        self.logprobs_mode = logprobs_mode
         self.engines: list[Any] = []
         #: One :class:`~rollq.consumer.replica.Replica` per engine while a queue is served.
         self.replicas: list[Replica] = []
@@ -92,6 +96,7 @@ class Replicas:
                 model=self.model, seed=i, max_model_len=self.max_model_len,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes, worker_extension_cls=WORKER_EXTENSION,
                 gpu_memory_utilization=self.gpu_memory_utilization, dtype=self.dtype,
+                logprobs_mode=self.logprobs_mode,
             ))
             for i in range(self.count)
         ]

@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-__all__ = ["BucketTask", "ShapedTask", "training_rewards", "vocab_range"]
+__all__ = ["AdaptiveTask", "BucketTask", "ShapedTask", "observe_groups", "training_rewards", "vocab_range"]
 
 
 @runtime_checkable
@@ -49,6 +49,25 @@ def training_rewards(task: Any, results: Sequence[Any], step: int, exact: list[l
     if not isinstance(task, ShapedTask):
         return exact
     return [task.training_rewards(r, step) for r in results]
+
+
+@runtime_checkable
+class AdaptiveTask(Protocol):
+    """A task whose next jobs depend on how its last groups went (e.g. a hotter temperature
+    for prompts whose groups collapsed, :class:`~rollq.rl.tasks.Exploration`): the loop calls
+    ``observe(results, rewards)`` with each step's results and the rewards it trains on."""
+
+    def observe(self, results: Sequence[Any], rewards: Sequence[Sequence[float]]) -> None: ...
+
+
+def observe_groups(task: Any, results: Sequence[Any], rewards: Sequence[Sequence[float]]) -> None:
+    """Hand a step's ``results`` and their training ``rewards`` to ``task`` if it is an
+    :class:`AdaptiveTask` (nothing otherwise).
+
+    >>> observe_groups(BucketTask(), ["a result"], [[0.5]])   # not adaptive: nothing happens
+    """
+    if isinstance(task, AdaptiveTask):
+        task.observe(results, rewards)
 
 
 def vocab_range(token_id: int, parts: int, vocab_size: int) -> int:

@@ -13,7 +13,9 @@ Every task has the interface the RL loop uses (:func:`rollq.rl.run_loop`):
 ``follow_up`` and ``jobs_per_group`` instead of ``prompt_of``, and its ``rewards`` take an
 :class:`~rollq.rl.episodes.EpisodeGroup`. A task with ``training_rewards(result, step)``
 (:class:`~rollq.rl.task.ShapedTask`: ``length`` with a :class:`Shaping`) is trained on those
-and reports ``rewards``.
+and reports ``rewards``. A task with ``observe(results, rewards)``
+(:class:`~rollq.rl.task.AdaptiveTask`: ``length`` with an :class:`Exploration`) hears how each
+step's groups went before it writes more jobs.
 
 >>> make_task("positional", vocab_size=1024).random_policy_reward
 0.25
@@ -24,11 +26,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..task import BucketTask
+from .explore import Exploration
 from .length import LengthTask, Shaping
 from .positional import PositionalTask
 from .two_turn import TwoTurnTask
 
-__all__ = ["LengthTask", "PositionalTask", "Shaping", "TASKS", "TwoTurnTask", "make_task"]
+__all__ = ["Exploration", "LengthTask", "PositionalTask", "Shaping", "TASKS", "TwoTurnTask", "make_task"]
 
 #: ``rollq demo --task`` names.
 TASKS = {"bucket": BucketTask, "positional": PositionalTask, "length": LengthTask, "two_turn": TwoTurnTask}

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..task import vocab_range
+from .explore import Exploration
 
 __all__ = ["LengthTask", "Shaping"]
 
@@ -91,6 +92,9 @@ class LengthTask:
     repeat: int = 4
     #: Train on a partial-credit reward first (:meth:`training_rewards`); None: on the exact one.
     shaping: Shaping | None = None
+    #: Sample a prompt whose groups collapse onto a wrong answer hotter (:meth:`observe`);
+    #: None: every training job at temperature 1.
+    exploration: Exploration | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not 2 <= self.quarters <= 10 or self.vocab_size < self.quarters:
@@ -179,25 +183,44 @@ class LengthTask:
         """The prompt a result was generated from (quarter and length ride in ``meta``)."""
         return self.prompt_ids(tokenizer, int(result.meta["quarter"]), int(result.meta["length"]))
 
-    def sampling(self, group_size: int) -> dict[str, Any]:
-        """A GRPO group at temperature 1 that stops at EOS, at most ``max_length + 1`` tokens."""
+    def sampling(self, group_size: int, temperature: float = 1.0) -> dict[str, Any]:
+        """A GRPO group that stops at EOS, at most ``max_length + 1`` tokens."""
         return {
-            "max_tokens": self.max_length + 1, "n": group_size, "temperature": 1.0, "logprobs": 0,
+            "max_tokens": self.max_length + 1, "n": group_size, "temperature": temperature, "logprobs": 0,
             "ignore_eos": False, "detokenize": False,
         }
 
     def job_specs(self, tokenizer: Any, rng: random.Random, count: int, group_size: int) -> list[dict[str, Any]]:
-        """``count`` jobs with quarter and length drawn from ``rng``."""
+        """``count`` training jobs with quarter and length drawn from ``rng``, each prompt at
+        its :attr:`exploration` temperature (1 without it)."""
         out = []
         for _ in range(count):
             q, n = rng.randrange(self.quarters), rng.randint(self.min_length, self.max_length)
-            out.append(self.job_spec(tokenizer, q, n, group_size))
+            t = self.exploration.temperature((q, n)) if self.exploration is not None else 1.0
+            out.append(self.job_spec(tokenizer, q, n, group_size, t))
         return out
 
-    def job_spec(self, tokenizer: Any, quarter: int, length: int, group_size: int) -> dict[str, Any]:
+    def job_spec(self, tokenizer: Any, quarter: int, length: int, group_size: int,
+                 temperature: float = 1.0) -> dict[str, Any]:
         """The job of one prompt: a group of ``group_size`` samples, quarter and length in ``meta``."""
-        return {"prompt_token_ids": self.prompt_ids(tokenizer, quarter, length), "sampling": self.sampling(group_size),
-                "meta": {"quarter": quarter, "length": length}}
+        return {"prompt_token_ids": self.prompt_ids(tokenizer, quarter, length),
+                "sampling": self.sampling(group_size, temperature), "meta": {"quarter": quarter, "length": length}}
+
+    def observe(self, results: Sequence[Any], rewards: Sequence[Sequence[float]]) -> None:
+        """Tell :attr:`exploration` how each result's group went (``rewards``: what the loop
+        trains on, one list per result); nothing without it.
+
+        >>> from types import SimpleNamespace as NS
+        >>> tok = NS(encode=lambda text, add_special_tokens: [ord(c) for c in text])
+        >>> task = LengthTask(exploration=Exploration(boost=1.5))
+        >>> task.observe([NS(meta={"quarter": 1, "length": 2})], [[0.0, 0.0]])   # collapsed, wrong
+        >>> task.exploration.hot(), task.job_spec(tok, 1, 2, 4, task.exploration.temperature((1, 2)))["sampling"]["temperature"]
+        ({(1, 2): 1.5}, 1.5)
+        """
+        if self.exploration is None:
+            return
+        for r, rw in zip(results, rewards):
+            self.exploration.observe((int(r.meta["quarter"]), int(r.meta["length"])), rw)
 
     def final_specs(self, tokenizer: Any, group_size: int) -> list[dict[str, Any]]:
         """One job per (quarter, length) pair, every prompt the task has, for an evaluation of
