@@ -188,7 +188,8 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     await replicas.wait_version(rec.version)
     task = make_task(len(tokenizer), a.min_tokens, a.max_tokens, a.task)
     cfg = LoopConfig(steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode=mode, max_lag=max_lag, seed=seed,
-                     transport=a.transport, update_policy="keep" if policy == "keep" else "abort")
+                     transport=a.transport, update_policy="keep" if policy == "keep" else "abort",
+                     agree_every=a.agree_every)
 
     def on_step(r) -> None:
         for g in trainer.optimizer.param_groups:  # the next step's rate (the task's schedule)
@@ -425,6 +426,7 @@ async def main_async(a: argparse.Namespace) -> dict:
                 "groups_per_step": a.groups,
                 "group_size": a.group_size,
                 "lr": a.lr,
+                "agree_every": a.agree_every,
                 "seed": seeds[0],
                 "seeds": seeds,
                 "stress": a.stress,
@@ -476,6 +478,9 @@ def main() -> None:
     ap.add_argument("--transport", choices=["memmap", "ipc"], default="memmap",
                     help="weight sync: memmap files in /dev/shm, or ipc (the trainer's tensors shared with the replicas)")
     ap.add_argument("--lr", type=float, help="Adam's learning rate (default: the task's recipe: 5e-3 for bucket)")
+    ap.add_argument("--agree-every", type=int,
+                    help="the diagnostic agreement forward at older versions every k-th step only, in every arm "
+                         "(LoopConfig.agree_every; default: the task's recipe, every step for bucket and positional)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", type=int, nargs="+",
                     help="run every arm once per seed, with the same replicas (ratios per seed, and each arm's "
@@ -498,6 +503,8 @@ def main() -> None:
             setattr(a, key, stress if a.stress else normal)
     resolve(a)  # the task's recipe fills what the command line left out, as in rollq demo
     a.decay_after = RECIPES[a.task]["decay_after"]
+    if a.agree_every is None:
+        a.agree_every = RECIPES[a.task].get("agree_every", 1)
     if a.task != "bucket" and (a.model_size != "tiny" or a.stress):
         ap.error(f"--task {a.task} runs its recipe's model, without --stress")
     if not 1 <= a.min_tokens <= a.max_tokens:

@@ -358,7 +358,7 @@ async def run_loop(
                 jobs.extend(span for r in ok for span in _job_spans(r))
                 rewards = [task.rewards(r) for r in ok]  # exact: reported; `train`: the advantages' (shaping)
                 train = training_rewards(task, ok, step, rewards)
-                observe_groups(task, ok, train)
+                observe_groups(task, ok, rewards, step)
                 counts = [_rollout_counts(r) for r in ok]
                 tokens, swaps, spanning = (sum(c[i] for c in counts) for i in range(3))
                 rec = StepRecord(

@@ -55,19 +55,20 @@ def training_rewards(task: Any, results: Sequence[Any], step: int, exact: list[l
 class AdaptiveTask(Protocol):
     """A task whose next jobs depend on how its last groups went (e.g. a hotter temperature
     for prompts whose groups collapsed, :class:`~rollq.rl.tasks.Exploration`): the loop calls
-    ``observe(results, rewards)`` with each step's results and the rewards it trains on."""
+    ``observe(results, rewards, step)`` with each step's results, their exact rewards (what the
+    loop reports) and the step's index."""
 
-    def observe(self, results: Sequence[Any], rewards: Sequence[Sequence[float]]) -> None: ...
+    def observe(self, results: Sequence[Any], rewards: Sequence[Sequence[float]], step: int) -> None: ...
 
 
-def observe_groups(task: Any, results: Sequence[Any], rewards: Sequence[Sequence[float]]) -> None:
-    """Hand a step's ``results`` and their training ``rewards`` to ``task`` if it is an
+def observe_groups(task: Any, results: Sequence[Any], rewards: Sequence[Sequence[float]], step: int) -> None:
+    """Hand step ``step``'s ``results`` and their exact ``rewards`` to ``task`` if it is an
     :class:`AdaptiveTask` (nothing otherwise).
 
-    >>> observe_groups(BucketTask(), ["a result"], [[0.5]])   # not adaptive: nothing happens
+    >>> observe_groups(BucketTask(), ["a result"], [[0.5]], 0)   # not adaptive: nothing happens
     """
     if isinstance(task, AdaptiveTask):
-        task.observe(results, rewards)
+        task.observe(results, rewards, step)
 
 
 def vocab_range(token_id: int, parts: int, vocab_size: int) -> int:

@@ -1,6 +1,6 @@
 """Per-prompt exploration (``rollq.rl.tasks.Exploration``): a prompt whose GRPO group all earn
 one wrong reward is sampled hotter; the loop tells the task how each step's groups went
-(``AdaptiveTask.observe``), and through vLLM the hotter jobs' logprobs stay the trainer's."""
+(``AdaptiveTask.observe``, with the exact rewards), and through vLLM the hotter jobs' logprobs stay the trainer's."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from rollq.rl.task import AdaptiveTask, BucketTask, observe_groups
-from rollq.rl.tasks import Exploration, LengthTask
+from rollq.rl.tasks import Exploration, LengthTask, Shaping
 
 
 class _Tok:
@@ -58,15 +58,26 @@ def test_length_jobs_of_a_collapsed_prompt_are_sampled_hotter_and_the_final_eval
     task = LengthTask(vocab_size=1024, exploration=Exploration(boost=1.5, max_temperature=2.0))
     assert isinstance(task, AdaptiveTask) and not isinstance(BucketTask(), AdaptiveTask)
     # (quarter 1, L 2) collapsed onto one wrong reward; (quarter 2, L 3) had spread.
-    observe_groups(task, [_Res(1, 2), _Res(2, 3)], [[0.25] * 4, [0.0, 0.5, 0.0, 0.0]])
+    observe_groups(task, [_Res(1, 2), _Res(2, 3)], [[0.25] * 4, [0.0, 0.5, 0.0, 0.0]], 0)
     specs = task.job_specs(_Tok(), random.Random(0), 400, 4)
     temps = {(s["meta"]["quarter"], s["meta"]["length"]): s["sampling"]["temperature"] for s in specs}
     assert temps.pop((1, 2)) == 1.5 and set(temps.values()) == {1.0}
     assert {s["sampling"]["temperature"] for s in task.final_specs(_Tok(), 4)} == {1.0}
     # Without an Exploration the task is adaptive in form only: nothing changes.
     plain = LengthTask(vocab_size=1024)
-    plain.observe([_Res(1, 2)], [[0.0] * 4])
+    plain.observe([_Res(1, 2)], [[0.0] * 4], 0)
     assert {s["sampling"]["temperature"] for s in plain.job_specs(_Tok(), random.Random(0), 50, 4)} == {1.0}
+
+
+def test_length_exploration_waits_for_the_end_of_the_shaping_hold():
+    """In the hold the policy learns from partial credit alone and nearly every group's exact
+    reward is 0: that is not a collapse, and nothing is heated."""
+    task = LengthTask(vocab_size=1024, exploration=Exploration(boost=2.0), shaping=Shaping(hold=5, anneal=5))
+    for step in range(5):
+        task.observe([_Res(0, 4)], [[0.0] * 8], step)
+    assert task.exploration.hot() == {}
+    task.observe([_Res(0, 4)], [[0.0] * 8], 5)
+    assert task.exploration.hot() == {(0, 4): 2.0}
 
 
 def test_the_demo_turns_exploration_on_for_length_only():
@@ -94,9 +105,9 @@ async def test_hot_length_jobs_through_vllm_keep_the_trainers_logprobs(
     from tests.rl.test_harder_tasks import _config, _run
 
     class _Seen(LengthTask):
-        def observe(self, results, rewards):
+        def observe(self, results, rewards, step):
             temps.extend(r.logprob_source.temperature for r in results)
-            super().observe(results, rewards)
+            super().observe(results, rewards, step)
 
     temps: list[float] = []
     task = _Seen(vocab_size=1024, exploration=Exploration(boost=2.0, max_temperature=2.0))

@@ -58,7 +58,7 @@ class Exploration:
         return self._temps.get(key, 1.0)
 
     def observe(self, key: Hashable, rewards: Sequence[float]) -> None:
-        """Record one group of prompt ``key``: the rewards it is trained on."""
+        """Record one group of prompt ``key``: its samples' rewards."""
         if not rewards:
             return
         t = self.temperature(key)

@@ -206,18 +206,22 @@ class LengthTask:
         return {"prompt_token_ids": self.prompt_ids(tokenizer, quarter, length),
                 "sampling": self.sampling(group_size, temperature), "meta": {"quarter": quarter, "length": length}}
 
-    def observe(self, results: Sequence[Any], rewards: Sequence[Sequence[float]]) -> None:
-        """Tell :attr:`exploration` how each result's group went (``rewards``: what the loop
-        trains on, one list per result); nothing without it.
+    def observe(self, results: Sequence[Any], rewards: Sequence[Sequence[float]], step: int) -> None:
+        """Tell :attr:`exploration` how each result's group went on the exact reward
+        (``rewards``, one list per result), from the end of :attr:`shaping`'s hold on; nothing
+        without an exploration. The exact reward, not the one trained on: a group whose samples
+        all stop at the same wrong length earns partial credits that still differ by their
+        content, so its advantages are all content while its length never moves.
 
         >>> from types import SimpleNamespace as NS
         >>> tok = NS(encode=lambda text, add_special_tokens: [ord(c) for c in text])
-        >>> task = LengthTask(exploration=Exploration(boost=1.5))
-        >>> task.observe([NS(meta={"quarter": 1, "length": 2})], [[0.0, 0.0]])   # collapsed, wrong
+        >>> task = LengthTask(exploration=Exploration(boost=1.5), shaping=Shaping(hold=10))
+        >>> task.observe([NS(meta={"quarter": 1, "length": 2})], [[0.0, 0.0]], step=9)   # in the hold
+        >>> task.observe([NS(meta={"quarter": 1, "length": 2})], [[0.0, 0.0]], step=10)  # collapsed, wrong
         >>> task.exploration.hot(), task.job_spec(tok, 1, 2, 4, task.exploration.temperature((1, 2)))["sampling"]["temperature"]
         ({(1, 2): 1.5}, 1.5)
         """
-        if self.exploration is None:
+        if self.exploration is None or (self.shaping is not None and step < self.shaping.hold):
             return
         for r, rw in zip(results, rewards):
             self.exploration.observe((int(r.meta["quarter"]), int(r.meta["length"])), rw)
