@@ -131,7 +131,10 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     if explore is not None:
         if a.task != "length":
             raise SystemExit(f"--explore-max: the {a.task} task has no per-prompt exploration (length has)")
-        extra["exploration"] = Exploration(**explore)
+        try:
+            extra["exploration"] = Exploration(**explore)
+        except ValueError as e:
+            raise SystemExit(f"--explore-max: {e}") from None
     task = make_task(a.task, len(tokenizer), **extra)
     heldout: float | None = None
     final: dict[str, Any] = {}

@@ -23,22 +23,22 @@ class _Res:
 
 
 def test_a_collapsed_wrong_group_heats_its_prompt_up_to_the_cap():
-    ex = Exploration(boost=2.0, max_temperature=3.0)
+    ex = Exploration(boost=1.25, max_temperature=1.8)
     temps = []
-    for _ in range(3):
+    for _ in range(4):
         ex.observe("p", [0.2] * 8)
         temps.append(ex.temperature("p"))
-    assert temps == [2.0, 3.0, 3.0]
-    assert ex.temperature("q") == 1.0 and ex.hot() == {"p": 3.0}
+    assert temps == [1.25, 1.5625, 1.8, 1.8]
+    assert ex.temperature("q") == 1.0 and ex.hot() == {"p": 1.8}
 
 
 def test_spread_cools_a_prompt_and_a_solved_group_resets_it():
-    ex = Exploration(boost=2.0, max_temperature=8.0)
-    for _ in range(3):
+    ex = Exploration(boost=1.25, max_temperature=2.0)
+    for _ in range(4):
         ex.observe("p", [0.0, 0.0])
-    assert ex.temperature("p") == 8.0
+    assert ex.temperature("p") == 2.0
     ex.observe("p", [0.0, 0.5])  # spread: the advantage is back, one step cooler
-    assert ex.temperature("p") == 4.0
+    assert ex.temperature("p") == 1.6
     ex.observe("p", [1.0, 1.0])  # every sample right: nothing to explore for
     assert ex.temperature("p") == 1.0 and ex.hot() == {}
     ex.observe("p", [0.0, 1.0])  # spread at 1 stays at 1
@@ -52,6 +52,9 @@ def test_exploration_refuses_settings_that_cannot_heat():
         Exploration(boost=1.0)
     with pytest.raises(ValueError, match="max_temperature"):
         Exploration(max_temperature=0.5)
+    # vLLM refuses a temperature above 2: a job sampled hotter would be dead-lettered.
+    with pytest.raises(ValueError, match=r"max_temperature must be in \[1, 2.0\]"):
+        Exploration(max_temperature=3.0)
 
 
 def test_length_jobs_of_a_collapsed_prompt_are_sampled_hotter_and_the_final_evaluation_is_not():

@@ -31,7 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-__all__ = ["Exploration"]
+__all__ = ["Exploration", "MAX_TEMPERATURE"]
+
+#: The highest sampling temperature vLLM accepts (its ``SamplingParams`` refuses more).
+MAX_TEMPERATURE = 2.0
 
 
 @dataclass
@@ -41,7 +44,7 @@ class Exploration:
     #: Factor applied to a prompt's temperature per collapsed wrong group (its inverse per
     #: group with spread).
     boost: float = 1.25
-    #: The hottest a prompt is ever sampled.
+    #: The hottest a prompt is ever sampled (at most vLLM's limit, :data:`MAX_TEMPERATURE`).
     max_temperature: float = 2.0
     #: The reward of a right sample; a collapsed group at this reward or above is solved.
     best: float = 1.0
@@ -50,8 +53,9 @@ class Exploration:
     def __post_init__(self) -> None:
         if not self.boost > 1.0:
             raise ValueError(f"Exploration.boost must be > 1, got {self.boost}")
-        if not self.max_temperature >= 1.0:
-            raise ValueError(f"Exploration.max_temperature must be >= 1, got {self.max_temperature}")
+        if not 1.0 <= self.max_temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"Exploration.max_temperature must be in [1, {MAX_TEMPERATURE}] (vLLM refuses a "
+                             f"sampling temperature above {MAX_TEMPERATURE}), got {self.max_temperature}")
 
     def temperature(self, key: Hashable) -> float:
         """The temperature to sample prompt ``key`` at (1 for a prompt not seen yet)."""
