@@ -123,13 +123,14 @@ def test_demo_length_pins_one_replica_and_reports_the_final_policy_by_length(tmp
     plan = plan_cores(1)
     assert s["cores"] == ({"trainer": list(plan.trainer), "replicas": list(plan.replicas)} if plan else None)
     assert s["versions"] == 3 and s["failed_jobs"] == 0 and s["scale_rewards"] == "group"
+    assert s["explore"] == {"max_temperature": 2.0}  # the recipe's exploration (processed logprobs)
     assert list(s["final_by_length"]) == [str(n) for n in range(2, 9)]
     assert 0.0 <= s["reward_final"] <= 1.0
 
 
 def test_demo_recipe_fills_the_entropy_bonus_unless_the_command_line_sets_it():
     from rollq.cli.main import build_parser
-    from rollq.demo import RECIPES, resolve
+    from rollq.demo import RECIPES, exploration, resolve
 
     p = build_parser()
     a = resolve(p.parse_args(["demo", "--task", "positional"]))
@@ -140,6 +141,9 @@ def test_demo_recipe_fills_the_entropy_bonus_unless_the_command_line_sets_it():
     assert a.scale_rewards == RECIPES["length"].get("scale_rewards", "group") and a.pin is True
     a = resolve(p.parse_args(["demo", "--task", "length", "--scale-rewards", "none", "--no-pin"]))
     assert a.scale_rewards == "none" and a.pin is False
+    assert exploration(a) == RECIPES["length"]["explore"]
+    assert exploration(resolve(p.parse_args(["demo", "--task", "length", "--explore-max", "1"]))) is None
+    assert exploration(resolve(p.parse_args(["demo", "--task", "positional"]))) is None
 
 
 def test_demo_lr_schedule_decays_to_its_floor_and_the_command_line_sets_it():
