@@ -503,8 +503,6 @@ def main() -> None:
             setattr(a, key, stress if a.stress else normal)
     resolve(a)  # the task's recipe fills what the command line left out, as in rollq demo
     a.decay_after = RECIPES[a.task]["decay_after"]
-    if a.agree_every is None:
-        a.agree_every = RECIPES[a.task].get("agree_every", 1)
     if a.task != "bucket" and (a.model_size != "tiny" or a.stress):
         ap.error(f"--task {a.task} runs its recipe's model, without --stress")
     if not 1 <= a.min_tokens <= a.max_tokens:

@@ -75,6 +75,8 @@ def resolve(a: argparse.Namespace) -> argparse.Namespace:
         a.scale_rewards = recipe.get("scale_rewards", "group")
     if getattr(a, "explore_max", None) is None:
         a.explore_max = recipe.get("explore", {}).get("max_temperature", 1.0)
+    if getattr(a, "agree_every", None) is None:
+        a.agree_every = recipe.get("agree_every", 1)
     return a
 
 
@@ -143,7 +145,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     cfg = LoopConfig(
         steps=a.steps, groups_per_step=a.groups, group_size=a.group_size, mode="async", max_lag=a.max_lag,
         transport="broadcast" if broadcast else ("ipc" if a.transport == "ipc" else "memmap"), seed=a.seed,
-        agree_every=recipe.get("agree_every", 1),
+        agree_every=a.agree_every,
     )
     # On CPU the trainer and each replica get cores of their own where there are enough.
     device = _device(a.transport) if learn else None

@@ -45,7 +45,7 @@ class Exploration:
     #: group with spread).
     boost: float = 1.25
     #: The hottest a prompt is ever sampled (at most vLLM's limit, :data:`MAX_TEMPERATURE`).
-    max_temperature: float = 2.0
+    max_temperature: float = MAX_TEMPERATURE
     #: The reward of a right sample; a collapsed group at this reward or above is solved.
     best: float = 1.0
     _temps: dict[Hashable, float] = field(default_factory=dict, repr=False)
