@@ -125,16 +125,43 @@ class _PickedLogprobs(torch.nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(
-        self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, tok: torch.Tensor, temp: torch.Tensor | None
-    ) -> torch.Tensor:
-        decoder = self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
-        hidden = decoder(input_ids=ids, attention_mask=attn).last_hidden_state
-        h = hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    def decoder(self) -> torch.nn.Module:
+        return self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
+
+    def head(self, h: torch.Tensor, tok: torch.Tensor, temp: torch.Tensor | None) -> torch.Tensor:
         logits = self.lm.get_output_embeddings()(h).float()
         if temp is not None:  # per row, in float32, as vLLM's sampler divides
             logits = logits / temp.view(-1, 1, 1)
         return torch.log_softmax(logits, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+
+    def forward(
+        self, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor, tok: torch.Tensor, temp: torch.Tensor | None
+    ) -> torch.Tensor:
+        hidden = self.decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
+        return self.head(hidden.gather(1, pos.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), tok, temp)
+
+
+class _SharedPromptLogprobs(_PickedLogprobs):
+    """The same logprobs for rows that share prompts (a GRPO group's samples): each distinct
+    prompt but its last token runs through the decoder once, its key/value cache is gathered
+    to every row of that prompt (``index_select``: gradients flow back to the one prompt pass),
+    and each row runs on from there with ``[last prompt token] + completion[:-1]``, whose
+    outputs predict the completion's tokens. Causal attention makes this the same computation
+    as the whole sequence per row; a group of ``n`` samples pays for its prompt once, not ``n``
+    times. Rows here share one prompt length (``ctx``: ``[distinct prompts, length - 1]``)."""
+
+    def forward(  # type: ignore[override]
+        self, ctx: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor, tok: torch.Tensor,
+        temp: torch.Tensor | None,
+    ) -> torch.Tensor:
+        dec = self.decoder()
+        if ctx.shape[1] == 0:  # one-token prompts: nothing to share
+            return self.head(dec(input_ids=ids, attention_mask=attn).last_hidden_state, tok, temp)
+        cache = dec(input_ids=ctx, use_cache=True).past_key_values
+        cache.reorder_cache(rows)
+        full = torch.cat([torch.ones(ids.shape[0], ctx.shape[1], dtype=attn.dtype, device=attn.device), attn], dim=1)
+        hidden = dec(input_ids=ids, attention_mask=full, past_key_values=cache, use_cache=True).last_hidden_state
+        return self.head(hidden, tok, temp)
 
 
 def token_logprobs(
@@ -143,6 +170,8 @@ def token_logprobs(
     completions: Sequence[Sequence[int]],
     state: Mapping[str, torch.Tensor] | None = None,
     temperature: float | Sequence[float] = 1.0,
+    *,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs of each completion's tokens after its prompt, in one right-padded batch.
 
@@ -150,7 +179,11 @@ def token_logprobs(
     With ``state`` the model is evaluated at those weights (``torch.func.functional_call``)
     instead of its own. ``temperature`` (one, or one per completion): the logprobs are
     ``log_softmax(logits / T)``, those of sampling at ``T``. Gradients flow unless called
-    under ``torch.no_grad()``.
+    under ``torch.no_grad()``. Where prompts repeat (``share_prompts``, a GRPO group's ``n``
+    samples of one prompt) each distinct prompt runs through the decoder once and its rows
+    continue from its key/value cache (the model must take ``past_key_values``, as
+    transformers' causal LMs do); ``share_prompts=False`` runs every row whole. The two agree
+    to float rounding.
 
     >>> logp, mask = token_logprobs(model, [[5, 6, 7]], [[100, 200]])   # doctest: +SKIP
     """
@@ -159,20 +192,11 @@ def token_logprobs(
     if any(not p for p in prompts):
         raise ValueError("every prompt needs at least one token")
     n = len(prompts)
-    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
     longest = max((len(c) for c in completions), default=0)
-    ids = torch.zeros(n, width, dtype=torch.long)
-    attn = torch.zeros(n, width, dtype=torch.long)
-    pos = torch.zeros(n, max(1, longest), dtype=torch.long)
-    tok = torch.zeros(n, max(1, longest), dtype=torch.long)
-    mask = torch.zeros(n, max(1, longest), dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        seq = list(p) + list(c)
-        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attn[i, : len(seq)] = 1
-        # The position predicting completion token j is len(prompt) + j - 1 (padding: any valid one).
-        pos[i] = len(p) - 1
-        pos[i, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
+    width = max(1, longest)
+    tok = torch.zeros(n, width, dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.bool)
+    for i, c in enumerate(completions):
         tok[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
         mask[i, : len(c)] = True
     temps = [float(temperature)] * n if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
@@ -180,15 +204,69 @@ def token_logprobs(
         raise ValueError(f"{len(temps)} temperatures for {n} completions")
     dev = next(model.parameters()).device
     temp = None if all(t == 1.0 for t in temps) else torch.tensor(temps, dtype=torch.float32, device=dev)
-    picker = _PickedLogprobs(model)
-    args = (ids.to(dev), attn.to(dev), pos.to(dev), tok.to(dev), temp)
-    if state is None:
-        logp = picker(*args)
+    weights = None if state is None else {f"lm.{k}": v for k, v in state.items()}
+
+    def run(picker: torch.nn.Module, *args: Any) -> torch.Tensor:
+        return picker(*args) if weights is None else torch.func.functional_call(picker, weights, args)
+
+    if share_prompts and len({tuple(p) for p in prompts}) < n:
+        logp = _shared_prompt_pass(_SharedPromptLogprobs(model), run, prompts, completions, tok, temp, dev)
     else:
-        logp = torch.func.functional_call(picker, {f"lm.{k}": v for k, v in state.items()}, args)
+        logp = run(_PickedLogprobs(model), *_whole_rows(prompts, completions, dev), tok.to(dev), temp)
     mask = mask.to(dev)
     logp = torch.where(mask, logp, torch.zeros_like(logp))
     return logp[:, :longest], mask[:, :longest]
+
+
+def _whole_rows(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids, attention mask, positions)`` of prompt + completion per row, right-padded; the
+    position predicting completion token j is ``len(prompt) + j - 1`` (padding: any valid one)."""
+    n = len(prompts)
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    longest = max(1, max((len(c) for c in completions), default=0))
+    ids = torch.zeros(n, width, dtype=torch.long)
+    attn = torch.zeros(n, width, dtype=torch.long)
+    pos = torch.zeros(n, longest, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        seq = list(p) + list(c)
+        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[i, : len(seq)] = 1
+        pos[i] = len(p) - 1
+        pos[i, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
+    return ids.to(dev), attn.to(dev), pos.to(dev)
+
+
+def _shared_prompt_pass(
+    picker: _SharedPromptLogprobs, run: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+    tok: torch.Tensor, temp: torch.Tensor | None, dev: torch.device,
+) -> torch.Tensor:
+    """:class:`_SharedPromptLogprobs` over the rows, one pass per prompt length, back in row order."""
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    width = tok.shape[1]
+    parts, order = [], []
+    for plen, idx in by_len.items():
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = [distinct.setdefault(tuple(prompts[i]), len(distinct)) for i in idx]
+        ctx = torch.tensor([list(p[:-1]) for p in distinct], dtype=torch.long).view(len(distinct), plen - 1)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        attn = torch.zeros(len(idx), width, dtype=torch.long)
+        for r, i in enumerate(idx):
+            seq = [prompts[i][-1], *list(completions[i])[:-1]]
+            ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+            attn[r, : len(seq)] = 1
+        sel = torch.tensor(idx, dtype=torch.long)
+        parts.append(run(picker, ctx.to(dev), torch.tensor(rows, device=dev), ids.to(dev), attn.to(dev),
+                         tok[sel].to(dev), None if temp is None else temp[sel.to(dev)]))
+        order += idx
+    if len(parts) == 1 and order == list(range(len(order))):
+        return parts[0]
+    back = torch.empty(len(order), dtype=torch.long)
+    back[torch.tensor(order)] = torch.arange(len(order))
+    return torch.cat(parts)[back.to(dev)]
 
 
 def _behavior(results: Sequence[Any]) -> tuple[list[list[float]], list[float]]:

@@ -153,6 +153,38 @@ def test_token_logprobs_of_a_padded_batch_equal_one_sequence_at_a_time(trainer):
     assert mask.tolist() == [[True, True, False, False], [True] * 4]
 
 
+def test_shared_prompts_give_the_whole_rows_logprobs_and_gradients(trainer):
+    """A group's samples share their prompt's decoder pass (one key/value cache gathered to
+    every row): logprobs and gradients equal those of running every row whole, with prompts of
+    several lengths (one token among them), empty completions, per-row temperatures and the
+    weights of another version."""
+    m = trainer.model
+    gen = torch.Generator().manual_seed(3)
+    base = [[5, 6, 7], [9] * 8, [11], [12, 13, 14]]
+    prompts = [p for p in base for _ in range(3)]
+    comps = [torch.randint(4, 1000, (int(k),), generator=gen).tolist() for k in torch.randint(0, 6, (12,), generator=gen)]
+    comps[0] = []
+    temps = [(0.7, 1.0, 2.0)[i % 3] for i in range(12)]
+    weights = torch.randn(12, 5, generator=gen)
+    got = {}
+    for share in (True, False):
+        m.zero_grad(set_to_none=True)
+        logp, mask = token_logprobs(m, prompts, comps, temperature=temps, share_prompts=share)
+        (logp * weights[:, : logp.shape[1]]).sum().backward()
+        got[share] = logp.detach(), mask, [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    (a, mask_a, grads_a), (b, mask_b, grads_b) = got[True], got[False]
+    assert torch.equal(mask_a, mask_b) and a.shape == (12, 5)
+    assert (a - b).abs().max() < 1e-5
+    for ga, gb in zip(grads_a, grads_b):
+        assert torch.allclose(ga, gb, rtol=1e-4, atol=1e-6)
+    other = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in m.state_dict().items()}
+    with torch.no_grad():
+        x, _ = token_logprobs(m, prompts, comps, other, temps)
+        y, _ = token_logprobs(m, prompts, comps, other, temps, share_prompts=False)
+    assert (x - y).abs().max() < 1e-5 and (x - a).abs().max() > 1e-3  # the other weights were used
+
+
 def test_trainer_step_measures_agreement_lags_and_keeps_snapshots(trainer):
     gen = torch.Generator().manual_seed(0)
     v0 = trainer.version
