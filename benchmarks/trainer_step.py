@@ -9,7 +9,7 @@ every row run whole (``share_prompts=False``), interleaved in one run.
 A shape is ``groups x group size``, a prompt length and completion lengths drawn uniformly
 from a range (seeded): ``length`` is ``rollq demo --task length``'s batch (8 x 32, prompts of 8
 tokens, completions of 2-9), ``positional`` that task's (16 x 16, 4 + 4), ``long`` an LLM-like
-one (8 x 16, prompts of 512, completions of 32-128). Each repetition times ``token_logprobs``,
+one (4 x 16, prompts of 512, completions of 32-128). Each repetition times ``token_logprobs``,
 a loss and ``backward`` (what :meth:`~rollq.rl.grpo.GrpoTrainer.step` spends almost all of
 its time on) for both arms back to back; the figures are medians. ``max_abs_diff`` is the
 largest logprob difference between the arms (float rounding). ``--threads`` sets torch's CPU
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 SHAPES = {
     "length": (8, 32, 8, 2, 9),
     "positional": (16, 16, 4, 4, 4),
-    "long": (8, 16, 512, 32, 128),
+    "long": (4, 16, 512, 32, 128),
 }
 
 
