@@ -610,7 +610,10 @@ def main() -> None:
     ap.add_argument("--ipc-keep", default="1",
                     help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_keep_mappings (1: kept, 0: opened every version)")
     ap.add_argument("--memmap-chunks", type=int, default=3, help="256 MiB read chunks in flight (0: unthrottled)")
-    ap.add_argument("--gpu-mem", type=float, default=0.55)
+    ap.add_argument("--gpu-mem", type=float, default=0.55,
+                    help="the engine's gpu_memory_utilization; 0.55 is sized for a 140 GB H200. The ipc phase puts "
+                         "the trainer's 15.2 GB and the replica's 15.2 GB shadow beside it on one GPU: on an 80 GB "
+                         "H100 use 0.35 (0.55 ran out of memory there)")
     ap.add_argument("--sync-variants", default="direct",
                     help="comma list taking turns in the sync phase: direct (one broadcast per tensor, coalesced), "
                          "layout (BroadcastSender(shadow_layout=True): buckets in the receivers' flat shadow layout), "
