@@ -45,7 +45,7 @@ RECIPES: dict[str, dict[str, Any]] = {
                "entropy_coef": 0.0},
     "positional": {"model": {"layers": 4}, "steps": 600, "groups": 16, "group_size": 8, "lr": 2e-3, "decay_after": 100,
                    "entropy_coef": 0.0},
-    "length": {"model": {}, "steps": 1000, "groups": 8, "group_size": 32, "lr": 5e-3, "decay_after": 100,
+    "length": {"model": {}, "steps": 1500, "groups": 8, "group_size": 32, "lr": 5e-3, "decay_after": 100,
                "entropy_coef": 0.0, "shaping": {"hold": 100, "anneal": 200, "floor": 0.2}, "agree_every": 10,
                "explore": {"max_temperature": 2.0}},
     "two_turn": {"model": {}, "steps": 60, "groups": 16, "group_size": 8, "lr": 5e-3, "decay_after": None,
