@@ -10,7 +10,7 @@ logprobs of samples generated entirely at version ``v`` must equal the trainer's
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -212,34 +212,39 @@ def token_logprobs(
     if share_prompts and len({tuple(p) for p in prompts}) < n:
         logp = _shared_prompt_pass(_SharedPromptLogprobs(model), run, prompts, completions, tok, temp, dev)
     else:
-        logp = run(_PickedLogprobs(model), *_whole_rows(prompts, completions, dev), tok.to(dev), temp)
+        logp = run(_PickedLogprobs(model), *_whole_rows(prompts, completions, width, dev), tok.to(dev), temp)
     mask = mask.to(dev)
     logp = torch.where(mask, logp, torch.zeros_like(logp))
     return logp[:, :longest], mask[:, :longest]
 
 
+def _right_padded(seqs: Sequence[Sequence[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, attention mask)`` of ``seqs``, right-padded to ``width``."""
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attn = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+        attn[i, : len(seq)] = 1
+    return ids, attn
+
+
 def _whole_rows(
-    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], dev: torch.device
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], width: int, dev: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ids, attention mask, positions)`` of prompt + completion per row, right-padded; the
-    position predicting completion token j is ``len(prompt) + j - 1`` (padding: any valid one)."""
-    n = len(prompts)
-    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
-    longest = max(1, max((len(c) for c in completions), default=0))
-    ids = torch.zeros(n, width, dtype=torch.long)
-    attn = torch.zeros(n, width, dtype=torch.long)
-    pos = torch.zeros(n, longest, dtype=torch.long)
+    position predicting completion token j is ``len(prompt) + j - 1`` (padding: any valid one);
+    ``width`` positions per row."""
+    ids, attn = _right_padded([[*p, *c] for p, c in zip(prompts, completions)],
+                              max(len(p) + len(c) for p, c in zip(prompts, completions)))
+    pos = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        seq = list(p) + list(c)
-        ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attn[i, : len(seq)] = 1
         pos[i] = len(p) - 1
         pos[i, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
     return ids.to(dev), attn.to(dev), pos.to(dev)
 
 
 def _shared_prompt_pass(
-    picker: _SharedPromptLogprobs, run: Any, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+    picker: _SharedPromptLogprobs, run: Callable[..., torch.Tensor], prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
     tok: torch.Tensor, temp: torch.Tensor | None, dev: torch.device,
 ) -> torch.Tensor:
     """:class:`_SharedPromptLogprobs` over the rows, one pass per prompt length, back in row order."""
@@ -252,12 +257,7 @@ def _shared_prompt_pass(
         distinct: dict[tuple[int, ...], int] = {}
         rows = [distinct.setdefault(tuple(prompts[i]), len(distinct)) for i in idx]
         ctx = torch.tensor([list(p[:-1]) for p in distinct], dtype=torch.long).view(len(distinct), plen - 1)
-        ids = torch.zeros(len(idx), width, dtype=torch.long)
-        attn = torch.zeros(len(idx), width, dtype=torch.long)
-        for r, i in enumerate(idx):
-            seq = [prompts[i][-1], *list(completions[i])[:-1]]
-            ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-            attn[r, : len(seq)] = 1
+        ids, attn = _right_padded([[prompts[i][-1], *list(completions[i])[:-1]] for i in idx], width)
         sel = torch.tensor(idx, dtype=torch.long)
         parts.append(run(picker, ctx.to(dev), torch.tensor(rows, device=dev), ids.to(dev), attn.to(dev),
                          tok[sel].to(dev), None if temp is None else temp[sel.to(dev)]))
