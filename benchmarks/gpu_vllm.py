@@ -379,6 +379,21 @@ async def engine_main(a: argparse.Namespace) -> None:
                    "paused_s": st.pause_s, **(await step_gaps(m0)), "weights_match": await weights_match(r["mark"])}
             return r, row, st
 
+        def timeline(st: Any, t_published: float, t_served: float) -> dict:
+            """The follower's timeline of one update split into the waits its durations do not
+            cover (UpdateStats.timings): the announcement's arrival after the publish call
+            returned, the reconcile's start after it, reading and checking the record, from the
+            staging's end to the swap, from the swap's end to the update being recorded, and
+            from then to this benchmark seeing it served."""
+            t = st.timings
+            if not t.get("recorded_at"):
+                return {}
+            hinted = t.get("hinted_at") or t["woke_at"]
+            return {"t_wake_s": t["woke_at"] - hinted, "t_read_check_s": t["staging_at"] - t["woke_at"],
+                    "t_staged_to_swap_s": t["swap_at"] - t["staging_at"] - t.get("stage_call_s", 0.0),
+                    "t_swap_to_recorded_s": t["recorded_at"] - t["swap_at"] - st.pause_s,
+                    "t_recorded_to_seen_s": t_served - t["recorded_at"], "t_publish_to_hint_s": hinted - t_published}
+
         if "sync" in phases:
             try:
                 rows = []
@@ -492,7 +507,8 @@ async def engine_main(a: argparse.Namespace) -> None:
                                trainer_extra_gpu_bytes=r["trainer_extra_gpu_bytes"], stage_s=st.load.get("stage_s"),
                                open_s=st.load.get("open_s"), verify_s=st.load.get("verify_s"), opened=st.load.get("opened"),
                                reused=st.load.get("reused"), hint_after_publish_s=hinted - r["t1"] if hinted else None,
-                               stage_call_s=st.timings.get("stage_call_s"), load=st.load)
+                               stage_call_s=st.timings.get("stage_call_s"), **timeline(st, r["t1"], row["end_to_end_s"] + r["t0"]),
+                               load=st.load)
                     log("ipc", {k: v for k, v in row.items() if k != "load"})
                     i, prev_keep = i + 1, keep
                     if not warm:
@@ -586,7 +602,12 @@ def render(out: dict) -> str:
                   f"{med(r, 'open_s') * 1000:.1f} for {med(r, 'opened'):.0f} storages opened, {med(r, 'reused'):.0f} kept; verify "
                   f"{med(r, 'verify_s') * 1000:.1f}), announcement after the publish call {med(r, 'hint_after_publish_s') * 1000:.1f} ms, "
                   f"follower's read {med(r, 'follower_read_s') * 1000:.1f} ms, staging as the follower saw it "
-                  f"{med(r, 'stage_call_s') * 1000:.1f} ms, swap call {med(r, 'paused_s') * 1000:.1f} ms, longest gap between engine "
+                  f"{med(r, 'stage_call_s') * 1000:.1f} ms, swap call {med(r, 'paused_s') * 1000:.1f} ms, "
+                  + (f"waits the durations do not cover: reconcile after the announcement {med(r, 't_wake_s') * 1000:.1f} ms, "
+                     f"reading and checking the record {med(r, 't_read_check_s') * 1000:.1f}, staged to swap "
+                     f"{med(r, 't_staged_to_swap_s') * 1000:.1f}, swap to recorded {med(r, 't_swap_to_recorded_s') * 1000:.1f}, "
+                     f"recorded to seen {med(r, 't_recorded_to_seen_s') * 1000:.1f}; " if all('t_wake_s' in x for x in r) else "")
+                  + f"longest gap between engine "
                   f"steps {med(r, 'max_step_gap_s') * 1000:.1f} ms (median step {med(r, 'median_step_s') * 1000:.1f} ms); "
                   f"trainer's extra GPU memory {max(x.get('trainer_extra_gpu_bytes') or 0 for x in r) / 2**20:.0f} MiB, copied "
                   f"{max(x.get('trainer_copied_bytes') or 0 for x in r) / 2**20:.0f} MiB; served weights equal the published ones: "

@@ -156,6 +156,42 @@ async def test_update_policies_and_version_spans(redis_url, queue, root, policy)
     assert weight0(engine) == 2.0
 
 
+async def test_an_update_records_its_timeline_from_the_announcement_to_serving(redis_url, queue, root):
+    """Each update says when, in wall-clock time, its announcement arrived, the reconcile
+    began, staging began, intake closed for the swap and the update was recorded, in that
+    order and consistent with the measured staging and pause (the gaps between them are the
+    waits for the consumer's event loop that the durations do not cover)."""
+    pub = WeightPublisher(redis_url, queue, root=root)
+    await pub.publish_weights(state(1.0))
+    engine = FakeWorkerEngine(small_model, delay_per_token=0.02)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=30.0))  # only the announcement wakes it
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    try:
+        async with Producer(redis_url, queue) as p:
+            hs = await p.submit_many([{"prompt": f"q{i}", "sampling": {"max_tokens": 20}} for i in range(4)])
+            await until(lambda: consumer.running_count() == 4, 10, "jobs running")
+            t_publish = time.time()
+            rec = await pub.publish_weights(state(2.0))
+            await until(lambda: consumer.version == rec.version and follower.history, 10, "the update")
+            await p.gather(hs, timeout=30)
+    finally:
+        consumer.stop()
+        await task
+        await follower.stop()
+        await pub.close()
+    t = follower.history[-1].timings
+    order = ["hinted_at", "woke_at", "staging_at", "swap_at", "recorded_at"]
+    marks = [t[k] for k in order]
+    assert t_publish <= marks[0], (t_publish, t)  # woken by the announcement, not by polling
+    assert marks == sorted(marks), dict(zip(order, marks))
+    slack = 0.005  # durations are perf_counter, marks wall clock
+    assert t["staging_at"] + t["stage_call_s"] <= t["swap_at"] + slack, t
+    assert t["swap_at"] + follower.history[-1].pause_s <= t["recorded_at"] + slack, t
+    assert t["recorded_at"] - t["hinted_at"] < 10
+
+
 async def test_job_requiring_newer_version_waits_for_it(redis_url, queue, root):
     pub = WeightPublisher(redis_url, queue, root=root)
     await pub.publish_weights(state(1.0))

@@ -98,9 +98,12 @@ class UpdateStats:
     #: Where the update's time went on this side: ``read_s`` (the record, policy and acks),
     #: ``stage_call_s`` (staging the version while serving, as the follower saw it: the
     #: workers' RPCs and status polls included), ``load_call_s`` (the load or swap call to
-    #: the engine, as the follower saw it) and
-    #: ``hinted_at`` (wall clock when the pub/sub announcement reached this follower; 0: the
-    #: update was found by polling).
+    #: the engine, as the follower saw it), and its timeline in wall-clock seconds:
+    #: ``hinted_at`` (the pub/sub announcement reached this follower; 0: the update was found
+    #: by polling), ``woke_at`` (the reconcile that applied it began), ``staging_at`` (staging
+    #: began, after the record was read and checked), ``swap_at`` (intake closed for the swap),
+    #: ``recorded_at`` (the update was recorded: the replica serves it). Every ``await`` between
+    #: these waits for the consumer's event loop, which the gaps between them measure.
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -299,6 +302,7 @@ class WeightFollower:
     async def _reconcile(self, from_loop: bool) -> UpdateStats | None:
         """The loop's reconcile skips a version that failed until its retry is due (or for
         good, once final) and does not raise load failures (they are recorded)."""
+        woke_at = time.time()
         async with self._lock:
             t0 = time.perf_counter()
             # One round trip: the record, the policy and (for an announced broadcast version)
@@ -340,7 +344,8 @@ class WeightFollower:
                 if from_loop:
                     return None
                 raise
-            st.timings.update(read_s=read_s, hinted_at=self._hinted_at if self._hinted == rec.version else 0.0)
+            st.timings.update(read_s=read_s, hinted_at=self._hinted_at if self._hinted == rec.version else 0.0,
+                              woke_at=woke_at, recorded_at=time.time())
             self.history.append(st)
             self.failures = 0
             if self.load_failures.current is not None:
@@ -365,11 +370,12 @@ class WeightFollower:
         """Swap ``rec`` in under ``policy`` (see the module docstring); ``acks``: this
         replica's acks of a broadcast version, already read."""
         c = self.consumer
-        t0 = time.perf_counter()
+        t0, staging_at = time.perf_counter(), time.time()
         staged = await self._staged(rec, acks)
         stage_call_s = time.perf_counter() - t0
         aborted: list[Any] = []
         paused = False
+        swap_at = time.time()
         with c.paused_for_update():
             try:
                 t_pause = time.perf_counter()  # generation stops for at most this long
@@ -384,7 +390,8 @@ class WeightFollower:
                     c.restart(aborted)
         load = dict(staged.report if staged is not None else {}, **to_wire(report))
         return self._updated(UpdateStats(rec.version, policy, rec.transport, time.perf_counter() - t0, pause_s, load,
-                                         timings={"stage_call_s": stage_call_s, "load_call_s": self._load_call_s}))
+                                         timings={"stage_call_s": stage_call_s, "load_call_s": self._load_call_s,
+                                                  "staging_at": staging_at, "swap_at": swap_at}))
 
     def transport(self, rec: VersionRecord) -> ReplicaTransport:
         """The replica side of the transport ``rec`` was sent over
