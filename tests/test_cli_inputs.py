@@ -135,3 +135,27 @@ async def test_a_certificate_that_fails_the_check_fails_fast_as_a_wrong_password
             pass
     r = rollq("consume", "--url", url, "--queue", queue, "--engine", "echo", "--burst")
     assert r.returncode == 2 and "certificate" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_consume_passes_engine_args_to_vllm_and_refuses_its_own_options_there():
+    """``rollq consume --engine-arg KEY=VALUE`` reaches vLLM's AsyncEngineArgs (values read as
+    JSON); a field the installed vLLM lacks is refused by name, and a field rollq sets from
+    its own options, or a malformed pair, stops the command line at once."""
+    pytest.importorskip("vllm")
+    from rollq.cli.consume import make_engine
+    from rollq.cli.main import build_parser
+    from rollq.consumer._vllm_api import _vllm, engine_args
+
+    a = build_parser().parse_args(["consume", "--engine", "vllm", "--model", "m", "--engine-arg", "load-format=dummy",
+                                   "--engine-arg", "max_num_seqs=512", "--engine-arg", "enable_prefix_caching=false"])
+    cfg = make_engine(a).config
+    assert cfg.engine_kwargs == {"load_format": "dummy", "max_num_seqs": 512, "enable_prefix_caching": False}
+    args = engine_args(_vllm(), cfg)
+    assert (args.load_format, args.max_num_seqs, args.enable_prefix_caching) == ("dummy", 512, False)
+    a = build_parser().parse_args(["consume", "--engine", "vllm", "--model", "m", "--engine-arg", "no_such_field=1"])
+    with pytest.raises(ValueError, match=r"has no field\(s\) \['no_such_field'\]"):
+        engine_args(_vllm(), make_engine(a).config)
+    for bad, says in [("dtype=float16", "dtype is set by --dtype"), ("noequals", "KEY=VALUE"),
+                      ("logprobs_mode=processed_logprobs", "labelled")]:
+        r = rollq("consume", "--engine", "vllm", "--engine-arg", bad)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)

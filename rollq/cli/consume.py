@@ -10,6 +10,43 @@ from ..settings import ConsumerSettings
 from .common import common_options
 
 
+#: AsyncEngineArgs fields rollq consume sets from its own options (or must own, to label
+#: results): ``--engine-arg`` refuses them, naming the option.
+OWN_ENGINE_ARGS = {
+    "model": "--model", "tensor_parallel_size": "--tensor-parallel-size", "dtype": "--dtype",
+    "max_model_len": "--max-model-len", "enforce_eager": "--enforce-eager",
+    "gpu_memory_utilization": "--gpu-memory-utilization", "kv_cache_memory_bytes": "--kv-cache-memory-bytes",
+    "worker_extension_cls": "--worker-extension", "logprobs_mode": "VllmEngineConfig.logprobs_mode (results are labelled with it)",
+}
+
+
+def engine_arg(text: str) -> tuple[str, Any]:
+    """One ``--engine-arg KEY=VALUE``: any other field of vLLM's ``AsyncEngineArgs``, as vLLM's
+    own CLI takes it, the value read as JSON where it parses (numbers, true/false, objects)
+    and as a string otherwise; ``-`` in the key reads as ``_``. The engine refuses a field the
+    installed vLLM lacks when it starts.
+
+    >>> engine_arg("load-format=dummy"), engine_arg("max_num_seqs=512"), engine_arg("enable_prefix_caching=false")
+    (('load_format', 'dummy'), ('max_num_seqs', 512), ('enable_prefix_caching', False))
+    >>> engine_arg("dtype=float16")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: dtype is set by --dtype, not --engine-arg
+    """
+    import json
+
+    key, sep, raw = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key.isidentifier() or len(text) > 4096:
+        raise argparse.ArgumentTypeError(f"--engine-arg takes KEY=VALUE with KEY a field name, got {text[:100]!r}")
+    if key in OWN_ENGINE_ARGS:
+        raise argparse.ArgumentTypeError(f"{key} is set by {OWN_ENGINE_ARGS[key]}, not --engine-arg")
+    try:
+        value: Any = json.loads(raw)
+    except ValueError:
+        value = raw
+    return key, value
+
+
 def make_engine(a: argparse.Namespace) -> Any:
     from ..consumer.engine import EchoEngine
 
@@ -31,6 +68,7 @@ def make_engine(a: argparse.Namespace) -> Any:
             # Following weight versions needs rollq's worker extension inside vLLM's workers.
             worker_extension_cls=a.worker_extension
             or ("rollq.weightsync.worker.ext.RollqWorkerExtension" if (a.weights_root or a.broadcast) else None),
+            engine_kwargs=dict(getattr(a, "engine_arg", None) or []),
         )
     )
 
@@ -75,6 +113,9 @@ def register(sub: Any) -> None:
     s.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="vllm: KV cache size in bytes (instead of a share of device memory)")
     s.add_argument("--worker-extension", default=None, help="vllm worker_extension_cls (weight sync)")
+    s.add_argument("--engine-arg", type=engine_arg, action="append", metavar="KEY=VALUE",
+                   help="vllm: any other AsyncEngineArgs field (repeatable), e.g. load_format=dummy or max_num_seqs=512; "
+                        "values read as JSON where they parse")
     s.add_argument("--weights-root", default=None, help="follow policy versions published under this memmap root")
     s.add_argument("--broadcast", action="store_true", help="also join the trainer's NCCL/gloo weight broadcasts")
     s.add_argument("--swap-overlap", action="store_true",
