@@ -380,19 +380,17 @@ async def engine_main(a: argparse.Namespace) -> None:
             return r, row, st
 
         def timeline(st: Any, t_published: float, t_served: float) -> dict:
-            """The follower's timeline of one update split into the waits its durations do not
-            cover (UpdateStats.timings): the announcement's arrival after the publish call
-            returned, the reconcile's start after it, reading and checking the record, from the
-            staging's end to the swap, from the swap's end to the update being recorded, and
-            from then to this benchmark seeing it served."""
-            t = st.timings
-            if not t.get("recorded_at"):
+            """The waits of one update that its durations do not cover (UpdateStats.waits):
+            the announcement's arrival after the publish call returned, the reconcile's start
+            after it, reading and checking the record, from the staging's end to the swap, from
+            the swap's end to the update being recorded, and from then to this benchmark seeing
+            it served."""
+            w, t = st.waits(), st.timings
+            if not w:
                 return {}
-            hinted = t.get("hinted_at") or t["woke_at"]
-            return {"t_wake_s": t["woke_at"] - hinted, "t_read_check_s": t["staging_at"] - t["woke_at"],
-                    "t_staged_to_swap_s": t["swap_at"] - t["staging_at"] - t.get("stage_call_s", 0.0),
-                    "t_swap_to_recorded_s": t["recorded_at"] - t["swap_at"] - st.pause_s,
-                    "t_recorded_to_seen_s": t_served - t["recorded_at"], "t_publish_to_hint_s": hinted - t_published}
+            return {"t_wake_s": w["wake_s"], "t_read_check_s": w["read_check_s"], "t_staged_to_swap_s": w["staged_to_swap_s"],
+                    "t_swap_to_recorded_s": w["swap_to_recorded_s"], "t_recorded_to_seen_s": t_served - t["recorded_at"],
+                    "t_publish_to_hint_s": (t.get("hinted_at") or t["woke_at"]) - t_published}
 
         if "sync" in phases:
             try:

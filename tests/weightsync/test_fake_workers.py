@@ -190,6 +190,8 @@ async def test_an_update_records_its_timeline_from_the_announcement_to_serving(r
     assert t["staging_at"] + t["stage_call_s"] <= t["swap_at"] + slack, t
     assert t["swap_at"] + follower.history[-1].pause_s <= t["recorded_at"] + slack, t
     assert t["recorded_at"] - t["hinted_at"] < 10
+    w = follower.history[-1].waits()  # consecutive parts: they add up to announcement -> recorded
+    assert min(w.values()) >= -slack and abs(sum(w.values()) - (t["recorded_at"] - t["hinted_at"])) < 1e-6, w
 
 
 async def test_job_requiring_newer_version_waits_for_it(redis_url, queue, root):

@@ -106,6 +106,26 @@ class UpdateStats:
     #: these waits for the consumer's event loop, which the gaps between them measure.
     timings: dict[str, float] = field(default_factory=dict)
 
+    def waits(self) -> dict[str, float]:
+        """The update's time from the announcement (or, found by polling, from the reconcile)
+        to the replica serving it, in consecutive parts (seconds): ``wake_s`` (announcement to
+        reconcile), ``read_check_s`` (reading and checking the record), ``stage_call_s``,
+        ``staged_to_swap_s``, ``pause_s`` (intake closed for the swap) and
+        ``swap_to_recorded_s``; empty without the timeline (an overlapped swap).
+
+        >>> t = {"hinted_at": 10.0, "woke_at": 10.002, "staging_at": 10.003, "stage_call_s": 0.05,
+        ...      "swap_at": 10.054, "recorded_at": 10.08}
+        >>> {k: round(v * 1000, 1) for k, v in UpdateStats(2, "keep", "ipc", 0.08, 0.02, timings=t).waits().items()}
+        {'wake_s': 2.0, 'read_check_s': 1.0, 'stage_call_s': 50.0, 'staged_to_swap_s': 1.0, 'pause_s': 20.0, 'swap_to_recorded_s': 6.0}
+        """
+        t = self.timings
+        if not all(k in t for k in ("woke_at", "staging_at", "swap_at", "recorded_at")):
+            return {}
+        stage = t.get("stage_call_s", 0.0)
+        return {"wake_s": t["woke_at"] - (t.get("hinted_at") or t["woke_at"]), "read_check_s": t["staging_at"] - t["woke_at"],
+                "stage_call_s": stage, "staged_to_swap_s": t["swap_at"] - t["staging_at"] - stage, "pause_s": self.pause_s,
+                "swap_to_recorded_s": t["recorded_at"] - t["swap_at"] - self.pause_s}
+
 
 class WeightFollower:
     """Keeps one replica's engine at the newest committed policy version.
