@@ -219,7 +219,7 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     s["waste"] = round(made / s["rollout_tokens"], 3) if s["rollout_tokens"] else None
     s["update_policy"] = policy
     # The replicas' updates split from announcement to serving (medians, ms): WeightFollower's timeline.
-    waits = [u.waits() for u in report.updates if u.waits()]
+    waits = [w for w in (u.waits() for u in report.updates) if w]
     s["update_waits_ms"] = {k: round(1000 * sorted(w[k] for w in waits)[len(waits) // 2], 2) for k in waits[0]} if waits else None
     s["seed"] = seed
     s.update(served_dtype=replicas.served_dtype, trainer_dtype=trainer.dtype, converted_from=replicas.converted_from())

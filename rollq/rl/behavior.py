@@ -194,11 +194,8 @@ def token_logprobs(
     n = len(prompts)
     longest = max((len(c) for c in completions), default=0)
     width = max(1, longest)
-    tok = torch.zeros(n, width, dtype=torch.long)
-    mask = torch.zeros(n, width, dtype=torch.bool)
-    for i, c in enumerate(completions):
-        tok[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
-        mask[i, : len(c)] = True
+    tok, filled = _right_padded(completions, width)
+    mask = filled.bool()
     temps = [float(temperature)] * n if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
     if len(temps) != n:
         raise ValueError(f"{len(temps)} temperatures for {n} completions")
