@@ -25,6 +25,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from .._tasks import stop_task
 from ..keys import FIELD
 from ..protocol import MAX_PROGRESS_TEXT, MAX_PROGRESS_TOKENS, ProgressEntry, encode_progress
 from .engine import ProgressCallback
@@ -219,9 +220,6 @@ class ProgressWriter:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        task = self._task
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop_task(self._task)
         self._buf.clear()
         self._last.clear()

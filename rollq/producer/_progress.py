@@ -24,6 +24,7 @@ import logging
 from collections import defaultdict
 from typing import Any, AsyncIterator, Callable
 
+from .._tasks import stop_task
 from ..errors import ProtocolError
 from ..keys import FIELD, tag_of
 from ..protocol import ProgressEntry, decode_progress
@@ -137,9 +138,7 @@ class ProgressReader:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await stop_task(task)
         self._end()
 
 

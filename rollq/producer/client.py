@@ -31,6 +31,7 @@ import uuid
 import weakref
 from typing import Any, AsyncIterator, Iterable, Sequence
 
+from .._tasks import stop_task
 from ..connection import CANCEL, DROP_EMPTY, RETRYABLE, SET_BOUND, Client, connect, deadline, raw_replies
 from ..errors import InvalidJob, job_error
 from ..keys import GROUP, QueueKeys, check_name
@@ -130,9 +131,7 @@ class Producer:
                  self.shards, k)
         self._set_shards(k)
         old, self._reader = self._reader, None
-        if old is not None:
-            old.cancel()
-            await asyncio.gather(old, return_exceptions=True)
+        await stop_task(old)
         if not self._closed:
             self._reader = asyncio.create_task(_run_all(self._result_readers()), name=f"rollq-results-{self.id}")
 
@@ -211,13 +210,8 @@ class Producer:
             except RETRYABLE:
                 pass
         await self._progress.close()
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._reader = None
+        await stop_task(self._reader)
+        self._reader = None
         for c in (self._client, self._reader_client):
             if c is not None:
                 await c.aclose()

@@ -57,6 +57,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from .._tasks import stop_task
 from .behavior import CONFIDENCE_BUCKETS, merge_buckets
 from .episodes import EpisodeGroup, play_group
 from .task import observe_groups, training_rewards
@@ -392,12 +393,7 @@ async def run_loop(
                 if on_step is not None:
                     on_step(rec)
         finally:
-            if submitter is not None:
-                submitter.cancel()
-                try:
-                    await submitter
-                except (asyncio.CancelledError, Exception):  # its error, if any, was raised by _next
-                    pass
+            await stop_task(submitter)  # its error, if any, was raised by _next
             await p.set_staleness_bound(None)
         wall = time.perf_counter() - t_start
     return LoopReport(

@@ -118,6 +118,24 @@ async def test_restarted_replica_catches_up_before_pulling_and_missed_hint_is_re
     await pub.close()
 
 
+async def test_stop_ends_the_follower_even_when_an_announcement_lands_with_the_cancellation(redis_url, queue, root):
+    """On Python 3.11 ``asyncio.wait_for`` swallows a cancellation that arrives just after the
+    announcement woke its inner wait; the follower's loop then went on and ``stop()`` waited for
+    it for ever (a CI run hung 600 s in stop()). Here the announcement and the stop land in
+    exactly that order."""
+    engine = FakeWorkerEngine(small_model)
+    consumer = Consumer(engine, redis_url, queue)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=30))
+    await follower.start()
+    await asyncio.sleep(0.05)  # the loop is in its wait for the next announcement
+    follower._kick.set()  # the inner wait is woken and finishes first ...
+    await asyncio.sleep(0)
+    stopping = asyncio.create_task(follower.stop())  # ... then the cancellation arrives
+    done, _ = await asyncio.wait({stopping}, timeout=10)
+    assert stopping in done, "stop() did not end the follower's loop"
+    assert follower._task is not None and follower._task.done()
+
+
 @pytest.mark.parametrize("policy", ["keep", "abort", "drain"])
 async def test_update_policies_and_version_spans(redis_url, queue, root, policy):
     pub = WeightPublisher(redis_url, queue, root=root)

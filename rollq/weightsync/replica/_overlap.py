@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from ..._tasks import stop_task
 from ..base import ReplicaSide
 from ..wire import Swap, SwapReport, decode_ack
 from .worker_calls import WorkerCalls
@@ -83,8 +84,7 @@ class OverlappedSwap:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_task(self._task)
 
     async def _run(self, version: int, t_offer: float, still_possible: Callable[[], bool]) -> None:
         """Shortly before the receive of ``version`` should end, stop and swap it in."""

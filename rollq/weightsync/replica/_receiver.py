@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from ..._tasks import stop_task
 from ...errors import WeightSyncError, WeightSyncTimeout
 from ...protocol import Control
 from ..base import ReplicaSide
@@ -68,9 +69,7 @@ class ReplicaReceiver:
         self._task = asyncio.create_task(self._loop(), name="rollq-broadcast-receiver")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await stop_task(self._task)
         with contextlib.suppress(Exception):  # the trainer leaves it out of the next group
             await self._client.hdel(self.keys.weights_members, self.consumer.id)
         if self.group is not None:

@@ -60,6 +60,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..._tasks import stop_task
 from ...connection import RETRYABLE
 from ...errors import EngineDead, WeightSyncError, WeightSyncTimeout
 from ...protocol import Control
@@ -228,8 +229,7 @@ class WeightFollower:
         if self.receiver is not None:
             await self.receiver.stop()
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await stop_task(self._task)
         if self._client is not None:
             try:  # a stopped replica serves nothing: its manifest and load error go with it
                 pipe = self._client.pipeline(transaction=False)
