@@ -3,8 +3,10 @@
 On Python 3.11, :func:`asyncio.wait_for` returns the inner result instead of raising when the
 cancellation arrives just as the inner awaitable finishes, so a ``while True`` loop around it
 goes on as if nothing had happened and a single ``task.cancel()`` followed by ``await task``
-waits forever. :func:`stop_task` cancels again each time the task comes back to an await,
-for a bounded time, and reports a task that still would not stop.
+waits forever. :func:`stop_task` cancels again while the task goes on, for a bounded time, and
+reports a task that still would not stop. The first cancellation is given
+:data:`FIRST_CANCEL_S` before the next, so that cleanup the task does on its way out (awaits
+in ``finally`` blocks) is not cut short.
 
 Example:
 
@@ -27,7 +29,8 @@ import logging
 
 log = logging.getLogger(__name__)
 
-RECANCEL_S = 0.05  # how long one cancellation is given before the next
+#: How long the first cancellation is given to end the task, and each later one.
+FIRST_CANCEL_S, RECANCEL_S = 1.0, 0.2
 
 
 async def stop_task(task: asyncio.Task | None, grace: float = 10.0) -> bool:
@@ -39,9 +42,11 @@ async def stop_task(task: asyncio.Task | None, grace: float = 10.0) -> bool:
         return True
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
+    wait = FIRST_CANCEL_S
     while not task.done():
         task.cancel()
-        await asyncio.wait({task}, timeout=max(0.0, min(RECANCEL_S, deadline - loop.time())))
+        await asyncio.wait({task}, timeout=max(0.0, min(wait, deadline - loop.time())))
+        wait = RECANCEL_S
         if not task.done() and loop.time() >= deadline:
             log.warning("task %s did not stop within %.1fs of being cancelled", task.get_name(), grace)
             return False

@@ -59,3 +59,19 @@ async def test_a_finished_or_failed_task_is_taken_as_stopped():
     assert await stop_task(t)
     with pytest.raises(ValueError):
         t.result()
+
+
+async def test_cleanup_after_the_first_cancellation_is_not_cut_short():
+    cleaned = asyncio.Event()
+
+    async def tidy():
+        try:
+            await asyncio.sleep(10)
+        finally:
+            await asyncio.sleep(0.3)  # e.g. resuming a paused engine
+            cleaned.set()
+
+    t = asyncio.create_task(tidy())
+    await asyncio.sleep(0)
+    assert await asyncio.wait_for(stop_task(t), 5)
+    assert cleaned.is_set() and t.cancelled()
