@@ -19,7 +19,9 @@
    the version. The trainer publishes it without a memmap copy (a second publisher with no
    store), as a colocated trainer whose replicas are all on its GPU would. ``--ipc-keep 1,0``
    alternates the replica keeping the trainer's storages mapped from one version to the next
-   (``WeightSyncSettings.ipc_keep_mappings``) with opening every handle each version.
+   (``WeightSyncSettings.ipc_keep_mappings``) with opening every handle each version;
+   ``--ipc-prestage 0,1`` the follower starting each copy with the workers starting it when
+   the version is announced (``WeightSyncSettings.ipc_prestage``).
 
 Results go to ``<out>.json`` and ``<out>.md``; each phase is written as soon as it ends.
 """
@@ -487,20 +489,26 @@ async def engine_main(a: argparse.Namespace) -> None:
 
                 rows = []
                 chunks = [int(float(c) * (1 << 20)) for c in a.ipc_chunk_mb.split(",")]
-                combos = [(c, k == "1") for c in chunks for k in a.ipc_keep.split(",")]
+                combos = [(c, k == "1", x == "1") for c in chunks for k in a.ipc_keep.split(",") for x in a.ipc_prestage.split(",")]
                 # The first traces the load plan into the shadow; then the variants take turns.
                 # A kept-mappings update right after one without opens everything again: that
                 # one is a warm-up, not measured.
                 prev_keep, i = True, 0
                 while len(rows) < a.ipc_reps * len(combos):
-                    chunk, keep = combos[len(rows) % len(combos)]
+                    chunk, keep, prestage = combos[len(rows) % len(combos)]
                     warm = i == 0 or (keep and not prev_keep)
-                    follower.settings = dataclasses.replace(follower.settings, ipc_chunk_bytes=chunk, ipc_keep_mappings=keep)
+                    follower.settings = dataclasses.replace(follower.settings, ipc_chunk_bytes=chunk, ipc_keep_mappings=keep,
+                                                            ipc_prestage=prestage)
                     for tr in follower._transports.values():
                         tr.settings = follower.settings
+                    ipc = follower.transport("ipc")  # the workers watch for versions (ipc_prestage) or not
+                    await ipc.close()
+                    if prestage:
+                        await ipc.watch(srv.url, consumer.version, consumer.id)
                     r, row, st = await measured_update("ipc")
                     hinted = st.timings.get("hinted_at") or 0.0
-                    row.update(chunk_mb=chunk / (1 << 20), keep_mappings=keep, warm_up=warm, expose_s=r["timings"].get("expose_s"),
+                    row.update(chunk_mb=chunk / (1 << 20), keep_mappings=keep, prestage=prestage, prestaged=bool(st.load.get("prestaged")),
+                               warm_up=warm, expose_s=r["timings"].get("expose_s"),
                                checksum_s=r["timings"].get("checksum_s"), trainer_copied_bytes=r["timings"].get("ipc_copied_bytes"),
                                trainer_extra_gpu_bytes=r["trainer_extra_gpu_bytes"], stage_s=st.load.get("stage_s"),
                                open_s=st.load.get("open_s"), verify_s=st.load.get("verify_s"), opened=st.load.get("opened"),
@@ -587,13 +595,17 @@ def render(out: dict) -> str:
                   f"{med(r, 'gb_per_s_publish_plus_load'):.1f} GB/s, write {med(r, 'write_s'):.2f} s, "
                   f"longest gap between engine steps {med(r, 'max_step_gap_s') * 1000:.0f} ms; "
                   f"served weights equal the published ones: {all(x.get('weights_match') for x in ph['memmap']['reps'])}", ""]
-    ipc_variants = sorted({(x.get("chunk_mb", 0), x.get("keep_mappings", False)) for x in ph.get("ipc", {}).get("reps", [])})
-    for chunk, keep in ipc_variants:
-        r = [x for x in ph["ipc"]["reps"] if (x.get("chunk_mb", 0), x.get("keep_mappings", False)) == (chunk, keep)]
+    def variant(x: dict) -> tuple:
+        return x.get("chunk_mb", 0), x.get("keep_mappings", False), x.get("prestage", False)
+
+    for chunk, keep, prestage in sorted({variant(x) for x in ph.get("ipc", {}).get("reps", [])}):
+        r = [x for x in ph["ipc"]["reps"] if variant(x) == (chunk, keep, prestage)]
         e2e = sorted(x["end_to_end_s"] * 1000 for x in r)
         paced = f"waits every {chunk:.0f} MiB" if chunk else "one burst"
         kept = "handles kept mapped across versions" if keep else "every handle opened each version"
-        lines += [f"CUDA IPC on one GPU, {paced}, {kept} ({len(r)} updates, {r[0].get('running_at_start')} requests running): end to end "
+        started = (f"copies started by the workers' watchers ({sum(bool(x.get('prestaged')) for x in r)} of {len(r)})"
+                   if prestage else "copies started by the follower")
+        lines += [f"CUDA IPC on one GPU, {paced}, {kept}, {started} ({len(r)} updates, {r[0].get('running_at_start')} requests running): end to end "
                   f"{med(r, 'end_to_end_s') * 1000:.1f} ms ({e2e[0]:.1f}-{e2e[-1]:.1f}), publish call "
                   f"{med(r, 'trainer_publish_s') * 1000:.1f} ms (expose {med(r, 'expose_s') * 1000:.1f}, checksum "
                   f"{med(r, 'checksum_s') * 1000:.1f}), replica's copy {med(r, 'stage_s') * 1000:.1f} ms (open "
@@ -626,6 +638,9 @@ def main() -> None:
     ap.add_argument("--ipc-reps", type=int, default=6, help="updates per --ipc-chunk-mb value")
     ap.add_argument("--ipc-chunk-mb", default="0",
                     help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_chunk_bytes in MiB (0: one burst)")
+    ap.add_argument("--ipc-prestage", default="0",
+                    help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_prestage (1: the workers start each copy "
+                         "when the version is announced, 0: the follower starts it after reading the record)")
     ap.add_argument("--ipc-keep", default="1",
                     help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_keep_mappings (1: kept, 0: opened every version)")
     ap.add_argument("--memmap-chunks", type=int, default=3, help="256 MiB read chunks in flight (0: unthrottled)")

@@ -262,6 +262,13 @@ class QueueKeys:
         overwritten by the next one."""
         return f"{self.tag}:wipc"
 
+    @cached_property
+    def weights_ipc_staged(self) -> str:
+        """Hash ``replica/worker -> msgpack StageStatus``: each watching worker's copy of the
+        version exposed over IPC (rollq.weightsync.worker._ipc_watch), read by its follower
+        without an engine RPC."""
+        return f"{self.tag}:wipcs"
+
     def weights_acks(self, version: int) -> str:
         """Hash ``replica -> ok|error`` of receivers that staged a broadcast version."""
         return f"{self.tag}:wacks:{version}"
@@ -303,7 +310,8 @@ class QueueKeys:
         return [
             self.jobs, self.ids, self.dlq, self.consumers, self.free, self.reclaimer, self.stats, self.latency, self.lag,
             self.config, self.version, self.versions_log, self.admission, self.weights_group, self.weights_offer,
-            self.weights_layouts, self.weights_members, self.weights_ipc, self.manifests, self.load_errors,
+            self.weights_layouts, self.weights_members, self.weights_ipc, self.weights_ipc_staged, self.manifests,
+            self.load_errors,
         ]
 
     def pattern(self) -> str:

@@ -230,6 +230,12 @@ class WeightSyncSettings:
     #: version (:mod:`rollq.weightsync.worker._ipc_maps`). False: every version opens every
     #: handle and unmaps it after the copy.
     ipc_keep_mappings: bool = True
+    #: The replica's workers watch for IPC versions themselves (a thread with its own Redis
+    #: connection in each worker) and start copying one when it is announced, while the
+    #: follower reads and checks its record; no engine RPC then stands between the
+    #: announcement and the copy (:mod:`rollq.weightsync.worker._ipc_watch`). False: the
+    #: follower starts every copy with an RPC after it has read the record.
+    ipc_prestage: bool = False
     #: Swap broadcast versions in part by part while they arrive (``keep``, one worker;
     #: :class:`~rollq.weightsync.replica._overlap.OverlappedSwap`).
     swap_overlap: bool = False

@@ -159,3 +159,15 @@ def test_consume_passes_engine_args_to_vllm_and_refuses_its_own_options_there():
                       ("logprobs_mode=processed_logprobs", "labelled")]:
         r = rollq("consume", "--engine", "vllm", "--engine-arg", bad)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+
+
+def test_consume_weight_sync_options_reach_the_follower_settings():
+    """``rollq consume``'s weight-sync flags become the replica's WeightSyncSettings."""
+    from rollq.cli.consume import weight_settings
+    from rollq.cli.main import build_parser
+
+    a = build_parser().parse_args(["consume", "--weights-root", "/w", "--broadcast", "--swap-overlap", "--ipc-prestage"])
+    ws = weight_settings(a)
+    assert (ws.root, ws.broadcast, ws.swap_overlap, ws.ipc_prestage) == ("/w", True, True, True)
+    ws = weight_settings(build_parser().parse_args(["consume"]))
+    assert (ws.root, ws.broadcast, ws.swap_overlap, ws.ipc_prestage) == (None, False, False, False)

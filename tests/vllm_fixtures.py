@@ -197,16 +197,18 @@ def checkpoint_state(model_dir: str | Path) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def serving_replica(
     engine: Any, url: str, queue: str, root: str, *, settings: Any = None, consumer_id: str | None = None,
-    broadcast: bool = False, reconcile_interval: float = 0.5, stop_timeout: float = 30,
+    broadcast: bool = False, reconcile_interval: float = 0.5, stop_timeout: float = 30, **sync: Any,
 ) -> AsyncIterator[tuple[Any, Any]]:
     """A consumer of ``queue`` on ``engine`` with its weight follower (memmap store ``root``,
-    broadcasts too with ``broadcast``), serving until the block ends: ``(consumer, follower)``."""
+    broadcasts too with ``broadcast``, other ``WeightSyncSettings`` in ``sync``), serving until
+    the block ends: ``(consumer, follower)``."""
     from rollq import Consumer, ConsumerSettings
     from rollq.settings import WeightSyncSettings
     from rollq.weightsync import WeightFollower
 
     consumer = Consumer(engine, url, queue, consumer_id=consumer_id, settings=settings or ConsumerSettings(lease_ttl=5))
-    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=reconcile_interval, broadcast=broadcast))
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=reconcile_interval, broadcast=broadcast,
+                                                                   **sync))
     await follower.start()
     task = asyncio.create_task(consumer.run())
     try:

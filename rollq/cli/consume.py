@@ -81,12 +81,17 @@ def consumer_settings(a: argparse.Namespace) -> ConsumerSettings:
     )
 
 
-async def _consume(a: argparse.Namespace) -> int:
-    from ..consumer.replica import Replica
+def weight_settings(a: argparse.Namespace) -> Any:
+    """The replica's :class:`~rollq.settings.WeightSyncSettings` from ``rollq consume``'s options."""
     from ..settings import WeightSyncSettings
 
-    weights = WeightSyncSettings(root=a.weights_root, broadcast=a.broadcast, swap_overlap=a.swap_overlap)
-    replica = Replica(make_engine(a), a.url, a.queue, consumer_id=a.id, settings=consumer_settings(a), weights=weights)
+    return WeightSyncSettings(root=a.weights_root, broadcast=a.broadcast, swap_overlap=a.swap_overlap, ipc_prestage=a.ipc_prestage)
+
+
+async def _consume(a: argparse.Namespace) -> int:
+    from ..consumer.replica import Replica
+
+    replica = Replica(make_engine(a), a.url, a.queue, consumer_id=a.id, settings=consumer_settings(a), weights=weight_settings(a))
     return await replica.run(burst=a.burst, install_signal_handlers=True)
 
 
@@ -121,6 +126,9 @@ def register(sub: Any) -> None:
     s.add_argument("--swap-overlap", action="store_true",
                    help="with --broadcast and the keep policy: swap a version in part by part while its last parts "
                         "arrive (shorter end to end, longer pause; see WeightSyncSettings(swap_overlap=True))")
+    s.add_argument("--ipc-prestage", action="store_true",
+                   help="the engine's workers start copying each version a trainer on this host exposes over IPC when it "
+                        "is announced, without waiting for an engine call (see WeightSyncSettings(ipc_prestage=True))")
     d = ConsumerSettings()  # the defaults below are the settings' own
     s.add_argument("--max-inflight", type=int, default=d.max_inflight, help="cap on running jobs (default: from the engine)")
     s.add_argument("--initial-inflight", type=int, default=d.initial_inflight)

@@ -116,6 +116,23 @@ class Listen(msgspec.Struct, kw_only=True):
     serving: int = 0
 
 
+class IpcWatch(msgspec.Struct, kw_only=True):
+    """Where a worker watches for versions exposed over IPC, to start copying each one as soon
+    as it is announced (:class:`~rollq.weightsync.worker._ipc_watch.IpcWatcher`)."""
+
+    url: str  # Redis URL (a ``redis+cluster://`` URL goes through the cluster client)
+    channel: str  # the queue's control channel (``version <v>`` hints)
+    handles_key: str  # the trainer's exposed handles (``QueueKeys.weights_ipc``)
+    status_key: str  # hash the worker writes its copy's StageStatus to (``QueueKeys.weights_ipc_staged``)
+    field: str  # this worker's field there, ``replica/rank-in-replica`` (the rank is appended)
+    poll: float = 1.0  # seconds between checks of the handles (pub/sub is only a hint)
+    chunk_bytes: int = 0  # as ``WeightSyncSettings.ipc_chunk_bytes``
+    keep_maps: bool = True  # as ``WeightSyncSettings.ipc_keep_mappings``
+    #: The replica's serving version when it started watching: versions up to it are not
+    #: copied (an engine reused by another queue keeps the last version it loaded).
+    serving: int = 0
+
+
 class Mode(str, enum.Enum):
     """How an offer's bytes travel (:attr:`Offer.mode`)."""
 

@@ -74,6 +74,35 @@ async def test_a_trainer_process_publishes_over_shared_memory_and_the_replica_se
             assert await greedy(p) == before
 
 
+async def test_workers_watching_for_versions_copy_each_one_while_the_replica_serves(
+    vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
+):
+    """``ipc_prestage``: vLLM's worker starts each copy itself when the version is announced
+    (staged here while the follower cannot start its update), with generation running; the
+    follower only swaps it in, and the served weights are the trainer's."""
+    from rollq.weightsync.replica.worker_calls import WorkerCalls
+    from rollq.weightsync.wire import State
+
+    async def staged(v: int) -> bool:
+        return all(s.state is State.STAGED and s.version == v for s in await WorkerCalls(vllm_engine).ipc_status())
+
+    async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w"), ipc_prestage=True) as (consumer, follower):
+        async with Producer(redis_url, queue) as p, trainer(redis_url, queue, tiny_model_path, "--shared", "--inplace") as t:
+            before = await greedy(p)
+            load = [await p.submit(prompt_token_ids=[11, 12, 13, 14], sampling={"max_tokens": 48, "ignore_eos": True})
+                    for _ in range(8)]
+            for step in (1, 0):  # a new version, then the checkpoint again
+                async with follower._lock:
+                    rec = await t.publish(step)
+                    await until(lambda: staged(rec["version"]), 60, f"the worker's own copy of version {rec['version']}")
+                await wait_version(consumer, rec["version"])
+                st = follower.history[-1]
+                assert st.load.get("prestaged") is True and st.load.get("ipc") is True, st.load
+                assert (await served_digest(vllm_engine) == checkpoint_digest(vllm_engine)) is (step == 0)
+            assert await greedy(p) == before
+            assert [len((await h.result(timeout=120)).samples[0].token_ids) for h in load] == [48] * 8
+
+
 async def test_a_trainer_killed_mid_copy_leaves_the_old_weights_and_the_next_trainer_goes_through(
     vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
 ):

@@ -130,9 +130,24 @@ def test_every_rpc_is_a_worker_method_that_takes_the_stubs_keywords():
     sent = {c[1]: c[2] for c in CASES}
     sent[WorkerRpc.JOIN_GROUP] = {"info": b"", "rank_offset": 0, "listen": b""}
     sent[WorkerRpc.LEAVE_GROUP] = {}
+    sent[WorkerRpc.WATCH_IPC] = {"watch": b""}
+    sent[WorkerRpc.UNWATCH_IPC] = {}
     assert set(sent) == set(WorkerRpc)
     for rpc, kwargs in sent.items():
         inspect.signature(getattr(RollqWorkerExtension, rpc.value)).bind(object(), **kwargs)
+
+
+async def test_watch_sends_where_to_watch_as_msgpack():
+    from rollq.weightsync.wire import IpcWatch
+
+    engine = RecordingEngine([None, None])
+    watch = IpcWatch(url="redis://127.0.0.1:1", channel="q:ctl", handles_key="q:wipc", status_key="q:wipcs", field="r0/",
+                     poll=0.5, chunk_bytes=64, keep_maps=False)
+    assert await WorkerCalls(engine).watch_ipc(watch=watch) == 2  # workers watching
+    await WorkerCalls(engine).unwatch_ipc()
+    (m1, _, kw1, _), stop = engine.calls
+    assert m1 == WorkerRpc.WATCH_IPC.value and msgspec.msgpack.decode(kw1["watch"], type=IpcWatch) == watch
+    assert stop == (WorkerRpc.UNWATCH_IPC.value, (), {}, None)
 
 
 async def test_calls_through_fake_workers_return_typed_results():

@@ -73,6 +73,7 @@ from ..manifest import Manifest, encode_manifest, read_manifest
 from ._overlap import OverlappedSwap
 from ..transports import ReplicaTransport, Staged, replica_transport
 from ..transports.broadcast import MissedBroadcast
+from ..transports.ipc import IpcReceive
 from ..transports.memmap import MemmapReceive
 from ..versions import VersionRecord, decode_record
 from ..wire import SwapReport, to_wire
@@ -204,6 +205,9 @@ class WeightFollower:
             raise
         finally:
             self.consumer.open_intake()
+        ipc = self.transport("ipc") if self.settings.ipc_prestage else None
+        if isinstance(ipc, IpcReceive) and hasattr(self.engine, "call_workers"):
+            await ipc.watch(self.consumer.redis_settings.full_url, self.consumer.version, self.consumer.id)
         self._task = asyncio.create_task(self._loop(), name="rollq-weight-follower")
 
     async def _catch_up(self) -> None:
@@ -230,6 +234,8 @@ class WeightFollower:
             await self.receiver.stop()
         if self._task is not None:
             await stop_task(self._task)
+        for t in self._transports.values():
+            await t.close()
         if self._client is not None:
             try:  # a stopped replica serves nothing: its manifest and load error go with it
                 pipe = self._client.pipeline(transaction=False)
@@ -413,12 +419,12 @@ class WeightFollower:
                                          timings={"stage_call_s": stage_call_s, "load_call_s": self._load_call_s,
                                                   "staging_at": staging_at, "swap_at": swap_at}))
 
-    def transport(self, rec: VersionRecord) -> ReplicaTransport:
-        """The replica side of the transport ``rec`` was sent over
+    def transport(self, name: str) -> ReplicaTransport:
+        """The replica side of the transport called ``name`` in records
         (:class:`~rollq.weightsync.transports.factory.UnknownTransport` for a name not registered)."""
-        t = self._transports.get(rec.transport)
+        t = self._transports.get(name)
         if t is None:
-            t = self._transports[rec.transport] = replica_transport(rec.transport)(
+            t = self._transports[name] = replica_transport(name)(
                 self.engine, self.settings, self.receiver, client=self._client, keys=self.consumer.keys,
             )
         return t
@@ -427,7 +433,7 @@ class WeightFollower:
         """What this replica's workers hold of ``rec`` already (received while serving), or
         have staged now (the record's memmap copy, when its own transport has nothing); None:
         the swap loads it."""
-        transport = self.transport(rec)
+        transport = self.transport(rec.transport)
         staged = await transport.stage(rec, acks)
         if staged is None and not isinstance(transport, MemmapReceive):
             # Read, copy and verify while still serving; the pause only swaps it in.

@@ -26,6 +26,7 @@ import msgspec
 
 from ..wire import (
     GroupInfo,
+    IpcWatch,
     Listen,
     MalformedReply,
     StageStatus,
@@ -49,6 +50,8 @@ class WorkerRpc(str, enum.Enum):
     STAGED_STATUS = "rollq_staged_status"
     STAGE_IPC = "rollq_stage_ipc"
     IPC_STATUS = "rollq_ipc_status"
+    WATCH_IPC = "rollq_watch_ipc"
+    UNWATCH_IPC = "rollq_unwatch_ipc"
     JOIN_GROUP = "rollq_join_group"
     LEAVE_GROUP = "rollq_leave_group"
     RECEIVE_STATUS = "rollq_receive_status"
@@ -108,6 +111,14 @@ class WorkerCalls:
     async def ipc_status(self) -> list[StageStatus]:
         """Where each worker's IPC staging stands."""
         return await self._each(WorkerRpc.IPC_STATUS, StageStatus)
+
+    async def watch_ipc(self, *, watch: IpcWatch) -> int:
+        """Have each worker start copying every version exposed over IPC when it is announced;
+        how many workers watch."""
+        return len(await self._call(WorkerRpc.WATCH_IPC, watch=msgspec.msgpack.encode(watch)))
+
+    async def unwatch_ipc(self) -> None:
+        await self._call(WorkerRpc.UNWATCH_IPC)
 
     # -- broadcast group ---------------------------------------------------------------
     async def join_group(self, *, info: GroupInfo, rank_offset: int, listen: Listen | None = None) -> None:

@@ -99,6 +99,9 @@ class ReplicaTransport(ABC):
     async def swap(self, rec: VersionRecord, staged: Staged) -> SwapReport:
         """Swap the staged version in; the first worker's report."""
 
+    async def close(self) -> None:
+        """The replica stops following versions (what the transport started in the workers ends)."""
+
     async def _until_staged(
         self, rec: VersionRecord, status: Callable[[], Awaitable[list[StageStatus]]], *, delay: float, failed: str,
         slow: str, report: dict[str, Any] | None = None,

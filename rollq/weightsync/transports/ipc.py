@@ -22,7 +22,10 @@ Handles that cannot be used (the trainer exited or released the version, before 
 the copy; another host or GPU) raise :class:`~rollq.weightsync.ipc_wire.IpcUnavailable`, and
 exposed tensors that changed before a worker copied them :class:`~rollq.errors.CorruptWeights`:
 the version is not applied, the follower records the load failure and the old weights serve
-on; with a memmap copy in the record the replica loads that instead.
+on; with a memmap copy in the record the replica loads that instead. With
+``WeightSyncSettings.ipc_prestage`` the workers start each copy themselves when the version is
+announced (:meth:`IpcReceive.watch`, :mod:`rollq.weightsync.worker._ipc_watch`) and the follower
+reads how it stands from Redis; a copy they did not start, or that failed, it starts itself.
 
 >>> pub = WeightPublisher(url, queue="grpo")                                   # doctest: +SKIP
 >>> rec = await pub.publish_weights(model.state_dict(), transport="ipc")      # doctest: +SKIP
@@ -31,23 +34,32 @@ on; with a memmap copy in the record the replica loads that instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from ...errors import CorruptWeights, WeightSyncError
+import msgspec
+
+from ...connection import RETRYABLE
+from ...errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
 from ..ipc_wire import IpcUnavailable, encode_handles
-from ..wire import SwapReport, WorkerError
+from ..wire import IpcWatch, StageStatus, State, SwapReport, WorkerError
 from .base import PublisherSide, ReplicaTransport, Staged, TrainerTransport
 
 if TYPE_CHECKING:
     import torch
 
+    from ...keys import QueueKeys
     from ..trainer.ipc_export import Exposure
     from ..versions import VersionRecord
 
 log = logging.getLogger(__name__)
+
+#: How long the follower waits for the workers' watchers to have started a version before it
+#: starts the copy itself (the announcement reaches both at about the same time).
+WATCHER_GRACE_S = 0.01
 
 #: The version each publisher exposes now (released when it exposes the next one).
 _EXPOSED: weakref.WeakKeyDictionary[PublisherSide, Exposure] = weakref.WeakKeyDictionary()
@@ -116,12 +128,14 @@ class IpcReceive(ReplicaTransport):
         if self.client is None or self.keys is None:
             raise WeightSyncError("the IPC transport needs the follower's Redis client and queue keys")
         timeout = self.settings.load_timeout
+        if self._fields:
+            staged = await self._watched(rec.version, self.keys)
+            if staged is not None:
+                return staged
         raw = await self.client.get(self.keys.weights_ipc)
         if raw is None:
             raise IpcUnavailable(f"version {rec.version}: the trainer exposes no version over IPC")
-        started = await asyncio.wait_for(
-            self.workers.stage_ipc(handles=raw, version=rec.version, chunk_bytes=self.settings.ipc_chunk_bytes,
-                                   keep_maps=self.settings.ipc_keep_mappings), timeout)
+        started = await asyncio.wait_for(self._start(raw, rec.version), timeout)
         if not started:  # an engine without weights (echo): nothing to copy; the swap is empty too
             return Staged(rec.version, self)
         return await self._until_staged(rec, self.workers.ipc_status, delay=0.002, report={"ipc": True},
@@ -131,6 +145,85 @@ class IpcReceive(ReplicaTransport):
 
     async def swap(self, rec: VersionRecord, staged: Staged) -> SwapReport:
         return await self._swap_in_workers(rec, staged)
+
+    #: The watching workers' fields in ``QueueKeys.weights_ipc_staged`` (:meth:`watch`).
+    _fields: tuple[str, ...] = ()
+
+    @property
+    def watching(self) -> bool:
+        """Whether the workers start each copy themselves (:meth:`watch`)."""
+        return bool(self._fields)
+
+    async def watch(self, url: str, serving: int, replica: str) -> None:
+        """Have the workers of replica ``replica`` start copying each version newer than
+        ``serving`` when it is announced and write how their copy stands to Redis
+        (``WeightSyncSettings.ipc_prestage``; :mod:`rollq.weightsync.worker._ipc_watch`), the
+        replica's Redis at ``url``."""
+        if self.client is None or self.keys is None:
+            raise WeightSyncError("the IPC transport needs the follower's Redis client and queue keys")
+        await self.close()
+        field = f"{replica}/"
+        fields = tuple(f"{field}{rank}" for rank in range(getattr(self.engine, "num_workers", 1)))
+        await self.client.hdel(self.keys.weights_ipc_staged, *fields)  # an earlier run's, under this id
+        n = await self.workers.watch_ipc(watch=IpcWatch(
+            url=url, channel=self.keys.control, handles_key=self.keys.weights_ipc, status_key=self.keys.weights_ipc_staged,
+            field=field, chunk_bytes=self.settings.ipc_chunk_bytes, keep_maps=self.settings.ipc_keep_mappings, serving=serving))
+        self._fields = tuple(f"{field}{rank}" for rank in range(n))
+
+    async def close(self) -> None:
+        fields, self._fields = self._fields, ()
+        if not fields:
+            return
+        try:
+            await self.workers.unwatch_ipc()
+        except Exception as e:  # the engine is gone: its watchers went with it
+            log.debug("could not stop the workers' IPC watchers: %s", e)
+        if self.keys is not None:
+            with contextlib.suppress(*RETRYABLE):
+                await self.client.hdel(self.keys.weights_ipc_staged, *fields)
+
+    async def _watched(self, version: int, keys: QueueKeys) -> Staged | None:
+        """``version`` as the workers' watchers copied it, read from Redis (waiting while they
+        copy); None when they did not start it (the follower then starts it itself) or their
+        copy failed (it tries again, and records the failure)."""
+        deadline = time.monotonic() + self.settings.load_timeout
+        grace = time.monotonic() + WATCHER_GRACE_S  # the announcement reaches the watchers about when it reaches us
+        delay = 0.001
+        while True:
+            got = await self.client.hmget(keys.weights_ipc_staged, list(self._fields))
+            mine = [st for st in map(_status, got) if st is not None and st.version == version]
+            if len(mine) < len(got):  # not (yet) started by every watcher
+                if time.monotonic() > grace:
+                    return None
+            elif any(st.state is State.FAILED for st in mine):
+                return None
+            elif all(st.state is State.STAGED for st in mine):
+                return Staged(version, self, report=dict(mine[0].report(), ipc=True, prestaged=True))
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(f"copying version {version} over IPC took longer than {self.settings.load_timeout}s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.005)
+
+    async def _start(self, raw: bytes, version: int) -> list[StageStatus]:
+        """Have every worker start copying ``version``; a worker whose watcher still copies an
+        older one is asked again once that copy has ended."""
+        while True:
+            started = await self.workers.stage_ipc(handles=raw, version=version, chunk_bytes=self.settings.ipc_chunk_bytes,
+                                                   keep_maps=self.settings.ipc_keep_mappings)
+            if not any(s.state is State.BUSY and s.version != version for s in started):
+                return started
+            delay = 0.002
+            while any(s.state is State.STAGING and s.version != version for s in await self.workers.ipc_status()):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.01)
+
+
+def _status(raw: bytes | None) -> StageStatus | None:
+    """A watcher's status as it wrote it (None: none, or not a status)."""
+    try:
+        return msgspec.msgpack.decode(raw, type=StageStatus) if raw else None
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def _unavailable(version: int, errors: list[WorkerError], msg: str) -> Exception | None:

@@ -109,21 +109,44 @@ class IpcStaging:
         self.maps = MappedStorages()
         self.keep_maps = True
         self._thread: threading.Thread | None = None
+        self._starting = threading.RLock()  # the replica's call and the watcher's start one copy at a time
+        #: Versions this worker started copying before the replica asked (the watcher's).
+        self.prestaged = 0
 
     def stage(self, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True) -> StageStatus:
         """Start copying ``version`` from ``handles`` (a msgpack ``IpcHandles``) in a thread of
         this worker, on a GPU waiting for the device after every ``chunk_bytes`` copied or
         checksummed (0: never), keeping the trainer's storages mapped for the next version when
         ``keep_maps`` (:attr:`maps`); poll :attr:`status`."""
-        if self._thread is not None and self._thread.is_alive():
-            return StageStatus(state=State.BUSY, version=self.status.version)
-        self.staged = None  # free a previously staged copy first
-        self.status = StageStatus(state=State.STAGING, version=version)
-        self.chunk_bytes, self._since = max(0, int(chunk_bytes)), 0
-        self.keep_maps = bool(keep_maps)
-        self._thread = threading.Thread(target=self._stage, args=(handles, version), name="rollq-ipc-stage", daemon=True)
-        self._thread.start()
-        return self.status
+        with self._starting:
+            if self._thread is not None and self._thread.is_alive():
+                return StageStatus(state=State.BUSY, version=self.status.version)
+            if self.staged is not None and self.staged[0] == version and self.status.state is State.STAGED:
+                return self.status  # copied already (by the watcher): not again
+            self.staged = None  # free a previously staged copy first
+            started = self.status = StageStatus(state=State.STAGING, version=version)
+            self.chunk_bytes, self._since = max(0, int(chunk_bytes)), 0
+            self.keep_maps = bool(keep_maps)
+            self._thread = threading.Thread(target=self._stage, args=(handles, version), name="rollq-ipc-stage", daemon=True)
+            self._thread.start()
+            return started  # not self.status: the thread may have replaced it already
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the copy under way (if any) has ended."""
+        t = self._thread
+        if t is not None:
+            t.join(timeout)
+
+    def prestage(self, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True) -> bool:
+        """:meth:`stage` ``version`` ahead of the replica's call, unless a copy is running or a
+        staged one still waits for its swap (the replica then stages the newer version itself,
+        after that swap). Returns whether it started."""
+        with self._starting:
+            if self.staged is not None or (self._thread is not None and self._thread.is_alive()):
+                return False
+            started = self.stage(handles, version, chunk_bytes, keep_maps).state is State.STAGING
+            self.prestaged += started
+            return started
 
     def _stage(self, raw: bytes, version: int) -> None:
         t0 = time.perf_counter()

@@ -28,6 +28,7 @@ import torch
 from ..wire import (
     FlatLayout,
     GroupInfo,
+    IpcWatch,
     Listen,
     State,
     SwapTimes,
@@ -37,6 +38,7 @@ from ..wire import (
 )
 
 if TYPE_CHECKING:
+    from ._ipc_watch import IpcWatcher
     from ._receiver import WorkerReceiver
     from ._shadow import ShadowWeights
     from ..versions import TensorMeta
@@ -66,6 +68,7 @@ class WorkerState:
         self.join = WorkerStatus()
         self.memmap = MemmapStaging(self)
         self.ipc = IpcStaging(self)
+        self.ipc_watcher: IpcWatcher | None = None
         self.tracker = RequestTracker()
         #: When the last swap was enqueued and its copies finished (``time.time()``).
         self.last_swap = SwapTimes()
@@ -204,6 +207,20 @@ class WorkerState:
         if rcv is None:
             return self.join
         return msgspec.structs.replace(self.join, group=rcv.info.id, joined=True, receive=rcv.status)
+
+    # -- IPC prestaging ----------------------------------------------------------------------
+    def watch_ipc(self, watch: IpcWatch) -> None:
+        """Start copying each version exposed over IPC when it is announced
+        (:class:`~rollq.weightsync.worker._ipc_watch.IpcWatcher`; replaces a running watcher)."""
+        from ._ipc_watch import IpcWatcher
+
+        self.unwatch_ipc()
+        self.ipc_watcher = IpcWatcher(self.ipc, watch, int(getattr(self.worker, "rank", 0))).start()
+
+    def unwatch_ipc(self) -> None:
+        w, self.ipc_watcher = self.ipc_watcher, None
+        if w is not None:
+            w.close()
 
     # -- swaps -------------------------------------------------------------------------------
     def watch_swap(self, version: int, event: Any) -> None:

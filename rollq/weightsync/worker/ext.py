@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from ..wire import GroupInfo, Listen, to_wire
+from ..wire import GroupInfo, IpcWatch, Listen, to_wire
 from ._state import WorkerState
 
 _init_lock = threading.Lock()
@@ -72,6 +72,15 @@ class RollqWorkerExtension:
     def rollq_ipc_status(self) -> dict[str, Any]:
         """The IPC staging: a :class:`~rollq.weightsync.wire.StageStatus`."""
         return to_wire(self.rollq_state.ipc.status)
+
+    def rollq_watch_ipc(self, watch: bytes) -> None:
+        """Start copying each version exposed over IPC when it is announced (``watch``: a
+        msgpack :class:`~rollq.weightsync.wire.IpcWatch`), in a thread of this worker."""
+        self.rollq_state.watch_ipc(msgspec.msgpack.decode(watch, type=IpcWatch))
+
+    def rollq_unwatch_ipc(self) -> None:
+        """Stop watching for IPC versions."""
+        self.rollq_state.unwatch_ipc()
 
     # -- broadcast (NCCL / gloo) -------------------------------------------------------
     def rollq_join_group(self, info: bytes, rank_offset: int, listen: bytes = b"") -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -93,6 +94,10 @@ def small_model() -> torch.nn.Module:
 
 def state(fill: float) -> dict[str, torch.Tensor]:
     return {k: torch.full_like(v, fill) for k, v in small_model().state_dict().items()}
+
+
+def weight0(worker: Any) -> float:
+    return float(worker.model_runner.model.module[0].weight[0, 0].detach())
 
 
 async def test_fake_workers_copy_each_version_and_refuse_a_released_one(redis_url, queue, tmp_path):
@@ -302,3 +307,146 @@ def test_mappings_of_a_trainer_process_that_exited_are_dropped():
     finally:
         proc.kill()
         proc.wait(10)
+
+
+async def test_workers_watching_for_versions_copy_them_before_the_follower_reads_the_record(redis_url, queue, tmp_path):
+    """With ``ipc_prestage`` each worker's watcher starts the copy when the version is
+    announced: it is staged while the follower cannot even start its update (its lock held),
+    and the follower then only swaps it in. A staged version waiting for its swap is not
+    replaced by a newer one (the follower stages that one itself, after the swap)."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher
+    from rollq.weightsync.wire import StageStatus, State
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model, num_workers=2)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.2, ipc_prestage=True))
+    pub = WeightPublisher(redis_url, queue)
+    staging = [w.rollq_state.ipc for w in engine.workers]
+
+    async def reported(v: int) -> bool:  # as the follower reads it: each watcher's status in Redis
+        got = await pub._client.hmget(consumer.keys.weights_ipc_staged, ["r0/0", "r0/1"])
+        return all(raw and msgspec.msgpack.decode(raw, type=StageStatus) == s.status and s.status.version == v
+                   and s.status.state is State.STAGED for raw, s in zip(got, staging))
+
+    await follower.start()
+    try:
+        for fill in (1.0, 2.0):
+            async with follower._lock:  # the follower cannot start this update
+                rec = await pub.publish_weights(state(fill), transport="ipc")
+                await until(lambda: reported(rec.version), 10, f"the workers' own copy of version {rec.version}")
+                assert consumer.version == rec.version - 1
+            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+            assert follower.history[-1].load.get("prestaged") is True, follower.history[-1].load
+            assert all(weight0(w) == fill for w in engine.workers)
+        assert [s.prestaged for s in staging] == [2, 2]
+        async with follower._lock:
+            first = await pub.publish_weights(state(3.0), transport="ipc")
+            await until(lambda: all(s.status.state is State.STAGED and s.status.version == first.version for s in staging),
+                        10, "the workers' copy of the first of two versions")
+            second = await pub.publish_weights(state(4.0), transport="ipc")
+            await asyncio.sleep(0.5)  # the watchers saw the second one
+            assert all(s.status.version == first.version for s in staging) and [s.prestaged for s in staging] == [3, 3]
+        await until(lambda: consumer.version == second.version, 10, "the newer version, staged by the follower")
+        assert follower.history[-1].load.get("prestaged") is None
+        assert all(weight0(w) == 4.0 for w in engine.workers)
+        await follower.stop()
+        assert all(w.rollq_state.ipc_watcher is None for w in engine.workers)
+        assert await pub._client.hlen(consumer.keys.weights_ipc_staged) == 0  # a stopped replica's statuses go with it
+    finally:
+        await follower.stop()
+        await pub.close()
+
+
+async def test_a_version_released_while_a_watcher_copies_it_is_recorded_and_the_next_one_goes_through(redis_url, queue, tmp_path):
+    """The trainer releases a version while the workers' watchers copy it: their copies fail,
+    the follower tries it itself, records the failure, the old weights serve on, and the next
+    version is copied by the watchers again."""
+    import threading
+
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from rollq.weightsync.transports.ipc import release
+    from rollq.weightsync.wire import State
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.2, ipc_prestage=True))
+    pub = WeightPublisher(redis_url, queue)
+    ipc = engine.workers[0].rollq_state.ipc
+    await follower.start()
+    try:
+        rec = await pub.publish_weights(state(1.0), transport="ipc")
+        await until(lambda: consumer.version == rec.version, 10, "version 1")
+        gate, at_copy = threading.Event(), threading.Event()
+
+        def hold(i: int) -> None:
+            at_copy.set()
+            gate.wait(10)
+
+        ipc.before_copy = hold
+        async with follower._lock:
+            rec = await pub.publish_weights(state(2.0), transport="ipc")
+            assert await asyncio.to_thread(at_copy.wait, 10), "the watcher did not start copying"
+            assert release(pub)
+            gate.set()
+            await until(lambda: ipc.status.state is State.FAILED, 10, "the watcher's copy to fail")
+        ipc.before_copy = None
+        errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
+        assert (errors["r0"].version, errors["r0"].error) == (rec.version, "IpcUnavailable"), errors
+        assert consumer.version == rec.version - 1 and weight0(engine.workers[0]) == 1.0
+        started = ipc.prestaged
+        rec = await pub.publish_weights(state(3.0), transport="ipc")
+        await until(lambda: consumer.version == rec.version, 10, "the next version")
+        assert ipc.prestaged == started + 1 and weight0(engine.workers[0]) == 3.0  # the watcher copied it
+    finally:
+        await follower.stop()
+        await pub.close()
+
+
+async def test_a_follower_that_skips_the_version_a_watcher_still_copies_waits_for_that_copy_to_end(redis_url, queue, tmp_path):
+    """Two versions published before the follower woke: the watcher copies the first when the
+    second is read. The follower's own copy of the second waits for that copy to end (the
+    worker answered busy) instead of failing, and no load failure is recorded."""
+    import threading
+
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from rollq.weightsync.wire import State
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    settings = WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.2, ipc_prestage=True, load_retries=0)
+    follower = WeightFollower(consumer, settings)  # no retries: a failure would be final
+    pub = WeightPublisher(redis_url, queue)
+    ipc = engine.workers[0].rollq_state.ipc
+    gate, at_copy = threading.Event(), threading.Event()
+
+    def hold(i: int) -> None:
+        at_copy.set()
+        gate.wait(10)
+
+    ipc.before_copy = hold
+    await follower.start()
+    try:
+        async with follower._lock:
+            first = await pub.publish_weights(state(1.0), transport="ipc")
+            assert await asyncio.to_thread(at_copy.wait, 10), "the watcher did not start copying"
+            second = await pub.publish_weights(state(2.0), transport="ipc")
+        await asyncio.sleep(0.3)  # the follower asked for the second and was told the worker is busy
+        assert ipc.status.state is State.STAGING and ipc.status.version == first.version and consumer.version == 0
+        ipc.before_copy = None
+        gate.set()
+        await until(lambda: consumer.version == second.version, 10, "the second version")
+        assert weight0(engine.workers[0]) == 2.0 and follower.history[-1].load.get("prestaged") is None
+        assert await read_load_errors(pub._client, consumer.keys) == {}
+    finally:
+        gate.set()
+        await follower.stop()
+        await pub.close()

@@ -1,0 +1,107 @@
+"""Worker side of the IPC transport's prestaging: starting each copy when its version is
+announced.
+
+Runs in a daemon thread of each vLLM worker process, with its own blocking Redis connection
+(as the broadcast's :class:`~rollq.weightsync.worker._listener.OfferListener` does): the copy
+starts when the trainer's ``version <v>`` announcement arrives, while the replica's follower
+is still waking up, reading the record and checking it, and no engine RPC (which waits for
+the engine's current step) stands in front of it. The follower then finds the version
+staging or staged (:meth:`~rollq.weightsync.worker._ipc.IpcStaging.prestage`), as each watcher
+writes it to ``IpcWatch.status_key`` when the copy starts and when it ends (so the follower
+reads it from Redis, with the record, instead of asking the engine), and only waits for it and
+swaps it in; it never swaps in a version whose record it has not read and checked. Pub/sub is only a hint: the exposed handles are checked every ``watch.poll`` seconds
+too. Each exposed version is tried once; a copy that fails here is started again by the
+follower (which records the failure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from ...protocol import Control, parse_control
+from ..ipc_wire import MalformedIpcHandles, decode_handles
+from ..wire import IpcWatch
+from ._listener import sync_client
+
+if TYPE_CHECKING:
+    from ._ipc import IpcStaging
+
+log = logging.getLogger(__name__)
+
+
+class IpcWatcher:
+    """Starts ``staging``'s copy of each newly exposed version (see the module docstring)."""
+
+    def __init__(self, staging: IpcStaging, watch: IpcWatch, rank: int = 0):
+        self.staging = staging
+        self.watch = watch
+        self.rank = rank
+        self.tried = watch.serving  # the newest exposed version this watcher looked at
+        self.closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rollq-ipc-watch", daemon=True)
+
+    def start(self) -> IpcWatcher:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self.closed.set()
+
+    def _run(self) -> None:
+        delay = 0.2
+        while not self.closed.is_set():
+            client = pubsub = None
+            try:
+                client = sync_client(self.watch.url)
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(self.watch.channel)
+                while not self.closed.is_set():
+                    self.check(client)
+                    delay = 0.2
+                    self._wait_hint(pubsub)
+            except Exception as e:  # Redis down or restarting: back off and resubscribe
+                if not self.closed.is_set():
+                    log.warning("IPC watcher of rank %d: %s: %s (retrying in %.1fs)", self.rank, type(e).__name__, e, delay)
+                    self.closed.wait(delay)
+                    delay = min(delay * 2, 5.0)
+            finally:
+                for c in (pubsub, client):
+                    with contextlib.suppress(Exception):
+                        c is not None and c.close()
+
+    def _wait_hint(self, pubsub: Any) -> None:
+        """Until a version announcement or ``poll`` seconds (other control traffic drained)."""
+        msg = pubsub.get_message(timeout=self.watch.poll)
+        while msg is not None:
+            if parse_control(str(msg.get("data", b""), "latin-1"))[0] is Control.VERSION:
+                return
+            msg = pubsub.get_message(timeout=0)
+
+    def check(self, client: Any) -> bool:
+        """Start copying the exposed version if it is new here; returns whether it started."""
+        raw = client.get(self.watch.handles_key)
+        if raw is None:
+            return False
+        try:
+            version = decode_handles(raw).version
+        except MalformedIpcHandles as e:  # the follower refuses it with the reason
+            log.debug("IPC watcher of rank %d: %s", self.rank, e)
+            return False
+        if version <= self.tried:
+            return False
+        self.tried = version
+        if not self.staging.prestage(raw, version, self.watch.chunk_bytes, self.watch.keep_maps):
+            return False
+        self._report(client)  # staging
+        self.staging.wait()
+        self._report(client)  # staged or failed
+        return True
+
+    def _report(self, client: Any) -> None:
+        """This worker's copy, for the follower to read without an engine RPC."""
+        client.hset(self.watch.status_key, f"{self.watch.field}{self.rank}", msgspec.msgpack.encode(self.staging.status))
