@@ -386,7 +386,7 @@ async def main_async(a: argparse.Namespace) -> dict:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by the replicas' engine processes
     with RedisServer() as srv:
         replicas = Replicas(srv.url, "rl-start", weights_root=None, count=a.replicas, model=model,
-                            max_model_len=256, cpu_binds=binds, reconcile_interval=1.0, dtype=a.dtype)
+                            max_model_len=256, cpu_binds=binds, reconcile_interval=1.0, dtype=a.dtype, ipc_prestage=a.ipc_prestage)
         await replicas.start()
         try:
             log.info("%d replica(s) up in %.1fs (%s)", a.replicas, replicas.start_s, cores)
@@ -480,6 +480,9 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--transport", choices=["memmap", "ipc"], default="memmap",
                     help="weight sync: memmap files in /dev/shm, or ipc (the trainer's tensors shared with the replicas)")
+    ap.add_argument("--ipc-prestage", action="store_true",
+                    help="with --transport ipc: the replicas' workers start each copy when the version is announced "
+                         "(WeightSyncSettings.ipc_prestage)")
     ap.add_argument("--lr", type=float, help="Adam's learning rate (default: the task's recipe: 5e-3 for bucket)")
     ap.add_argument("--agree-every", type=int,
                     help="the diagnostic agreement forward at older versions every k-th step only, in every arm "

@@ -56,6 +56,7 @@ class Replicas:
         gpu_memory_utilization: float | None = None,
         dtype: str = "auto",
         logprobs_mode: str = "raw_logprobs",
+        ipc_prestage: bool = False,
     ):
         if engine not in ("vllm", "echo"):
             raise ValueError(f"engine must be 'vllm' or 'echo', got {engine!r}")
@@ -75,6 +76,8 @@ class Replicas:
         #: ``VllmEngineConfig.logprobs_mode`` of every replica (``"processed_logprobs"`` for
         #: jobs sampled at a temperature other than 1, whose ratio the trainer must reproduce).
         self.logprobs_mode = logprobs_mode
+        #: ``WeightSyncSettings.ipc_prestage``: the workers start each IPC copy themselves.
+        self.ipc_prestage = ipc_prestage
         self.engines: list[Any] = []
         #: One :class:`~rollq.consumer.replica.Replica` per engine while a queue is served.
         self.replicas: list[Replica] = []
@@ -134,7 +137,7 @@ class Replicas:
         weights = None
         if self.kind == "vllm":
             weights = WeightSyncSettings(root=self.weights_root, reconcile_interval=self.reconcile_interval, broadcast=self.broadcast,
-                                         abort_resume=abort_resume)
+                                         abort_resume=abort_resume, ipc_prestage=self.ipc_prestage)
         for i, e in enumerate(self.engines):
             replica = Replica(e, self.url, queue, consumer_id=f"replica-{i}", settings=ConsumerSettings(lease_ttl=10.0),
                               weights=weights, own_engine=False)
