@@ -62,6 +62,7 @@ def _worker(rank: int, world: int, port: int, bucket_bytes: int, out: str) -> No
             got.update({n: t.clone() for n, t in bucket})
         assert all(torch.equal(got[n], full[n]) for n in full)
         torch.save({"largest": largest, "rank": rank}, f"{out}/r{rank}.pt")
+        dist.barrier()  # neither rank tears the group down while the other still uses it
     finally:
         dist.destroy_process_group()
 
