@@ -16,7 +16,6 @@ follower (which records the failure).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from typing import TYPE_CHECKING, Any
@@ -26,7 +25,7 @@ import msgspec
 from ...protocol import Control, parse_control
 from ..ipc_wire import MalformedIpcHandles, decode_handles
 from ..wire import IpcWatch
-from ._listener import sync_client
+from ._listener import follow_channel
 
 if TYPE_CHECKING:
     from ._ipc import IpcStaging
@@ -53,26 +52,8 @@ class IpcWatcher:
         self.closed.set()
 
     def _run(self) -> None:
-        delay = 0.2
-        while not self.closed.is_set():
-            client = pubsub = None
-            try:
-                client = sync_client(self.watch.url)
-                pubsub = client.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(self.watch.channel)
-                while not self.closed.is_set():
-                    self.check(client)
-                    delay = 0.2
-                    self._wait_hint(pubsub)
-            except Exception as e:  # Redis down or restarting: back off and resubscribe
-                if not self.closed.is_set():
-                    log.warning("IPC watcher of rank %d: %s: %s (retrying in %.1fs)", self.rank, type(e).__name__, e, delay)
-                    self.closed.wait(delay)
-                    delay = min(delay * 2, 5.0)
-            finally:
-                for c in (pubsub, client):
-                    with contextlib.suppress(Exception):
-                        c is not None and c.close()
+        follow_channel(self.watch.url, self.watch.channel, self.closed, self.check, self._wait_hint,
+                       f"IPC watcher of rank {self.rank}")
 
     def _wait_hint(self, pubsub: Any) -> None:
         """Until a version announcement or ``poll`` seconds (other control traffic drained)."""

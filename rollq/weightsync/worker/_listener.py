@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
@@ -41,6 +41,34 @@ def sync_client(url: str) -> Any:
     return redis.Redis.from_url(st.url)
 
 
+def follow_channel(url: str, channel: str, closed: threading.Event, check: Callable[[Any], Any],
+                   wait: Callable[[Any], None], what: str) -> None:
+    """Until ``closed``: ``check(client)`` then ``wait(pubsub)``, over a blocking connection to
+    ``url`` subscribed to ``channel`` (in the calling thread). Redis down or restarting: logged
+    as ``what``, then reconnect and resubscribe after a back-off (0.2 s doubling to 5 s, back to
+    0.2 s after each good check)."""
+    delay = 0.2
+    while not closed.is_set():
+        client = pubsub = None
+        try:
+            client = sync_client(url)
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            pubsub.subscribe(channel)
+            while not closed.is_set():
+                check(client)
+                delay = 0.2
+                wait(pubsub)
+        except Exception as e:  # Redis down or restarting: back off and resubscribe
+            if not closed.is_set():
+                log.warning("%s: %s: %s (retrying in %.1fs)", what, type(e).__name__, e, delay)
+                closed.wait(delay)
+                delay = min(delay * 2, 5.0)
+        finally:
+            for c in (pubsub, client):
+                with contextlib.suppress(Exception):
+                    c is not None and c.close()
+
+
 class OfferListener:
     """Follows the offers of ``receiver``'s group newer than ``listen.serving``.
 
@@ -62,28 +90,8 @@ class OfferListener:
         self._thread.start()
 
     def _run(self) -> None:
-        closed = self.receiver.closed
-        delay = 0.2
-        while not closed.is_set():
-            client = pubsub = None
-            try:
-                client = sync_client(self.listen.url)
-                pubsub = client.pubsub(ignore_subscribe_messages=True)
-                pubsub.subscribe(self.listen.channel)
-                while not closed.is_set():
-                    self.poll(client)
-                    delay = 0.2
-                    self._wait_hint(pubsub)
-            except Exception as e:  # Redis down or restarting: back off and resubscribe
-                if not closed.is_set():
-                    log.warning("offer listener of rank %d: %s: %s (retrying in %.1fs)", self.receiver.rank,
-                                type(e).__name__, e, delay)
-                    closed.wait(delay)
-                    delay = min(delay * 2, 5.0)
-            finally:
-                for c in (pubsub, client):
-                    with contextlib.suppress(Exception):
-                        c is not None and c.close()
+        follow_channel(self.listen.url, self.listen.channel, self.receiver.closed, self.poll, self._wait_hint,
+                       f"offer listener of rank {self.receiver.rank}")
 
     def _wait_hint(self, pubsub: Any) -> None:
         """Until an offer's hint or ``poll`` seconds; other control messages on the way are
