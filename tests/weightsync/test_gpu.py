@@ -213,6 +213,37 @@ async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_ur
         await follower.stop()
 
 
+async def test_workers_watching_for_versions_copy_cuda_tensors_while_the_follower_cannot_start(redis_url, queue, shm_root):
+    """``ipc_prestage`` on a GPU: each worker's watcher thread opens the trainer process's CUDA
+    handles and copies the version device to device when it is announced, while the follower's
+    lock keeps it from starting the update; the follower then only swaps it in. The first
+    version traces the shadow's load plan in that thread, later ones go straight into it."""
+    from rollq.weightsync.wire import State
+    from tests.weightsync.ipc_trainer_proc import trainer
+
+    engine = FakeWorkerEngine(Fused, device="cuda:0")
+    consumer = Consumer(engine, redis_url, queue)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3, ipc_prestage=True))
+    staging = engine.workers[0].rollq_state.ipc
+    await follower.start()
+    try:
+        async with trainer(redis_url, queue, "-", "--cuda", "--inplace") as t:
+            for fill in (1, 2, 3):
+                async with follower._lock:  # only the workers' watchers can copy this version
+                    rec = await t.publish(fill)
+                    await until(lambda: staging.status.version == rec["version"] and staging.status.state is State.STAGED,
+                                60, f"the watcher's copy of version {rec['version']}")
+                    assert consumer.version != rec["version"]
+                await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
+                load = follower.history[-1].load
+                assert load.get("prestaged") is True and load["swap"] == "shadow", load
+                assert bool(load.get("in_place")) == (fill > 1), load
+                check(engine, float(fill))
+        assert staging.prestaged == 3
+    finally:
+        await follower.stop()
+
+
 async def test_a_cuda_snapshot_lets_the_trainer_step_right_after_publishing(redis_url, queue, shm_root):
     """``WeightPublisher(ipc_snapshot=True)`` on a GPU: the version is exposed as copies on the
     trainer's GPU (the extra memory is reported), so the trainer's next step, in place before
