@@ -43,6 +43,7 @@ import time
 import uuid
 from typing import Any, Callable, Iterator
 
+from .._tasks import stop_task
 from ..connection import RETRYABLE, connect, load_scripts, raw_replies
 from ..keys import QueueKeys, check_name
 from ..protocol import LATENCY_BUCKETS_MS, Control, ReplicaInfo, latency_bucket
@@ -262,12 +263,10 @@ class Consumer:
         await jobs.progress.close()
         await self.finisher.drain(max(5.0, self.settings.drain_timeout / 5))  # bounded even if Redis is down
         ctx.closed = True  # every background loop ends at its next turn, even if a cancel is lost
-        for t in self._tasks:
-            t.cancel()
-        if self._tasks:  # bounded: a task that swallows its cancellation must not hang shutdown
-            _, stuck = await asyncio.wait(self._tasks, timeout=5.0)
-            if stuck:
-                log.warning("consumer %s: %d background task(s) ignored cancellation", self.id, len(stuck))
+        # bounded: a task that swallows its cancellation is cancelled again, and never hangs shutdown
+        stopped = await asyncio.gather(*(stop_task(t, grace=5.0) for t in self._tasks))
+        if not all(stopped):
+            log.warning("consumer %s: %d background task(s) ignored cancellation", self.id, stopped.count(False))
         self.state = "stopped"
         try:
             await self.reclaimer.resign()

@@ -94,3 +94,30 @@ async def test_the_listener_resubscribes_after_redis_is_killed_and_restarted(fre
     await asyncio.wait_for(task, 30)
     await probe.aclose()
     await ctx.redis.aclose()
+
+
+async def test_a_background_task_that_swallows_its_cancellation_is_cancelled_again_at_shutdown(make_consumer, queue):
+    """Python 3.11's ``wait_for`` can swallow a cancellation that lands as the inner wait ends;
+    a background loop that goes on after it (and does not look at ``closed``) must still be
+    ended by the consumer's shutdown, not left running behind a stopped replica."""
+    c = make_consumer(queue)
+    swallowed = asyncio.Event()
+
+    async def swallow_once() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            swallowed.set()  # goes on as if the wait had ended
+        await asyncio.Event().wait()
+
+    c.control.run = swallow_once  # type: ignore[method-assign]
+    make_consumer.start(c)
+    await asyncio.wait_for(_serving(c), 30)
+    task = next(t for t in c._tasks if t.get_name() == "rollq-control")
+    assert await make_consumer.stop(c, timeout=30) == 0
+    assert swallowed.is_set() and task.done()
+
+
+async def _serving(c) -> None:
+    while c.state != "serving" or not c._tasks:
+        await asyncio.sleep(0.01)
