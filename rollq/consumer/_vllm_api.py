@@ -168,6 +168,11 @@ def unchunked_prefill_args(cfg: VllmEngineConfig) -> dict[str, Any]:
             "max_num_batched_tokens": max(DEFAULT_BATCHED_TOKENS, cfg.max_model_len, cfg.max_num_seqs or 0)}
 
 
+#: ``AsyncEngineArgs`` fields rollq sets from :class:`~rollq.consumer.vllm_config.VllmEngineConfig`
+#: and relies on afterwards; ``engine_kwargs`` may not override them.
+OWN_FIELDS = frozenset({"model", "tokenizer", "dtype", "tensor_parallel_size", "worker_extension_cls"})
+
+
 def engine_args(api: _Api, cfg: VllmEngineConfig) -> Any:
     """``AsyncEngineArgs`` for ``cfg`` (see :class:`~rollq.consumer.vllm_config.VllmEngineConfig`
     for the CPU defaults); a field this vLLM does not have is refused with its name."""
@@ -214,6 +219,10 @@ def engine_args(api: _Api, cfg: VllmEngineConfig) -> Any:
     kw.update(logprobs_mode_args(cfg))
     if cpu:
         kw.update(unchunked_prefill_args(cfg))
+    owned = sorted(OWN_FIELDS & set(cfg.engine_kwargs))
+    if owned:
+        raise ValueError(f"set VllmEngineConfig.{owned[0]}, not engine_kwargs[{owned[0]!r}]: rollq resolves it "
+                         "(the served dtype, the worker count, the weight-sync extension) and records what it chose")
     kw.update(cfg.engine_kwargs)
     unknown = sorted(set(kw) - fields)
     if unknown:

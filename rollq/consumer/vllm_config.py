@@ -68,7 +68,9 @@ class VllmEngineConfig:
     #: were sampled from, after those; what a trainer needs at another temperature.
     logprobs_mode: str = "raw_logprobs"
     #: Any other ``AsyncEngineArgs`` field, passed as is (and checked against the installed
-    #: vLLM's fields).
+    #: vLLM's fields). The fields above that rollq resolves and relies on (``model``,
+    #: ``tokenizer``, ``dtype``, ``tensor_parallel_size``, ``worker_extension_cls``,
+    #: ``logprobs_mode``) are refused here: set them on this config.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

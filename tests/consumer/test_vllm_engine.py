@@ -443,8 +443,11 @@ async def test_stop_fails_running_requests_with_engine_dead():
 @pytest.mark.parametrize("config, says", [
     ({"logprobs_mode": "processed_logits"}, "logprobs_mode must be one of"),
     ({"engine_kwargs": {"logprobs_mode": "processed_logprobs"}}, "set VllmEngineConfig.logprobs_mode"),
+    # the served dtype is resolved (and recorded) by rollq: an override would bypass both
+    ({"engine_kwargs": {"dtype": "bfloat16"}}, r"set VllmEngineConfig.dtype, not engine_kwargs\['dtype'\]"),
+    ({"engine_kwargs": {"tensor_parallel_size": 2, "max_num_seqs": 8}}, "set VllmEngineConfig.tensor_parallel_size"),
 ])
-async def test_logprobs_mode_rollq_cannot_label_is_refused(config, says):
+async def test_fields_rollq_resolves_or_labels_by_are_refused_in_engine_kwargs(config, says):
     pytest.importorskip("vllm")
     from rollq.consumer._vllm_api import engine_args
     from rollq.consumer.vllm_config import VllmEngineConfig
