@@ -8,7 +8,8 @@ checks the inode, so a descriptor number the trainer reused for another file is 
 CUDA storage is the fields of ``torch.UntypedStorage._share_cuda_()`` with the device's UUID.
 The ``token`` is a small CPU storage the trainer keeps exactly as long as it exposes the
 version: a worker that cannot open it (before or after its copy) knows the trainer exited or
-released the version.
+released the version. Tensors the trainer may change in place carry their ``checksum``, which
+the worker verifies after its copy; a publisher-owned snapshot (``owned``) needs none.
 
 Decoding validates everything a worker relies on before it opens anything:
 
@@ -102,10 +103,14 @@ class IpcHandles(msgspec.Struct, kw_only=True, frozen=True):
     version: int
     host: str  # socket.gethostname() of the trainer
     pid: int  # the trainer process
-    checksum: str  # state_checksum of the tensors, in order
+    checksum: str  # state_checksum of the tensors, in order ("" for an owned snapshot)
     token: IpcStorage  # held exactly as long as the version is exposed
     storages: list[IpcStorage]
     tensors: list[IpcTensor]
+    #: The storages are the publisher's own snapshot of the version: nothing writes them while
+    #: the token lives, so a worker whose copy ended with the token alive has the version's
+    #: bytes, and no checksum is taken or verified.
+    owned: bool = False
 
     def __post_init__(self) -> None:
         if self.v != IPC_SCHEMA:
@@ -114,6 +119,8 @@ class IpcHandles(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"version {self.version} and pid {self.pid} must be positive")
         if self.token.kind is not StorageKind.CPU:
             raise ValueError("the liveness token must be a CPU storage")
+        if not self.checksum and not self.owned:
+            raise ValueError("handles of tensors the trainer may still change need their checksum")
         for t in self.tensors:
             if t.dtype not in _ITEMSIZE:
                 raise ValueError(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")

@@ -247,7 +247,9 @@ async def test_workers_watching_for_versions_copy_cuda_tensors_while_the_followe
 async def test_a_cuda_snapshot_lets_the_trainer_step_right_after_publishing(redis_url, queue, shm_root):
     """``WeightPublisher(ipc_snapshot=True)`` on a GPU: the version is exposed as copies on the
     trainer's GPU (the extra memory is reported), so the trainer's next step, in place before
-    the replica copied anything, does not reach the replica, which serves the published values."""
+    the replica copied anything, does not reach the replica, which serves the published values.
+    The copy is the publisher's own: no checksum is taken or verified, and the next version is
+    copied into it, whose storages the worker kept mapped."""
     from tests.weightsync.ipc_trainer_proc import trainer
 
     engine = FakeWorkerEngine(Fused, device="cuda:0")
@@ -262,8 +264,11 @@ async def test_a_cuda_snapshot_lets_the_trainer_step_right_after_publishing(redi
                     await t.bump(100.0)
                 nbytes = sum(v.numel() * v.element_size() for v in ckpt(0.0, "cuda:0").values())
                 assert rec["timings"]["ipc_copied_bytes"] == nbytes, rec["timings"]  # one copy, on the GPU
+                # the publisher's own copy: no checksum; the second version rewrites the first's
+                assert rec["timings"]["checksum_s"] == 0.0 and rec["timings"]["ipc_snapshot_reused"] == float(fill > 1)
                 await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
-                assert follower.history[-1].load["ipc"] is True
+                load = follower.history[-1].load
+                assert load["ipc"] is True and (load["opened"] == 0) == (fill > 1), load
                 check(engine, float(fill))
     finally:
         await follower.stop()

@@ -74,6 +74,28 @@ async def test_a_trainer_process_publishes_over_shared_memory_and_the_replica_se
             assert await greedy(p) == before
 
 
+async def test_a_snapshot_the_trainer_steps_past_at_once_is_served_as_published(
+    vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
+):
+    """``ipc_snapshot``: the trainer changes its weights in place right after each publish,
+    before vLLM's worker copied anything; the worker copies the publisher's own snapshot (no
+    checksum either side), and the second version, copied into the same snapshot, goes
+    through the mappings the worker kept."""
+    async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w")) as (consumer, follower):
+        async with Producer(redis_url, queue) as p, trainer(redis_url, queue, tiny_model_path, "--snapshot") as t:
+            before = await greedy(p)
+            for step in (1, 0):  # a new version, then the checkpoint again
+                async with follower._lock:  # the replica copies only after the trainer's step
+                    rec = await t.publish(step)
+                    await t.bump(100.0)
+                assert rec["timings"]["checksum_s"] == 0.0 and rec["timings"]["ipc_snapshot_reused"] == float(step == 0)
+                await wait_version(consumer, rec["version"])
+                load = follower.history[-1].load
+                assert load.get("ipc") is True and (load["opened"] == 0) == (step == 0), load
+                assert (await served_digest(vllm_engine) == checkpoint_digest(vllm_engine)) is (step == 0)
+            assert await greedy(p) == before
+
+
 async def test_workers_watching_for_versions_copy_each_one_while_the_replica_serves(
     vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
 ):

@@ -12,11 +12,23 @@ checksum taken here and refuses a version whose bytes changed meanwhile
 after publishing exposes a snapshot (``snapshot=True``: every tensor copied here, a CUDA
 tensor on its own GPU) or waits for the replicas first (``WeightPublisher.wait_for_replicas``).
 
+A snapshot is the publisher's own (``IpcHandles.owned``): nothing writes it while the version
+is exposed, so no checksum is taken here or verified by the replicas, whose copy is good when
+the version was still exposed at its end. The next version of the same layout is copied into
+the same snapshot (``into``) once this one is released, so the extra memory stays one copy of
+the weights and the replicas' kept mappings of its storages stay valid.
+
 >>> import torch
 >>> x = Exposure(1, [("w", torch.ones(2, 2))])
->>> (x.handles.tensors[0].name, x.copied_bytes)
-('w', 16)
+>>> (x.handles.tensors[0].name, x.copied_bytes, x.handles.owned)
+('w', 16, False)
 >>> x.release()
+>>> s1 = Exposure(2, [("w", torch.ones(2, 2))], snapshot=True)
+>>> s1.release()
+>>> s2 = Exposure(3, [("w", torch.zeros(2, 2))], snapshot=True, into=s1.snapshot)
+>>> (s2.handles.owned, s2.handles.checksum, s2.reused, s2.snapshot[0][1].data_ptr() == s1.snapshot[0][1].data_ptr())
+(True, '', True, True)
+>>> s2.release()
 """
 
 from __future__ import annotations
@@ -63,20 +75,24 @@ class Exposure:
     """Version ``version`` of ``items`` exposed to the processes of this host until
     :meth:`release` (or until this process exits): :attr:`handles` say where each tensor is."""
 
-    def __init__(self, version: int, items: Items, snapshot: bool = False):
+    def __init__(self, version: int, items: Items, snapshot: bool = False, into: Items | None = None):
         t0 = time.perf_counter()
         #: Bytes copied for the exposure (into shared memory, or on the GPU for a CUDA snapshot; 0: zero-copy).
         self.copied_bytes = 0
         self._held: list[torch.Tensor] = []  # what keeps the exposed storages alive
         self._token = torch.UntypedStorage._new_using_fd_cpu(8)
+        #: Whether the snapshot was copied into ``into`` (an earlier, released version's).
+        self.reused = False
+        if snapshot:
+            items = self._snapshot(items, into)
         storages: list[IpcStorage] = []
         index: dict[tuple[str, int], int] = {}  # (device, data_ptr) of a storage -> its index
         tensors: list[IpcTensor] = []
         exposed: Items = []
         for name, t in items:
             t = t.detach()
-            if snapshot:
-                t = self._copied(t)
+            if snapshot:  # copied above: its storages are exposed as they are
+                pass
             elif t.device.type == "cuda":
                 t = t.contiguous()
             elif t.device.type != "cpu" or not t.is_contiguous() or not t.is_shared():
@@ -100,12 +116,32 @@ class Exposure:
             torch.cuda.synchronize(dev)  # the bytes a replica reads are written
         self.expose_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        checksum = state_checksum(exposed, graph=True)
-        self.checksum_s = time.perf_counter() - t1
+        checksum = "" if snapshot else state_checksum(exposed, graph=True)  # an owned snapshot needs none
+        self.checksum_s = 0.0 if snapshot else time.perf_counter() - t1
+        #: The snapshot's tensors (empty without ``snapshot``): ``into`` of the next version.
+        self.snapshot: Items = exposed if snapshot else []
         self.handles = IpcHandles(
             version=version, host=socket.gethostname(), pid=os.getpid(), checksum=checksum,
-            token=_cpu_storage(self._token), storages=storages, tensors=tensors,
+            token=_cpu_storage(self._token), storages=storages, tensors=tensors, owned=snapshot,
         )
+
+    def _snapshot(self, items: Items, into: Items | None) -> Items:
+        """``items`` copied into ``into`` when it has their names, shapes, dtypes and devices
+        (and its version is released), else into new storages (shared memory, or on the
+        tensor's GPU)."""
+        if into is not None and [(n, t.shape, t.dtype, t.device) for n, t in items] == [
+                (n, t.shape, t.dtype, t.device) for n, t in into]:
+            with torch.no_grad():
+                cuda = [(d, s.detach()) for (_, d), (_, s) in zip(into, items) if d.device.type == "cuda"]
+                if cuda:  # one call for every tensor on the GPU
+                    torch._foreach_copy_([d for d, _ in cuda], [s for _, s in cuda], non_blocking=True)
+                for (_, d), (_, s) in zip(into, items):
+                    if d.device.type != "cuda":
+                        d.copy_(s.detach())
+            self.copied_bytes += sum(t.numel() * t.element_size() for _, t in into)
+            self.reused = True
+            return [(n, d) for (n, _), (_, d) in zip(items, into)]
+        return [(n, self._copied(t.detach())) for n, t in items]
 
     def _copied(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type == "cuda":

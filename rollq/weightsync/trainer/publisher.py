@@ -89,9 +89,12 @@ class WeightPublisher:
         self.trainer_id = trainer_id
         self.validate = validate
         #: ``transport="ipc"`` exposes a copy of the tensors taken at publish (on their own
-        #: device; extra memory: one copy of the version), so the trainer may change its
-        #: weights in place right after publishing. Without it the tensors themselves are
-        #: exposed (zero-copy) and must not change until the replicas copied them.
+        #: device; extra memory: one copy of the version, which each later version of the
+        #: same layout is copied into once the last is released), so the trainer may change
+        #: its weights in place right after publishing; nothing else writes that copy, so no
+        #: checksum is taken or verified. Without it the tensors themselves are exposed
+        #: (zero-copy), must not change until the replicas copied them, and are checksummed
+        #: here and verified by every replica.
         self.ipc_snapshot = ipc_snapshot
         if isinstance(expected, str):
             got = read_manifest(expected)

@@ -63,11 +63,14 @@ WATCHER_GRACE_S = 0.01
 
 #: The version each publisher exposes now (released when it exposes the next one).
 _EXPOSED: weakref.WeakKeyDictionary[PublisherSide, Exposure] = weakref.WeakKeyDictionary()
+#: Each ``ipc_snapshot`` publisher's snapshot tensors, which its next version is copied into.
+_SNAPSHOTS: weakref.WeakKeyDictionary[PublisherSide, list[tuple[str, torch.Tensor]]] = weakref.WeakKeyDictionary()
 
 
 def release(publisher: PublisherSide) -> bool:
-    """Stop exposing ``publisher``'s current IPC version (a replica copying it refuses it);
-    False when it exposes none. ``WeightPublisher.close`` calls it."""
+    """Stop exposing ``publisher``'s current IPC version (a replica copying it refuses it) and
+    free its snapshot; False when it exposes none. ``WeightPublisher.close`` calls it."""
+    _SNAPSHOTS.pop(publisher, None)
     x = _EXPOSED.pop(publisher, None)
     if x is None:
         return False
@@ -84,23 +87,33 @@ class IpcSend(TrainerTransport):
 
         pub = self.publisher
         t0 = time.perf_counter()
-        x = await asyncio.to_thread(Exposure, version, items, pub.ipc_snapshot)
+        into = None
+        if pub.ipc_snapshot:
+            # The last version is released before its snapshot is rewritten: a replica still
+            # copying it then refuses it (its token is gone) rather than keep mixed bytes.
+            into = _SNAPSHOTS.pop(pub, None)
+            if (old := _EXPOSED.pop(pub, None)) is not None:
+                old.release()
+        x = await asyncio.to_thread(Exposure, version, items, pub.ipc_snapshot, into)
         try:
             await (await pub.redis()).set(pub.keys.weights_ipc, encode_handles(x.handles))
             rec = VersionRecord(
                 version=version, transport="ipc", checksum=x.handles.checksum, num_tensors=len(items), nbytes=x.nbytes,
                 trainer=pub.trainer_id, timings={
                     "expose_s": x.expose_s, "checksum_s": x.checksum_s, "ipc_copied_bytes": float(x.copied_bytes),
-                    "ipc_s": time.perf_counter() - t0,
+                    "ipc_snapshot_reused": float(x.reused), "ipc_s": time.perf_counter() - t0,
                 },
             )
             if pub.store is not None:  # for replicas elsewhere, late joiners and failed copies
                 info = await asyncio.to_thread(pub.store.write, version, items)
                 rec.memmap_slot = info.slot
+                rec.checksum = rec.checksum or info.checksum  # an owned snapshot took none
                 rec.timings["write_s"] = info.write_s
         except BaseException:
             x.release()
             raise
+        if x.snapshot:
+            _SNAPSHOTS[pub] = x.snapshot
         old = _EXPOSED.get(pub)
         _EXPOSED[pub] = x
         if old is not None:

@@ -200,8 +200,11 @@ class IpcStaging:
         got: Items = self.maps.tensors(h, open_one, views)
         return got
 
-    def _check(self, h: IpcHandles, items: Items) -> None:
-        """After the copy: the trainer still exposes the version, and the bytes are its."""
+    def _check(self, h: IpcHandles, items: Items, stream: Any = None) -> None:
+        """After the copy (enqueued on ``stream``, or already done): the trainer still exposes
+        the version, and the bytes are its."""
+        if h.owned and stream is not None:
+            stream.synchronize()  # the copy's end, before the token is looked at
         t0 = time.perf_counter()
         try:
             self._verify(h, items)
@@ -209,6 +212,12 @@ class IpcStaging:
             self._verify_s = time.perf_counter() - t0
 
     def _verify(self, h: IpcHandles, items: Items) -> None:
+        if h.owned:
+            # The publisher's own snapshot changes only after it released the version: a copy
+            # that ended with the token still alive has the version's bytes.
+            if not _token_alive(h):
+                raise IpcUnavailable(f"trainer process {h.pid} exited or released version {h.version} during the copy")
+            return
         if not _token_alive(h):
             raise IpcUnavailable(f"trainer process {h.pid} exited or released version {h.version} during the copy")
         if state_checksum(items, self.chunk_bytes, graph=True) != h.checksum:
@@ -238,7 +247,7 @@ class IpcStaging:
                         # The shadow's bytes are the trainer's checksum, or the trainer changed
                         # them during the copy (the checksum is a captured graph: these views
                         # have the same addresses every version).
-                        self._check(h, dest)
+                        self._check(h, dest, stream)
                 except BaseException:
                     target.done(version, False)
                     raise

@@ -49,12 +49,19 @@ def test_valid_handles_round_trip():
     (lambda d: d["token"].update(kind="cuda", handle=b"x", device_uuid="GPU-0"), "the liveness token must be a CPU storage"),
     (lambda d: d["storages"][0].update(kind="tpu"), "Invalid enum value 'tpu'"),
     (lambda d: d.pop("token"), "missing required field `token`"),
+    (lambda d: d.update(checksum=""), "tensors the trainer may still change need their checksum"),
 ])
 def test_malformed_handles_are_refused_saying_why(change, why):
     d = good()
     change(d)
     with pytest.raises(MalformedIpcHandles, match=why):
         decode_handles(msgspec.msgpack.encode(d))
+
+
+def test_an_owned_snapshot_needs_no_checksum():
+    d = good()
+    d.update(checksum="", owned=True)
+    assert decode_handles(msgspec.msgpack.encode(d)).owned
 
 
 def test_bytes_that_are_not_handles_are_refused():
@@ -85,6 +92,20 @@ def test_shared_tensors_are_exposed_zero_copy_and_others_copied_once():
     finally:
         x.release()
     assert not _token_alive(h)  # released: a worker refuses it
+
+
+def test_a_snapshot_of_another_layout_is_copied_into_new_storages():
+    first = Exposure(1, [("w", torch.ones(4)), ("b", torch.ones(2))], snapshot=True)
+    first.release()
+    for other in ([("w", torch.ones(5)), ("b", torch.ones(2))], [("w", torch.ones(4, dtype=torch.float64)), ("b", torch.ones(2))],
+                  [("b", torch.ones(2)), ("w", torch.ones(4))]):
+        x = Exposure(2, other, snapshot=True, into=first.snapshot)
+        try:
+            assert not x.reused and x.handles.owned
+            assert {t.data_ptr() for _, t in x.snapshot}.isdisjoint(t.data_ptr() for _, t in first.snapshot)
+            assert [torch.equal(a, b) for (_, a), (_, b) in zip(x.snapshot, other)] == [True, True]
+        finally:
+            x.release()
 
 
 def small_model() -> torch.nn.Module:
@@ -219,6 +240,94 @@ async def test_a_snapshot_lets_the_trainer_change_its_weights_right_after_publis
         await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
         assert follower.history[-1].load["ipc"] is True
         assert float(engine.workers[0].model_runner.model.module[0].weight[0, 0].detach()) == 3.0
+    finally:
+        await follower.stop()
+        await pub.close()
+
+
+async def test_a_snapshot_is_the_publishers_own_taken_without_a_checksum_and_rewritten_each_version(redis_url, queue, tmp_path):
+    """A snapshot is exposed as the publisher's own (``IpcHandles.owned``): no checksum is taken
+    at publish or verified by the workers. Each later version of the same layout is copied into
+    the same snapshot, so its storages stay mapped in the workers and the extra memory stays
+    one copy. With a memmap store the record carries the memmap copy's checksum."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model, num_workers=2)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1))
+    pub = WeightPublisher(redis_url, queue, ipc_snapshot=True)
+    await follower.start()
+    try:
+        st = state(0.0)
+        n, nbytes = len(st), sum(v.numel() * v.element_size() for v in st.values())
+        for fill in (1.0, 2.0, 3.0):
+            with torch.no_grad():
+                for v in st.values():
+                    v.fill_(fill)
+            rec = await pub.publish_weights(st, transport="ipc")
+            h = decode_handles(await pub._client.get(consumer.keys.weights_ipc))
+            assert h.owned and h.checksum == rec.checksum == "" and rec.timings["checksum_s"] == 0.0, rec
+            assert rec.timings["ipc_copied_bytes"] == nbytes and rec.timings["ipc_snapshot_reused"] == float(fill > 1)
+            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+            load = follower.history[-1].load
+            assert (load["opened"], load["reused"]) == ((n, 0) if fill == 1.0 else (0, n)), (fill, load)
+            assert all(weight0(w) == fill for w in engine.workers)
+        stored = WeightPublisher(redis_url, queue, root=str(tmp_path / "store"), ipc_snapshot=True)
+        rec = await stored.publish_weights(state(5.0), transport="ipc")
+        assert rec.memmap_slot is not None and rec.checksum and rec.timings["ipc_snapshot_reused"] == 0.0
+        await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        assert follower.history[-1].load["ipc"] is True and all(weight0(w) == 5.0 for w in engine.workers)
+        await stored.close()
+    finally:
+        await follower.stop()
+        await pub.close()
+
+
+async def test_a_snapshot_rewritten_while_a_worker_copies_it_is_refused_and_the_next_version_served(redis_url, queue, tmp_path):
+    """The publisher rewrites its snapshot with the next version while a worker is half way
+    through copying the last one: the worker's copy holds bytes of both, and is refused
+    (the version was released before its snapshot was rewritten, which the worker sees after
+    its copy). The old weights serve on, never a mix, and the next version goes through."""
+    import threading
+
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1, load_retries=0))
+    pub = WeightPublisher(redis_url, queue, ipc_snapshot=True)
+    ipc = engine.workers[0].rollq_state.ipc
+    live = engine.workers[0].model_runner.model
+    await follower.start()
+    try:
+        rec = await pub.publish_weights(state(1.0), transport="ipc")
+        await until(lambda: consumer.version == rec.version, 10, "version 1")
+        gate, at_copy = threading.Event(), threading.Event()
+
+        def hold(i: int) -> None:
+            if i == 1:  # the first tensor is copied: the rest waits
+                at_copy.set()
+                gate.wait(10)
+
+        ipc.before_copy = hold
+        second = await pub.publish_weights(state(2.0), transport="ipc")
+        assert await asyncio.to_thread(at_copy.wait, 10), "the worker did not start copying"
+        third = await pub.publish_weights(state(3.0), transport="ipc")  # rewrites the snapshot
+        assert third.timings["ipc_snapshot_reused"] == 1.0
+        gate.set()
+        ipc.before_copy = None
+        errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
+        assert (errors["r0"].version, errors["r0"].error) == (second.version, "IpcUnavailable"), errors
+        assert "during the copy" in errors["r0"].message
+        await until(lambda: consumer.version == third.version, 10, "the next version")
+        assert [h.version for h in follower.history if h.version == second.version] == []
+        assert all(bool((p == 3.0).all()) for p in live.module.parameters())
     finally:
         await follower.stop()
         await pub.close()
