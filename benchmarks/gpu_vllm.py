@@ -21,7 +21,9 @@
    alternates the replica keeping the trainer's storages mapped from one version to the next
    (``WeightSyncSettings.ipc_keep_mappings``) with opening every handle each version;
    ``--ipc-prestage 0,1`` the follower starting each copy with the workers starting it when
-   the version is announced (``WeightSyncSettings.ipc_prestage``).
+   the version is announced (``WeightSyncSettings.ipc_prestage``); ``--ipc-snapshot 0,1`` the
+   trainer's own tensors (zero-copy, checksummed at publish and by the replica) with the
+   publisher's snapshot (``WeightPublisher(ipc_snapshot=True)``: copied at publish, no checksums).
 
 Results go to ``<out>.json`` and ``<out>.md``; each phase is written as soon as it ends.
 """
@@ -97,7 +99,8 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
             op = cmd["op"]
             try:
                 if op == "configure":  # the variant of the next sends
-                    sender.shadow_layout = bool(cmd["shadow_layout"])
+                    sender.shadow_layout = bool(cmd.get("shadow_layout", sender.shadow_layout))
+                    ipc_pub.ipc_snapshot = bool(cmd.get("ipc_snapshot", ipc_pub.ipc_snapshot))
                     conn.send({"ok": True})
                 elif op == "publish":
                     marks += 1  # the replica must then show exactly this value (checks the swap)
@@ -489,14 +492,17 @@ async def engine_main(a: argparse.Namespace) -> None:
 
                 rows = []
                 chunks = [int(float(c) * (1 << 20)) for c in a.ipc_chunk_mb.split(",")]
-                combos = [(c, k == "1", x == "1") for c in chunks for k in a.ipc_keep.split(",") for x in a.ipc_prestage.split(",")]
+                combos = [(c, k == "1", x == "1", n == "1") for c in chunks for k in a.ipc_keep.split(",")
+                          for x in a.ipc_prestage.split(",") for n in a.ipc_snapshot.split(",")]
                 # The first traces the load plan into the shadow; then the variants take turns.
-                # A kept-mappings update right after one without opens everything again: that
-                # one is a warm-up, not measured.
-                prev_keep, i = True, 0
+                # A kept-mappings update right after one without opens everything again, and so
+                # does a switch between the publisher's snapshot and the trainer's own tensors
+                # (other storages): that one is a warm-up, not measured.
+                prev_keep, prev_snapshot, i = True, False, 0
                 while len(rows) < a.ipc_reps * len(combos):
-                    chunk, keep, prestage = combos[len(rows) % len(combos)]
-                    warm = i == 0 or (keep and not prev_keep)
+                    chunk, keep, prestage, snapshot = combos[len(rows) % len(combos)]
+                    await asyncio.to_thread(call, op="configure", ipc_snapshot=snapshot)
+                    warm = i == 0 or (keep and not prev_keep) or snapshot != prev_snapshot
                     follower.settings = dataclasses.replace(follower.settings, ipc_chunk_bytes=chunk, ipc_keep_mappings=keep,
                                                             ipc_prestage=prestage)
                     for tr in follower._transports.values():
@@ -508,6 +514,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                     r, row, st = await measured_update("ipc")
                     hinted = st.timings.get("hinted_at") or 0.0
                     row.update(chunk_mb=chunk / (1 << 20), keep_mappings=keep, prestage=prestage, prestaged=bool(st.load.get("prestaged")),
+                               snapshot=snapshot, snapshot_reused=r["timings"].get("ipc_snapshot_reused"),
                                warm_up=warm, expose_s=r["timings"].get("expose_s"),
                                checksum_s=r["timings"].get("checksum_s"), trainer_copied_bytes=r["timings"].get("ipc_copied_bytes"),
                                trainer_extra_gpu_bytes=r["trainer_extra_gpu_bytes"], stage_s=st.load.get("stage_s"),
@@ -516,7 +523,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                                stage_call_s=st.timings.get("stage_call_s"), **timeline(st, r["t1"], row["end_to_end_s"] + r["t0"]),
                                load=st.load)
                     log("ipc", {k: v for k, v in row.items() if k != "load"})
-                    i, prev_keep = i + 1, keep
+                    i, prev_keep, prev_snapshot = i + 1, keep, snapshot
                     if not warm:
                         rows.append(row)
                 out["phases"]["ipc"] = {"reps": rows}
@@ -596,16 +603,18 @@ def render(out: dict) -> str:
                   f"longest gap between engine steps {med(r, 'max_step_gap_s') * 1000:.0f} ms; "
                   f"served weights equal the published ones: {all(x.get('weights_match') for x in ph['memmap']['reps'])}", ""]
     def variant(x: dict) -> tuple:
-        return x.get("chunk_mb", 0), x.get("keep_mappings", False), x.get("prestage", False)
+        return x.get("chunk_mb", 0), x.get("keep_mappings", False), x.get("prestage", False), x.get("snapshot", False)
 
-    for chunk, keep, prestage in sorted({variant(x) for x in ph.get("ipc", {}).get("reps", [])}):
-        r = [x for x in ph["ipc"]["reps"] if variant(x) == (chunk, keep, prestage)]
+    for chunk, keep, prestage, snapshot in sorted({variant(x) for x in ph.get("ipc", {}).get("reps", [])}):
+        r = [x for x in ph["ipc"]["reps"] if variant(x) == (chunk, keep, prestage, snapshot)]
         e2e = sorted(x["end_to_end_s"] * 1000 for x in r)
         paced = f"waits every {chunk:.0f} MiB" if chunk else "one burst"
         kept = "handles kept mapped across versions" if keep else "every handle opened each version"
         started = (f"copies started by the workers' watchers ({sum(bool(x.get('prestaged')) for x in r)} of {len(r)})"
                    if prestage else "copies started by the follower")
-        lines += [f"CUDA IPC on one GPU, {paced}, {kept}, {started} ({len(r)} updates, {r[0].get('running_at_start')} requests running): end to end "
+        exposed = "the publisher's own snapshot (no checksums)" if snapshot else "the trainer's tensors (zero-copy, checksummed)"
+        lines += [f"CUDA IPC on one GPU, {paced}, {kept}, {started}, {exposed} ({len(r)} updates, "
+                  f"{r[0].get('running_at_start')} requests running): end to end "
                   f"{med(r, 'end_to_end_s') * 1000:.1f} ms ({e2e[0]:.1f}-{e2e[-1]:.1f}), publish call "
                   f"{med(r, 'trainer_publish_s') * 1000:.1f} ms (expose {med(r, 'expose_s') * 1000:.1f}, checksum "
                   f"{med(r, 'checksum_s') * 1000:.1f}), replica's copy {med(r, 'stage_s') * 1000:.1f} ms (open "
@@ -641,6 +650,9 @@ def main() -> None:
     ap.add_argument("--ipc-prestage", default="0",
                     help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_prestage (1: the workers start each copy "
                          "when the version is announced, 0: the follower starts it after reading the record)")
+    ap.add_argument("--ipc-snapshot", default="0",
+                    help="comma list taking turns in the ipc phase: WeightPublisher(ipc_snapshot=...) (1: the publisher's own "
+                         "copy of each version, rewritten every version, no checksums; each switch adds a warm-up update)")
     ap.add_argument("--ipc-keep", default="1",
                     help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_keep_mappings (1: kept, 0: opened every version)")
     ap.add_argument("--memmap-chunks", type=int, default=3, help="256 MiB read chunks in flight (0: unthrottled)")

@@ -88,7 +88,9 @@ class IpcSend(TrainerTransport):
         pub = self.publisher
         t0 = time.perf_counter()
         into = None
-        if pub.ipc_snapshot:
+        if not pub.ipc_snapshot:
+            _SNAPSHOTS.pop(pub, None)  # a snapshot left from publishes with it on goes with its version
+        else:
             # The last version is released before its snapshot is rewritten: a replica still
             # copying it then refuses it (its token is gone) rather than keep mixed bytes.
             into = _SNAPSHOTS.pop(pub, None)
