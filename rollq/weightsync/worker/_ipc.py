@@ -202,7 +202,12 @@ class IpcStaging:
 
     def _check(self, h: IpcHandles, items: Items, stream: Any = None) -> None:
         """After the copy (enqueued on ``stream``, or already done): the trainer still exposes
-        the version, and the bytes are its."""
+        the version, and the bytes are its.
+
+        The checksum runs eagerly, never as a captured CUDA graph: this thread runs while the
+        engine steps, and a capture here killed vLLM 0.26's engine on an H100
+        (``cudaErrorCapturedEvent`` in its next input copy, the 17th capture of a run). A
+        publisher's own snapshot (``ipc_snapshot``) needs no checksum at all."""
         if h.owned and stream is not None:
             stream.synchronize()  # the copy's end, before the token is looked at
         t0 = time.perf_counter()
@@ -220,7 +225,7 @@ class IpcStaging:
             return
         if not _token_alive(h):
             raise IpcUnavailable(f"trainer process {h.pid} exited or released version {h.version} during the copy")
-        if state_checksum(items, self.chunk_bytes, graph=True) != h.checksum:
+        if state_checksum(items, self.chunk_bytes) != h.checksum:
             raise CorruptWeights(f"version {h.version}: the exposed tensors changed before this worker copied them (checksum mismatch)")
 
     def _copy(self, h: IpcHandles, srcs: Items, t0: float) -> StageStatus:
@@ -245,8 +250,7 @@ class IpcStaging:
                                 view.copy_(src, non_blocking=True)
                                 self._pace(stream, view.numel() * view.element_size())
                         # The shadow's bytes are the trainer's checksum, or the trainer changed
-                        # them during the copy (the checksum is a captured graph: these views
-                        # have the same addresses every version).
+                        # them during the copy.
                         self._check(h, dest, stream)
                 except BaseException:
                     target.done(version, False)

@@ -166,6 +166,43 @@ async def test_fake_workers_copy_each_version_and_refuse_a_released_one(redis_ur
         await pub.close()
 
 
+async def test_workers_never_capture_a_checksum_graph_beside_the_serving_engine(redis_url, queue, tmp_path, monkeypatch):
+    """A worker's copy thread runs while the engine steps: capturing a CUDA graph there killed
+    vLLM's engine on an H100 (``cudaErrorCapturedEvent`` in its next input copy). The worker
+    verifies the trainer's checksum eagerly, for a first version and for later ones."""
+    import rollq.weightsync.worker._ipc as worker_ipc
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher
+    from tests.helpers import until
+
+    calls: list[dict[str, Any]] = []
+    real = worker_ipc.state_checksum
+
+    def spy(*a: Any, **kw: Any) -> str:
+        calls.append(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(worker_ipc, "state_checksum", spy)
+    engine = FakeWorkerEngine(small_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1))
+    pub = WeightPublisher(redis_url, queue)
+    await follower.start()
+    try:
+        st = {k: v.share_memory_() for k, v in state(1.0).items()}
+        for fill in (1.0, 2.0):
+            with torch.no_grad():
+                for v in st.values():
+                    v.fill_(fill)
+            rec = await pub.publish_weights(st, transport="ipc")
+            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        assert len(calls) == 2 and not any(kw.get("graph") for kw in calls), calls
+    finally:
+        await follower.stop()
+        await pub.close()
+
+
 async def test_a_sharded_trainer_is_told_ipc_is_not_for_it(redis_url, queue):
     """Each rank of a sharded trainer holds parts of tensors; the IPC transport exposes whole
     ones. Refused before anything is written (not silently published through memmap)."""
