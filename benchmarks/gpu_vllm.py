@@ -87,6 +87,8 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     tensors = {n: torch.empty(s, dtype=torch.bfloat16, device=dev).normal_() * 0.02 for n, s in qwen7b_shapes()}
+    torch.cuda.synchronize()
+    base_mem = torch.cuda.memory_allocated(dev)  # the trainer's own tensors: extra memory is counted above it
 
     async def serve() -> None:
         sender = BroadcastSender(1, backend="nccl", bucket_bytes=1 << 30, timeout=300, device=dev)
@@ -113,7 +115,8 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
                     t1 = time.time()
                     conn.send({"ok": True, "t0": t0, "t1": t1, "version": rec.version, "transport": rec.transport,
                                "timings": rec.timings, "nbytes": rec.nbytes, "mark": float(marks),
-                               "trainer_extra_gpu_bytes": torch.cuda.memory_allocated(dev) - mem0})
+                               "trainer_extra_gpu_bytes": torch.cuda.memory_allocated(dev) - mem0,
+                               "trainer_held_gpu_bytes": torch.cuda.memory_allocated(dev) - base_mem})
                 elif op == "native_init":
                     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
@@ -398,8 +401,8 @@ async def engine_main(a: argparse.Namespace) -> None:
                     "t_publish_to_hint_s": (t.get("hinted_at") or t["woke_at"]) - t_published}
 
         if "sync" in phases:
+            rows = []
             try:
-                rows = []
                 variants = a.sync_variants.split(",")
                 # The first update forms the group (and traces the load plan); then the variants
                 # take turns, so each sees the same engine, load and machine noise.
@@ -422,10 +425,11 @@ async def engine_main(a: argparse.Namespace) -> None:
                         rows.append(row)
                 out["phases"]["sync"] = {"reps": rows}
             except Exception as e:
-                out["phases"]["sync"] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+                out["phases"]["sync"] = {"reps": rows, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}  # the updates before it too
             save()
 
         if "native" in phases:
+            rows = []
             try:
                 from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
 
@@ -440,7 +444,6 @@ async def engine_main(a: argparse.Namespace) -> None:
                 shapes = qwen7b_shapes()
                 info = {"names": [n for n, _ in shapes], "dtype_names": ["bfloat16"] * len(shapes),
                         "shapes": [list(s) for _, s in shapes], "packed": True}
-                rows = []
                 for i in range(a.sync_reps + 1):
                     running = await wait_running()
                     m0 = time.monotonic()
@@ -464,12 +467,12 @@ async def engine_main(a: argparse.Namespace) -> None:
                         rows.append(row)
                 out["phases"]["native"] = {"reps": rows}
             except Exception as e:
-                out["phases"]["native"] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+                out["phases"]["native"] = {"reps": rows, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}  # the updates before it too
             save()
 
         if "memmap" in phases:
+            rows = []
             try:
-                rows = []
                 for i in range(a.memmap_reps):
                     r, row, st = await measured_update("memmap")
                     nb = r.get("nbytes") or 15.2e9
@@ -483,14 +486,14 @@ async def engine_main(a: argparse.Namespace) -> None:
                     rows.append(row)
                 out["phases"]["memmap"] = {"reps": rows}
             except Exception as e:
-                out["phases"]["memmap"] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+                out["phases"]["memmap"] = {"reps": rows, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}  # the updates before it too
             save()
 
         if "ipc" in phases:
+            rows = []
             try:
                 import dataclasses
 
-                rows = []
                 chunks = [int(float(c) * (1 << 20)) for c in a.ipc_chunk_mb.split(",")]
                 combos = [(c, k == "1", x == "1", n == "1") for c in chunks for k in a.ipc_keep.split(",")
                           for x in a.ipc_prestage.split(",") for n in a.ipc_snapshot.split(",")]
@@ -517,7 +520,8 @@ async def engine_main(a: argparse.Namespace) -> None:
                                snapshot=snapshot, snapshot_reused=r["timings"].get("ipc_snapshot_reused"),
                                warm_up=warm, expose_s=r["timings"].get("expose_s"),
                                checksum_s=r["timings"].get("checksum_s"), trainer_copied_bytes=r["timings"].get("ipc_copied_bytes"),
-                               trainer_extra_gpu_bytes=r["trainer_extra_gpu_bytes"], stage_s=st.load.get("stage_s"),
+                               trainer_extra_gpu_bytes=r["trainer_extra_gpu_bytes"], trainer_held_gpu_bytes=r.get("trainer_held_gpu_bytes"),
+                               stage_s=st.load.get("stage_s"),
                                open_s=st.load.get("open_s"), verify_s=st.load.get("verify_s"), opened=st.load.get("opened"),
                                reused=st.load.get("reused"), hint_after_publish_s=hinted - r["t1"] if hinted else None,
                                stage_call_s=st.timings.get("stage_call_s"), **timeline(st, r["t1"], row["end_to_end_s"] + r["t0"]),
@@ -528,7 +532,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                         rows.append(row)
                 out["phases"]["ipc"] = {"reps": rows}
             except Exception as e:
-                out["phases"]["ipc"] = {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}
+                out["phases"]["ipc"] = {"reps": rows, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}  # the updates before it too
             save()
 
         load.task.cancel()
@@ -628,7 +632,8 @@ def render(out: dict) -> str:
                      f"recorded to seen {med(r, 't_recorded_to_seen_s') * 1000:.1f}; " if all('t_wake_s' in x for x in r) else "")
                   + f"longest gap between engine "
                   f"steps {med(r, 'max_step_gap_s') * 1000:.1f} ms (median step {med(r, 'median_step_s') * 1000:.1f} ms); "
-                  f"trainer's extra GPU memory {max(x.get('trainer_extra_gpu_bytes') or 0 for x in r) / 2**20:.0f} MiB, copied "
+                  f"trainer's extra GPU memory {max(x.get('trainer_extra_gpu_bytes') or 0 for x in r) / 2**20:.0f} MiB in the publish "
+                  f"call, {max(x.get('trainer_held_gpu_bytes') or 0 for x in r) / 2**20:.0f} MiB held beside its weights, copied "
                   f"{max(x.get('trainer_copied_bytes') or 0 for x in r) / 2**20:.0f} MiB; served weights equal the published ones: "
                   f"{all(x.get('weights_match') for x in r)}", ""]
     for k, v in ph.items():
