@@ -180,8 +180,10 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     trainer.model.to(getattr(torch, a.trainer_dtype))
     trainer.rebase(0)  # the snapshot of version 0 in the trainer's dtype
     trainer.to(device)
-    # Over ipc no memmap copy is written beside each version (the replicas share this host).
-    pub = WeightPublisher(srv_url, queue, root=None if a.transport == "ipc" else root, keep=4, trainer_id=f"trainer-{name}")
+    # Over ipc no memmap copy is written beside each version (the replicas share this host); an
+    # async trainer steps in place right after publishing, so it exposes the publisher's own snapshot.
+    pub = WeightPublisher(srv_url, queue, root=None if a.transport == "ipc" else root, keep=4, trainer_id=f"trainer-{name}",
+                          ipc_snapshot=mode != "sync")
     # Every run starts from the initial weights: publish them as version 1 to the replicas.
     rec = await pub.publish_weights(trainer.state_dict(), transport=a.transport)
     trainer.rebase(rec.version)

@@ -109,6 +109,26 @@ def test_demo_trains_through_vllm_replicas(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_demo_over_ipc_exposes_the_publishers_snapshot_and_every_version_goes_live():
+    """``rollq demo --transport ipc``: the async trainer steps in place right after each
+    publish, so the demo's publisher exposes its own snapshot; every version reaches the
+    replica and its logprobs agree with the trainer's."""
+    import argparse
+
+    from rollq.demo import _publisher
+
+    assert _publisher("redis://127.0.0.1:1", "/nowhere", argparse.Namespace(transport="ipc", replicas=1)).ipc_snapshot
+    assert not _publisher("redis://127.0.0.1:1", "/nowhere", argparse.Namespace(transport="memmap", replicas=1)).ipc_snapshot
+    pytest.importorskip("vllm")
+    r = rollq("demo", "--transport", "ipc", "--replicas", "1", "--steps", "4", "--json", timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout.splitlines()[-1])
+    assert s["versions"] == 4 and s["failed_jobs"] == 0
+    assert s["logprob_tokens_compared"] > 0 and s["logprob_abs_diff_mean"] <= 1e-3
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_demo_length_pins_one_replica_and_reports_the_final_policy_by_length(tmp_path):
     """``--task length --replicas 1`` on a machine of 2 or more cores: the replica's vLLM on the
     last core, the trainer on the rest (``cores``); the summary ends with the final policy on

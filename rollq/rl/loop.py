@@ -82,7 +82,9 @@ class LoopConfig:
     #: Staleness bound of the async mode, in versions.
     max_lag: int = 1
     #: ``memmap``, ``broadcast`` (gloo on CPU, NCCL on GPU: the publisher's sender) or ``ipc``
-    #: (the trainer's tensors shared with replicas on its host: rollq.weightsync.transports.ipc).
+    #: (the trainer's tensors shared with replicas on its host: rollq.weightsync.transports.ipc;
+    #: in the async mode the trainer steps in place right after publishing, so give it a
+    #: ``WeightPublisher(ipc_snapshot=True)``, else a replica still copying refuses the version).
     transport: str = "memmap"
     #: Seeds the prompts' buckets.
     seed: int = 0
