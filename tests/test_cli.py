@@ -109,7 +109,7 @@ def test_demo_trains_through_vllm_replicas(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_demo_over_ipc_exposes_the_publishers_snapshot_and_every_version_goes_live():
+def test_demo_over_ipc_exposes_the_publishers_snapshot_and_every_version_goes_live(tmp_path):
     """``rollq demo --transport ipc``: the async trainer steps in place right after each
     publish, so the demo's publisher exposes its own snapshot; every version reaches the
     replica and its logprobs agree with the trainer's."""
@@ -120,7 +120,8 @@ def test_demo_over_ipc_exposes_the_publishers_snapshot_and_every_version_goes_li
     assert _publisher("redis://127.0.0.1:1", "/nowhere", argparse.Namespace(transport="ipc", replicas=1)).ipc_snapshot
     assert not _publisher("redis://127.0.0.1:1", "/nowhere", argparse.Namespace(transport="memmap", replicas=1)).ipc_snapshot
     pytest.importorskip("vllm")
-    r = rollq("demo", "--transport", "ipc", "--replicas", "1", "--steps", "4", "--json", timeout=900)
+    r = rollq("demo", "--transport", "ipc", "--replicas", "1", "--steps", "4", "--json", "--plot", str(tmp_path / "d.png"),
+              timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout.splitlines()[-1])
     assert s["versions"] == 4 and s["failed_jobs"] == 0
