@@ -63,14 +63,11 @@ WATCHER_GRACE_S = 0.01
 
 #: The version each publisher exposes now (released when it exposes the next one).
 _EXPOSED: weakref.WeakKeyDictionary[PublisherSide, Exposure] = weakref.WeakKeyDictionary()
-#: Each ``ipc_snapshot`` publisher's snapshot tensors, which its next version is copied into.
-_SNAPSHOTS: weakref.WeakKeyDictionary[PublisherSide, list[tuple[str, torch.Tensor]]] = weakref.WeakKeyDictionary()
 
 
 def release(publisher: PublisherSide) -> bool:
     """Stop exposing ``publisher``'s current IPC version (a replica copying it refuses it) and
     free its snapshot; False when it exposes none. ``WeightPublisher.close`` calls it."""
-    _SNAPSHOTS.pop(publisher, None)
     x = _EXPOSED.pop(publisher, None)
     if x is None:
         return False
@@ -88,14 +85,11 @@ class IpcSend(TrainerTransport):
         pub = self.publisher
         t0 = time.perf_counter()
         into = None
-        if not pub.ipc_snapshot:
-            _SNAPSHOTS.pop(pub, None)  # a snapshot left from publishes with it on goes with its version
-        else:
+        if pub.ipc_snapshot and (last := _EXPOSED.pop(pub, None)) is not None:
             # The last version is released before its snapshot is rewritten: a replica still
             # copying it then refuses it (its token is gone) rather than keep mixed bytes.
-            into = _SNAPSHOTS.pop(pub, None)
-            if (old := _EXPOSED.pop(pub, None)) is not None:
-                old.release()
+            last.release()
+            into = last.snapshot or None
         x = await asyncio.to_thread(Exposure, version, items, pub.ipc_snapshot, into)
         try:
             await (await pub.redis()).set(pub.keys.weights_ipc, encode_handles(x.handles))
@@ -114,8 +108,6 @@ class IpcSend(TrainerTransport):
         except BaseException:
             x.release()
             raise
-        if x.snapshot:
-            _SNAPSHOTS[pub] = x.snapshot
         old = _EXPOSED.get(pub)
         _EXPOSED[pub] = x
         if old is not None:

@@ -217,14 +217,12 @@ class IpcStaging:
             self._verify_s = time.perf_counter() - t0
 
     def _verify(self, h: IpcHandles, items: Items) -> None:
+        if not _token_alive(h):
+            raise IpcUnavailable(f"trainer process {h.pid} exited or released version {h.version} during the copy")
         if h.owned:
             # The publisher's own snapshot changes only after it released the version: a copy
             # that ended with the token still alive has the version's bytes.
-            if not _token_alive(h):
-                raise IpcUnavailable(f"trainer process {h.pid} exited or released version {h.version} during the copy")
             return
-        if not _token_alive(h):
-            raise IpcUnavailable(f"trainer process {h.pid} exited or released version {h.version} during the copy")
         if state_checksum(items, self.chunk_bytes) != h.checksum:
             raise CorruptWeights(f"version {h.version}: the exposed tensors changed before this worker copied them (checksum mismatch)")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import msgspec
@@ -106,6 +107,20 @@ def test_a_snapshot_of_another_layout_is_copied_into_new_storages():
             assert [torch.equal(a, b) for (_, a), (_, b) in zip(x.snapshot, other)] == [True, True]
         finally:
             x.release()
+
+
+def hold_copy(staging: Any, at: int = 0) -> tuple[threading.Event, threading.Event]:
+    """Hold ``staging``'s copy before its tensor ``at`` until the returned gate is set; the
+    second event says the copy got there."""
+    gate, at_copy = threading.Event(), threading.Event()
+
+    def hold(i: int) -> None:
+        if i == at:
+            at_copy.set()
+            gate.wait(10)
+
+    staging.before_copy = hold
+    return gate, at_copy
 
 
 def small_model() -> torch.nn.Module:
@@ -328,7 +343,6 @@ async def test_a_snapshot_rewritten_while_a_worker_copies_it_is_refused_and_the_
     through copying the last one: the worker's copy holds bytes of both, and is refused
     (the version was released before its snapshot was rewritten, which the worker sees after
     its copy). The old weights serve on, never a mix, and the next version goes through."""
-    import threading
 
     from rollq import Consumer, WeightSyncSettings
     from rollq.testing.fake_workers import FakeWorkerEngine
@@ -345,14 +359,7 @@ async def test_a_snapshot_rewritten_while_a_worker_copies_it_is_refused_and_the_
     try:
         rec = await pub.publish_weights(state(1.0), transport="ipc")
         await until(lambda: consumer.version == rec.version, 10, "version 1")
-        gate, at_copy = threading.Event(), threading.Event()
-
-        def hold(i: int) -> None:
-            if i == 1:  # the first tensor is copied: the rest waits
-                at_copy.set()
-                gate.wait(10)
-
-        ipc.before_copy = hold
+        gate, at_copy = hold_copy(ipc, at=1)  # the first tensor is copied: the rest waits
         second = await pub.publish_weights(state(2.0), transport="ipc")
         assert await asyncio.to_thread(at_copy.wait, 10), "the worker did not start copying"
         third = await pub.publish_weights(state(3.0), transport="ipc")  # rewrites the snapshot
@@ -510,7 +517,6 @@ async def test_a_version_released_while_a_watcher_copies_it_is_recorded_and_the_
     """The trainer releases a version while the workers' watchers copy it: their copies fail,
     the follower tries it itself, records the failure, the old weights serve on, and the next
     version is copied by the watchers again."""
-    import threading
 
     from rollq import Consumer, WeightSyncSettings
     from rollq.testing.fake_workers import FakeWorkerEngine
@@ -528,13 +534,7 @@ async def test_a_version_released_while_a_watcher_copies_it_is_recorded_and_the_
     try:
         rec = await pub.publish_weights(state(1.0), transport="ipc")
         await until(lambda: consumer.version == rec.version, 10, "version 1")
-        gate, at_copy = threading.Event(), threading.Event()
-
-        def hold(i: int) -> None:
-            at_copy.set()
-            gate.wait(10)
-
-        ipc.before_copy = hold
+        gate, at_copy = hold_copy(ipc)
         async with follower._lock:
             rec = await pub.publish_weights(state(2.0), transport="ipc")
             assert await asyncio.to_thread(at_copy.wait, 10), "the watcher did not start copying"
@@ -558,7 +558,6 @@ async def test_a_follower_that_skips_the_version_a_watcher_still_copies_waits_fo
     """Two versions published before the follower woke: the watcher copies the first when the
     second is read. The follower's own copy of the second waits for that copy to end (the
     worker answered busy) instead of failing, and no load failure is recorded."""
-    import threading
 
     from rollq import Consumer, WeightSyncSettings
     from rollq.testing.fake_workers import FakeWorkerEngine
@@ -572,13 +571,7 @@ async def test_a_follower_that_skips_the_version_a_watcher_still_copies_waits_fo
     follower = WeightFollower(consumer, settings)  # no retries: a failure would be final
     pub = WeightPublisher(redis_url, queue)
     ipc = engine.workers[0].rollq_state.ipc
-    gate, at_copy = threading.Event(), threading.Event()
-
-    def hold(i: int) -> None:
-        at_copy.set()
-        gate.wait(10)
-
-    ipc.before_copy = hold
+    gate, at_copy = hold_copy(ipc)
     await follower.start()
     try:
         async with follower._lock:
