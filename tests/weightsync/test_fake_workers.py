@@ -336,9 +336,10 @@ async def test_overlapped_swap_through_a_broadcast_and_its_undo_when_the_commit_
     pub = WeightPublisher(redis_url, queue, root=root, sender=sender)
     engine = FakeWorkerEngine(loadable_model)
     consumer = Consumer(engine, redis_url, queue)
-    # a lead longer than any receive here: the swap starts as soon as the offer is seen
+    # a lead longer than any receive here: the swap starts as soon as the offer is seen; the
+    # commit may come late on a loaded machine (the undo below shortens the wait for it)
     follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.3, broadcast=True, swap_overlap=True,
-                              overlap_lead_s=5.0, overlap_commit_timeout=0.1))
+                              overlap_lead_s=5.0, overlap_commit_timeout=5.0))
     await follower.start()
     run = asyncio.create_task(consumer.run())  # its control channel brings the offers' hints
     live = engine.workers[0].model_runner.model
@@ -366,6 +367,7 @@ async def test_overlapped_swap_through_a_broadcast_and_its_undo_when_the_commit_
             return await commit(*a, **kw)
 
         monkeypatch.setattr(publisher_mod, "commit_version", late_commit)
+        follower.overlap.commit_timeout = 0.1
         rec = await pub.publish_weights(state(5.0), transport="nccl")
         await until(lambda: consumer.version == rec.version, 10, "version 5")
         assert follower.overlap.reverts == 1 and follower.history[-1].load["swap"] == "shadow"
