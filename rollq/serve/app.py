@@ -21,18 +21,19 @@ import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import msgspec
+from redis.exceptions import RedisError
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..connection import connect
-from ..errors import InvalidJob
+from ..errors import InvalidJob, SubmitInterrupted
 from ..protocol import Result
 from . import generate as gen
 from . import streaming
 from .dev_routes import DevRoutes
-from .errors import VALIDATION_ERROR, error_response, unauthorized
+from .errors import VALIDATION_ERROR, error_response, queue_unreachable, unauthorized
 from .pause import Gate
 from .responses import cancel_all, job_error, sse, summed
 from .schemas import ChatRequest, CompletionRequest, chat_messages, completion_prompts, exact_turns, sampling_of
@@ -416,4 +417,6 @@ def create_app(producer: Any, *, model_name: str, tokenizer: Any = None, api_key
               Route("/v1/completions", s.completions, methods=["POST"]),
               Route("/v1/chat/completions", s.chat, methods=["POST"]),
               Route("/inference/v1/generate", s.generate, methods=["POST"]), *dev.routes()]
-    return Starlette(routes=routes, lifespan=lifespan)
+    # Redis errors and a submission Redis cut off answer 503 in vLLM's error body, not 500.
+    unreachable = {RedisError: queue_unreachable, SubmitInterrupted: queue_unreachable}
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=unreachable)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.responses import JSONResponse
 
 _TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError", 500: "InternalServerError",
@@ -23,6 +25,13 @@ def error_response(message: str, code: int = 400, param: str | None = None, err_
     body = {"error": {"message": message, "type": err_type or _TYPES.get(code, "BadRequestError"), "param": param,
                       "code": code}}
     return JSONResponse(body, status_code=code)
+
+
+def queue_unreachable(request: Any, exc: Exception) -> JSONResponse:
+    """503 for a request that could not reach the queue's Redis (down, or every pooled
+    connection busy for ``RedisSettings.pool_timeout``): the client may retry later. A job
+    whose submission was cut off may still be queued (``SubmitInterrupted``: in doubt)."""
+    return error_response(f"the queue's Redis is out of reach: {type(exc).__name__}: {exc}", 503)
 
 
 def unauthorized() -> JSONResponse:

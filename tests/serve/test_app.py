@@ -240,3 +240,27 @@ async def test_a_batch_goes_out_in_one_submission_and_a_bad_prompt_sends_none(cl
     r = await client.post("/v1/completions", json={"prompt": [[5, 6], [-3]], "max_tokens": 2})
     assert r.status_code == 400, r.text
     assert await redis_client.xlen(stream) == before  # the good first prompt was not sent either
+
+
+@pytest.mark.parametrize("session", [False, True])
+async def test_redis_out_of_reach_is_a_503_with_a_vllm_error_body(fresh_redis, queue, session):
+    """A request while Redis is down gets vLLM's error body with 503 and a message naming
+    Redis, within about ``command_timeout``; the server serves again once Redis is back."""
+    from rollq import Producer
+    from rollq.settings import RedisSettings
+
+    p = Producer(RedisSettings.from_url(fresh_redis.url, command_timeout=1.0, connect_timeout=0.5), queue)
+    try:
+        async with http_server(p, model_name=MODEL) as base:
+            async with httpx.AsyncClient(base_url=base, timeout=60) as c:
+                fresh_redis.stop()
+                headers = {"X-Session-ID": "s1"} if session else {}
+                r = await c.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6], "max_tokens": 2},
+                                 headers=headers)
+                assert r.status_code == 503, r.text
+                err = r.json()["error"]
+                assert err["type"] == "ServiceUnavailableError" and err["code"] == 503 and "Redis" in err["message"], err
+                fresh_redis.start()
+                assert (await c.get("/health")).status_code == 200
+    finally:
+        await p.close()
