@@ -15,6 +15,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .pools import WaitingCluster, WaitingConnectionPool
 from .settings import RedisSettings
 
 Client = Any  # redis.asyncio.Redis | redis.asyncio.RedisCluster
@@ -37,7 +38,8 @@ def text(v: Any) -> str:
 def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Client:
     """An asyncio Redis client for ``settings`` (binary replies, no decoding).
 
-    Pass ``socket_timeout=None`` for a client used for blocking reads.
+    Pass ``socket_timeout=None`` for a client used for blocking reads. More commands at once
+    than ``max_connections`` wait for a free connection (:mod:`rollq.pools`).
     """
     if not isinstance(settings, RedisSettings):
         settings = RedisSettings.from_url(settings)
@@ -58,9 +60,7 @@ def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Cl
     kw["max_connections"] = settings.max_connections
     kw.update(overrides)
     if settings.cluster:
-        from redis.asyncio.cluster import RedisCluster
-
-        if not hasattr(RedisCluster, "pubsub"):  # replicas follow cancels and versions on pub/sub
+        if not hasattr(WaitingCluster, "pubsub"):  # replicas follow cancels and versions on pub/sub
             import redis
 
             raise RuntimeError(
@@ -68,13 +68,14 @@ def connect(settings: RedisSettings | str | None = None, **overrides: Any) -> Cl
             )
 
         kw.pop("health_check_interval", None)
-        return RedisCluster.from_url(settings.url, **kw)
+        return WaitingCluster.from_url(settings.url, pool_timeout=settings.pool_timeout, **kw)
     # The version redis-py reports with CLIENT SETINFO: given, it is not looked up in the
     # package metadata for every new connection (milliseconds each).
     kw.setdefault("lib_version", _REDIS_PY_VERSION)
-    client = aredis.Redis.from_url(settings.url, **kw)
-    pool = client.connection_pool
+    pool = WaitingConnectionPool.from_url(settings.url, pool_timeout=settings.pool_timeout, **kw)
     pool.connection_class = _auth_fails_fast(pool.connection_class)
+    client = aredis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True  # closed with the client, as from_url's pool is
     return client
 
 

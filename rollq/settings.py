@@ -46,8 +46,12 @@ class RedisSettings:
     connect_timeout: float = 5.0
     #: Seconds a non-blocking command may take before it is treated as a failure.
     command_timeout: float = 30.0
-    #: Connections per client pool.
+    #: Connections per client pool (per node on a cluster).
     max_connections: int = 64
+    #: Seconds a command waits for a free connection when all ``max_connections`` are in use
+    #: (a burst: hundreds of HTTP clients of ``rollq serve`` at once); then it fails with
+    #: redis-py's ``MaxConnectionsError``. None: it waits as long as it takes.
+    pool_timeout: float | None = 30.0
 
     @property
     def full_url(self) -> str:

@@ -83,7 +83,6 @@ class Producer:
         settings: ProducerSettings | None = None,
     ):
         self.redis_settings = url if isinstance(url, RedisSettings) else RedisSettings.from_url(url)
-        self._cancel_gate: asyncio.Semaphore | None = None  # made in the loop of the first cancel
         self.keys = QueueKeys(queue)
         self.queue = queue
         self.id = check_name("producer", producer_id or f"p-{uuid.uuid4().hex[:12]}")
@@ -410,11 +409,9 @@ class Producer:
         else:  # not queued by us (any more): mark it where a caller-chosen id goes
             shard = self._map.of_id(job_id)
             stream, eid, tracked = shard.jobs, b"0-0", True
-        if self._cancel_gate is None:
-            # A burst of cancels (hundreds of HTTP clients leaving at once) shares the client's
-            # pool, which refuses a command beyond its size instead of waiting for a connection.
-            self._cancel_gate = asyncio.Semaphore(max(1, self.redis_settings.max_connections // 4))
-        async with self._cancel_gate, self._deadline(f"cancelling job {job_id!r}"):
+        # A burst of cancels (hundreds of HTTP clients leaving at once) waits for the pool's
+        # connections (rollq.pools) rather than failing.
+        async with self._deadline(f"cancelling job {job_id!r}"):
             # The hint goes out on the queue's control channel (shard 0's), for every shard.
             how = await CANCEL(
                 self._client, [stream, shard.cancel(job_id), shard.ids, shard.stats],
