@@ -546,7 +546,10 @@ async def test_a_version_released_while_a_watcher_copies_it_is_recorded_and_the_
         assert (errors["r0"].version, errors["r0"].error) == (rec.version, "IpcUnavailable"), errors
         assert consumer.version == rec.version - 1 and weight0(engine.workers[0]) == 1.0
         started = ipc.prestaged
-        rec = await pub.publish_weights(state(3.0), transport="ipc")
+        async with follower._lock:  # the watcher copies it, however slowly the follower would wake
+            rec = await pub.publish_weights(state(3.0), transport="ipc")
+            await until(lambda: ipc.status.state is State.STAGED and ipc.status.version == rec.version, 10,
+                        "the watcher's copy of the next version")
         await until(lambda: consumer.version == rec.version, 10, "the next version")
         assert ipc.prestaged == started + 1 and weight0(engine.workers[0]) == 3.0  # the watcher copied it
     finally:
