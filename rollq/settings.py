@@ -18,6 +18,7 @@ on its own, so a cluster stays a cluster there.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -52,6 +53,20 @@ class RedisSettings:
     #: (a burst: hundreds of HTTP clients of ``rollq serve`` at once); then it fails with
     #: redis-py's ``MaxConnectionsError``. None: it waits as long as it takes.
     pool_timeout: float | None = 30.0
+
+    def __post_init__(self) -> None:
+        n = self.max_connections
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"RedisSettings.max_connections must be an int >= 1, got {n!r}")
+        for name, allow_none, allow_zero in (("connect_timeout", False, False), ("command_timeout", False, False),
+                                             ("pool_timeout", True, True)):
+            v = getattr(self, name)
+            if v is None and allow_none:
+                continue
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 or (allow_zero and v == 0))
+            if not ok:
+                what = "finite seconds " + (">= 0 or None" if allow_none else "> 0")
+                raise ValueError(f"RedisSettings.{name} must be {what}, got {v!r}")
 
     @property
     def full_url(self) -> str:
