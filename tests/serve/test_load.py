@@ -1,5 +1,5 @@
 """``rollq serve`` under load on loopback, over the echo engine: 1,000 concurrent connections
-of every route, some of them bad, and clients that go away mid-request. Each request gets
+of every route, some of them bad or with session keys, and clients that go away mid-request. Each request gets
 its answer or a clear HTTP error; the queue's counters show every job finished exactly once
 (or cancelled, for clients that left) and nothing left behind."""
 
@@ -28,10 +28,11 @@ def request_of(i: int) -> tuple[str, dict | bytes, int]:
         return "/inference/v1/generate", {"token_ids": ids, "sampling_params": {"max_tokens": 0}}, 400
     if kind == 2:
         return "/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404
-    if kind == 3:
-        return "/v1/completions", {"prompt": ids, "max_tokens": 3, "return_token_ids": True}, 200
+    if kind == 3:  # OpenAI's `user` field: a session key, each request reads and writes the session map
+        return "/v1/completions", {"prompt": ids, "max_tokens": 3, "return_token_ids": True, "user": f"s{i % 97}"}, 200
     if kind == 4:
-        return "/v1/chat/completions", {"messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 2}, 200
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 2,
+                                        "user": f"s{i % 89}"}, 200
     if kind == 5:
         return "/inference/v1/generate", {"token_ids": ids, "sampling_params": {"max_tokens": 3, "n": 2}}, 200
     if kind == 6:
