@@ -47,7 +47,8 @@ class RedisSettings:
     connect_timeout: float = 5.0
     #: Seconds a non-blocking command may take before it is treated as a failure.
     command_timeout: float = 30.0
-    #: Connections per client pool (per node on a cluster).
+    #: Connections per client pool; on a cluster, commands and pipelines under way at once
+    #: for the whole client (each uses at most one connection of a node).
     max_connections: int = 64
     #: Seconds a command waits for a free connection when all ``max_connections`` are in use
     #: (a burst: hundreds of HTTP clients of ``rollq serve`` at once); then it fails with
