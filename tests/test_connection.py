@@ -100,5 +100,6 @@ async def test_a_burst_beyond_the_node_pools_of_a_cluster_client_waits(redis_clu
         errors = [g for g in got if isinstance(g, BaseException)]
         assert not errors, f"{len(errors)} failed, e.g. {errors[0]!r}"
         assert got == [str(i).encode() for i in range(300)]
+        assert client.gate.turns.waited > 0 and client.gate.in_use == 0
     finally:
         await client.aclose()
