@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 from collections import deque
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -28,6 +29,7 @@ from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.exceptions import ConnectionError, MaxConnectionsError, RedisClusterException
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def _exhausted(e: BaseException) -> bool:
@@ -47,16 +49,20 @@ class Turns:
     """
 
     POLL_S = 1.0
+    #: A wait this long is logged (at most once a minute per pool), naming the pool's size.
+    SLOW_S = 1.0
 
     def __init__(self, timeout: float | None):
         self.timeout = timeout
         self.waiting: deque[asyncio.Future[bool]] = deque()
         #: Commands that had to wait for a connection.
         self.waited = 0
+        self._logged_at = -1e9
 
     async def wait(self, attempt: Callable[[], Awaitable[T]], limit: int) -> T:
         self.waited += 1
         loop = asyncio.get_running_loop()
+        t0 = loop.time()
         deadline = None if self.timeout is None else loop.time() + self.timeout
         front = False  # a caller woken whose connection another took goes first next time
         while True:
@@ -80,7 +86,7 @@ class Turns:
                         with contextlib.suppress(ValueError):
                             self.waiting.remove(fut)
             try:
-                return await attempt()
+                got = await attempt()
             except ConnectionError as e:
                 if not _exhausted(e):
                     raise
@@ -90,6 +96,14 @@ class Turns:
                         "(raise RedisSettings.max_connections or pool_timeout, or send fewer commands at once)"
                     ) from None
                 front = True
+                continue
+            waited = loop.time() - t0
+            if waited >= self.SLOW_S and loop.time() - self._logged_at >= 60:
+                self._logged_at = loop.time()
+                log.warning("a Redis command waited %.1f s for one of the client's %d connections (%d waiting now): "
+                            "raise RedisSettings.max_connections, or send fewer commands at once", waited, limit,
+                            len(self.waiting))
+            return got
 
     def wake(self) -> None:
         """A connection was released: wake the caller that has waited longest."""

@@ -103,3 +103,20 @@ async def test_a_burst_beyond_the_node_pools_of_a_cluster_client_waits(redis_clu
         assert client.gate.turns.waited > 0 and client.gate.in_use == 0
     finally:
         await client.aclose()
+
+
+async def test_a_long_wait_is_logged_once_naming_the_pool(redis_url, monkeypatch, caplog):
+    monkeypatch.setattr(Turns, "SLOW_S", 0.05)
+    client = connect(RedisSettings.from_url(redis_url, max_connections=1))
+    pool = client.connection_pool
+    try:
+        held = await pool.get_connection()
+        waiting = [asyncio.create_task(client.get(f"k{i}")) for i in range(3)]
+        await asyncio.sleep(0.1)
+        with caplog.at_level("WARNING", logger="rollq.pools"):
+            await pool.release(held)
+            assert await asyncio.gather(*waiting) == [None] * 3
+        slow = [r.getMessage() for r in caplog.records if r.name == "rollq.pools"]
+        assert len(slow) == 1 and "1 connections" in slow[0] and "max_connections" in slow[0], slow
+    finally:
+        await client.aclose()
