@@ -36,6 +36,12 @@ DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_QUEUE = "default"
 
 
+def _seconds(name: str, v: object, zero_ok: bool = False) -> None:
+    """Refuse a ``RedisSettings`` timeout that is not finite seconds > 0 (>= 0 with ``zero_ok``)."""
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 or (zero_ok and v == 0))):
+        raise ValueError(f"RedisSettings.{name} must be finite seconds {'>= 0 or None' if zero_ok else '> 0'}, got {v!r}")
+
+
 @dataclass(frozen=True)
 class RedisSettings:
     """How to reach Redis."""
@@ -59,15 +65,10 @@ class RedisSettings:
         n = self.max_connections
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"RedisSettings.max_connections must be an int >= 1, got {n!r}")
-        for name, allow_none, allow_zero in (("connect_timeout", False, False), ("command_timeout", False, False),
-                                             ("pool_timeout", True, True)):
-            v = getattr(self, name)
-            if v is None and allow_none:
-                continue
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 or (allow_zero and v == 0))
-            if not ok:
-                what = "finite seconds " + (">= 0 or None" if allow_none else "> 0")
-                raise ValueError(f"RedisSettings.{name} must be {what}, got {v!r}")
+        _seconds("connect_timeout", self.connect_timeout)
+        _seconds("command_timeout", self.command_timeout)
+        if self.pool_timeout is not None:
+            _seconds("pool_timeout", self.pool_timeout, zero_ok=True)
 
     @property
     def full_url(self) -> str:

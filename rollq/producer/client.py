@@ -409,8 +409,6 @@ class Producer:
         else:  # not queued by us (any more): mark it where a caller-chosen id goes
             shard = self._map.of_id(job_id)
             stream, eid, tracked = shard.jobs, b"0-0", True
-        # A burst of cancels (hundreds of HTTP clients leaving at once) waits for the pool's
-        # connections (rollq.pools) rather than failing.
         async with self._deadline(f"cancelling job {job_id!r}"):
             # The hint goes out on the queue's control channel (shard 0's), for every shard.
             how = await CANCEL(
