@@ -51,7 +51,9 @@ class VllmEngineConfig:
     seed: int = 0
     #: None keeps vLLM's default (on).
     enable_prefix_caching: bool | None = None
-    #: Most sequences scheduled at once; None keeps vLLM's default.
+    #: Most sequences scheduled at once; None keeps the default ``vllm serve`` gets (the
+    #: replica is built in its usage context): 1,024 on an H100 or H200, with 8,192 tokens a
+    #: step (``engine_kwargs["max_num_batched_tokens"]`` sets that); 128 on CPU.
     max_num_seqs: int | None = None
     #: Dotted path of a class mixed into every vLLM worker (weight sync calls its methods by
     #: name through :meth:`~rollq.consumer.vllm_engine.VllmEngine.collective_rpc`).
