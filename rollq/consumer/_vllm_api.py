@@ -48,6 +48,7 @@ def _vllm() -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.sampling_params import RequestOutputKind
         from vllm.sampling_params import SamplingParams as VSamplingParams
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
     except ImportError as e:
         raise ImportError(
@@ -63,12 +64,6 @@ def _vllm() -> Any:
         client_errors: tuple[type[BaseException], ...] = (ValueError, VLLMClientError)
     except ImportError:
         client_errors = (ValueError,)
-    try:
-        from vllm.usage.usage_lib import UsageContext
-
-        serving_context = UsageContext.OPENAI_API_SERVER
-    except ImportError:  # pragma: no cover - layouts without usage contexts
-        serving_context = None
     try:  # rendered engine inputs skip vLLM's deprecated raw-prompt path (~0.2x+)
         from vllm.inputs.engine import tokens_input
     except ImportError:
@@ -90,7 +85,7 @@ def _vllm() -> Any:
         has_flat_logprobs="flat_logprobs" in sp_fields,
         engine_arg_fields={f.name for f in dataclasses.fields(AsyncEngineArgs)},
         tokens_input=tokens_input,
-        serving_context=serving_context,
+        serving_context=UsageContext.OPENAI_API_SERVER,
     )
 
 
@@ -108,10 +103,9 @@ class _Api:
     has_flat_logprobs: bool
     engine_arg_fields: set[str]
     tokens_input: Any
-    #: vLLM's usage context of ``vllm serve``: its scheduler defaults (on an H100 or H200,
-    #: 8,192 batched tokens and 1,024 sequences a step, against 2,048 and 256 for an engine
-    #: built as a library) are the ones a serving replica should get.
-    serving_context: Any = None
+    #: ``vllm serve``'s usage context, whose scheduler defaults a replica gets (on an H100 or
+    #: H200 8,192 tokens and 1,024 sequences a step; a library engine's are 2,048 and 256).
+    serving_context: Any
 
     def prompt(self, ids: list[int], cache_salt: str | None) -> Any:
         """vLLM's input for prompt token ids: a rendered ``TokensInput`` where this vLLM

@@ -1,4 +1,4 @@
-"""Whether vLLM's engine core still lives, as the replica sees it.
+"""Whether vLLM's engine core still lives, as the replica sees it, and ending it.
 
 vLLM's client watches its engine-core processes (a thread waits on their sentinels) and
 sets ``AsyncLLM.errored`` when one exits. Requests in flight then fail with
@@ -7,6 +7,7 @@ sets ``AsyncLLM.errored`` when one exits. Requests in flight then fail with
 waits forever, or for whatever bound its caller set: a weight update waits ``load_timeout``,
 minutes, with the replica paused and its intake closed. :func:`until_dead` ends such a
 wait as soon as the engine is seen dead; :func:`core_failure` says what died.
+:func:`shut_down` ends an engine without an error in vLLM's log.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import signal
 from typing import Any, Awaitable, Callable, TypeVar
 
-__all__ = ["DEATH_POLL_S", "core_failure", "until_dead"]
+__all__ = ["DEATH_POLL_S", "core_failure", "shut_down", "shut_down_when_built", "until_dead"]
 
 T = TypeVar("T")
 
@@ -62,3 +63,22 @@ async def until_dead(aw: Awaitable[T], failure: Callable[[], BaseException | Non
     finally:
         if not task.done():
             task.cancel()
+
+
+async def shut_down(llm: Any, handler_timeout: float) -> None:
+    """Shut ``llm`` down. vLLM's ``AsyncLLM.shutdown`` stops the engine core, then cancels
+    its output handler; run in a thread (it blocks up to 5 s on the engine-core process)
+    while the loop runs, the handler can see the engine core go first and log an
+    ``EngineDeadError`` traceback for a clean stop. So the handler is ended first."""
+    handler = getattr(llm, "output_handler", None)
+    if isinstance(handler, asyncio.Task) and not handler.done():
+        handler.cancel()
+        await asyncio.wait([handler], timeout=handler_timeout)
+    await asyncio.to_thread(llm.shutdown)
+
+
+def shut_down_when_built(build: asyncio.Future[Any]) -> None:
+    """Done callback of an engine build nobody waits for any more: shut the engine down
+    when it comes up."""
+    if not build.cancelled() and build.exception() is None:
+        build.result().shutdown()

@@ -143,15 +143,13 @@ class VllmEngine(Engine):
         _vllm_children.install()  # its processes end with this one, even if it is SIGKILLed
         args = _vllm_api.engine_args(api, self.config)
         factory = stat_logger_factory(self._sink)
-        ctx = {} if api.serving_context is None else {"usage_context": api.serving_context}
-        build = asyncio.ensure_future(
-            asyncio.to_thread(api.AsyncLLM.from_engine_args, args, stat_loggers=[factory], **ctx)
-        )
+        build = asyncio.ensure_future(asyncio.to_thread(
+            api.AsyncLLM.from_engine_args, args, usage_context=api.serving_context, stat_loggers=[factory]))
         try:
             llm = await asyncio.shield(build)
         except asyncio.CancelledError:
             # The thread cannot be stopped: shut the engine down whenever it comes up.
-            build.add_done_callback(_shutdown_when_built)
+            build.add_done_callback(_vllm_liveness.shut_down_when_built)
             raise
         try:
             # Start vLLM's output handler on this loop now (it would start with the first
@@ -207,15 +205,7 @@ class VllmEngine(Engine):
         llm, self._llm = self._llm, None
         self._dead = "the engine was stopped"
         t0 = time.perf_counter()
-        # vLLM's shutdown stops the engine core, then cancels its output handler: run from a
-        # thread while this loop runs, the handler can see the engine core go first and log
-        # an EngineDeadError traceback for a clean stop. End the handler first.
-        handler = getattr(llm, "output_handler", None)
-        if isinstance(handler, asyncio.Task) and not handler.done():
-            handler.cancel()
-            await asyncio.wait([handler], timeout=STOP_TIMEOUT_S)
-        # Blocking (vLLM waits up to 5 s for the engine-core process): keep the loop free.
-        await asyncio.to_thread(llm.shutdown)
+        await _vllm_liveness.shut_down(llm, STOP_TIMEOUT_S)
         del llm
         # AsyncLLM sits in reference cycles; collect it now, while the interpreter is whole,
         # or its __del__ runs at exit and prints a TypeError.
@@ -493,11 +483,6 @@ class VllmEngine(Engine):
             return await _vllm_liveness.until_dead(call, self.failure)
         except api.EngineDeadError as e:
             raise self.failure() or EngineDead(f"vLLM engine died: {type(e).__name__}") from e
-
-
-def _shutdown_when_built(build: asyncio.Future[Any]) -> None:
-    if not build.cancelled() and build.exception() is None:
-        build.result().shutdown()
 
 
 async def _abort_after(llm: Any, task: asyncio.Task[Any], request_id: str) -> None:
