@@ -115,13 +115,7 @@ def wait_ready(url: str, procs: list[subprocess.Popen], logf: Path, timeout: flo
         time.sleep(0.5)
 
 
-async def batch(base: str, api_key: str, model: str, prompts: list[list[int]], gen_len: int) -> tuple[float, int]:
-    """(tokens/s, completion tokens) of one batch of every prompt at once."""
-    r = await timed_batch(base, api_key, model, prompts, gen_len)
-    return r["tokens_per_s"], r["tokens"]
-
-
-async def timed_batch(base: str, api_key: str, model: str, prompts: list[list[int]], gen_len: int) -> dict[str, float]:
+async def batch(base: str, api_key: str, model: str, prompts: list[list[int]], gen_len: int) -> dict[str, Any]:
     """One batch of every prompt at once: tokens/s, and when the first, median and last
     answers arrived (seconds after the batch started), so a slower batch shows whether its
     answers all came late or only its last ones."""
@@ -173,7 +167,7 @@ def measure(base: str, api_key: str, model: str, prompts: list[list[int]], gen_l
     out, detail = [], []
     for i in range(reps):
         c0 = cpu_seconds(procs)
-        r = asyncio.run(timed_batch(base, api_key, model, prompts, gen_len))
+        r = asyncio.run(batch(base, api_key, model, prompts, gen_len))
         c1 = cpu_seconds(procs)
         r["cpu_s"] = {k: c1[k] - c0[k] for k in c1 if k in c0}
         log(f"{name} rep {i}: {r['tokens_per_s']:.0f} tokens/s, answers at {r['first_answer_s']:.2f} / "
@@ -280,7 +274,7 @@ def main() -> None:
           "Where a batch's time goes (medians over the batches): when the first, median and last answers arrived, "
           "and the CPU seconds each process used in a batch (`children`: vLLM's engine core and workers)\n\n"
           "| server | first / median / last answer (s) | CPU s per batch |\n| --- | --- | --- |\n"
-          + "".join(f"| `{k.replace('_', ' ')}` | {breakdown(d)[0]} | {breakdown(d)[1]} |\n" for k, d in details.items()))
+          + "".join(f"| `{k.replace('_', ' ')}` | {' | '.join(breakdown(d))} |\n" for k, d in details.items()))
     Path(a.out + ".md").write_text(md)
     print(md)
 
