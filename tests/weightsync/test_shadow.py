@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rollq.weightsync.worker._shadow import ShadowWeights, shadow_supported
@@ -285,3 +286,71 @@ def test_a_parameter_the_plan_fills_in_part_keeps_the_shadow_apart():
     part = [("qkv.q_proj", torch.ones(4, 4)), ("embed.weight", torch.ones(8, 4))]  # k and v not sent
     sh.load(part, version=1, trace=True)
     assert sh.plan is not None and sh.flat is None and sh.flat_offsets([Meta(n, t) for n, t in part]) is None
+
+
+@pytest.mark.parametrize("why", ["no room", "out of memory"])
+def test_a_flat_buffer_without_room_beside_the_shadow_is_filled_through_host_memory(monkeypatch, why):
+    """When the flat buffer would not fit beside the parameters it replaces (a second copy
+    of the weights at the first version's load), their bytes wait in host memory and their
+    device memory is freed before the buffer is allocated; layout and values are the same."""
+    from rollq.weightsync.worker import _shadow
+
+    live, ref = Tiny(), Tiny()
+    sh = ShadowWeights(live)
+    v1 = ckpt(1)
+    metas = [Meta(n, t) for n, t in v1]
+    if why == "no room":
+        monkeypatch.setattr(_shadow, "room_for", lambda nbytes, device, **kw: False)
+    else:
+        monkeypatch.setattr(_shadow, "_allocate", lambda nbytes, device: None)
+    real_empty = torch.empty
+    held: list[tuple[int, int]] = []  # (bytes allocated, shadow elements still held) per uint8 allocation
+
+    def empty(*size, **kw):
+        if kw.get("dtype") is torch.uint8 and size and isinstance(size[0], int) and size[0] > 0:
+            held.append((size[0], sum(p.data.numel() for p in sh.shadow)))
+        return real_empty(*size, **kw)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    sh.load(v1, version=1, trace=True)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    offsets, total = sh.flat_offsets(metas)
+    assert offsets == [0, 256, 256 + 64, 256 + 128] and sh.flat is not None and sh.flat.numel() == total
+    assert [h for n, h in held if n == total] == [0]  # nothing of the old shadow held beside the buffer
+    assert all(p.untyped_storage().data_ptr() == sh.flat.untyped_storage().data_ptr() for p in sh.shadow)
+    sh.swap()
+    ref.load_weights(v1)
+    assert all(torch.equal(live.state_dict()[k], v) for k, v in ref.state_dict().items())
+
+
+@pytest.mark.gpu
+def test_the_first_traced_load_holds_one_copy_of_the_weights_beside_the_model_when_memory_is_short(monkeypatch):
+    """On a GPU with too little room for a second shadow, the relayout into the flat buffer
+    peaks at one shadow's bytes beside the live weights (not two)."""
+    from rollq.weightsync.worker import _shadow
+
+    class Big(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.zeros(4096, 4096, device="cuda"), requires_grad=False)
+            self.b = torch.nn.Parameter(torch.zeros(4096, 4096, device="cuda"), requires_grad=False)
+
+        def load_weights(self, weights):
+            params = dict(self.named_parameters())
+            for n, t in weights:
+                params[n].data.copy_(t)
+            return set(params)
+
+    live = Big()
+    ckpt_ = [(n, torch.full((4096, 4096), float(i + 1))) for i, n in enumerate("ab")]  # host tensors
+    monkeypatch.setattr(_shadow, "room_for", lambda nbytes, device, **kw: False)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    sh = ShadowWeights(live)
+    sh.load(ckpt_, version=1, trace=True)
+    peak = torch.cuda.max_memory_allocated() - base
+    assert sh.flat is not None
+    assert peak < 1.25 * sh.nbytes, (peak, sh.nbytes)  # the copy of the weights, not two
+    sh.swap()
+    assert bool((live.a == 1).all()) and bool((live.b == 2).all())

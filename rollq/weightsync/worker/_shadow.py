@@ -67,6 +67,24 @@ def shadow_supported(model: torch.nn.Module, *, margin_bytes: int = 1 << 30) -> 
     return None
 
 
+def room_for(nbytes: int, device: torch.device, *, margin_bytes: int = 256 << 20) -> bool:
+    """Whether ``nbytes`` more fit on ``device`` now: free device memory and the blocks
+    PyTorch's allocator holds unused, less a margin (always True off a GPU)."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + cached >= nbytes + margin_bytes
+
+
+def _allocate(nbytes: int, device: torch.device) -> torch.Tensor | None:
+    """``nbytes`` of ``uint8`` on ``device``, or None when the device is out of memory."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        return None
+
+
 def shadow_parameter(p: torch.nn.Parameter) -> torch.nn.Parameter:
     """A parameter of the same class and attributes as ``p`` over new storage.
 
@@ -298,19 +316,29 @@ class ShadowWeights:
         scratch_at = pos
         total = scratch_at + self._scratch_bytes
         dev = self.shadow[order[0]].device
-        flat = torch.empty(total, dtype=torch.uint8, device=dev)
-        old = []  # kept until the copies out of them are done (their blocks may be reused)
+        flat = _allocate(total, dev) if room_for(total, dev) else None
+        self._bytes = [None] * len(self.shadow)  # views of the storages being replaced
         with torch.no_grad():
-            for i in order:
+            if flat is None:
+                # The buffer does not fit beside the parameters it replaces (a second copy of
+                # the weights, beside the shadow and a staged version): their bytes wait in
+                # host memory while their device memory is freed, then go into the buffer.
+                srcs = [self.shadow[i].data.cpu() for i in order]
+                for i in order:
+                    self.shadow[i].data = torch.empty(0, dtype=self.shadow[i].dtype, device=dev)
+                flat = torch.empty(total, dtype=torch.uint8, device=dev)
+                log.info("the shadow's flat buffer (%.2f GB) did not fit beside the parameters it replaces: "
+                         "their bytes moved through host memory", total / 1e9)
+            else:
+                srcs = [self.shadow[i].data for i in order]
+            for i, src in zip(order, srcs):
                 p = self.shadow[i]
                 dst = flat[base[i] : base[i] + size[i]]
-                dst.copy_(p.data.reshape(-1).view(torch.uint8))
-                old.append(p.data)
-                p.data = dst.view(p.dtype).view(p.shape)
+                dst.copy_(src.reshape(-1).view(torch.uint8))
+                p.data = dst.view(src.dtype).view(src.shape)
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
-        del old
-        self._bytes = [None] * len(self.shadow)
+        del srcs  # kept until the copies out of them are done (their blocks may be reused)
         self._views = None
         self.flat = flat
         self._scratch = flat[scratch_at:] if self._scratch_bytes else None
