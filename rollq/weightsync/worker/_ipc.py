@@ -2,8 +2,9 @@
 
 Runs inside each vLLM worker process. :meth:`IpcStaging.stage` opens the handles
 (:class:`~rollq.weightsync.ipc_wire.IpcHandles`), copies every tensor (device to device on a
-GPU: straight into the shadow weights' bytes when they have a load plan for the manifest,
-else into new tensors loaded into the shadow; on CPU into new tensors), verifies the
+GPU: straight into the shadow weights' bytes when they have a load plan for the manifest;
+else ``load_weights`` reads them into the shadow, with no copy of the version beside it, which
+traces the plan on a GPU; without a shadow, into new tensors), verifies the
 trainer's checksum and checks that the trainer still exposes the version, all in a thread of
 the worker while the engine serves; the swap then only swaps it in
 (:func:`rollq.weightsync.worker._swap.apply_staged`). The trainer's storages stay mapped
@@ -48,9 +49,10 @@ class StagingHost(Protocol):
     def in_place_target(self, version: int, manifest: list[TensorMeta], stream: Any = None) -> Any:
         """Where to write ``version`` in the shadow's bytes (a ``DirectTarget``), or None."""
 
-    def load_while_receiving(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any = None,
-                             manifest: list[TensorMeta] | None = None) -> bool:
-        """Load ``items`` into the shadow weights; False without a shadow."""
+    def load_and_check(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any,
+                       manifest: list[TensorMeta], check: Callable[[list[torch.Tensor] | None], None]) -> bool:
+        """Load ``items`` into the shadow weights and ``check`` the shadow's bytes by the load
+        plan (None without one) under the worker lock; False without a shadow."""
 
 
 def _open_cpu(pid: int, s: IpcStorage, what: str) -> torch.UntypedStorage:
@@ -258,6 +260,19 @@ class IpcStaging:
                     self.staged = (version, None)
                 return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0, prepare_s=0.0,
                                    shadow=True, in_place=True, open_s=self._open_s, verify_s=self._verify_s)
+        else:
+            stream = None
+        # No load plan for this manifest yet (its first version), or no in-place writes on
+        # this device: load_weights fills the shadow straight from the trainer's tensors, with
+        # no copy of the version beside it, and the check runs on what the shadow received.
+        if st.load_and_check(version, self._fed(srcs, stream), stream, manifest,
+                             lambda views: self._check_loaded(h, srcs, manifest, views, stream)):
+            with st.lock:
+                self.staged = (version, None)
+            return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0, prepare_s=0.0,
+                               shadow=True, open_s=self._open_s, verify_s=self._verify_s)
+        # No shadow: new tensors, loaded into the live weights at the swap.
+        if stream is not None:
             with torch.cuda.stream(stream):
                 items = []
                 for i, (n, src) in enumerate(srcs):
@@ -265,15 +280,32 @@ class IpcStaging:
                     self._pace(stream, src.numel() * src.element_size())
                 stream.synchronize()
         else:
-            stream = None
             items = [(n, self._copy_one(i, src)) for i, (n, src) in enumerate(srcs)]
         self._check(h, items)
-        t1 = time.perf_counter()
-        shadowed = st.load_while_receiving(version, items, stream, manifest)
         with st.lock:
-            self.staged = (version, None if shadowed else items)
-        return StageStatus(state=State.STAGED, version=version, stage_s=t1 - t0, prepare_s=time.perf_counter() - t1,
-                           shadow=shadowed, open_s=self._open_s, verify_s=self._verify_s)
+            self.staged = (version, items)
+        return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0, prepare_s=0.0,
+                           shadow=False, open_s=self._open_s, verify_s=self._verify_s)
+
+    def _fed(self, srcs: Items, stream: Any) -> Iterable[tuple[str, torch.Tensor]]:
+        """``srcs`` as ``load_weights`` reads them, with :attr:`before_copy` before each
+        tensor and the device waited for every :attr:`chunk_bytes`."""
+        for i, (n, src) in enumerate(srcs):
+            self._before(i)
+            yield n, src
+            self._pace(stream, src.numel() * src.element_size())
+
+    def _check_loaded(self, h: IpcHandles, srcs: Items, manifest: list[TensorMeta], views: list[torch.Tensor] | None,
+                      stream: Any) -> None:
+        """:meth:`_check` of a version loaded into the shadow: its bytes there where the load
+        plan says each tensor landed; without a plan (a loader that transforms them), the
+        trainer's tensors after the load, which a trainer that stepped meanwhile changed."""
+        items = srcs if views is None else self._typed(manifest, views)
+        if stream is None:
+            self._check(h, items)
+            return
+        with torch.cuda.stream(stream):
+            self._check(h, items, stream)
 
     def _typed(self, manifest: list[TensorMeta], views: list[torch.Tensor]) -> Items:
         """``views`` (raw shadow bytes) typed as ``manifest`` says, made once per set of views

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import msgspec
 import torch
@@ -141,6 +141,30 @@ class WorkerState:
             log.warning("loading version %d into the shadow weights failed (%s: %s); shadow disabled", version, type(e).__name__, e)
             self.drop_shadow(f"{type(e).__name__}: {e}")
             return False
+
+    def load_and_check(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any,
+                       manifest: list[TensorMeta], check: Callable[[list[torch.Tensor] | None], None]) -> bool:
+        """Load ``items`` into the shadow weights (traced once per manifest, as
+        :meth:`load_while_receiving`), then ``check(views)`` with the worker lock still held:
+        ``views`` are the shadow's bytes of each tensor by the load plan (None without one).
+        False when there is no shadow or the load failed (the shadow is then dropped); a check
+        that raises leaves nothing to swap in and raises."""
+        with self.lock:
+            try:
+                sh = self.ensure_shadow()
+                if sh is None:
+                    return False
+                sh.load(items, version, stream, trace=sh.wants_trace(manifest))
+            except Exception as e:
+                log.warning("loading version %d into the shadow weights failed (%s: %s); shadow disabled", version, type(e).__name__, e)
+                self.drop_shadow(f"{type(e).__name__}: {e}")
+                return False
+            try:
+                check(sh.direct_views(manifest))
+            except BaseException:
+                sh.invalidate()
+                raise
+            return True
 
     def invalidate(self) -> None:
         with self.lock:

@@ -592,3 +592,79 @@ async def test_a_follower_that_skips_the_version_a_watcher_still_copies_waits_fo
         gate.set()
         await follower.stop()
         await pub.close()
+
+
+class Loadable(torch.nn.Sequential):
+    """``small_model`` with vLLM's ``load_weights`` entry point, so that a worker shadows it;
+    ``transform``: each tensor goes through an intermediate (no load plan, as for a loader
+    that converts what it reads)."""
+
+    transform = False
+
+    def load_weights(self, weights) -> set[str]:
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            params[name].data.copy_(t.clone() if self.transform else t)
+        return set(params)
+
+
+def loadable_model(transform: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = Loadable(torch.nn.Linear(8, 4))
+    m.transform = transform
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m
+
+
+@pytest.mark.parametrize("plan", [True, False])
+async def test_with_shadow_weights_a_version_is_loaded_from_the_trainers_tensors_without_a_copy_beside_it(
+        redis_url, queue, monkeypatch, plan):
+    """A worker with shadow weights loads each version straight from the trainer's tensors
+    (the first traces the load plan): no copy of the version is made beside the shadow, which
+    at the first version held the weights twice over. Tensors the trainer changes while that
+    load reads them fail the check (on the shadow's bytes by the plan, or without one on the
+    trainer's tensors after the load); the old weights serve on and the next version goes in."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from rollq.weightsync.worker._ipc import IpcStaging
+    from tests.helpers import until
+
+    monkeypatch.setenv("ROLLQ_SHADOW_WEIGHTS", "1")  # "auto" uses them on GPUs only
+
+    def no_copy(self: Any, i: int, src: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the version was copied beside the shadow weights")
+
+    monkeypatch.setattr(IpcStaging, "_copy_one", no_copy)
+    engine = FakeWorkerEngine(lambda: loadable_model(transform=not plan))
+    worker = engine.workers[0]
+    live = worker.model_runner.model
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1))
+    pub = WeightPublisher(redis_url, queue)
+    await follower.start()
+    try:
+        for fill in (1.0, 2.0):
+            rec = await pub.publish_weights(state(fill), transport="ipc")
+            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+            assert follower.history[-1].load["swap"] == "shadow", follower.history[-1].load
+            assert all(bool((p == fill).all()) for p in live.parameters())
+        assert (worker.rollq_state.shadow.plan is not None) == plan, worker.rollq_state.shadow.plan_refused
+        st = {k: v.share_memory_() for k, v in state(3.0).items()}  # zero-copy: the trainer's own
+        gate, at_copy = hold_copy(worker.rollq_state.ipc, at=1)
+        rec = await pub.publish_weights(st, transport="ipc")
+        assert await asyncio.to_thread(at_copy.wait, 10)
+        for v in st.values():
+            v.add_(100.0)  # the trainer's next step, in place, while the worker reads the tensors
+        gate.set()
+        errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
+        assert (errors["r0"].version, errors["r0"].error) == (rec.version, "CorruptWeights"), errors
+        assert consumer.version == rec.version - 1 and all(bool((p == 2.0).all()) for p in live.parameters())
+        worker.rollq_state.ipc.before_copy = None
+        rec = await pub.publish_weights(state(4.0), transport="ipc")
+        await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        assert follower.history[-1].load["swap"] == "shadow" and all(bool((p == 4.0).all()) for p in live.parameters())
+    finally:
+        await follower.stop()
+        await pub.close()
