@@ -16,6 +16,7 @@ trainer that exited or released the version before the copy ended, fail the stag
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -49,8 +50,9 @@ class StagingHost(Protocol):
     def in_place_target(self, version: int, manifest: list[TensorMeta], stream: Any = None) -> Any:
         """Where to write ``version`` in the shadow's bytes (a ``DirectTarget``), or None."""
 
-    def load_and_check(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any,
-                       manifest: list[TensorMeta], check: Callable[[list[torch.Tensor] | None], None]) -> bool:
+    def load_while_receiving(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any = None,
+                             manifest: list[TensorMeta] | None = None,
+                             check: Callable[[list[torch.Tensor] | None], None] | None = None) -> bool:
         """Load ``items`` into the shadow weights and ``check`` the shadow's bytes by the load
         plan (None without one) under the worker lock; False without a shadow."""
 
@@ -265,8 +267,8 @@ class IpcStaging:
         # No load plan for this manifest yet (its first version), or no in-place writes on
         # this device: load_weights fills the shadow straight from the trainer's tensors, with
         # no copy of the version beside it, and the check runs on what the shadow received.
-        if st.load_and_check(version, self._fed(srcs, stream), stream, manifest,
-                             lambda views: self._check_loaded(h, srcs, manifest, views, stream)):
+        if st.load_while_receiving(version, self._fed(srcs, stream), stream, manifest,
+                                   check=lambda views: self._check_loaded(h, srcs, manifest, views, stream)):
             with st.lock:
                 self.staged = (version, None)
             return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0, prepare_s=0.0,
@@ -301,10 +303,7 @@ class IpcStaging:
         plan says each tensor landed; without a plan (a loader that transforms them), the
         trainer's tensors after the load, which a trainer that stepped meanwhile changed."""
         items = srcs if views is None else self._typed(manifest, views)
-        if stream is None:
-            self._check(h, items)
-            return
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self._check(h, items, stream)
 
     def _typed(self, manifest: list[TensorMeta], views: list[torch.Tensor]) -> Items:

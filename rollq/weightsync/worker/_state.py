@@ -125,45 +125,31 @@ class WorkerState:
 
     # -- what a broadcast receiver hands over (rollq.weightsync.worker._receiver.ReceiveSink) --------
     def load_while_receiving(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any = None,
-                             manifest: list[TensorMeta] | None = None) -> bool:
+                             manifest: list[TensorMeta] | None = None,
+                             check: Callable[[list[torch.Tensor] | None], None] | None = None) -> bool:
         """Load a version into the shadow weights (in a background thread, with the worker
-        lock held); False when there is no shadow or it failed (the swap then loads).
-        With its ``manifest`` given, the load is traced once per manifest for a load plan
-        (:mod:`rollq.weightsync.worker._shadow`): later versions are then written in place."""
-        try:
-            with self.lock:
-                sh = self.ensure_shadow()
-                if sh is None:
-                    return False
-                sh.load(items, version, stream, trace=manifest is not None and sh.wants_trace(manifest))
-                return True
-        except Exception as e:  # never lose the staged version over the shadow
-            log.warning("loading version %d into the shadow weights failed (%s: %s); shadow disabled", version, type(e).__name__, e)
-            self.drop_shadow(f"{type(e).__name__}: {e}")
-            return False
-
-    def load_and_check(self, version: int, items: Iterable[tuple[str, torch.Tensor]], stream: Any,
-                       manifest: list[TensorMeta], check: Callable[[list[torch.Tensor] | None], None]) -> bool:
-        """Load ``items`` into the shadow weights (traced once per manifest, as
-        :meth:`load_while_receiving`), then ``check(views)`` with the worker lock still held:
-        ``views`` are the shadow's bytes of each tensor by the load plan (None without one).
-        False when there is no shadow or the load failed (the shadow is then dropped); a check
-        that raises leaves nothing to swap in and raises."""
+        lock held); False when there is no shadow or it failed (the shadow is then dropped and
+        the swap loads). With its ``manifest`` given, the load is traced once per manifest for
+        a load plan (:mod:`rollq.weightsync.worker._shadow`): later versions are then written
+        in place. ``check(views)`` runs after the load with the lock still held, ``views`` the
+        shadow's bytes of each tensor by the plan (None without one); a check that raises
+        leaves nothing to swap in and raises."""
         with self.lock:
             try:
                 sh = self.ensure_shadow()
                 if sh is None:
                     return False
-                sh.load(items, version, stream, trace=sh.wants_trace(manifest))
-            except Exception as e:
+                sh.load(items, version, stream, trace=manifest is not None and sh.wants_trace(manifest))
+            except Exception as e:  # never lose the staged version over the shadow
                 log.warning("loading version %d into the shadow weights failed (%s: %s); shadow disabled", version, type(e).__name__, e)
                 self.drop_shadow(f"{type(e).__name__}: {e}")
                 return False
-            try:
-                check(sh.direct_views(manifest))
-            except BaseException:
-                sh.invalidate()
-                raise
+            if check is not None:
+                try:
+                    check(sh.direct_views(manifest) if manifest is not None else None)
+                except BaseException:
+                    sh.invalidate()
+                    raise
             return True
 
     def invalidate(self) -> None:
