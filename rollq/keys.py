@@ -269,6 +269,13 @@ class QueueKeys:
         without an engine RPC."""
         return f"{self.tag}:wipcs"
 
+    @cached_property
+    def weights_ipc_copied(self) -> str:
+        """Hash ``replica -> version``: the last version exposed over IPC that each replica's
+        follower finished copying (or gave up on), read by a publisher releasing a leased
+        version (rollq.weightsync.transports.ipc)."""
+        return f"{self.tag}:wipcc"
+
     def weights_acks(self, version: int) -> str:
         """Hash ``replica -> ok|error`` of receivers that staged a broadcast version."""
         return f"{self.tag}:wacks:{version}"
@@ -310,7 +317,7 @@ class QueueKeys:
         return [
             self.jobs, self.ids, self.dlq, self.consumers, self.free, self.reclaimer, self.stats, self.latency, self.lag,
             self.config, self.version, self.versions_log, self.admission, self.weights_group, self.weights_offer,
-            self.weights_layouts, self.weights_members, self.weights_ipc, self.weights_ipc_staged, self.manifests,
+            self.weights_layouts, self.weights_members, self.weights_ipc, self.weights_ipc_staged, self.weights_ipc_copied, self.manifests,
             self.load_errors,
         ]
 

@@ -8,13 +8,16 @@ Reads one command a line on stdin and answers one JSON line on stdout:
   (:func:`perturbed`) with ``transport="ipc"``; answers ``{"version": V, "timings": {...}}``
   once the version is committed (its tensors stay exposed until the next command says so).
 - ``release``: stop exposing the current version (the process lives on); ``{"released": true}``.
+- ``release_copied T``: ``WeightPublisher.release_weights(timeout=T)``: wait for the replicas
+  on this host to have copied the version, then stop exposing it; ``{"copied": {replica: V}}``.
 - ``bump X``: add X to every tensor of the last published state, in place (a trainer's next
   optimizer step right after publishing); ``{"bumped": X}``.
 
 ``--shared``: the tensors are put in shared memory first (``share_memory_()``), so the
 transport exposes them zero-copy. ``--root``: the publisher's memmap store, which then holds a
 memmap copy of every version too. ``--snapshot``: ``WeightPublisher(ipc_snapshot=True)``
-(each version exposed as copies taken at publish). ``--inplace``: every publish after the
+(each version exposed as copies taken at publish). ``--lease``: ``WeightPublisher(ipc_lease=True)``
+(the tensors exposed without checksums until ``release_copied``). ``--inplace``: every publish after the
 first writes its values into the tensors of the first (as an optimizer step does), so every
 version exposes the same storages.
 
@@ -70,6 +73,11 @@ class Trainer:
     async def release(self) -> None:
         assert (await self._ask("release")) == {"released": True}
 
+    async def release_copied(self, timeout: float) -> dict[str, int]:
+        """``WeightPublisher.release_weights``: ``{replica: version copied or served}``."""
+        copied: dict[str, int] = (await self._ask(f"release_copied {timeout}"))["copied"]
+        return copied
+
     async def bump(self, x: float) -> None:
         assert (await self._ask(f"bump {x}")) == {"bumped": x}
 
@@ -103,7 +111,8 @@ async def main(a: argparse.Namespace) -> int:
         from tests.vllm_fixtures import checkpoint_state
 
         base = checkpoint_state(a.model)
-    pub = WeightPublisher(a.url, a.queue, trainer_id="ipc-trainer", root=a.root or None, ipc_snapshot=a.snapshot)
+    pub = WeightPublisher(a.url, a.queue, trainer_id="ipc-trainer", root=a.root or None, ipc_snapshot=a.snapshot,
+                          ipc_lease=a.lease)
     loop = asyncio.get_running_loop()
     state: dict[str, torch.Tensor] = {}
     try:
@@ -128,6 +137,8 @@ async def main(a: argparse.Namespace) -> int:
                 out: dict = {"version": rec.version, "timings": rec.timings}
             elif line[0] == "release":
                 out = {"released": release(pub)}
+            elif line[0] == "release_copied":
+                out = {"copied": await pub.release_weights(timeout=float(line[1]))}
             elif line[0] == "bump":
                 with torch.no_grad():
                     for t in state.values():
@@ -151,5 +162,6 @@ if __name__ == "__main__":
     p.add_argument("--root", default="")
     p.add_argument("--cuda", action="store_true", help="publish test_gpu.ckpt(SEED) from cuda:0 (MODEL_DIR unused)")
     p.add_argument("--snapshot", action="store_true", help="WeightPublisher(ipc_snapshot=True)")
+    p.add_argument("--lease", action="store_true", help="WeightPublisher(ipc_lease=True)")
     p.add_argument("--inplace", action="store_true", help="every publish after the first writes into the same tensors")
     sys.exit(asyncio.run(main(p.parse_args())))

@@ -244,6 +244,40 @@ async def test_workers_watching_for_versions_copy_cuda_tensors_while_the_followe
         await follower.stop()
 
 
+async def test_a_cuda_lease_is_released_once_the_replica_copied_it_and_the_next_step_does_not_reach_it(
+        redis_url, queue, shm_root):
+    """``WeightPublisher(ipc_lease=True)`` on a GPU: the trainer's CUDA tensors exposed
+    zero-copy and without checksums; ``release_weights`` returns once the worker copied them
+    device to device (into the shadow's bytes from the second version on), and the trainer's
+    step right after does not reach the replica, which serves the published values."""
+    import asyncio
+
+    from rollq.replicas import live_replicas
+    from tests.weightsync.ipc_trainer_proc import trainer
+
+    engine = FakeWorkerEngine(Fused, device="cuda:0")
+    consumer = Consumer(engine, redis_url, queue)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3))
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    try:
+        async with trainer(redis_url, queue, "-", "--cuda", "--lease", "--inplace") as t:
+            await until(lambda: live_replicas(follower._client, consumer.keys), 30, "the replica in the registry")
+            for fill in (1, 2):
+                rec = await t.publish(fill)
+                assert rec["timings"]["checksum_s"] == 0.0 and rec["timings"]["ipc_copied_bytes"] == 0.0, rec["timings"]
+                assert (await t.release_copied(60)).get(consumer.id, 0) >= rec["version"]
+                await t.bump(100.0)
+                await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
+                load = follower.history[-1].load
+                assert load["ipc"] is True and bool(load.get("in_place")) == (fill > 1), load
+                check(engine, float(fill))
+    finally:
+        consumer.stop()
+        await task
+        await follower.stop()
+
+
 async def test_a_cuda_snapshot_lets_the_trainer_step_right_after_publishing(redis_url, queue, shm_root):
     """``WeightPublisher(ipc_snapshot=True)`` on a GPU: the version is exposed as copies on the
     trainer's GPU (the extra memory is reported), so the trainer's next step, in place before

@@ -96,6 +96,27 @@ async def test_a_snapshot_the_trainer_steps_past_at_once_is_served_as_published(
             assert await greedy(p) == before
 
 
+async def test_a_leased_version_is_released_once_vllm_copied_it_and_the_trainers_next_step_does_not_reach_it(
+    vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
+):
+    """``ipc_lease``: the trainer's own tensors, exposed zero-copy and without a checksum; its
+    ``release_weights`` returns once vLLM's worker copied the version (the replica is named, at
+    that version), and the trainer's step right after changes nothing the replica serves."""
+    async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w")) as (consumer, follower):
+        async with Producer(redis_url, queue) as p, trainer(redis_url, queue, tiny_model_path, "--lease", "--shared",
+                                                            "--inplace") as t:
+            before = await greedy(p)
+            for step in (1, 0):  # a new version, then the checkpoint again
+                rec = await t.publish(step)
+                assert rec["timings"]["checksum_s"] == 0.0 and rec["timings"]["ipc_copied_bytes"] == 0.0
+                assert (await t.release_copied(60)).get(consumer.id, 0) >= rec["version"]
+                await t.bump(100.0)
+                await wait_version(consumer, rec["version"])
+                assert follower.history[-1].load.get("ipc") is True
+                assert (await served_digest(vllm_engine) == checkpoint_digest(vllm_engine)) is (step == 0)
+            assert await greedy(p) == before
+
+
 async def test_workers_watching_for_versions_copy_each_one_while_the_replica_serves(
     vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
 ):

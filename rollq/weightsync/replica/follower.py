@@ -425,8 +425,7 @@ class WeightFollower:
         t = self._transports.get(name)
         if t is None:
             t = self._transports[name] = replica_transport(name)(
-                self.engine, self.settings, self.receiver, client=self._client, keys=self.consumer.keys,
-            )
+                self.engine, self.settings, self.receiver, client=self._client, keys=self.consumer.keys, replica=self.consumer.id)
         return t
 
     async def _staged(self, rec: VersionRecord, acks: list[Any] | None) -> Staged | None:

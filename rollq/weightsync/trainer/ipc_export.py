@@ -10,11 +10,13 @@ An exposed tensor must not change until the replicas have copied it: a replica v
 checksum taken here and refuses a version whose bytes changed meanwhile
 (:class:`~rollq.errors.CorruptWeights`). A trainer that updates its weights in place right
 after publishing exposes a snapshot (``snapshot=True``: every tensor copied here, a CUDA
-tensor on its own GPU) or waits for the replicas first (``WeightPublisher.wait_for_replicas``).
+tensor on its own GPU) or waits for the replicas' copies first (``WeightPublisher.release_weights``).
 
 A snapshot is the publisher's own (``IpcHandles.owned``): nothing writes it while the version
 is exposed, so no checksum is taken here or verified by the replicas, whose copy is good when
-the version was still exposed at its end. The next version of the same layout is copied into
+the version was still exposed at its end. A lease (``lease=True``) is the same promise made by
+the trainer for its own tensors, zero-copy: it changes none of them until it has released the
+version (``WeightPublisher.release_weights``, which first waits for the replicas' copies). The next version of the same layout is copied into
 the same snapshot (``into``) once this one is released, so the extra memory stays one copy of
 the weights and the replicas' kept mappings of its storages stay valid.
 
@@ -29,6 +31,10 @@ the weights and the replicas' kept mappings of its storages stay valid.
 >>> (s2.handles.owned, s2.handles.checksum, s2.reused, s2.snapshot[0][1].data_ptr() == s1.snapshot[0][1].data_ptr())
 (True, '', True, True)
 >>> s2.release()
+>>> x = Exposure(4, [("w", torch.ones(2, 2).share_memory_())], lease=True)
+>>> (x.handles.owned, x.handles.checksum, x.copied_bytes)
+(True, '', 0)
+>>> x.release()
 """
 
 from __future__ import annotations
@@ -75,7 +81,9 @@ class Exposure:
     """Version ``version`` of ``items`` exposed to the processes of this host until
     :meth:`release` (or until this process exits): :attr:`handles` say where each tensor is."""
 
-    def __init__(self, version: int, items: Items, snapshot: bool = False, into: Items | None = None):
+    def __init__(self, version: int, items: Items, snapshot: bool = False, into: Items | None = None, lease: bool = False):
+        if snapshot and lease:
+            raise ValueError("a version is exposed as a snapshot or leased, not both")
         t0 = time.perf_counter()
         #: Bytes copied for the exposure (into shared memory, or on the GPU for a CUDA snapshot; 0: zero-copy).
         self.copied_bytes = 0
@@ -116,13 +124,14 @@ class Exposure:
             torch.cuda.synchronize(dev)  # the bytes a replica reads are written
         self.expose_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        checksum = "" if snapshot else state_checksum(exposed, graph=True)  # an owned snapshot needs none
-        self.checksum_s = 0.0 if snapshot else time.perf_counter() - t1
+        owned = snapshot or lease  # nothing writes the bytes while the version is exposed: no checksum
+        checksum = "" if owned else state_checksum(exposed, graph=True)
+        self.checksum_s = 0.0 if owned else time.perf_counter() - t1
         #: The snapshot's tensors (empty without ``snapshot``): ``into`` of the next version.
         self.snapshot: Items = exposed if snapshot else []
         self.handles = IpcHandles(
             version=version, host=socket.gethostname(), pid=os.getpid(), checksum=checksum,
-            token=_cpu_storage(self._token), storages=storages, tensors=tensors, owned=snapshot,
+            token=_cpu_storage(self._token), storages=storages, tensors=tensors, owned=owned,
         )
 
     def _snapshot(self, items: Items, into: Items | None) -> Items:

@@ -80,6 +80,7 @@ class WeightPublisher:
         validate: bool = True,
         expected: Manifest | str | Sequence[TensorMeta] | None = None,
         ipc_snapshot: bool = False,
+        ipc_lease: bool = False,
     ):
         self.redis_settings = url if isinstance(url, RedisSettings) else RedisSettings.from_url(url)
         self.keys = QueueKeys(queue)
@@ -96,6 +97,13 @@ class WeightPublisher:
         #: (zero-copy), must not change until the replicas copied them, and are checksummed
         #: here and verified by every replica.
         self.ipc_snapshot = ipc_snapshot
+        #: ``transport="ipc"`` exposes the tensors themselves (zero-copy) without a checksum,
+        #: on the trainer's promise to change none of them until :meth:`release_weights`
+        #: returns, which waits for the replicas on this host to have copied the version.
+        #: Neither a copy (as ``ipc_snapshot``) nor the checksums (as the default) are paid.
+        self.ipc_lease = ipc_lease
+        if ipc_snapshot and ipc_lease:
+            raise ValueError("ipc_snapshot and ipc_lease are two ways of exposing a version: choose one")
         if isinstance(expected, str):
             got = read_manifest(expected)
             if got is None:
@@ -260,6 +268,25 @@ class WeightPublisher:
                     f"(wait_for_replicas timeout=): {', '.join(parts)}"
                 )
             await asyncio.sleep(poll)
+
+    async def release_weights(self, timeout: float = 30.0) -> dict[str, int]:
+        """Wait until every live replica on this host has copied the version this publisher
+        exposes over IPC, ``timeout`` seconds at most, then stop exposing it; the tensors may
+        then change. Returns ``{replica: newest version it copied or serves}`` for the replicas
+        on this host (``{}`` when no version is exposed). A replica still copying at the
+        timeout refuses the version and takes the next one. With ``ipc_lease`` call it before
+        every in-place update of the published tensors:
+
+        >>> pub = WeightPublisher(url, queue="grpo", ipc_lease=True)               # doctest: +SKIP
+        >>> await pub.publish_weights(model.state_dict(), transport="ipc")         # doctest: +SKIP
+        >>> loss.backward()  # the replicas copy meanwhile                          # doctest: +SKIP
+        >>> await pub.release_weights()                                             # doctest: +SKIP
+        {'replica-0': 4}
+        >>> optimizer.step()                                                        # doctest: +SKIP
+        """
+        from ..transports.ipc import release_when_copied
+
+        return await release_when_copied(self, timeout)
 
     async def _next_version(self, version: int | None) -> int:
         current = await self.current_version()

@@ -39,6 +39,7 @@ class PublisherSide(Protocol):
     sender: Sender | None
     trainer_id: str
     ipc_snapshot: bool
+    ipc_lease: bool
 
     async def redis(self) -> Any:
         """The publisher's Redis client."""
@@ -77,12 +78,14 @@ class ReplicaTransport(ABC):
     typed :class:`~rollq.weightsync.replica.worker_calls.WorkerCalls`);
     ``receiver``: the broadcast group membership, None when the replica is in no group;
     ``client`` and ``keys``: the follower's Redis client and its queue's keys, for a transport
-    that reads what the trainer wrote beside the record (None where it needs none).
+    that reads what the trainer wrote beside the record (None where it needs none);
+    ``replica``: the replica's id, for a transport that records what it did in Redis.
     """
 
     def __init__(self, engine: Any, settings: WeightSyncSettings, receiver: Receiver | None, *,
-                 client: Any = None, keys: QueueKeys | None = None):
+                 client: Any = None, keys: QueueKeys | None = None, replica: str = ""):
         self.engine = engine
+        self.replica = replica
         self.workers = WorkerCalls(engine)
         self.settings = settings
         self.receiver = receiver

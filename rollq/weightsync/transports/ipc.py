@@ -14,7 +14,13 @@ exits, whichever comes first. A replica still copying it then refuses it (it tak
 one). Extra memory held meanwhile: none for CUDA tensors and CPU tensors already in shared
 memory (zero-copy), one copy of every other CPU tensor (``timings["ipc_copied_bytes"]``). With
 ``WeightPublisher(ipc_snapshot=True)`` every tensor is copied at publish (CUDA tensors on their
-GPU), so the trainer may update its weights in place right after publishing.
+GPU), so the trainer may update its weights in place right after publishing. With
+``WeightPublisher(ipc_lease=True)`` the trainer's own tensors are exposed zero-copy and
+without a checksum, on its promise to change none of them until it calls
+``WeightPublisher.release_weights`` (:func:`release_when_copied`), which waits until every live
+replica on this host has finished its copy (each follower records it in
+``QueueKeys.weights_ipc_copied``; watching workers' statuses and served versions count too),
+then releases the version. A replica whose copy ends after the release refuses the version.
 
 Replica side :class:`IpcReceive`: has every worker copy and verify the version in a thread
 (:mod:`rollq.weightsync.worker._ipc`), then swaps it in as a memmap-staged version is.
@@ -42,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ...connection import RETRYABLE
+from ...connection import RETRYABLE, text
 from ...errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
 from ..ipc_wire import IpcUnavailable, encode_handles
 from ..wire import IpcWatch, StageStatus, State, SwapReport, WorkerError
@@ -90,7 +96,7 @@ class IpcSend(TrainerTransport):
             # copying it then refuses it (its token is gone) rather than keep mixed bytes.
             last.release()
             into = last.snapshot or None
-        x = await asyncio.to_thread(Exposure, version, items, pub.ipc_snapshot, into)
+        x = await asyncio.to_thread(Exposure, version, items, pub.ipc_snapshot, into, pub.ipc_lease)
         try:
             await (await pub.redis()).set(pub.keys.weights_ipc, encode_handles(x.handles))
             rec = VersionRecord(
@@ -115,14 +121,77 @@ class IpcSend(TrainerTransport):
         return rec
 
 
+async def release_when_copied(publisher: PublisherSide, timeout: float, poll: float = 0.002) -> dict[str, int]:
+    """Wait (``timeout`` seconds at most) until every live replica on this host has finished
+    copying the version ``publisher`` exposes, then release it (:func:`release`). Returns
+    ``{replica: version}`` of the replicas on this host: the newest version each has copied
+    or serves. A replica still copying at the timeout is named in a warning; releasing the
+    version makes it refuse its copy, so nothing it serves mixes two versions."""
+    x = _EXPOSED.get(publisher)
+    if x is None:
+        return {}
+    version, host = x.handles.version, x.handles.host
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            got = await _copies(await publisher.redis(), publisher.keys, host)
+            behind = sorted(r for r, v in got.items() if v < version)
+            if not behind:
+                return got
+            if time.monotonic() > deadline:
+                log.warning("version %d released after %.1fs with %d replica(s) on this host still copying it: %s",
+                            version, timeout, len(behind), ", ".join(r[:64] for r in behind[:5]))
+                return got
+            await asyncio.sleep(poll)
+            poll = min(poll * 2, 0.02)
+    finally:
+        if _EXPOSED.get(publisher) is x:
+            release(publisher)
+
+
+async def _copies(client: Any, keys: QueueKeys, host: str) -> dict[str, int]:
+    """``{replica: version}`` of the live replicas on ``host``: the newest version each has
+    finished copying over IPC (its follower's record, its watching workers' statuses) or serves."""
+    from ...replicas import live_replicas
+
+    replicas = {r: info.version for r, info in (await live_replicas(client, keys)).items() if info.host == host}
+    if not replicas:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    pipe.hmget(keys.weights_ipc_copied, list(replicas))
+    pipe.hgetall(keys.weights_ipc_staged)
+    copied, watched = await pipe.execute()
+    by_worker: dict[str, list[int]] = {}
+    for k, raw in watched.items():
+        st = _status(raw)
+        if st is not None:  # a copy under way counts as the version before it
+            by_worker.setdefault(text(k).rpartition("/")[0], []).append(st.version - (st.state is State.STAGING))
+    for (r, v), c in zip(list(replicas.items()), copied):
+        replicas[r] = max(v, _int(c), min(by_worker.get(r, [0])))
+    return replicas
+
+
+def _int(raw: bytes | None) -> int:
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        return 0
+
+
 class IpcReceive(ReplicaTransport):
     """Has every worker copy the version the trainer exposes, then swaps it in."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        #: Records of finished copies still being written (:meth:`_record_copied`).
+        self._writes: set[asyncio.Task[None]] = set()
 
     async def stage(self, rec: VersionRecord, acks: list[Any] | None = None) -> Staged | None:
         """Every worker's copy of ``rec``; None (the follower loads the memmap copy) when the
         handles cannot be used, or the exposed tensors changed before a worker copied them,
         and the record has a memmap copy (written at publish); else IpcUnavailable or
-        CorruptWeights."""
+        CorruptWeights. Either way this replica then no longer reads the trainer's tensors,
+        which it records for a publisher releasing a leased version (:func:`release_when_copied`)."""
         try:
             return await self._stage(rec)
         except (IpcUnavailable, CorruptWeights) as e:
@@ -130,6 +199,23 @@ class IpcReceive(ReplicaTransport):
                 raise
             log.warning("version %d: %s; loading its memmap copy instead", rec.version, e)
             return None
+        finally:
+            self._record_copied(rec.version)
+
+    def _record_copied(self, version: int) -> None:
+        """Record that this replica finished copying ``version``, without waiting for Redis
+        (the swap goes on meanwhile)."""
+        if self.client is None or self.keys is None or not self.replica:
+            return
+        task = asyncio.create_task(self._write_copied(self.client, self.keys.weights_ipc_copied, version))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write_copied(self, client: Any, key: str, version: int) -> None:
+        try:
+            await client.hset(key, self.replica, version)
+        except RETRYABLE as e:  # the publisher's wait then ends at its timeout
+            log.warning("could not record the copy of version %d for the publisher: %s", version, e)
 
     async def _stage(self, rec: VersionRecord) -> Staged:
         if self.client is None or self.keys is None:
@@ -178,6 +264,8 @@ class IpcReceive(ReplicaTransport):
         self._fields = tuple(f"{field}{rank}" for rank in range(n))
 
     async def close(self) -> None:
+        if self._writes:  # let the records of finished copies reach Redis
+            await asyncio.wait(list(self._writes), timeout=1.0)
         fields, self._fields = self._fields, ()
         if not fields:
             return
