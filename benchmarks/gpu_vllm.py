@@ -21,9 +21,12 @@
    alternates the replica keeping the trainer's storages mapped from one version to the next
    (``WeightSyncSettings.ipc_keep_mappings``) with opening every handle each version;
    ``--ipc-prestage 0,1`` the follower starting each copy with the workers starting it when
-   the version is announced (``WeightSyncSettings.ipc_prestage``); ``--ipc-snapshot 0,1`` the
-   trainer's own tensors (zero-copy, checksummed at publish and by the replica) with the
-   publisher's snapshot (``WeightPublisher(ipc_snapshot=True)``: copied at publish, no checksums).
+   the version is announced (``WeightSyncSettings.ipc_prestage``); ``--ipc-expose
+   tensors,snapshot,lease`` the trainer's own tensors (zero-copy, checksummed at publish and by
+   the replica), the publisher's snapshot (``WeightPublisher(ipc_snapshot=True)``: copied at
+   publish, no checksums) and the trainer's tensors leased (``WeightPublisher(ipc_lease=True)``:
+   zero-copy, no checksums, ``release_weights`` before the trainer changes them);
+   ``--ipc-snapshot 0,1`` is ``--ipc-expose tensors,snapshot``.
 
 Results go to ``<out>.json`` and ``<out>.md``; each phase is written as soon as it ends.
 """
@@ -102,9 +105,13 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
             try:
                 if op == "configure":  # the variant of the next sends
                     sender.shadow_layout = bool(cmd.get("shadow_layout", sender.shadow_layout))
-                    ipc_pub.ipc_snapshot = bool(cmd.get("ipc_snapshot", ipc_pub.ipc_snapshot))
+                    if "ipc_expose" in cmd:
+                        ipc_pub.ipc_snapshot, ipc_pub.ipc_lease = cmd["ipc_expose"] == "snapshot", cmd["ipc_expose"] == "lease"
                     conn.send({"ok": True})
                 elif op == "publish":
+                    r0 = time.perf_counter()  # a leased version is released before the tensors change
+                    released = await ipc_pub.release_weights(timeout=60) if ipc_pub.ipc_lease else {}
+                    release_s = time.perf_counter() - r0
                     marks += 1  # the replica must then show exactly this value (checks the swap)
                     for t in tensors.values():
                         t.view(-1)[:4].fill_(float(marks))
@@ -116,6 +123,7 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
                     conn.send({"ok": True, "t0": t0, "t1": t1, "version": rec.version, "transport": rec.transport,
                                "timings": rec.timings, "nbytes": rec.nbytes, "mark": float(marks),
                                "trainer_extra_gpu_bytes": torch.cuda.memory_allocated(dev) - mem0,
+                               "release_s": release_s, "released": released,
                                "trainer_held_gpu_bytes": torch.cuda.memory_allocated(dev) - base_mem})
                 elif op == "native_init":
                     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
@@ -500,17 +508,17 @@ async def engine_main(a: argparse.Namespace) -> None:
                 import dataclasses
 
                 chunks = [int(float(c) * (1 << 20)) for c in a.ipc_chunk_mb.split(",")]
-                combos = [(c, k == "1", x == "1", n == "1") for c in chunks for k in a.ipc_keep.split(",")
-                          for x in a.ipc_prestage.split(",") for n in a.ipc_snapshot.split(",")]
+                combos = [(c, k == "1", x == "1", n) for c in chunks for k in a.ipc_keep.split(",")
+                          for x in a.ipc_prestage.split(",") for n in exposures(a)]
                 # The first traces the load plan into the shadow; then the variants take turns.
                 # A kept-mappings update right after one without opens everything again, and so
                 # does a switch between the publisher's snapshot and the trainer's own tensors
                 # (other storages): that one is a warm-up, not measured.
-                prev_keep, prev_snapshot, i = True, False, 0
+                prev_keep, prev_expose, i = True, "tensors", 0
                 while len(rows) < a.ipc_reps * len(combos):
-                    chunk, keep, prestage, snapshot = combos[len(rows) % len(combos)]
-                    await asyncio.to_thread(call, op="configure", ipc_snapshot=snapshot)
-                    warm = i == 0 or (keep and not prev_keep) or snapshot != prev_snapshot
+                    chunk, keep, prestage, expose = combos[len(rows) % len(combos)]
+                    await asyncio.to_thread(call, op="configure", ipc_expose=expose)
+                    warm = i == 0 or (keep and not prev_keep) or (expose == "snapshot") != (prev_expose == "snapshot")
                     follower.settings = dataclasses.replace(follower.settings, ipc_chunk_bytes=chunk, ipc_keep_mappings=keep,
                                                             ipc_prestage=prestage)
                     for tr in follower._transports.values():
@@ -522,7 +530,8 @@ async def engine_main(a: argparse.Namespace) -> None:
                     r, row, st = await measured_update("ipc")
                     hinted = st.timings.get("hinted_at") or 0.0
                     row.update(chunk_mb=chunk / (1 << 20), keep_mappings=keep, prestage=prestage, prestaged=bool(st.load.get("prestaged")),
-                               snapshot=snapshot, snapshot_reused=r["timings"].get("ipc_snapshot_reused"),
+                               expose=expose, snapshot=expose == "snapshot", snapshot_reused=r["timings"].get("ipc_snapshot_reused"),
+                               release_s=r["release_s"],
                                warm_up=warm, expose_s=r["timings"].get("expose_s"),
                                checksum_s=r["timings"].get("checksum_s"), trainer_copied_bytes=r["timings"].get("ipc_copied_bytes"),
                                trainer_extra_gpu_bytes=r["trainer_extra_gpu_bytes"], trainer_held_gpu_bytes=r.get("trainer_held_gpu_bytes"),
@@ -532,7 +541,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                                stage_call_s=st.timings.get("stage_call_s"), **timeline(st, r["t1"], row["seen_s"] + r["t0"]),
                                load=st.load)
                     log("ipc", {k: v for k, v in row.items() if k != "load"})
-                    i, prev_keep, prev_snapshot = i + 1, keep, snapshot
+                    i, prev_keep, prev_expose = i + 1, keep, expose
                     if not warm:
                         rows.append(row)
                 out["phases"]["ipc"] = {"reps": rows}
@@ -612,21 +621,26 @@ def render(out: dict) -> str:
                   f"longest gap between engine steps {med(r, 'max_step_gap_s') * 1000:.0f} ms; "
                   f"served weights equal the published ones: {all(x.get('weights_match') for x in ph['memmap']['reps'])}", ""]
     def variant(x: dict) -> tuple:
-        return x.get("chunk_mb", 0), x.get("keep_mappings", False), x.get("prestage", False), x.get("snapshot", False)
+        return (x.get("chunk_mb", 0), x.get("keep_mappings", False), x.get("prestage", False),
+                x.get("expose", "snapshot" if x.get("snapshot") else "tensors"))
 
-    for chunk, keep, prestage, snapshot in sorted({variant(x) for x in ph.get("ipc", {}).get("reps", [])}):
-        r = [x for x in ph["ipc"]["reps"] if variant(x) == (chunk, keep, prestage, snapshot)]
+    for chunk, keep, prestage, expose in sorted({variant(x) for x in ph.get("ipc", {}).get("reps", [])}):
+        r = [x for x in ph["ipc"]["reps"] if variant(x) == (chunk, keep, prestage, expose)]
         e2e = sorted(x["end_to_end_s"] * 1000 for x in r)
         paced = f"waits every {chunk:.0f} MiB" if chunk else "one burst"
         kept = "handles kept mapped across versions" if keep else "every handle opened each version"
         started = (f"copies started by the workers' watchers ({sum(bool(x.get('prestaged')) for x in r)} of {len(r)})"
                    if prestage else "copies started by the follower")
-        exposed = "the publisher's own snapshot (no checksums)" if snapshot else "the trainer's tensors (zero-copy, checksummed)"
+        exposed = {"snapshot": "the publisher's own snapshot (no checksums)",
+                   "lease": "the trainer's tensors leased (zero-copy, no checksums, released before they change)"}.get(
+            expose, "the trainer's tensors (zero-copy, checksummed)")
         lines += [f"CUDA IPC on one GPU, {paced}, {kept}, {started}, {exposed} ({len(r)} updates, "
                   f"{r[0].get('running_at_start')} requests running): end to end "
                   f"{med(r, 'end_to_end_s') * 1000:.1f} ms ({e2e[0]:.1f}-{e2e[-1]:.1f}), publish call "
                   f"{med(r, 'trainer_publish_s') * 1000:.1f} ms (expose {med(r, 'expose_s') * 1000:.1f}, checksum "
-                  f"{med(r, 'checksum_s') * 1000:.1f}), replica's copy {med(r, 'stage_s') * 1000:.1f} ms (open "
+                  f"{med(r, 'checksum_s') * 1000:.1f}"
+                  + (f"; the release before the next change waited {med(r, 'release_s') * 1000:.1f}" if expose == "lease" else "")
+                  + f"), replica's copy {med(r, 'stage_s') * 1000:.1f} ms (open "
                   f"{med(r, 'open_s') * 1000:.1f} for {med(r, 'opened'):.0f} storages opened, {med(r, 'reused'):.0f} kept; verify "
                   f"{med(r, 'verify_s') * 1000:.1f}), announcement after the publish call {med(r, 'hint_after_publish_s') * 1000:.1f} ms, "
                   f"follower's read {med(r, 'follower_read_s') * 1000:.1f} ms, staging as the follower saw it "
@@ -647,6 +661,17 @@ def render(out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def exposures(a: argparse.Namespace) -> list[str]:
+    """The ``--ipc-expose`` values to take turns, or ``--ipc-snapshot``'s as those values."""
+    if a.ipc_expose:
+        got = a.ipc_expose.split(",")
+        bad = sorted(set(got) - {"tensors", "snapshot", "lease"})
+        if bad:
+            raise SystemExit(f"--ipc-expose: unknown {', '.join(bad)} (tensors, snapshot, lease)")
+        return got
+    return ["snapshot" if n == "1" else "tensors" for n in a.ipc_snapshot.split(",")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/gpu_vllm")
@@ -663,6 +688,10 @@ def main() -> None:
     ap.add_argument("--ipc-snapshot", default="0",
                     help="comma list taking turns in the ipc phase: WeightPublisher(ipc_snapshot=...) (1: the publisher's own "
                          "copy of each version, rewritten every version, no checksums; each switch adds a warm-up update)")
+    ap.add_argument("--ipc-expose", default=None,
+                    help="comma list taking turns in the ipc phase: how the trainer exposes each version: tensors (zero-copy, "
+                         "checksummed), snapshot (WeightPublisher(ipc_snapshot=True)), lease (WeightPublisher(ipc_lease=True)); "
+                         "default: as --ipc-snapshot says")
     ap.add_argument("--ipc-keep", default="1",
                     help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_keep_mappings (1: kept, 0: opened every version)")
     ap.add_argument("--memmap-chunks", type=int, default=3, help="256 MiB read chunks in flight (0: unthrottled)")
