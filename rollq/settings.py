@@ -246,6 +246,11 @@ class WeightSyncSettings:
     #: checksummed, so the engine on the same GPU steps between the parts instead of behind
     #: one burst over the whole version (0: one burst, the fastest copy).
     ipc_chunk_bytes: int = 0
+    #: IPC copies on a GPU run on a high-priority CUDA stream: their blocks are scheduled
+    #: ahead of the engine's queued kernels as SMs free up, so the copy ends sooner while
+    #: the engine's steps during it slow down (the same bytes move either way). False: the
+    #: default priority, the engine's.
+    ipc_high_priority: bool = False
     #: IPC copies keep the trainer's storages mapped from one version to the next, so a
     #: trainer that updates its tensors in place costs no handle opening after its first
     #: version (:mod:`rollq.weightsync.worker._ipc_maps`). False: every version opens every

@@ -85,7 +85,8 @@ def weight_settings(a: argparse.Namespace) -> Any:
     """The replica's :class:`~rollq.settings.WeightSyncSettings` from ``rollq consume``'s options."""
     from ..settings import WeightSyncSettings
 
-    return WeightSyncSettings(root=a.weights_root, broadcast=a.broadcast, swap_overlap=a.swap_overlap, ipc_prestage=a.ipc_prestage)
+    return WeightSyncSettings(root=a.weights_root, broadcast=a.broadcast, swap_overlap=a.swap_overlap, ipc_prestage=a.ipc_prestage,
+                              ipc_high_priority=a.ipc_high_priority)
 
 
 async def _consume(a: argparse.Namespace) -> int:
@@ -129,6 +130,9 @@ def register(sub: Any) -> None:
     s.add_argument("--ipc-prestage", action="store_true",
                    help="the engine's workers start copying each version a trainer on this host exposes over IPC when it "
                         "is announced, without waiting for an engine call (see WeightSyncSettings(ipc_prestage=True))")
+    s.add_argument("--ipc-high-priority", action="store_true",
+                   help="IPC copies on a GPU run on a high-priority CUDA stream: the copy ends sooner while the engine's "
+                        "steps during it slow down (see WeightSyncSettings(ipc_high_priority=True))")
     d = ConsumerSettings()  # the defaults below are the settings' own
     s.add_argument("--max-inflight", type=int, default=d.max_inflight, help="cap on running jobs (default: from the engine)")
     s.add_argument("--initial-inflight", type=int, default=d.initial_inflight)

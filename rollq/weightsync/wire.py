@@ -128,6 +128,7 @@ class IpcWatch(msgspec.Struct, kw_only=True):
     poll: float = 1.0  # seconds between checks of the handles (pub/sub is only a hint)
     chunk_bytes: int = 0  # as ``WeightSyncSettings.ipc_chunk_bytes``
     keep_maps: bool = True  # as ``WeightSyncSettings.ipc_keep_mappings``
+    high_priority: bool = False  # as ``WeightSyncSettings.ipc_high_priority``
     #: The replica's serving version when it started watching: versions up to it are not
     #: copied (an engine reused by another queue keeps the last version it loaded).
     serving: int = 0

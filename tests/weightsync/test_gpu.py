@@ -167,19 +167,29 @@ def test_swap_kernel_swaps_every_width_and_odd_lengths():
 
 
 @pytest.mark.parametrize("chunk", [0, 4096])
-async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_url, queue, shm_root, chunk):
+async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_url, queue, shm_root, chunk, monkeypatch):
     """A trainer process on the same GPU exposes its CUDA tensors (CUDA IPC handles, zero-copy);
     the worker copies the first version into new tensors and traces the shadow's load plan,
     later ones straight into the shadow's bytes, in one burst or waiting for the device every
     ``chunk`` bytes. The trainer steps in place, so the worker opens its handles once and
     copies later versions through the mappings it kept. A trainer killed before the worker
-    opens its handles leaves the served version, and the next trainer's version goes through."""
+    opens its handles leaves the served version, and the next trainer's version goes through.
+    In one burst the copies run on a high-priority stream (``ipc_high_priority``)."""
     from rollq.weightsync.versions import read_load_errors
     from tests.weightsync.ipc_trainer_proc import trainer
 
+    priorities: list[int] = []
+    stream = torch.cuda.Stream
+
+    def spy(*args, priority: int = 0, **kwargs):
+        priorities.append(priority)
+        return stream(*args, priority=priority, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "Stream", spy)
     engine = FakeWorkerEngine(Fused, device="cuda:0")
     consumer = Consumer(engine, redis_url, queue)
-    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3, ipc_chunk_bytes=chunk))
+    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3, ipc_chunk_bytes=chunk,
+                                                           ipc_high_priority=chunk == 0))
     await follower.start()
     try:
         async with trainer(redis_url, queue, "-", "--cuda", "--inplace") as t:
@@ -195,6 +205,7 @@ async def test_ipc_versions_are_copied_device_to_device_into_the_shadow(redis_ur
                 assert n > 0 and (load["opened"], load["reused"]) == ((n, 0) if fill == 1 else (0, n)), load
                 assert load["open_s"] >= 0 and load["verify_s"] > 0, load
                 assert all(w.rollq_state.ipc.chunk_bytes == chunk for w in engine.workers)
+                assert priorities and set(priorities) == {-1 if chunk == 0 else 0}, priorities
                 check(engine, float(fill))
             async with follower._lock:  # no update starts before the trainer is gone
                 rec = await t.publish(4)

@@ -260,7 +260,8 @@ class IpcReceive(ReplicaTransport):
         await self.client.hdel(self.keys.weights_ipc_staged, *fields)  # an earlier run's, under this id
         n = await self.workers.watch_ipc(watch=IpcWatch(
             url=url, channel=self.keys.control, handles_key=self.keys.weights_ipc, status_key=self.keys.weights_ipc_staged,
-            field=field, chunk_bytes=self.settings.ipc_chunk_bytes, keep_maps=self.settings.ipc_keep_mappings, serving=serving))
+            field=field, chunk_bytes=self.settings.ipc_chunk_bytes, keep_maps=self.settings.ipc_keep_mappings, serving=serving,
+            high_priority=self.settings.ipc_high_priority))
         self._fields = tuple(f"{field}{rank}" for rank in range(n))
 
     async def close(self) -> None:
@@ -304,7 +305,8 @@ class IpcReceive(ReplicaTransport):
         older one is asked again once that copy has ended."""
         while True:
             started = await self.workers.stage_ipc(handles=raw, version=version, chunk_bytes=self.settings.ipc_chunk_bytes,
-                                                   keep_maps=self.settings.ipc_keep_mappings)
+                                                   keep_maps=self.settings.ipc_keep_mappings,
+                                                   high_priority=self.settings.ipc_high_priority)
             if not any(s.state is State.BUSY and s.version != version for s in started):
                 return started
             delay = 0.002

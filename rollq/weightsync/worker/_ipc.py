@@ -112,16 +112,20 @@ class IpcStaging:
         #: The trainer's storages kept mapped from the last version copied.
         self.maps = MappedStorages()
         self.keep_maps = True
+        #: Copies run on a high-priority CUDA stream (``WeightSyncSettings.ipc_high_priority``).
+        self.high_priority = False
         self._thread: threading.Thread | None = None
         self._starting = threading.RLock()  # the replica's call and the watcher's start one copy at a time
         #: Versions this worker started copying before the replica asked (the watcher's).
         self.prestaged = 0
 
-    def stage(self, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True) -> StageStatus:
+    def stage(self, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True,
+              high_priority: bool = False) -> StageStatus:
         """Start copying ``version`` from ``handles`` (a msgpack ``IpcHandles``) in a thread of
         this worker, on a GPU waiting for the device after every ``chunk_bytes`` copied or
-        checksummed (0: never), keeping the trainer's storages mapped for the next version when
-        ``keep_maps`` (:attr:`maps`); poll :attr:`status`."""
+        checksummed (0: never) and on a high-priority stream when ``high_priority``, keeping
+        the trainer's storages mapped for the next version when ``keep_maps`` (:attr:`maps`);
+        poll :attr:`status`."""
         with self._starting:
             if self._thread is not None and self._thread.is_alive():
                 return StageStatus(state=State.BUSY, version=self.status.version)
@@ -131,6 +135,7 @@ class IpcStaging:
             started = self.status = StageStatus(state=State.STAGING, version=version)
             self.chunk_bytes, self._since = max(0, int(chunk_bytes)), 0
             self.keep_maps = bool(keep_maps)
+            self.high_priority = bool(high_priority)
             self._thread = threading.Thread(target=self._stage, args=(handles, version), name="rollq-ipc-stage", daemon=True)
             self._thread.start()
             return started  # not self.status: the thread may have replaced it already
@@ -141,14 +146,15 @@ class IpcStaging:
         if t is not None:
             t.join(timeout)
 
-    def prestage(self, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True) -> bool:
+    def prestage(self, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True,
+                 high_priority: bool = False) -> bool:
         """:meth:`stage` ``version`` ahead of the replica's call, unless a copy is running or a
         staged one still waits for its swap (the replica then stages the newer version itself,
         after that swap). Returns whether it started."""
         with self._starting:
             if self.staged is not None or (self._thread is not None and self._thread.is_alive()):
                 return False
-            started = self.stage(handles, version, chunk_bytes, keep_maps).state is State.STAGING
+            started = self.stage(handles, version, chunk_bytes, keep_maps, high_priority).state is State.STAGING
             self.prestaged += started
             return started
 
@@ -236,7 +242,8 @@ class IpcStaging:
         manifest = manifest_of(srcs)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-            stream: Any = torch.cuda.Stream(dev)  # off the engine's stream
+            # Off the engine's stream; a negative priority is above the engine's (0).
+            stream: Any = torch.cuda.Stream(dev, priority=-1 if self.high_priority else 0)
             target = st.in_place_target(version, manifest, stream)
             if target is not None:  # straight into the shadow's bytes
                 try:

@@ -76,7 +76,8 @@ class IpcWatcher:
         if version <= self.tried:
             return False
         self.tried = version
-        if not self.staging.prestage(raw, version, self.watch.chunk_bytes, self.watch.keep_maps):
+        if not self.staging.prestage(raw, version, self.watch.chunk_bytes, self.watch.keep_maps,
+                                      self.watch.high_priority):
             return False
         self._report(client)  # staging
         self.staging.wait()

@@ -61,13 +61,14 @@ class RollqWorkerExtension:
         return to_wire(self.rollq_state.memmap.status)
 
     # -- IPC (the trainer process on the same host) -------------------------------------
-    def rollq_stage_ipc(self, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True) -> dict[str, Any]:
+    def rollq_stage_ipc(self, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True,
+                        high_priority: bool = False) -> dict[str, Any]:
         """Start copying ``version`` from the trainer's exposed tensors (``handles``: a msgpack
         :class:`~rollq.weightsync.ipc_wire.IpcHandles`) in a thread of this worker (the engine
         keeps serving), waiting for the device after every ``chunk_bytes`` (0: never), keeping
         the trainer's storages mapped for the next version when ``keep_maps``. Poll
         :meth:`rollq_ipc_status`; :meth:`rollq_apply_staged` swaps it in."""
-        return to_wire(self.rollq_state.ipc.stage(handles, version, chunk_bytes, keep_maps))
+        return to_wire(self.rollq_state.ipc.stage(handles, version, chunk_bytes, keep_maps, high_priority))
 
     def rollq_ipc_status(self) -> dict[str, Any]:
         """The IPC staging: a :class:`~rollq.weightsync.wire.StageStatus`."""

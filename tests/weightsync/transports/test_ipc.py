@@ -148,7 +148,8 @@ async def test_fake_workers_copy_each_version_and_refuse_a_released_one(redis_ur
 
     engine = FakeWorkerEngine(small_model, num_workers=2)
     consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
-    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1, ipc_chunk_bytes=4096))
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1, ipc_chunk_bytes=4096,
+                                                           ipc_high_priority=True))
     echo = Consumer(EchoEngine(), redis_url, queue, consumer_id="echo")
     echo_follower = WeightFollower(echo, WeightSyncSettings(reconcile_interval=0.1))
     pub = WeightPublisher(redis_url, queue)
@@ -161,7 +162,8 @@ async def test_fake_workers_copy_each_version_and_refuse_a_released_one(redis_ur
             await until(lambda: consumer.version == echo.version == rec.version, 10, f"version {rec.version}")
             load = follower.history[-1].load
             assert load["ipc"] is True and load["swap"] == "load" and load["open_s"] >= 0 and load["verify_s"] >= 0, load
-            assert all(w.rollq_state.ipc.chunk_bytes == 4096 for w in engine.workers)  # the setting reached the workers
+            assert all(w.rollq_state.ipc.chunk_bytes == 4096 and w.rollq_state.ipc.high_priority
+                       for w in engine.workers)  # the settings reached the workers
             assert all(float(w.model_runner.model.module[0].weight[0, 0].detach()) == fill for w in engine.workers)
         async with follower._lock, echo_follower._lock:  # neither starts the update before the release
             rec = await pub.publish_weights(state(3.0), transport="ipc")

@@ -60,7 +60,8 @@ async def test_a_leased_version_is_released_once_the_replica_copied_it_and_costs
 
     engine = FakeWorkerEngine(small_model, num_workers=2)
     consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
-    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1, ipc_prestage=prestage))
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1, ipc_prestage=prestage,
+                                                           ipc_high_priority=prestage))
     pub = WeightPublisher(redis_url, queue, ipc_lease=True)
     assert await pub.release_weights() == {}  # nothing exposed yet
     async with serving(consumer, follower, await pub.redis()):  # nothing exposed yet
@@ -78,6 +79,7 @@ async def test_a_leased_version_is_released_once_the_replica_copied_it_and_costs
             await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
             load = follower.history[-1].load
             assert load["ipc"] is True and load["verify_s"] < 0.05, load
+            assert all(w.rollq_state.ipc.high_priority is prestage for w in engine.workers)  # through the watchers too
             assert all(weight0(w) == fill for w in engine.workers), (fill, [weight0(w) for w in engine.workers])
             assert all(bool((p == fill).all()) for w in engine.workers for p in w.model_runner.model.module.parameters())
         async with follower._lock:  # the replica cannot copy: the release waits
