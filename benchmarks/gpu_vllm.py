@@ -26,7 +26,9 @@
    the replica), the publisher's snapshot (``WeightPublisher(ipc_snapshot=True)``: copied at
    publish, no checksums) and the trainer's tensors leased (``WeightPublisher(ipc_lease=True)``:
    zero-copy, no checksums, ``release_weights`` before the trainer changes them);
-   ``--ipc-snapshot 0,1`` is ``--ipc-expose tensors,snapshot``.
+   ``--ipc-snapshot 0,1`` is ``--ipc-expose tensors,snapshot``; ``--ipc-priority 0,1`` the
+   replica's copies on a stream of the engine's priority or a higher one
+   (``WeightSyncSettings.ipc_high_priority``).
 
 Results go to ``<out>.json`` and ``<out>.md``; each phase is written as soon as it ends.
 """
@@ -508,19 +510,19 @@ async def engine_main(a: argparse.Namespace) -> None:
                 import dataclasses
 
                 chunks = [int(float(c) * (1 << 20)) for c in a.ipc_chunk_mb.split(",")]
-                combos = [(c, k == "1", x == "1", n) for c in chunks for k in a.ipc_keep.split(",")
-                          for x in a.ipc_prestage.split(",") for n in exposures(a)]
+                combos = [(c, k == "1", x == "1", n, hp == "1") for c in chunks for k in a.ipc_keep.split(",")
+                          for x in a.ipc_prestage.split(",") for n in exposures(a) for hp in a.ipc_priority.split(",")]
                 # The first traces the load plan into the shadow; then the variants take turns.
                 # A kept-mappings update right after one without opens everything again, and so
                 # does a switch between the publisher's snapshot and the trainer's own tensors
                 # (other storages): that one is a warm-up, not measured.
                 prev_keep, prev_expose, i = True, "tensors", 0
                 while len(rows) < a.ipc_reps * len(combos):
-                    chunk, keep, prestage, expose = combos[len(rows) % len(combos)]
+                    chunk, keep, prestage, expose, high = combos[len(rows) % len(combos)]
                     await asyncio.to_thread(call, op="configure", ipc_expose=expose)
                     warm = i == 0 or (keep and not prev_keep) or (expose == "snapshot") != (prev_expose == "snapshot")
                     follower.settings = dataclasses.replace(follower.settings, ipc_chunk_bytes=chunk, ipc_keep_mappings=keep,
-                                                            ipc_prestage=prestage)
+                                                            ipc_prestage=prestage, ipc_high_priority=high)
                     for tr in follower._transports.values():
                         tr.settings = follower.settings
                     ipc = follower.transport("ipc")  # the workers watch for versions (ipc_prestage) or not
@@ -531,7 +533,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                     hinted = st.timings.get("hinted_at") or 0.0
                     row.update(chunk_mb=chunk / (1 << 20), keep_mappings=keep, prestage=prestage, prestaged=bool(st.load.get("prestaged")),
                                expose=expose, snapshot=expose == "snapshot", snapshot_reused=r["timings"].get("ipc_snapshot_reused"),
-                               release_s=r["release_s"],
+                               release_s=r["release_s"], high_priority=high,
                                warm_up=warm, expose_s=r["timings"].get("expose_s"),
                                checksum_s=r["timings"].get("checksum_s"), trainer_copied_bytes=r["timings"].get("ipc_copied_bytes"),
                                trainer_extra_gpu_bytes=r["trainer_extra_gpu_bytes"], trainer_held_gpu_bytes=r.get("trainer_held_gpu_bytes"),
@@ -622,10 +624,10 @@ def render(out: dict) -> str:
                   f"served weights equal the published ones: {all(x.get('weights_match') for x in ph['memmap']['reps'])}", ""]
     def variant(x: dict) -> tuple:
         return (x.get("chunk_mb", 0), x.get("keep_mappings", False), x.get("prestage", False),
-                x.get("expose", "snapshot" if x.get("snapshot") else "tensors"))
+                x.get("expose", "snapshot" if x.get("snapshot") else "tensors"), x.get("high_priority", False))
 
-    for chunk, keep, prestage, expose in sorted({variant(x) for x in ph.get("ipc", {}).get("reps", [])}):
-        r = [x for x in ph["ipc"]["reps"] if variant(x) == (chunk, keep, prestage, expose)]
+    for chunk, keep, prestage, expose, high in sorted({variant(x) for x in ph.get("ipc", {}).get("reps", [])}):
+        r = [x for x in ph["ipc"]["reps"] if variant(x) == (chunk, keep, prestage, expose, high)]
         e2e = sorted(x["end_to_end_s"] * 1000 for x in r)
         paced = f"waits every {chunk:.0f} MiB" if chunk else "one burst"
         kept = "handles kept mapped across versions" if keep else "every handle opened each version"
@@ -634,7 +636,8 @@ def render(out: dict) -> str:
         exposed = {"snapshot": "the publisher's own snapshot (no checksums)",
                    "lease": "the trainer's tensors leased (zero-copy, no checksums, released before they change)"}.get(
             expose, "the trainer's tensors (zero-copy, checksummed)")
-        lines += [f"CUDA IPC on one GPU, {paced}, {kept}, {started}, {exposed} ({len(r)} updates, "
+        prio = "copies on a high-priority stream" if high else "copies at the engine's stream priority"
+        lines += [f"CUDA IPC on one GPU, {paced}, {kept}, {started}, {exposed}, {prio} ({len(r)} updates, "
                   f"{r[0].get('running_at_start')} requests running): end to end "
                   f"{med(r, 'end_to_end_s') * 1000:.1f} ms ({e2e[0]:.1f}-{e2e[-1]:.1f}), publish call "
                   f"{med(r, 'trainer_publish_s') * 1000:.1f} ms (expose {med(r, 'expose_s') * 1000:.1f}, checksum "
@@ -692,6 +695,9 @@ def main() -> None:
                     help="comma list taking turns in the ipc phase: how the trainer exposes each version: tensors (zero-copy, "
                          "checksummed), snapshot (WeightPublisher(ipc_snapshot=True)), lease (WeightPublisher(ipc_lease=True)); "
                          "default: as --ipc-snapshot says")
+    ap.add_argument("--ipc-priority", default="0",
+                    help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_high_priority (1: the replica's "
+                         "copies on a high-priority CUDA stream)")
     ap.add_argument("--ipc-keep", default="1",
                     help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_keep_mappings (1: kept, 0: opened every version)")
     ap.add_argument("--memmap-chunks", type=int, default=3, help="256 MiB read chunks in flight (0: unthrottled)")
