@@ -269,11 +269,12 @@ def _publisher(url: str, weights_root: str, a: argparse.Namespace) -> Any:
 
         sender = BroadcastSender(num_workers=a.replicas, backend=a.transport, timeout=120)
     # keep=4 memmap slots: a replica still reading version v is not overwritten by v + 2. Over
-    # ipc no memmap copy is written (the replicas share this host), and the version is exposed
-    # as the publisher's own snapshot: the async trainer steps in place right after publishing.
+    # ipc no memmap copy is written (the replicas share this host), and the trainer's tensors
+    # are leased: the loop releases each version, once the replicas copied it, before the
+    # trainer's next optimizer step changes them in place (no copy, no checksum).
     root = None if a.transport == "ipc" else weights_root
     return WeightPublisher(url, QUEUE, root=root, keep=4, trainer_id="demo-trainer", sender=sender,
-                           ipc_snapshot=a.transport == "ipc")
+                           ipc_lease=a.transport == "ipc")
 
 
 #: Summary keys shown first in the table (the rest follow in order).

@@ -109,16 +109,16 @@ def test_demo_trains_through_vllm_replicas(tmp_path):
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_demo_over_ipc_exposes_the_publishers_snapshot_and_every_version_goes_live(tmp_path):
-    """``rollq demo --transport ipc``: the async trainer steps in place right after each
-    publish, so the demo's publisher exposes its own snapshot; every version reaches the
-    replica and its logprobs agree with the trainer's."""
+def test_demo_over_ipc_leases_the_trainers_tensors_and_every_version_goes_live(tmp_path):
+    """``rollq demo --transport ipc``: the demo's publisher leases the trainer's tensors (the
+    loop releases each version before the trainer's next optimizer step); every version
+    reaches the replica and its logprobs agree with the trainer's."""
     import argparse
 
     from rollq.demo import _publisher
 
-    assert _publisher("redis://127.0.0.1:1", "/nowhere", argparse.Namespace(transport="ipc", replicas=1)).ipc_snapshot
-    assert not _publisher("redis://127.0.0.1:1", "/nowhere", argparse.Namespace(transport="memmap", replicas=1)).ipc_snapshot
+    assert _publisher("redis://127.0.0.1:1", "/nowhere", argparse.Namespace(transport="ipc", replicas=1)).ipc_lease
+    assert not _publisher("redis://127.0.0.1:1", "/nowhere", argparse.Namespace(transport="memmap", replicas=1)).ipc_lease
     pytest.importorskip("vllm")
     r = rollq("demo", "--transport", "ipc", "--replicas", "1", "--steps", "4", "--json", "--plot", str(tmp_path / "d.png"),
               timeout=900)

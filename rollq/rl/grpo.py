@@ -31,7 +31,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -317,12 +317,15 @@ class GrpoTrainer:
             self._snapshots.popitem(last=False)
 
     def step(
-        self, batch: Sequence[tuple[Sequence[int], Any]], rewards: Sequence[Sequence[float]], *, agreement: bool = True
+        self, batch: Sequence[tuple[Sequence[int], Any]], rewards: Sequence[Sequence[float]], *, agreement: bool = True,
+        before_update: Callable[[], Any] | None = None,
     ) -> StepStats:
         """One GRPO update on ``batch`` (``(prompt_ids, result)`` per group) with per-sample
         ``rewards``. ``agreement=False`` skips the diagnostic forwards at older versions'
         weights (the agreement then covers only groups of the current version, which the
-        training forward gives for free); the update is the same."""
+        training forward gives for free); the update is the same. ``before_update`` is called
+        after the backward pass, right before the optimizer changes the weights in place (a
+        leased IPC version is released there: ``WeightPublisher.release_weights``)."""
         t0 = time.perf_counter()
         prompts, comps, owner = [], [], []
         for g, (prompt, res) in enumerate(batch):
@@ -350,10 +353,11 @@ class GrpoTrainer:
         ta = time.perf_counter()
         for v, groups in older.items():
             terms.append(agreement_terms(self.model, [batch[g][1] for g in groups], [batch[g][0] for g in groups], self._snapshots[v]))
-        return self._update(loss, st, rewards, lags, terms, by_lag, t0, time.perf_counter() - ta if older else 0.0)
+        return self._update(loss, st, rewards, lags, terms, by_lag, t0, time.perf_counter() - ta if older else 0.0, before_update)
 
     def step_episodes(
-        self, groups: Sequence[Any], rewards: Sequence[Sequence[float]], *, agreement: bool = True
+        self, groups: Sequence[Any], rewards: Sequence[Sequence[float]], *, agreement: bool = True,
+        before_update: Callable[[], Any] | None = None,
     ) -> StepStats:
         """One GRPO update on whole multi-turn episodes: ``groups`` holds one sequence of
         :class:`~rollq.rl.episodes.Episode` per GRPO group (an
@@ -398,7 +402,7 @@ class GrpoTrainer:
                                            [eps[i].temperature for i in rows])
                 terms.append(diff_terms(lp, b[rows], mask[rows]))
         older = any(v != self.version for v in at)
-        return self._update(loss, st, rewards, lags, terms, by_lag, t0, time.perf_counter() - ta if older else 0.0)
+        return self._update(loss, st, rewards, lags, terms, by_lag, t0, time.perf_counter() - ta if older else 0.0, before_update)
 
     def _loss(self, logp: torch.Tensor, behavior: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
@@ -408,6 +412,7 @@ class GrpoTrainer:
     def _update(
         self, loss: torch.Tensor, st: dict[str, float], rewards: Sequence[Sequence[float]], lags: list[int],
         terms: list[tuple[torch.Tensor, torch.Tensor]], by_lag: dict[str, list[float]], t0: float, agree_s: float = 0.0,
+        before_update: Callable[[], Any] | None = None,
     ) -> StepStats:
         """One Adam step on ``loss``; the next version; the step's stats (``terms``: the
         agreement's ``(|behavior - trainer|, behavior logprob)`` tokens, :func:`agreement_terms`)."""
@@ -421,6 +426,8 @@ class GrpoTrainer:
         loss.backward()
         if self.config.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        if before_update is not None:
+            before_update()
         self.optimizer.step()
         trained_at = self.version
         self.version += 1

@@ -55,6 +55,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from .._tasks import stop_task
@@ -82,9 +83,9 @@ class LoopConfig:
     #: Staleness bound of the async mode, in versions.
     max_lag: int = 1
     #: ``memmap``, ``broadcast`` (gloo on CPU, NCCL on GPU: the publisher's sender) or ``ipc``
-    #: (the trainer's tensors shared with replicas on its host: rollq.weightsync.transports.ipc;
-    #: in the async mode the trainer steps in place right after publishing, so give it a
-    #: ``WeightPublisher(ipc_snapshot=True)``, else a replica still copying refuses the version).
+    #: (rollq.weightsync.transports.ipc). Over ``ipc`` the async trainer steps in place while
+    #: replicas may still copy: give it ``WeightPublisher(ipc_lease=True)`` (each step first
+    #: waits for their copies) or ``ipc_snapshot=True``, else a replica copying refuses the version.
     transport: str = "memmap"
     #: Seeds the prompts' buckets.
     seed: int = 0
@@ -373,7 +374,9 @@ async def run_loop(
                 if trainer is not None:
                     t1 = time.perf_counter()
                     if ok:  # in a thread: the event loop keeps serving the replicas meanwhile
-                        kw = {"agreement": step % config.agree_every == 0}  # older versions' agreement forward
+                        kw: dict[str, Any] = {"agreement": step % config.agree_every == 0}  # older versions' agreement forward
+                        if config.publish and getattr(publisher, "ipc_lease", False):  # copies end before the step writes
+                            kw["before_update"] = partial(_released, publisher, asyncio.get_running_loop())
                         if episodic:
                             st = await asyncio.to_thread(trainer.step_episodes, [g.episodes for g in ok], train, **kw)
                         else:
@@ -402,6 +405,11 @@ async def run_loop(
         config=config, steps=steps, wall_s=wall, random_policy_reward=task.random_policy_reward,
         window=(w_start, time.time()), jobs=jobs, final_version=trainer.version if trainer is not None else 0,
     )
+
+
+def _released(publisher: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """From the trainer's thread: the leased IPC version released once the replicas copied it."""
+    asyncio.run_coroutine_threadsafe(publisher.release_weights(), loop).result()
 
 
 async def _submit_all(

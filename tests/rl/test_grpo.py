@@ -220,6 +220,25 @@ def _source(kind, **sampling):
     return LogprobSource.of(SamplingParams(ignore_eos=True, **sampling), kind)
 
 
+def test_before_update_runs_after_the_backward_pass_and_before_the_weights_change(trainer):
+    """``before_update`` (where the RL loop releases a leased IPC version) sees the gradients
+    computed and the weights still those that were published."""
+    gen = torch.Generator().manual_seed(1)
+    prompt = [30] * 8
+    res = Result(id="j", samples=_sample(trainer.model, prompt, 4, 4, gen), version_start=trainer.version,
+                 version_end=trainer.version)
+    published = {k: v.clone() for k, v in trainer.state_dict().items()}
+    seen: list[tuple[bool, bool]] = []
+
+    def before_update() -> None:
+        unchanged = all(torch.equal(published[k], v) for k, v in trainer.state_dict().items())
+        seen.append((unchanged, any(p.grad is not None for p in trainer.model.parameters())))
+
+    trainer.step([(prompt, res)], [[0.0, 1.0, 0.0, 1.0]], before_update=before_update)
+    assert seen == [(True, True)]
+    assert any(not torch.equal(published[k], v) for k, v in trainer.state_dict().items())
+
+
 def test_trainer_takes_processed_logprobs_at_their_temperature(trainer):
     """Samples drawn at T=0.7 with the logprobs of that distribution: the trainer's step and
     agreement compare ``log_softmax(logits / 0.7)``, so they agree exactly; at T=1 they would not."""

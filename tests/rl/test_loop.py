@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from rollq.rl import LoopConfig, LoopReport, StepRecord
@@ -84,3 +86,58 @@ async def test_the_loop_plays_two_turn_episodes_one_job_per_turn(redis_url, queu
     assert all(st.tokens == 4 * 3 * 4 and len(st.lags) == 4 for st in report.steps)
     assert len(report.jobs) == 3 * 4 * (1 + 3)  # every turn's job, with its replica and times
     assert all(0.0 <= st.reward <= 1.0 for st in report.steps)
+
+
+class _Trainer:
+    """Stands for GrpoTrainer: records the order of its steps and its ``before_update`` calls."""
+
+    def __init__(self, events: list[str]):
+        self.version, self.events = 1, events
+
+    def step(self, batch, rewards, *, agreement=True, before_update=None):
+        from rollq.rl.grpo import StepStats
+
+        self.events.append("backward")
+        if before_update is not None:
+            before_update()
+        self.events.append(f"optimizer step {self.version}")
+        self.version += 1
+        return StepStats(version=self.version - 1, reward_mean=0.0, loss=0.0, clip_frac=0.0, lags=[0])
+
+    def advance(self):
+        self.version += 1
+
+    def state_dict(self):
+        return {}
+
+
+class _LeasingPublisher:
+    """Stands for WeightPublisher(ipc_lease=True): records publishes and releases."""
+
+    def __init__(self, events: list[str], lease: bool):
+        self.events, self.ipc_lease = events, lease
+
+    async def publish_weights(self, state, version=None, transport="memmap"):
+        self.events.append(f"publish {version}")
+
+    async def release_weights(self, timeout=30.0):
+        await asyncio.sleep(0.01)  # on the loop's thread, while the trainer's thread waits
+        self.events.append("release")
+        return {}
+
+
+@pytest.mark.parametrize("lease", [True, False])
+async def test_a_leasing_publishers_version_is_released_before_each_optimizer_step(redis_url, queue, lease):
+    """With ``WeightPublisher(ipc_lease=True)`` the trainer's thread waits, after its backward
+    pass and before its optimizer changes the weights in place, for the publisher to release the
+    version it last published (once the replicas copied it); without a lease it does not wait."""
+    from rollq.rl import BucketTask, Replicas, run_loop
+
+    events: list[str] = []
+    # max_lag 10: no job waits for a version (the echo replicas follow none)
+    config = LoopConfig(steps=3, groups_per_step=2, group_size=2, seed=0, result_timeout=30, transport="ipc", max_lag=10)
+    async with Replicas(redis_url, queue, weights_root=None, count=1, engine="echo"):
+        await run_loop(redis_url, queue, _Trainer(events), BucketTask(vocab_size=1024, length=2), _Tok(),
+                       _LeasingPublisher(events, lease), config)
+    per_step = ["backward", "release"] if lease else ["backward"]
+    assert events == [e for v in (1, 2, 3) for e in (*per_step, f"optimizer step {v}", f"publish {v + 1}")], events
