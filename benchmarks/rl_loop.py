@@ -181,9 +181,10 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     trainer.rebase(0)  # the snapshot of version 0 in the trainer's dtype
     trainer.to(device)
     # Over ipc no memmap copy is written beside each version (the replicas share this host); an
-    # async trainer steps in place right after publishing, so it exposes the publisher's own snapshot.
+    # async trainer steps in place while the replica may still copy, so it exposes the publisher's
+    # own snapshot, or leases its tensors (--ipc-expose lease: each step waits for the copies).
     pub = WeightPublisher(srv_url, queue, root=None if a.transport == "ipc" else root, keep=4, trainer_id=f"trainer-{name}",
-                          ipc_snapshot=mode != "sync")
+                          ipc_snapshot=mode != "sync" and a.ipc_expose == "snapshot", ipc_lease=a.ipc_expose == "lease")
     # Every run starts from the initial weights: publish them as version 1 to the replicas.
     rec = await pub.publish_weights(trainer.state_dict(), transport=a.transport)
     trainer.rebase(rec.version)
@@ -482,6 +483,10 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--transport", choices=["memmap", "ipc"], default="memmap",
                     help="weight sync: memmap files in /dev/shm, or ipc (the trainer's tensors shared with the replicas)")
+    ap.add_argument("--ipc-expose", choices=["snapshot", "lease"], default="snapshot",
+                    help="with --transport ipc: the async trainer exposes the publisher's snapshot of each version "
+                         "(WeightPublisher(ipc_snapshot=True)), or leases its own tensors (ipc_lease=True: no copy, "
+                         "each optimizer step first waits for the replicas' copies)")
     ap.add_argument("--ipc-prestage", action="store_true",
                     help="with --transport ipc: the replicas' workers start each copy when the version is announced "
                          "(WeightSyncSettings.ipc_prestage)")
