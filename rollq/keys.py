@@ -271,9 +271,10 @@ class QueueKeys:
 
     @cached_property
     def weights_ipc_copied(self) -> str:
-        """Hash ``replica -> version``: the last version exposed over IPC that each replica's
-        follower finished copying (or gave up on), read by a publisher releasing a leased
-        version (rollq.weightsync.transports.ipc)."""
+        """Hash ``replica -> version``: each running follower (registered at its start with the
+        version it serves, removed at its stop) and the last version exposed over IPC that it
+        finished copying (or gave up on), read by a publisher releasing a leased version
+        (rollq.weightsync.transports.ipc)."""
         return f"{self.tag}:wipcc"
 
     def weights_acks(self, version: int) -> str:

@@ -205,9 +205,11 @@ class WeightFollower:
             raise
         finally:
             self.consumer.open_intake()
-        ipc = self.transport("ipc") if self.settings.ipc_prestage else None
-        if isinstance(ipc, IpcReceive) and hasattr(self.engine, "call_workers"):
-            await ipc.watch(self.consumer.redis_settings.full_url, self.consumer.version, self.consumer.id)
+        ipc = self.transport("ipc")
+        if isinstance(ipc, IpcReceive):  # a publisher releasing a leased version waits for this replica
+            await ipc.register(self.consumer.version)
+            if self.settings.ipc_prestage and hasattr(self.engine, "call_workers"):
+                await ipc.watch(self.consumer.redis_settings.full_url, self.consumer.version, self.consumer.id)
         self._task = asyncio.create_task(self._loop(), name="rollq-weight-follower")
 
     async def _catch_up(self) -> None:
@@ -237,10 +239,11 @@ class WeightFollower:
         for t in self._transports.values():
             await t.close()
         if self._client is not None:
-            try:  # a stopped replica serves nothing: its manifest and load error go with it
+            try:  # a stopped replica serves nothing: its manifest, load error and IPC record go with it
                 pipe = self._client.pipeline(transaction=False)
                 pipe.hdel(self.consumer.keys.manifests, self.consumer.id)
                 pipe.hdel(self.consumer.keys.load_errors, self.consumer.id)
+                pipe.hdel(self.consumer.keys.weights_ipc_copied, self.consumer.id)
                 await pipe.execute()
             except RETRYABLE as e:
                 log.debug("could not remove this replica's manifest (%s)", e)

@@ -270,10 +270,10 @@ class WeightPublisher:
             await asyncio.sleep(poll)
 
     async def release_weights(self, timeout: float = 30.0) -> dict[str, int]:
-        """Wait until every live replica on this host has copied the version this publisher
-        exposes over IPC, ``timeout`` seconds at most, then stop exposing it; the tensors may
-        then change. Returns ``{replica: newest version it copied or serves}`` for the replicas
-        on this host (``{}`` when no version is exposed). A replica still copying at the
+        """Wait until every live replica on this host that follows versions has copied the
+        version this publisher exposes over IPC, ``timeout`` seconds at most, then stop exposing
+        it; the tensors may then change. Returns ``{replica: newest version it copied or
+        serves}`` for those replicas (``{}`` when no version is exposed). A replica still copying at the
         timeout refuses the version and takes the next one. With ``ipc_lease`` call it before
         every in-place update of the published tensors:
 

@@ -18,8 +18,8 @@ GPU), so the trainer may update its weights in place right after publishing. Wit
 ``WeightPublisher(ipc_lease=True)`` the trainer's own tensors are exposed zero-copy and
 without a checksum, on its promise to change none of them until it calls
 ``WeightPublisher.release_weights`` (:func:`release_when_copied`), which waits until every live
-replica on this host has finished its copy (each follower records it in
-``QueueKeys.weights_ipc_copied``; watching workers' statuses and served versions count too),
+replica on this host whose follower registered in ``QueueKeys.weights_ipc_copied`` has finished
+its copy (the follower records it there; watching workers' statuses and served versions count too),
 then releases the version. A replica whose copy ends after the release refuses the version.
 
 Replica side :class:`IpcReceive`: has every worker copy and verify the version in a thread
@@ -122,8 +122,8 @@ class IpcSend(TrainerTransport):
 
 
 async def release_when_copied(publisher: PublisherSide, timeout: float, poll: float = 0.002) -> dict[str, int]:
-    """Wait (``timeout`` seconds at most) until every live replica on this host has finished
-    copying the version ``publisher`` exposes, then release it (:func:`release`). Returns
+    """Wait (``timeout`` seconds at most) until every live replica on this host that follows
+    versions (its follower registered) has finished copying the version ``publisher`` exposes, then release it (:func:`release`). Returns
     ``{replica: version}`` of the replicas on this host: the newest version each has copied
     or serves. A replica still copying at the timeout is named in a warning; releasing the
     version makes it refuse its copy, so nothing it serves mixes two versions."""
@@ -150,24 +150,27 @@ async def release_when_copied(publisher: PublisherSide, timeout: float, poll: fl
 
 
 async def _copies(client: Any, keys: QueueKeys, host: str) -> dict[str, int]:
-    """``{replica: version}`` of the live replicas on ``host``: the newest version each has
-    finished copying over IPC (its follower's record, its watching workers' statuses) or serves."""
+    """``{replica: version}`` of the live replicas on ``host`` that follow versions (their
+    followers registered in ``weights_ipc_copied``): the newest version each has finished
+    copying over IPC (its follower's record, its watching workers' statuses) or serves."""
     from ...replicas import live_replicas
 
-    replicas = {r: info.version for r, info in (await live_replicas(client, keys)).items() if info.host == host}
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(keys.weights_ipc_copied)
+    pipe.hgetall(keys.weights_ipc_staged)
+    registered, watched = await pipe.execute()
+    following = {text(k): _int(v) for k, v in registered.items()}
+    replicas = {r: info.version for r, info in (await live_replicas(client, keys)).items()
+                if info.host == host and r in following}
     if not replicas:
         return {}
-    pipe = client.pipeline(transaction=False)
-    pipe.hmget(keys.weights_ipc_copied, list(replicas))
-    pipe.hgetall(keys.weights_ipc_staged)
-    copied, watched = await pipe.execute()
     by_worker: dict[str, list[int]] = {}
     for k, raw in watched.items():
         st = _status(raw)
         if st is not None:  # a copy under way counts as the version before it
             by_worker.setdefault(text(k).rpartition("/")[0], []).append(st.version - (st.state is State.STAGING))
-    for (r, v), c in zip(list(replicas.items()), copied):
-        replicas[r] = max(v, _int(c), min(by_worker.get(r, [0])))
+    for r, v in replicas.items():
+        replicas[r] = max(v, following[r], min(by_worker.get(r, [0])))
     return replicas
 
 
@@ -201,6 +204,12 @@ class IpcReceive(ReplicaTransport):
             return None
         finally:
             self._record_copied(rec.version)
+
+    async def register(self, serving: int) -> None:
+        """Record that this replica follows IPC versions (``serving``: its version now), so a
+        publisher releasing a leased version waits for its copy (:func:`release_when_copied`)."""
+        if self.client is not None and self.keys is not None and self.replica:
+            await self.client.hset(self.keys.weights_ipc_copied, self.replica, serving)
 
     def _record_copied(self, version: int) -> None:
         """Record that this replica finished copying ``version``, without waiting for Redis

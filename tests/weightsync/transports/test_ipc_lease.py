@@ -152,8 +152,9 @@ async def test_a_lease_released_at_its_timeout_is_refused_by_the_replica_still_c
 
 
 async def test_the_release_waits_only_for_live_replicas_on_the_trainers_host(redis_url, queue):
-    """Replicas elsewhere take the version another way and dead ones never copy: neither holds
-    the release back; one on this host that has copied, or serves the version, counts as done."""
+    """Replicas elsewhere take the version another way, dead ones and those without a follower
+    never copy: none of them holds the release back; one on this host that has copied, or
+    serves the version, counts as done."""
     import socket
 
     from rollq.protocol import ReplicaInfo
@@ -164,17 +165,20 @@ async def test_the_release_waits_only_for_live_replicas_on_the_trainers_host(red
     client, keys = await pub.redis(), pub.keys
     here = socket.gethostname()
 
-    async def register(rid: str, host: str, version: int, alive: bool = True) -> None:
+    async def register(rid: str, host: str, version: int, alive: bool = True, follows: bool = True) -> None:
         info = ReplicaInfo(id=rid, host=host, pid=1, engine="echo", model="m", device="cpu", version=version, inflight=0,
                            cap=1, kv_usage=None, tokens_per_s=0.0, completed=0, failed=0, started_at=0.0, heartbeat_at=0.0,
                            state="serving")
         await client.hset(keys.consumers, rid, msgspec.msgpack.encode(info))
         if alive:
             await client.set(keys.heartbeat(rid), 1, ex=60)
+        if follows:
+            await client.hset(keys.weights_ipc_copied, rid, version)
 
     try:
         await register("elsewhere", "another-host", 0)
         await register("dead", here, 0, alive=False)
+        await register("no follower", here, 0, follows=False)
         await register("copied", here, 1)
         await register("serving", here, 3)
         await client.hset(keys.weights_ipc_copied, "copied", 3)
