@@ -8,7 +8,9 @@ in shared memory (``share_memory_()``, or any CUDA tensor: zero-copy, checksumme
 and verified by the copier); on CPU, tensors the exposure copies once (checksummed too); and
 the publisher's own snapshot (``WeightPublisher(ipc_snapshot=True)``) of a later version,
 copied into the last version's snapshot, with no checksum either side (the copier checks that
-the version is still exposed after its copy). Times in seconds, medians of ``--reps``
+the version is still exposed after its copy); and the trainer's tensors leased
+(``WeightPublisher(ipc_lease=True)``: zero-copy, no checksum either side, the trainer changing
+them only after the release). Times in seconds, medians of ``--reps``
 versions; ``copy_s`` is the copy in the other process (onto the same device), ``verify_s``
 what it checks after it; ``per_version_s`` the trainer's and the copier's parts together. On
 CPU this is the path CI runs; the CUDA cases need a GPU.
@@ -75,7 +77,7 @@ def main() -> None:
     a = ap.parse_args()
     n = int(a.gib * (1 << 30) / 4 / a.tensors)
     items = [(f"w{i}", torch.randn(n, dtype=torch.float32, device=a.device)) for i in range(a.tensors)]
-    cases = ["zero-copy", "snapshot"] if a.device != "cpu" else ["zero-copy", "copied once", "snapshot"]
+    cases = ["zero-copy", "snapshot", "lease"] if a.device != "cpu" else ["zero-copy", "copied once", "snapshot", "lease"]
     rows = []
     for case in cases:
         shared = case != "copied once"
@@ -85,7 +87,7 @@ def main() -> None:
             if case == "snapshot":
                 x = Exposure(v, its, snapshot=True, into=last.snapshot if last is not None else None)
             else:
-                x = Exposure(v, its)
+                x = Exposure(v, its, lease=case == "lease")
             if v > 1:
                 assert case != "snapshot" or x.reused
                 got = {"expose_s": x.expose_s, "checksum_s": x.checksum_s, "copied_GB": x.copied_bytes / 1e9, **copier(a.device, x)}
