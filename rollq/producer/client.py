@@ -389,6 +389,15 @@ class Producer:
             self._publisher = WeightPublisher(self.redis_settings, self.queue, trainer_id=self.id, **publisher_kwargs)
         return await self._publisher.publish_weights(state, version=version, transport=transport)
 
+    async def release_weights(self, timeout: float = 30.0) -> dict[str, int]:
+        """Release the version :meth:`publish_weights` exposes over IPC once the replicas on
+        this host copied it (``WeightPublisher.release_weights``; call it before changing the
+        tensors of a version published with ``ipc_lease=True``); ``{}`` when none is exposed."""
+        if self._publisher is None:
+            return {}
+        got: dict[str, int] = await self._publisher.release_weights(timeout)
+        return got
+
     async def set_update_policy(self, policy: str) -> None:
         """How replicas of this queue apply a new policy version: ``keep``, ``abort`` or ``drain``."""
         if policy not in ("keep", "abort", "drain"):

@@ -16,9 +16,10 @@ A snapshot is the publisher's own (``IpcHandles.owned``): nothing writes it whil
 is exposed, so no checksum is taken here or verified by the replicas, whose copy is good when
 the version was still exposed at its end. A lease (``lease=True``) is the same promise made by
 the trainer for its own tensors, zero-copy: it changes none of them until it has released the
-version (``WeightPublisher.release_weights``, which first waits for the replicas' copies). The next version of the same layout is copied into
-the same snapshot (``into``) once this one is released, so the extra memory stays one copy of
-the weights and the replicas' kept mappings of its storages stay valid.
+version (``WeightPublisher.release_weights``, which first waits for the replicas' copies).
+The next version of the same layout is copied into the same snapshot (``into``) once this one
+is released, so the extra memory stays one copy of the weights and the replicas' kept mappings
+of its storages stay valid.
 
 >>> import torch
 >>> x = Exposure(1, [("w", torch.ones(2, 2))])

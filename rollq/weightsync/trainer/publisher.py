@@ -273,9 +273,9 @@ class WeightPublisher:
         """Wait until every live replica on this host that follows versions has copied the
         version this publisher exposes over IPC, ``timeout`` seconds at most, then stop exposing
         it; the tensors may then change. Returns ``{replica: newest version it copied or
-        serves}`` for those replicas (``{}`` when no version is exposed). A replica still copying at the
-        timeout refuses the version and takes the next one. With ``ipc_lease`` call it before
-        every in-place update of the published tensors:
+        serves}`` for those replicas (``{}`` when no version is exposed). A replica still
+        copying at the timeout refuses the version and takes the next one. With ``ipc_lease``
+        call it before every in-place update of the published tensors:
 
         >>> pub = WeightPublisher(url, queue="grpo", ipc_lease=True)               # doctest: +SKIP
         >>> await pub.publish_weights(model.state_dict(), transport="ipc")         # doctest: +SKIP

@@ -123,10 +123,11 @@ class IpcSend(TrainerTransport):
 
 async def release_when_copied(publisher: PublisherSide, timeout: float, poll: float = 0.002) -> dict[str, int]:
     """Wait (``timeout`` seconds at most) until every live replica on this host that follows
-    versions (its follower registered) has finished copying the version ``publisher`` exposes, then release it (:func:`release`). Returns
-    ``{replica: version}`` of the replicas on this host: the newest version each has copied
-    or serves. A replica still copying at the timeout is named in a warning; releasing the
-    version makes it refuse its copy, so nothing it serves mixes two versions."""
+    versions (its follower registered) has finished copying the version ``publisher``
+    exposes, then release it (:func:`release`). Returns ``{replica: version}`` of those
+    replicas: the newest version each has copied or serves. A replica still copying at the
+    timeout is named in a warning; releasing the version makes it refuse its copy, so nothing
+    it serves mixes two versions."""
     x = _EXPOSED.get(publisher)
     if x is None:
         return {}

@@ -190,3 +190,28 @@ async def test_the_release_waits_only_for_live_replicas_on_the_trainers_host(red
         assert time.monotonic() - t0 < 5
     finally:
         await pub.close()
+
+
+async def test_a_producer_leases_and_releases_through_its_publisher(redis_url, queue, tmp_path):
+    """``Producer.publish_weights(..., ipc_lease=True)`` then ``Producer.release_weights()``:
+    the release returns once the replica copied the version; a producer that published nothing
+    has nothing to release."""
+    from rollq import Consumer, Producer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.1))
+    async with Producer(redis_url, queue) as p:
+        assert await p.release_weights() == {}
+        async with serving(consumer, follower, p._client):
+            st = shared(5.0)
+            rec = await p.publish_weights(st, transport="ipc", ipc_lease=True)
+            assert (await p.release_weights(timeout=10))["r0"] >= rec.version
+            with torch.no_grad():
+                for v in st.values():
+                    v.fill_(6.0)
+            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+            assert weight0(engine.workers[0]) == 5.0
