@@ -213,17 +213,15 @@ class IpcReceive(ReplicaTransport):
             await self.client.hset(self.keys.weights_ipc_copied, self.replica, serving)
 
     def _record_copied(self, version: int) -> None:
-        """Record that this replica finished copying ``version``, without waiting for Redis
-        (the swap goes on meanwhile)."""
-        if self.client is None or self.keys is None or not self.replica:
-            return
-        task = asyncio.create_task(self._write_copied(self.client, self.keys.weights_ipc_copied, version))
+        """Record that this replica finished copying ``version`` (in its :meth:`register`
+        field), without waiting for Redis (the swap goes on meanwhile)."""
+        task = asyncio.create_task(self._write_copied(version))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _write_copied(self, client: Any, key: str, version: int) -> None:
+    async def _write_copied(self, version: int) -> None:
         try:
-            await client.hset(key, self.replica, version)
+            await self.register(version)
         except RETRYABLE as e:  # the publisher's wait then ends at its timeout
             log.warning("could not record the copy of version %d for the publisher: %s", version, e)
 
