@@ -25,7 +25,9 @@
    tensors,snapshot,lease`` the trainer's own tensors (zero-copy, checksummed at publish and by
    the replica), the publisher's snapshot (``WeightPublisher(ipc_snapshot=True)``: copied at
    publish, no checksums) and the trainer's tensors leased (``WeightPublisher(ipc_lease=True)``:
-   zero-copy, no checksums, ``release_weights`` before the trainer changes them);
+   zero-copy, no checksums, ``release_weights`` before the trainer changes them) and ``direct``
+   (leased, and the replica's swap copies them straight into the live weights:
+   ``WeightSyncSettings.ipc_direct``);
    ``--ipc-snapshot 0,1`` is ``--ipc-expose tensors,snapshot``; ``--ipc-priority 0,1`` the
    replica's copies on a stream of the engine's priority or a higher one
    (``WeightSyncSettings.ipc_high_priority``).
@@ -108,7 +110,7 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
                 if op == "configure":  # the variant of the next sends
                     sender.shadow_layout = bool(cmd.get("shadow_layout", sender.shadow_layout))
                     if "ipc_expose" in cmd:
-                        ipc_pub.ipc_snapshot, ipc_pub.ipc_lease = cmd["ipc_expose"] == "snapshot", cmd["ipc_expose"] == "lease"
+                        ipc_pub.ipc_snapshot, ipc_pub.ipc_lease = cmd["ipc_expose"] == "snapshot", cmd["ipc_expose"] in ("lease", "direct")
                     conn.send({"ok": True})
                 elif op == "publish":
                     r0 = time.perf_counter()  # a leased version is released before the tensors change
@@ -522,7 +524,8 @@ async def engine_main(a: argparse.Namespace) -> None:
                     await asyncio.to_thread(call, op="configure", ipc_expose=expose)
                     warm = i == 0 or (keep and not prev_keep) or (expose == "snapshot") != (prev_expose == "snapshot")
                     follower.settings = dataclasses.replace(follower.settings, ipc_chunk_bytes=chunk, ipc_keep_mappings=keep,
-                                                            ipc_prestage=prestage, ipc_high_priority=high)
+                                                            ipc_prestage=prestage, ipc_high_priority=high,
+                                                            ipc_direct=expose == "direct")
                     for tr in follower._transports.values():
                         tr.settings = follower.settings
                     ipc = follower.transport("ipc")  # the workers watch for versions (ipc_prestage) or not
@@ -634,7 +637,9 @@ def render(out: dict) -> str:
         started = (f"copies started by the workers' watchers ({sum(bool(x.get('prestaged')) for x in r)} of {len(r)})"
                    if prestage else "copies started by the follower")
         exposed = {"snapshot": "the publisher's own snapshot (no checksums)",
-                   "lease": "the trainer's tensors leased (zero-copy, no checksums, released before they change)"}.get(
+                   "lease": "the trainer's tensors leased (zero-copy, no checksums, released before they change)",
+                   "direct": "the trainer's tensors leased and copied straight into the live weights at the swap "
+                             "(WeightSyncSettings.ipc_direct)"}.get(
             expose, "the trainer's tensors (zero-copy, checksummed)")
         prio = "copies on a high-priority stream" if high else "copies at the engine's stream priority"
         lines += [f"CUDA IPC on one GPU, {paced}, {kept}, {started}, {exposed}, {prio} ({len(r)} updates, "
@@ -642,7 +647,7 @@ def render(out: dict) -> str:
                   f"{med(r, 'end_to_end_s') * 1000:.1f} ms ({e2e[0]:.1f}-{e2e[-1]:.1f}), publish call "
                   f"{med(r, 'trainer_publish_s') * 1000:.1f} ms (expose {med(r, 'expose_s') * 1000:.1f}, checksum "
                   f"{med(r, 'checksum_s') * 1000:.1f}"
-                  + (f"; the release before the next change waited {med(r, 'release_s') * 1000:.1f}" if expose == "lease" else "")
+                  + (f"; the release before the next change waited {med(r, 'release_s') * 1000:.1f}" if expose in ("lease", "direct") else "")
                   + f"), replica's copy {med(r, 'stage_s') * 1000:.1f} ms (open "
                   f"{med(r, 'open_s') * 1000:.1f} for {med(r, 'opened'):.0f} storages opened, {med(r, 'reused'):.0f} kept; verify "
                   f"{med(r, 'verify_s') * 1000:.1f}), announcement after the publish call {med(r, 'hint_after_publish_s') * 1000:.1f} ms, "
@@ -668,9 +673,9 @@ def exposures(a: argparse.Namespace) -> list[str]:
     """The ``--ipc-expose`` values to take turns, or ``--ipc-snapshot``'s as those values."""
     if a.ipc_expose:
         got = a.ipc_expose.split(",")
-        bad = sorted(set(got) - {"tensors", "snapshot", "lease"})
+        bad = sorted(set(got) - {"tensors", "snapshot", "lease", "direct"})
         if bad:
-            raise SystemExit(f"--ipc-expose: unknown {', '.join(bad)} (tensors, snapshot, lease)")
+            raise SystemExit(f"--ipc-expose: unknown {', '.join(bad)} (tensors, snapshot, lease, direct)")
         return got
     return ["snapshot" if n == "1" else "tensors" for n in a.ipc_snapshot.split(",")]
 
@@ -693,7 +698,8 @@ def main() -> None:
                          "copy of each version, rewritten every version, no checksums; each switch adds a warm-up update)")
     ap.add_argument("--ipc-expose", default=None,
                     help="comma list taking turns in the ipc phase: how the trainer exposes each version: tensors (zero-copy, "
-                         "checksummed), snapshot (WeightPublisher(ipc_snapshot=True)), lease (WeightPublisher(ipc_lease=True)); "
+                         "checksummed), snapshot (WeightPublisher(ipc_snapshot=True)), lease (WeightPublisher(ipc_lease=True)), "
+                         "direct (leased, and WeightSyncSettings(ipc_direct=True) on the replica); "
                          "default: as --ipc-snapshot says")
     ap.add_argument("--ipc-priority", default="0",
                     help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_high_priority (1: the replica's "

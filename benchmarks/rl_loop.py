@@ -182,9 +182,10 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     trainer.to(device)
     # Over ipc no memmap copy is written beside each version (the replicas share this host); an
     # async trainer steps in place while the replica may still copy, so it exposes the publisher's
-    # own snapshot, or leases its tensors (--ipc-expose lease: each step waits for the copies).
+    # own snapshot, or leases its tensors (--ipc-expose lease: each step waits for the copies;
+    # direct: and the replicas copy them straight into their live weights at the swap).
     pub = WeightPublisher(srv_url, queue, root=None if a.transport == "ipc" else root, keep=4, trainer_id=f"trainer-{name}",
-                          ipc_snapshot=mode != "sync" and a.ipc_expose == "snapshot", ipc_lease=a.ipc_expose == "lease")
+                          ipc_snapshot=mode != "sync" and a.ipc_expose == "snapshot", ipc_lease=a.ipc_expose in ("lease", "direct"))
     # Every run starts from the initial weights: publish them as version 1 to the replicas.
     rec = await pub.publish_weights(trainer.state_dict(), transport=a.transport)
     trainer.rebase(rec.version)
@@ -389,7 +390,8 @@ async def main_async(a: argparse.Namespace) -> dict:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by the replicas' engine processes
     with RedisServer() as srv:
         replicas = Replicas(srv.url, "rl-start", weights_root=None, count=a.replicas, model=model,
-                            max_model_len=256, cpu_binds=binds, reconcile_interval=1.0, dtype=a.dtype, ipc_prestage=a.ipc_prestage)
+                            max_model_len=256, cpu_binds=binds, reconcile_interval=1.0, dtype=a.dtype, ipc_prestage=a.ipc_prestage,
+                            ipc_direct=a.ipc_expose == "direct")
         await replicas.start()
         try:
             log.info("%d replica(s) up in %.1fs (%s)", a.replicas, replicas.start_s, cores)
@@ -483,10 +485,11 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--transport", choices=["memmap", "ipc"], default="memmap",
                     help="weight sync: memmap files in /dev/shm, or ipc (the trainer's tensors shared with the replicas)")
-    ap.add_argument("--ipc-expose", choices=["snapshot", "lease"], default="snapshot",
+    ap.add_argument("--ipc-expose", choices=["snapshot", "lease", "direct"], default="snapshot",
                     help="with --transport ipc: the async trainer exposes the publisher's snapshot of each version "
                          "(WeightPublisher(ipc_snapshot=True)), or leases its own tensors (ipc_lease=True: no copy, "
-                         "each optimizer step first waits for the replicas' copies)")
+                         "each optimizer step first waits for the replicas' copies), or leases them and the replicas "
+                         "copy them straight into their live weights at the swap (direct: WeightSyncSettings.ipc_direct)")
     ap.add_argument("--ipc-prestage", action="store_true",
                     help="with --transport ipc: the replicas' workers start each copy when the version is announced "
                          "(WeightSyncSettings.ipc_prestage)")

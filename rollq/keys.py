@@ -277,6 +277,15 @@ class QueueKeys:
         (rollq.weightsync.transports.ipc)."""
         return f"{self.tag}:wipcc"
 
+    @cached_property
+    def weights_ipc_claims(self) -> str:
+        """Hash of a leased IPC version's direct swaps (``WeightSyncSettings.ipc_direct``):
+        ``released`` (the newest version its publisher started releasing) and, per replica
+        about to copy the trainer's tensors straight into its live weights,
+        ``c:<replica> -> "<version> <deadline ms>"`` (rollq/lua/ipc_claim.lua,
+        rollq/lua/ipc_release.lua; rollq.weightsync.transports.ipc)."""
+        return f"{self.tag}:wipcl"
+
     def weights_acks(self, version: int) -> str:
         """Hash ``replica -> ok|error`` of receivers that staged a broadcast version."""
         return f"{self.tag}:wacks:{version}"
@@ -318,7 +327,8 @@ class QueueKeys:
         return [
             self.jobs, self.ids, self.dlq, self.consumers, self.free, self.reclaimer, self.stats, self.latency, self.lag,
             self.config, self.version, self.versions_log, self.admission, self.weights_group, self.weights_offer,
-            self.weights_layouts, self.weights_members, self.weights_ipc, self.weights_ipc_staged, self.weights_ipc_copied, self.manifests,
+            self.weights_layouts, self.weights_members, self.weights_ipc, self.weights_ipc_staged, self.weights_ipc_copied,
+            self.weights_ipc_claims, self.manifests,
             self.load_errors,
         ]
 

@@ -262,6 +262,19 @@ class WeightSyncSettings:
     #: announcement and the copy (:mod:`rollq.weightsync.worker._ipc_watch`). False: the
     #: follower starts every copy with an RPC after it has read the record.
     ipc_prestage: bool = False
+    #: A leased IPC version (``WeightPublisher(ipc_lease=True)``) is not copied while the
+    #: engine serves: the swap copies the trainer's tensors straight into the live weights
+    #: (by the shadow's load plan on a GPU; through ``load_weights`` where there is no shadow),
+    #: under a claim the publisher's ``release_weights`` waits for. One copy of the weights
+    #: fewer per version, and none beside them in memory; generation stops for the same copy
+    #: as a shadow swap. The trainer process dying before the swap makes the replica refuse
+    #: the version (the old weights serve on); dying during the swap's copy itself (a few
+    #: milliseconds on a GPU) is not covered on CUDA, where the memory of a dead exporter is
+    #: undefined: the worker then fails the swap with
+    #: :class:`~rollq.weightsync.ipc_wire.TornDirectSwap`, its weights possibly mixed, and the
+    #: follower records it. False (the default): leased versions are copied into the shadow
+    #: first, and a trainer dying at any point leaves the old weights serving.
+    ipc_direct: bool = False
     #: Swap broadcast versions in part by part while they arrive (``keep``, one worker;
     #: :class:`~rollq.weightsync.replica._overlap.OverlappedSwap`).
     swap_overlap: bool = False

@@ -167,8 +167,10 @@ def test_consume_weight_sync_options_reach_the_follower_settings():
     from rollq.cli.main import build_parser
 
     a = build_parser().parse_args(["consume", "--weights-root", "/w", "--broadcast", "--swap-overlap", "--ipc-prestage",
-                                      "--ipc-high-priority"])
+                                      "--ipc-high-priority", "--ipc-direct"])
     ws = weight_settings(a)
-    assert (ws.root, ws.broadcast, ws.swap_overlap, ws.ipc_prestage, ws.ipc_high_priority) == ("/w", True, True, True, True)
+    got = (ws.root, ws.broadcast, ws.swap_overlap, ws.ipc_prestage, ws.ipc_high_priority, ws.ipc_direct)
+    assert got == ("/w", True, True, True, True, True)
     ws = weight_settings(build_parser().parse_args(["consume"]))
-    assert (ws.root, ws.broadcast, ws.swap_overlap, ws.ipc_prestage, ws.ipc_high_priority) == (None, False, False, False, False)
+    got = (ws.root, ws.broadcast, ws.swap_overlap, ws.ipc_prestage, ws.ipc_high_priority, ws.ipc_direct)
+    assert got == (None, False, False, False, False, False)

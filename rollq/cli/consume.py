@@ -86,7 +86,7 @@ def weight_settings(a: argparse.Namespace) -> Any:
     from ..settings import WeightSyncSettings
 
     return WeightSyncSettings(root=a.weights_root, broadcast=a.broadcast, swap_overlap=a.swap_overlap, ipc_prestage=a.ipc_prestage,
-                              ipc_high_priority=a.ipc_high_priority)
+                              ipc_high_priority=a.ipc_high_priority, ipc_direct=a.ipc_direct)
 
 
 async def _consume(a: argparse.Namespace) -> int:
@@ -133,6 +133,9 @@ def register(sub: Any) -> None:
     s.add_argument("--ipc-high-priority", action="store_true",
                    help="IPC copies on a GPU run on a high-priority CUDA stream: the copy ends sooner while the engine's "
                         "steps during it slow down (see WeightSyncSettings(ipc_high_priority=True))")
+    s.add_argument("--ipc-direct", action="store_true",
+                   help="a version a trainer on this host leases over IPC is copied straight into the live weights at the "
+                        "swap, not into the shadow first (see WeightSyncSettings(ipc_direct=True))")
     d = ConsumerSettings()  # the defaults below are the settings' own
     s.add_argument("--max-inflight", type=int, default=d.max_inflight, help="cap on running jobs (default: from the engine)")
     s.add_argument("--initial-inflight", type=int, default=d.initial_inflight)

@@ -57,6 +57,7 @@ class Replicas:
         dtype: str = "auto",
         logprobs_mode: str = "raw_logprobs",
         ipc_prestage: bool = False,
+        ipc_direct: bool = False,
     ):
         if engine not in ("vllm", "echo"):
             raise ValueError(f"engine must be 'vllm' or 'echo', got {engine!r}")
@@ -78,6 +79,9 @@ class Replicas:
         self.logprobs_mode = logprobs_mode
         #: ``WeightSyncSettings.ipc_prestage``: the workers start each IPC copy themselves.
         self.ipc_prestage = ipc_prestage
+        #: ``WeightSyncSettings.ipc_direct``: a leased IPC version is copied straight into the
+        #: live weights at the swap.
+        self.ipc_direct = ipc_direct
         self.engines: list[Any] = []
         #: One :class:`~rollq.consumer.replica.Replica` per engine while a queue is served.
         self.replicas: list[Replica] = []
@@ -137,7 +141,8 @@ class Replicas:
         weights = None
         if self.kind == "vllm":
             weights = WeightSyncSettings(root=self.weights_root, reconcile_interval=self.reconcile_interval, broadcast=self.broadcast,
-                                         abort_resume=abort_resume, ipc_prestage=self.ipc_prestage)
+                                         abort_resume=abort_resume, ipc_prestage=self.ipc_prestage,
+                                         ipc_direct=self.ipc_direct)
         for i, e in enumerate(self.engines):
             replica = Replica(e, self.url, queue, consumer_id=f"replica-{i}", settings=ConsumerSettings(lease_ttl=10.0),
                               weights=weights, own_engine=False)

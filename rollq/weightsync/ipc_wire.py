@@ -31,6 +31,7 @@ This module imports no torch.
 from __future__ import annotations
 
 import enum
+import os
 
 import msgspec
 
@@ -49,6 +50,11 @@ class IpcUnavailable(WeightSyncError):
     """The handles of a version cannot be used here: the trainer exited or released the
     version (before or during the copy), or the replica is on another host or GPU. The
     version is not applied; a memmap copy of it is loaded instead where the record has one."""
+
+
+class TornDirectSwap(IpcUnavailable):
+    """The trainer process exited while a direct swap (``WeightSyncSettings.ipc_direct``)
+    copied its CUDA tensors into the live weights: they may hold part of the version."""
 
 
 class StorageKind(str, enum.Enum):
@@ -111,6 +117,11 @@ class IpcHandles(msgspec.Struct, kw_only=True, frozen=True):
     #: the token lives, so a worker whose copy ended with the token alive has the version's
     #: bytes, and no checksum is taken or verified.
     owned: bool = False
+    #: The storages are the trainer's own tensors, leased (``WeightPublisher(ipc_lease=True)``,
+    #: implies ``owned``): unchanged until the publisher releases the version, which it does
+    #: only after every claim of a direct swap (``QueueKeys.weights_ipc_claims``) has ended, so
+    #: a replica that claimed the version may copy them straight into its live weights.
+    lease: bool = False
 
     def __post_init__(self) -> None:
         if self.v != IPC_SCHEMA:
@@ -119,6 +130,8 @@ class IpcHandles(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"version {self.version} and pid {self.pid} must be positive")
         if self.token.kind is not StorageKind.CPU:
             raise ValueError("the liveness token must be a CPU storage")
+        if self.lease and not self.owned:
+            raise ValueError("leased handles are owned (nothing writes them while the version is exposed)")
         if not self.checksum and not self.owned:
             raise ValueError("handles of tensors the trainer may still change need their checksum")
         for t in self.tensors:
@@ -138,6 +151,15 @@ class IpcHandles(msgspec.Struct, kw_only=True, frozen=True):
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+
+def token_alive(h: IpcHandles) -> bool:
+    """Whether the trainer process still exposes the version of ``h`` (its token is open
+    there; only on the trainer's host)."""
+    try:
+        return os.stat(f"/proc/{h.pid}/fd/{h.token.fd}").st_ino == h.token.inode
+    except OSError:
+        return False
 
 
 _enc = msgspec.msgpack.Encoder()

@@ -129,6 +129,7 @@ class IpcWatch(msgspec.Struct, kw_only=True):
     chunk_bytes: int = 0  # as ``WeightSyncSettings.ipc_chunk_bytes``
     keep_maps: bool = True  # as ``WeightSyncSettings.ipc_keep_mappings``
     high_priority: bool = False  # as ``WeightSyncSettings.ipc_high_priority``
+    direct: bool = False  # as ``WeightSyncSettings.ipc_direct``
     #: The replica's serving version when it started watching: versions up to it are not
     #: copied (an engine reused by another queue keeps the last version it loaded).
     serving: int = 0
@@ -287,6 +288,9 @@ class StageStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     opened: int | None = None  # IPC: storages opened for this version
     reused: int | None = None  # IPC: storages kept mapped from the last version
     verify_s: float | None = None  # the checksum verified after the copy (part of stage_s)
+    #: IPC: a leased version opened, not copied: the swap copies it straight into the live
+    #: weights (``WeightSyncSettings.ipc_direct``), under the replica's claim.
+    direct: bool | None = None
     error: WorkerError | None = None
 
     def report(self) -> dict[str, Any]:
@@ -299,6 +303,7 @@ class Swap(str, enum.Enum):
 
     SHADOW = "shadow"  # copied from the shadow weights
     LOAD = "load"  # loaded from the memmap or IPC copy staged in the worker
+    DIRECT = "direct"  # copied from the trainer's leased tensors (IPC, ``ipc_direct``)
     BROADCAST = "broadcast"  # loaded from the broadcast's staging buffer
     OVERLAP = "overlap"  # exchanged part by part while it arrived
     REVERTED = "reverted"  # an overlapped swap, undone

@@ -289,6 +289,45 @@ async def test_a_cuda_lease_is_released_once_the_replica_copied_it_and_the_next_
         await follower.stop()
 
 
+async def test_a_cuda_direct_swap_copies_the_leased_tensors_into_the_live_weights_by_the_load_plan(
+        redis_url, queue, shm_root):
+    """``ipc_direct`` on a GPU: the first leased version loads into the shadow (tracing the
+    plan); from the second on the worker only opens the trainer's CUDA tensors while serving,
+    the swap copies them device to device into the live weights' bytes by the plan, and the
+    release returns once it did: the trainer's step right after does not reach the replica.
+    The shadow is then behind live, and a version that loads into it again starts from live."""
+    import asyncio
+
+    from rollq.replicas import live_replicas
+    from tests.weightsync.ipc_trainer_proc import trainer
+
+    engine = FakeWorkerEngine(Fused, device="cuda:0")
+    consumer = Consumer(engine, redis_url, queue)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3, ipc_direct=True))
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    try:
+        async with trainer(redis_url, queue, "-", "--cuda", "--lease", "--inplace") as t:
+            await until(lambda: live_replicas(follower._client, consumer.keys), 30, "the replica in the registry")
+            for fill in (1, 2, 3):
+                rec = await t.publish(fill)
+                assert (await t.release_copied(60)).get(consumer.id, 0) >= rec["version"]
+                await t.bump(100.0)
+                await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
+                load = follower.history[-1].load
+                assert load["swap"] == ("shadow" if fill == 1 else "direct"), load
+                check(engine, float(fill))
+        async with trainer(redis_url, queue, "-", "--cuda", "--inplace") as t:  # not leased: through the shadow
+            rec = await t.publish(4)
+            await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
+            assert follower.history[-1].load["swap"] == "shadow"
+            check(engine, 4.0)
+    finally:
+        consumer.stop()
+        await task
+        await follower.stop()
+
+
 async def test_a_cuda_snapshot_lets_the_trainer_step_right_after_publishing(redis_url, queue, shm_root):
     """``WeightPublisher(ipc_snapshot=True)`` on a GPU: the version is exposed as copies on the
     trainer's GPU (the extra memory is reported), so the trainer's next step, in place before

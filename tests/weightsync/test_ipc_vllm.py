@@ -117,6 +117,67 @@ async def test_a_leased_version_is_released_once_vllm_copied_it_and_the_trainers
             assert await greedy(p) == before
 
 
+@pytest.mark.parametrize("prestage", [False, True], ids=["follower opens", "watchers open"])
+async def test_a_direct_swap_copies_the_leased_tensors_into_vllm_and_the_release_waits_for_it(
+    vllm_engine, redis_url, queue, tmp_path, tiny_model_path, prestage,
+):
+    """``ipc_direct``: vLLM's worker only opens each leased version while it serves; the swap
+    copies the trainer's tensors into the live weights (through load_weights on the CPU
+    backend), and the trainer's release returns once it did, so its step right after changes
+    nothing the replica serves."""
+    async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w"), ipc_direct=True,
+                               ipc_prestage=prestage) as (consumer, follower):
+        async with Producer(redis_url, queue) as p, trainer(redis_url, queue, tiny_model_path, "--lease", "--shared",
+                                                            "--inplace") as t:
+            before = await greedy(p)
+            for step in (1, 0):  # a new version, then the checkpoint again
+                rec = await t.publish(step)
+                assert (await t.release_copied(60)).get(consumer.id, 0) >= rec["version"]
+                await t.bump(100.0)
+                await wait_version(consumer, rec["version"])
+                load = follower.history[-1].load
+                assert load.get("swap") == "direct" and load.get("direct") is True, load
+                assert (await served_digest(vllm_engine) == checkpoint_digest(vllm_engine)) is (step == 0)
+            assert await greedy(p) == before
+
+
+async def test_a_trainer_killed_after_vllm_opened_a_leased_version_leaves_the_old_weights(
+    vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
+):
+    """``ipc_direct``: vLLM's worker opened a leased version (its watcher), then the trainer
+    process is killed before the swap: the swap refuses the version, the old weights serve on,
+    the failure is recorded, and the next trainer's version goes through."""
+    async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w"), ipc_direct=True,
+                               ipc_prestage=True) as (consumer, follower):
+        async with Producer(redis_url, queue) as p:
+            before = await greedy(p)
+            async with follower._lock:  # the swap waits until the trainer is gone
+                async with trainer(redis_url, queue, tiny_model_path, "--lease", "--shared", "--inplace") as t:
+                    rec = await t.publish(1)
+                    await until(lambda: _ipc_opened(vllm_engine, rec["version"]), 60, "the worker to open the version")
+                    await t.kill()
+            err = await load_error(follower, rec["version"])
+            assert err.error == "IpcUnavailable" and "before the direct swap" in err.message, err
+            assert consumer.version == 0 and await greedy(p) == before
+            assert await served_digest(vllm_engine) == checkpoint_digest(vllm_engine)
+            async with trainer(redis_url, queue, tiny_model_path, "--lease", "--shared", "--inplace") as t2:
+                rec2 = await t2.publish(2)
+                assert (await t2.release_copied(60)).get(consumer.id, 0) >= rec2["version"]
+                await wait_version(consumer, rec2["version"])
+                assert follower.history[-1].load.get("swap") == "direct" and await greedy(p) != before
+                rec3 = await t2.publish(0)
+                await t2.release_copied(60)
+                await wait_version(consumer, rec3["version"])
+                assert await served_digest(vllm_engine) == checkpoint_digest(vllm_engine)
+
+
+async def _ipc_opened(engine: Any, version: int) -> bool:
+    from rollq.weightsync.replica.worker_calls import WorkerCalls
+    from rollq.weightsync.wire import State
+
+    return all(s.state is State.STAGED and s.version == version and s.direct for s in await WorkerCalls(engine).ipc_status())
+
+
 async def test_workers_watching_for_versions_copy_each_one_while_the_replica_serves(
     vllm_engine, redis_url, queue, tmp_path, tiny_model_path,
 ):

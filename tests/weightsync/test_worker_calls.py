@@ -71,7 +71,7 @@ CASES = [
      StageStatus(state=State.STAGED, version=4, stage_s=0.25)),
     (lambda w: w.staged_status(), WorkerRpc.STAGED_STATUS, {}, STAGED, StageStatus(state=State.STAGED, version=4, stage_s=0.25)),
     (lambda w: w.stage_ipc(handles=b"h", version=4, chunk_bytes=512), WorkerRpc.STAGE_IPC, {"handles": b"h", "version": 4, "chunk_bytes": 512, "keep_maps": True,
-                                                                                         "high_priority": False}, STAGED,
+                                                                                         "high_priority": False, "direct": False}, STAGED,
      StageStatus(state=State.STAGED, version=4, stage_s=0.25)),
     (lambda w: w.ipc_status(), WorkerRpc.IPC_STATUS, {}, STAGED, StageStatus(state=State.STAGED, version=4, stage_s=0.25)),
     (lambda w: w.receive_status(), WorkerRpc.RECEIVE_STATUS, {}, STATUS, WorkerStatus(group="g1", joined=True, rank=1)),

@@ -244,6 +244,7 @@ class WeightFollower:
                 pipe.hdel(self.consumer.keys.manifests, self.consumer.id)
                 pipe.hdel(self.consumer.keys.load_errors, self.consumer.id)
                 pipe.hdel(self.consumer.keys.weights_ipc_copied, self.consumer.id)
+                pipe.hdel(self.consumer.keys.weights_ipc_claims, f"c:{self.consumer.id}")
                 await pipe.execute()
             except RETRYABLE as e:
                 log.debug("could not remove this replica's manifest (%s)", e)

@@ -101,14 +101,15 @@ class WorkerCalls:
 
     # -- IPC (the trainer process on the same host) -------------------------------------
     async def stage_ipc(self, *, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True,
-                        high_priority: bool = False) -> list[StageStatus]:
+                        high_priority: bool = False, direct: bool = False) -> list[StageStatus]:
         """Start copying ``version`` from the trainer's exposed tensors (``handles``: msgpack
         :class:`~rollq.weightsync.ipc_wire.IpcHandles`) in a thread of each worker, waiting
         for the device after every ``chunk_bytes`` (0: never), keeping the trainer's storages
         mapped for the next version when ``keep_maps``, on a high-priority CUDA stream when
-        ``high_priority``; poll :meth:`ipc_status`."""
+        ``high_priority``, leaving a leased version to a direct swap when ``direct``; poll
+        :meth:`ipc_status`."""
         return await self._each(WorkerRpc.STAGE_IPC, StageStatus, handles=handles, version=version, chunk_bytes=chunk_bytes,
-                                keep_maps=keep_maps, high_priority=high_priority)
+                                keep_maps=keep_maps, high_priority=high_priority, direct=direct)
 
     async def ipc_status(self) -> list[StageStatus]:
         """Where each worker's IPC staging stands."""

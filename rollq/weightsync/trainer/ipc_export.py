@@ -33,8 +33,8 @@ of its storages stay valid.
 (True, '', True, True)
 >>> s2.release()
 >>> x = Exposure(4, [("w", torch.ones(2, 2).share_memory_())], lease=True)
->>> (x.handles.owned, x.handles.checksum, x.copied_bytes)
-(True, '', 0)
+>>> (x.handles.owned, x.handles.lease, x.handles.checksum, x.copied_bytes)
+(True, True, '', 0)
 >>> x.release()
 """
 
@@ -132,7 +132,7 @@ class Exposure:
         self.snapshot: Items = exposed if snapshot else []
         self.handles = IpcHandles(
             version=version, host=socket.gethostname(), pid=os.getpid(), checksum=checksum,
-            token=_cpu_storage(self._token), storages=storages, tensors=tensors, owned=owned,
+            token=_cpu_storage(self._token), storages=storages, tensors=tensors, owned=owned, lease=lease,
         )
 
     def _snapshot(self, items: Items, into: Items | None) -> Items:

@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ...connection import RETRYABLE, text
+from ...connection import RETRYABLE, Script, text
 from ...errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
-from ..ipc_wire import IpcUnavailable, encode_handles
+from ..ipc_wire import IpcHandles, IpcUnavailable, decode_handles, encode_handles, token_alive
 from ..wire import IpcWatch, StageStatus, State, SwapReport, WorkerError
 from .base import PublisherSide, ReplicaTransport, Staged, TrainerTransport
 
@@ -66,6 +66,11 @@ log = logging.getLogger(__name__)
 #: How long the follower waits for the workers' watchers to have started a version before it
 #: starts the copy itself (the announcement reaches both at about the same time).
 WATCHER_GRACE_S = 0.01
+
+#: A replica's claim of a leased version before its direct swap, and a publisher's start of
+#: its release (``QueueKeys.weights_ipc_claims``): one refuses the other.
+IPC_CLAIM = Script("ipc_claim")
+IPC_RELEASE = Script("ipc_release")
 
 #: The version each publisher exposes now (released when it exposes the next one).
 _EXPOSED: weakref.WeakKeyDictionary[PublisherSide, Exposure] = weakref.WeakKeyDictionary()
@@ -133,21 +138,65 @@ async def release_when_copied(publisher: PublisherSide, timeout: float, poll: fl
         return {}
     version, host = x.handles.version, x.handles.host
     deadline = time.monotonic() + timeout
+    client = await publisher.redis()
     try:
         while True:
-            got = await _copies(await publisher.redis(), publisher.keys, host)
+            got = await _copies(client, publisher.keys, host)
             behind = sorted(r for r, v in got.items() if v < version)
             if not behind:
-                return got
+                break
             if time.monotonic() > deadline:
                 log.warning("version %d released after %.1fs with %d replica(s) on this host still copying it: %s",
                             version, timeout, len(behind), ", ".join(r[:64] for r in behind[:5]))
-                return got
+                break
             await asyncio.sleep(poll)
             poll = min(poll * 2, 0.02)
+        if x.handles.lease:
+            await _end_claims(client, publisher.keys, version)
+        return got
     finally:
         if _EXPOSED.get(publisher) is x:
             release(publisher)
+
+
+async def _end_claims(client: Any, keys: QueueKeys, version: int, poll: float = 0.001) -> None:
+    """Start releasing leased ``version`` (no replica claims it from now on) and wait until
+    every direct swap that claimed it has ended: its claim removed, past its deadline, or held
+    by a replica no longer alive. The claims' deadlines bound the wait (trainer and replicas
+    share the host's clock)."""
+    from ...replicas import live_replicas
+
+    held = _claims(await IPC_RELEASE(client, [keys.weights_ipc_claims], [version]), version)
+    if not held:
+        return
+    alive = set(await live_replicas(client, keys))
+    t0 = time.monotonic()
+    warned = False
+    while held := {r: d for r, d in held.items() if r in alive and d > time.time() * 1000}:
+        if not warned and time.monotonic() - t0 > 5.0:
+            warned = True
+            log.warning("releasing version %d waits for the direct swap of %s", version, ", ".join(r[:64] for r in list(held)[:5]))
+        await asyncio.sleep(poll)
+        poll = min(poll * 2, 0.01)
+        held = _claims(await client.hgetall(keys.weights_ipc_claims), version)
+
+
+def _claims(raw: Any, version: int) -> dict[str, float]:
+    """``{replica: deadline ms}`` of the claims of ``version`` or older in ``raw``: the claims
+    hash as a dict, or the release script's flat list (replica, claim, ...)."""
+    if isinstance(raw, dict):
+        pairs = [(text(k)[2:], v) for k, v in raw.items() if text(k).startswith("c:")]
+    else:
+        pairs = [(text(k), v) for k, v in zip(raw[::2], raw[1::2])]
+    out: dict[str, float] = {}
+    for name, value in pairs:
+        try:
+            claimed, deadline = text(value).split()
+            if int(claimed) <= version:
+                out[name] = float(deadline)
+        except ValueError:  # not a claim this build writes
+            continue
+    return out
 
 
 async def _copies(client: Any, keys: QueueKeys, host: str) -> dict[str, int]:
@@ -168,8 +217,9 @@ async def _copies(client: Any, keys: QueueKeys, host: str) -> dict[str, int]:
     by_worker: dict[str, list[int]] = {}
     for k, raw in watched.items():
         st = _status(raw)
-        if st is not None:  # a copy under way counts as the version before it
-            by_worker.setdefault(text(k).rpartition("/")[0], []).append(st.version - (st.state is State.STAGING))
+        if st is not None:  # a copy under way, or left to a direct swap, counts as the version before it
+            by_worker.setdefault(text(k).rpartition("/")[0], []).append(
+                st.version - (st.state is State.STAGING or bool(st.direct)))
     for r, v in replicas.items():
         replicas[r] = max(v, following[r], min(by_worker.get(r, [0])))
     return replicas
@@ -189,22 +239,49 @@ class IpcReceive(ReplicaTransport):
         super().__init__(*args, **kwargs)
         #: Records of finished copies still being written (:meth:`_record_copied`).
         self._writes: set[asyncio.Task[None]] = set()
+        #: The handles of the version claimed for a direct swap (:meth:`_claim`).
+        self._claimed: IpcHandles | None = None
 
     async def stage(self, rec: VersionRecord, acks: list[Any] | None = None) -> Staged | None:
         """Every worker's copy of ``rec``; None (the follower loads the memmap copy) when the
         handles cannot be used, or the exposed tensors changed before a worker copied them,
         and the record has a memmap copy (written at publish); else IpcUnavailable or
         CorruptWeights. Either way this replica then no longer reads the trainer's tensors,
-        which it records for a publisher releasing a leased version (:func:`release_when_copied`)."""
+        which it records for a publisher releasing a leased version (:func:`release_when_copied`).
+
+        A leased version the workers left to a direct swap (``WeightSyncSettings.ipc_direct``)
+        is claimed here (``QueueKeys.weights_ipc_claims``): the trainer's tensors then stay as
+        they are until :meth:`swap` has copied them; a version whose release began already
+        is refused as unavailable."""
+        direct = False
         try:
-            return await self._stage(rec)
+            staged = await self._stage(rec)
+            if staged.report.get("direct"):
+                await self._claim(rec.version)
+                direct = True
+            return staged
         except (IpcUnavailable, CorruptWeights) as e:
             if rec.memmap_slot is None or self.settings.root is None:
                 raise
             log.warning("version %d: %s; loading its memmap copy instead", rec.version, e)
             return None
         finally:
-            self._record_copied(rec.version)
+            if not direct:  # a direct swap records its copy once it has made it
+                self._record_copied(rec.version)
+
+    async def _claim(self, version: int) -> None:
+        """Claim leased ``version`` for a direct swap, for ``load_timeout`` at most (the swap
+        ends it); IpcUnavailable once its publisher began releasing it, or exposes another."""
+        assert self.client is not None and self.keys is not None  # _stage checked
+        deadline_ms = int((time.time() + self.settings.load_timeout) * 1000)
+        if not await IPC_CLAIM(self.client, [self.keys.weights_ipc_claims], [self.replica, version, deadline_ms]):
+            raise IpcUnavailable(f"version {version}: its trainer began releasing it before this replica's direct swap")
+        raw = await self.client.get(self.keys.weights_ipc)
+        h = decode_handles(raw) if raw is not None else None
+        if h is None or h.version != version:
+            self._record_copied(version, unclaim=True)
+            raise IpcUnavailable(f"version {version}: its trainer exposes another version now")
+        self._claimed = h
 
     async def register(self, serving: int) -> None:
         """Record that this replica follows IPC versions (``serving``: its version now), so a
@@ -212,17 +289,20 @@ class IpcReceive(ReplicaTransport):
         if self.client is not None and self.keys is not None and self.replica:
             await self.client.hset(self.keys.weights_ipc_copied, self.replica, serving)
 
-    def _record_copied(self, version: int) -> None:
+    def _record_copied(self, version: int, unclaim: bool = False) -> None:
         """Record that this replica finished copying ``version`` (in its :meth:`register`
-        field), without waiting for Redis (the swap goes on meanwhile)."""
-        task = asyncio.create_task(self._write_copied(version))
+        field), first ending its claim of a direct swap when ``unclaim``, without waiting for
+        Redis (the swap goes on meanwhile)."""
+        task = asyncio.create_task(self._write_copied(version, unclaim))
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _write_copied(self, version: int) -> None:
+    async def _write_copied(self, version: int, unclaim: bool) -> None:
         try:
+            if unclaim and self.keys is not None:
+                await self.client.hdel(self.keys.weights_ipc_claims, f"c:{self.replica}")
             await self.register(version)
-        except RETRYABLE as e:  # the publisher's wait then ends at its timeout
+        except RETRYABLE as e:  # the publisher's wait then ends at its timeout, or the claim's deadline
             log.warning("could not record the copy of version %d for the publisher: %s", version, e)
 
     async def _stage(self, rec: VersionRecord) -> Staged:
@@ -245,7 +325,26 @@ class IpcReceive(ReplicaTransport):
                                         refine=lambda errors, msg: _unavailable(rec.version, errors, msg))
 
     async def swap(self, rec: VersionRecord, staged: Staged) -> SwapReport:
-        return await self._swap_in_workers(rec, staged)
+        """Swap the staged version in; a direct swap (claimed in :meth:`stage`) copies the
+        trainer's tensors into the live weights here, then ends its claim. A swap that timed
+        out keeps the claim until its deadline: a worker may still be copying."""
+        if not staged.report.get("direct"):
+            return await self._swap_in_workers(rec, staged)
+        h, self._claimed = self._claimed, None
+        if h is None or h.version != rec.version or not token_alive(h):
+            # every worker refuses it alike: none copies what a dead trainer left
+            self._record_copied(rec.version, unclaim=True)
+            raise IpcUnavailable(f"trainer process {h.pid if h else '?'} exited or released version {rec.version} "
+                                 "before the direct swap")
+        try:
+            report = await self._swap_in_workers(rec, staged)
+        except WeightSyncTimeout:
+            raise
+        except BaseException:
+            self._record_copied(rec.version, unclaim=True)
+            raise
+        self._record_copied(rec.version, unclaim=True)
+        return report
 
     #: The watching workers' fields in ``QueueKeys.weights_ipc_staged`` (:meth:`watch`).
     _fields: tuple[str, ...] = ()
@@ -269,7 +368,7 @@ class IpcReceive(ReplicaTransport):
         n = await self.workers.watch_ipc(watch=IpcWatch(
             url=url, channel=self.keys.control, handles_key=self.keys.weights_ipc, status_key=self.keys.weights_ipc_staged,
             field=field, chunk_bytes=self.settings.ipc_chunk_bytes, keep_maps=self.settings.ipc_keep_mappings, serving=serving,
-            high_priority=self.settings.ipc_high_priority))
+            high_priority=self.settings.ipc_high_priority, direct=self.settings.ipc_direct))
         self._fields = tuple(f"{field}{rank}" for rank in range(n))
 
     async def close(self) -> None:
@@ -314,7 +413,8 @@ class IpcReceive(ReplicaTransport):
         while True:
             started = await self.workers.stage_ipc(handles=raw, version=version, chunk_bytes=self.settings.ipc_chunk_bytes,
                                                    keep_maps=self.settings.ipc_keep_mappings,
-                                                   high_priority=self.settings.ipc_high_priority)
+                                                   high_priority=self.settings.ipc_high_priority,
+                                                   direct=self.settings.ipc_direct)
             if not any(s.state is State.BUSY and s.version != version for s in started):
                 return started
             delay = 0.002

@@ -7,7 +7,11 @@ else ``load_weights`` reads them into the shadow, with no copy of the version be
 traces the plan on a GPU; without a shadow, into new tensors), verifies the
 trainer's checksum and checks that the trainer still exposes the version, all in a thread of
 the worker while the engine serves; the swap then only swaps it in
-(:func:`rollq.weightsync.worker._swap.apply_staged`). The trainer's storages stay mapped
+(:func:`rollq.weightsync.worker._swap.apply_staged`). A leased version
+(``IpcHandles.lease``) is not copied at all when the replica asked for direct swaps
+(``WeightSyncSettings.ipc_direct``): the staging only opens it, and the swap copies the
+trainer's tensors straight into the live weights (:meth:`IpcStaging.swap_direct`), under
+the replica's claim, which the trainer's release waits for. The trainer's storages stay mapped
 until the next version has been opened (:class:`~rollq.weightsync.worker._ipc_maps.MappedStorages`),
 so a trainer that updates its tensors in place is opened once, not every version. Handles that cannot be opened, or a
 trainer that exited or released the version before the copy ended, fail the staging with
@@ -27,7 +31,8 @@ import torch
 
 from ...errors import CorruptWeights
 from ..checksum import state_checksum
-from ..ipc_wire import IpcHandles, IpcStorage, IpcUnavailable, StorageKind, decode_handles
+from ..ipc_wire import IpcHandles, IpcStorage, IpcUnavailable, StorageKind, TornDirectSwap, decode_handles
+from ..ipc_wire import token_alive as _token_alive
 from ..layout import typed_views
 from ..memmap import manifest_of
 from ..process_group import responsive_gil
@@ -56,6 +61,18 @@ class StagingHost(Protocol):
         """Load ``items`` into the shadow weights and ``check`` the shadow's bytes by the load
         plan (None without one) under the worker lock; False without a shadow."""
 
+    def takes_direct(self, manifest: list[TensorMeta]) -> bool:
+        """Whether a version of ``manifest`` can be copied straight into the live weights."""
+
+    def live_views(self, manifest: list[TensorMeta]) -> list[torch.Tensor | None] | None:
+        """The live weights' bytes of each tensor by the load plan (None: load_live instead)."""
+
+    def load_live(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load ``items`` into the live weights (generation stands)."""
+
+    def wrote_live(self) -> None:
+        """A version was just written into the live weights by :meth:`live_views`."""
+
 
 def _open_cpu(pid: int, s: IpcStorage, what: str) -> torch.UntypedStorage:
     """The trainer's shared-memory file ``s``, mapped here (its inode checked)."""
@@ -70,13 +87,6 @@ def _open_cpu(pid: int, s: IpcStorage, what: str) -> torch.UntypedStorage:
         return torch.UntypedStorage._new_shared_fd_cpu(fd, s.nbytes)
     finally:
         os.close(fd)
-
-
-def _token_alive(h: IpcHandles) -> bool:
-    try:
-        return os.stat(f"/proc/{h.pid}/fd/{h.token.fd}").st_ino == h.token.inode
-    except OSError:
-        return False
 
 
 def _open_cuda(s: IpcStorage, device: torch.device) -> torch.UntypedStorage:
@@ -114,28 +124,35 @@ class IpcStaging:
         self.keep_maps = True
         #: Copies run on a high-priority CUDA stream (``WeightSyncSettings.ipc_high_priority``).
         self.high_priority = False
+        #: Leased versions are left to a direct swap (``WeightSyncSettings.ipc_direct``).
+        self.direct = False
+        #: The handles of the version :attr:`staged` holds for a direct swap (its tensors are
+        #: the trainer's), else None.
+        self.leased: IpcHandles | None = None
         self._thread: threading.Thread | None = None
         self._starting = threading.RLock()  # the replica's call and the watcher's start one copy at a time
         #: Versions this worker started copying before the replica asked (the watcher's).
         self.prestaged = 0
 
     def stage(self, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True,
-              high_priority: bool = False) -> StageStatus:
+              high_priority: bool = False, direct: bool = False) -> StageStatus:
         """Start copying ``version`` from ``handles`` (a msgpack ``IpcHandles``) in a thread of
         this worker, on a GPU waiting for the device after every ``chunk_bytes`` copied or
         checksummed (0: never) and on a high-priority stream when ``high_priority``, keeping
-        the trainer's storages mapped for the next version when ``keep_maps`` (:attr:`maps`);
+        the trainer's storages mapped for the next version when ``keep_maps`` (:attr:`maps`),
+        leaving a leased version to a direct swap when ``direct`` (only opened here);
         poll :attr:`status`."""
         with self._starting:
             if self._thread is not None and self._thread.is_alive():
                 return StageStatus(state=State.BUSY, version=self.status.version)
             if self.staged is not None and self.staged[0] == version and self.status.state is State.STAGED:
                 return self.status  # copied already (by the watcher): not again
-            self.staged = None  # free a previously staged copy first
+            self.staged, self.leased = None, None  # free a previously staged copy first
             started = self.status = StageStatus(state=State.STAGING, version=version)
             self.chunk_bytes, self._since = max(0, int(chunk_bytes)), 0
             self.keep_maps = bool(keep_maps)
             self.high_priority = bool(high_priority)
+            self.direct = bool(direct)
             self._thread = threading.Thread(target=self._stage, args=(handles, version), name="rollq-ipc-stage", daemon=True)
             self._thread.start()
             return started  # not self.status: the thread may have replaced it already
@@ -147,14 +164,14 @@ class IpcStaging:
             t.join(timeout)
 
     def prestage(self, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True,
-                 high_priority: bool = False) -> bool:
+                 high_priority: bool = False, direct: bool = False) -> bool:
         """:meth:`stage` ``version`` ahead of the replica's call, unless a copy is running or a
         staged one still waits for its swap (the replica then stages the newer version itself,
         after that swap). Returns whether it started."""
         with self._starting:
             if self.staged is not None or (self._thread is not None and self._thread.is_alive()):
                 return False
-            started = self.stage(handles, version, chunk_bytes, keep_maps, high_priority).state is State.STAGING
+            started = self.stage(handles, version, chunk_bytes, keep_maps, high_priority, direct).state is State.STAGING
             self.prestaged += started
             return started
 
@@ -240,6 +257,12 @@ class IpcStaging:
         st, version = self.state, h.version
         dev = st.device
         manifest = manifest_of(srcs)
+        if self.direct and h.lease:
+            with st.lock:
+                if st.takes_direct(manifest):  # the swap copies them (swap_direct)
+                    self.staged, self.leased = (version, srcs), h
+                    return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0,
+                                       prepare_s=0.0, shadow=False, direct=True, open_s=self._open_s)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
             # Off the engine's stream; a negative priority is above the engine's (0).
@@ -295,6 +318,40 @@ class IpcStaging:
             self.staged = (version, items)
         return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0, prepare_s=0.0,
                            shadow=False, open_s=self._open_s, verify_s=self._verify_s)
+
+    def swap_direct(self, version: int) -> bool:
+        """Copy leased ``version`` from the trainer's tensors straight into the live weights
+        (inside the swap: the worker lock held, generation stopped; on a GPU by the shadow's
+        load plan on the current stream, waited for, else through ``load_weights``). False
+        when :attr:`staged` holds no leased version ``version``. The replica claimed the
+        version, so the trainer changes none of its tensors before this returns.
+
+        Raises IpcUnavailable when the trainer exited or released the version before the
+        copy (the live weights untouched), TornDirectSwap when its process exited during a
+        copy of its CUDA memory, whose contents are then undefined (its shared-memory files
+        stay mapped here: their bytes are the version's)."""
+        staged, h = self.staged, self.leased
+        if staged is None or h is None or staged[0] != version or h.version != version or staged[1] is None:
+            return False
+        items = staged[1]
+        self.staged, self.leased = None, None
+        if not _token_alive(h):
+            raise IpcUnavailable(f"trainer process {h.pid} exited or released version {version} before the direct swap")
+        st, dev = self.state, self.state.device
+        views = st.live_views(manifest_of(items))
+        with torch.no_grad():
+            if views is not None:  # by the load plan: one device copy per tensor
+                pairs = [(v, src.reshape(-1).view(torch.uint8)) for (_, src), v in zip(items, views) if v is not None]
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
+                st.wrote_live()
+            else:
+                st.load_live(items)
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()  # the claim ends after this
+        if not _token_alive(h) and any(s.kind is StorageKind.CUDA for s in h.storages):
+            raise TornDirectSwap(f"trainer process {h.pid} exited during the direct swap of version {version}: "
+                                 "the live weights may hold part of it")
+        return True
 
     def _fed(self, srcs: Items, stream: Any) -> Iterable[tuple[str, torch.Tensor]]:
         """``srcs`` as ``load_weights`` reads them, with :attr:`before_copy` before each

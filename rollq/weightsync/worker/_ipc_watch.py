@@ -77,7 +77,7 @@ class IpcWatcher:
             return False
         self.tried = version
         if not self.staging.prestage(raw, version, self.watch.chunk_bytes, self.watch.keep_maps,
-                                      self.watch.high_priority):
+                                      self.watch.high_priority, self.watch.direct):
             return False
         self._report(client)  # staging
         self.staging.wait()

@@ -137,8 +137,10 @@ class ShadowWeights:
         self.plan_refused: str | None = None
         self._no_plan: set[Signature] = set()
         self._bytes: list[torch.Tensor | None] = [None] * len(self.shadow)
-        #: :meth:`direct_views` of the plan's manifest (the same bytes every version).
+        #: :meth:`direct_views` of the plan's manifest (the same bytes every version), and
+        #: :meth:`live_views` (the live parameters' bytes by the same plan).
         self._views: list[torch.Tensor] | None = None
+        self._live_views: list[torch.Tensor | None] | None = None
         #: Where tensors that load_weights ignores are received (see _plan_from).
         self._scratch: torch.Tensor | None = None
         self._scratch_bytes = 0
@@ -287,6 +289,7 @@ class ShadowWeights:
             if p0 == p1 and s1 < e0:
                 return "two tensors land on overlapping bytes"
         self.plan, self.plan_refused = (sig, regions), None
+        self._live_views = None
         return None
 
     def _relayout(self, align: int = 256) -> None:
@@ -380,6 +383,39 @@ class ShadowWeights:
                 for r in (regions[m.name] for m in metas)
             ]
         return list(self._views)
+
+    def live_views(self, metas: Iterable[Any]) -> list[torch.Tensor | None] | None:
+        """Per tensor of the manifest, the live parameter bytes the plan puts it in (``uint8``,
+        contiguous; None for a tensor ``load_weights`` ignores): where a version copied straight
+        into the live weights goes (:meth:`wrote_live` after). None unless the recorded plan is
+        for exactly this manifest. Live parameters never move: built once per plan."""
+        metas = list(metas)
+        if self.plan is None or self.plan[0] != signature_of(metas):
+            return None
+        if self._live_views is None:
+            regions = self.plan[1]
+            whole: dict[int, torch.Tensor] = {}
+            for r in regions.values():
+                if r.param >= 0 and r.param not in whole:
+                    p = self.live[r.param]
+                    st = p.untyped_storage()
+                    whole[r.param] = torch.empty(0, dtype=torch.uint8, device=p.device).set_(st)[p.data_ptr() - st.data_ptr() :]
+            self._live_views = [
+                whole[r.param][r.offset : r.offset + r.nbytes] if r.param >= 0 else None
+                for r in (regions[m.name] for m in metas)
+            ]
+        return list(self._live_views)
+
+    def wrote_live(self) -> None:
+        """A version went into the live weights by :meth:`live_views` (enqueued on the current
+        stream): the shadow holds nothing to swap in, and differs from live in the plan's bytes
+        (and wherever it differed before); its next write starts after these writes."""
+        assert self.plan is not None  # live_views needs it
+        sig = self.plan[0]
+        self.version = None
+        self._clean_except = sig if self.synced or self._clean_except == sig else None
+        self.synced = False
+        self._mark_swap()
 
     def begin_direct(self, metas: Iterable[Any], stream: torch.cuda.Stream | None = None) -> list[torch.Tensor] | None:
         """Start a version written straight into the shadow: the views to write (see

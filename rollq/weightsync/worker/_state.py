@@ -152,6 +152,25 @@ class WorkerState:
                     raise
             return True
 
+    def takes_direct(self, manifest: list[TensorMeta]) -> bool:
+        """Whether a version of ``manifest`` can be copied straight into the live weights at
+        the swap (``WeightSyncSettings.ipc_direct``): by the shadow's load plan, or through
+        :meth:`load_live` where there is no shadow. A shadow without a plan for it says no:
+        the version then loads into the shadow, which traces the plan. Call with :attr:`lock`."""
+        sh = self.ensure_shadow()
+        return sh is None or sh.live_views(manifest) is not None
+
+    def live_views(self, manifest: list[TensorMeta]) -> list[torch.Tensor | None] | None:
+        """The live weights' bytes of each tensor of ``manifest`` by the shadow's load plan
+        (:meth:`~rollq.weightsync.worker._shadow.ShadowWeights.live_views`); None without one."""
+        return self.shadow.live_views(manifest) if self.shadow is not None else None
+
+    def wrote_live(self) -> None:
+        """A version was just written into the live weights by :meth:`live_views` (see
+        :meth:`~rollq.weightsync.worker._shadow.ShadowWeights.wrote_live`)."""
+        if self.shadow is not None:
+            self.shadow.wrote_live()
+
     def invalidate(self) -> None:
         with self.lock:
             if self.shadow is not None:

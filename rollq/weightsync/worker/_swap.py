@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 def apply_staged(st: WorkerState, version: int) -> SwapReport:
     """Swap a staged version in: from the shadow weights, else from the memmap or IPC copy
-    staged here, else from the broadcast's staging buffer."""
+    staged here (or the trainer's leased tensors: a direct swap), else from the broadcast's
+    staging buffer."""
     t0 = time.perf_counter()
     how = Swap.SHADOW
     swapped = None
@@ -45,8 +46,11 @@ def apply_staged(st: WorkerState, version: int) -> SwapReport:
             st.load_live(mm[1])
         elif ipc is not None and ipc[0] == version and ipc[1] is not None:
             how = Swap.LOAD
-            st.ipc.staged = None
-            st.load_live(ipc[1])
+            if st.ipc.swap_direct(version):  # the trainer's leased tensors, straight into live
+                how = Swap.DIRECT
+            else:
+                st.ipc.staged = None
+                st.load_live(ipc[1])
         else:
             how = Swap.BROADCAST
     if how is Swap.BROADCAST:
@@ -62,7 +66,8 @@ def apply_staged(st: WorkerState, version: int) -> SwapReport:
         torch.cuda.synchronize(st.device)
     st.version = version
     return SwapReport(swap=how, load_s=time.perf_counter() - t0, progress=st.tracker.report(st.worker),
-                      no_shadow=None if how is Swap.SHADOW else (st.shadow_off or "not prepared"))
+                      no_shadow=None if how is Swap.SHADOW or (how is Swap.DIRECT and st.shadow is not None)
+                      else (st.shadow_off or "not prepared"))
 
 
 def swap_overlapped(

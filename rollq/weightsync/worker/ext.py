@@ -62,13 +62,14 @@ class RollqWorkerExtension:
 
     # -- IPC (the trainer process on the same host) -------------------------------------
     def rollq_stage_ipc(self, handles: bytes, version: int, chunk_bytes: int = 0, keep_maps: bool = True,
-                        high_priority: bool = False) -> dict[str, Any]:
+                        high_priority: bool = False, direct: bool = False) -> dict[str, Any]:
         """Start copying ``version`` from the trainer's exposed tensors (``handles``: a msgpack
         :class:`~rollq.weightsync.ipc_wire.IpcHandles`) in a thread of this worker (the engine
         keeps serving), waiting for the device after every ``chunk_bytes`` (0: never), keeping
-        the trainer's storages mapped for the next version when ``keep_maps``. Poll
-        :meth:`rollq_ipc_status`; :meth:`rollq_apply_staged` swaps it in."""
-        return to_wire(self.rollq_state.ipc.stage(handles, version, chunk_bytes, keep_maps, high_priority))
+        the trainer's storages mapped for the next version when ``keep_maps``, leaving a
+        leased version to a direct swap when ``direct``. Poll :meth:`rollq_ipc_status`;
+        :meth:`rollq_apply_staged` swaps it in."""
+        return to_wire(self.rollq_state.ipc.stage(handles, version, chunk_bytes, keep_maps, high_priority, direct))
 
     def rollq_ipc_status(self) -> dict[str, Any]:
         """The IPC staging: a :class:`~rollq.weightsync.wire.StageStatus`."""

@@ -1,0 +1,207 @@
+"""Direct swaps of leased IPC versions (``WeightSyncSettings(ipc_direct=True)``): the swap copies
+the trainer's own tensors straight into the live weights under the replica's claim, which the
+publisher's ``release_weights`` waits for (fake workers over CPU shared memory; no engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from tests.weightsync.transports.test_ipc import loadable_model
+from tests.weightsync.transports.test_ipc_lease import serving, shared
+
+
+def _live(engine: Any) -> list[torch.Tensor]:
+    return list(engine.workers[0].model_runner.model.parameters())
+
+
+def _step(st: dict[str, torch.Tensor], fill: float) -> None:
+    """The trainer's optimizer step, in place."""
+    with torch.no_grad():
+        for v in st.values():
+            v.fill_(fill)
+
+
+def _hold_direct_swaps(monkeypatch: Any) -> tuple[threading.Event, threading.Event]:
+    """Hold every direct swap in the worker before its copy until the returned gate is set;
+    the second event says a swap got there."""
+    from rollq.weightsync.worker._ipc import IpcStaging
+
+    gate, reached = threading.Event(), threading.Event()
+    real = IpcStaging.swap_direct
+
+    def held(self: Any, version: int) -> bool:
+        if self.leased is not None:
+            reached.set()
+            gate.wait(10)
+        return real(self, version)
+
+    monkeypatch.setattr(IpcStaging, "swap_direct", held)
+    return gate, reached
+
+
+@pytest.mark.parametrize("prestage", [False, True], ids=["follower opens", "watchers open"])
+@pytest.mark.parametrize("shadow", [False, True], ids=["load_weights", "by the load plan"])
+async def test_a_direct_swap_copies_the_leased_tensors_into_the_live_weights_and_the_release_waits_for_it(
+        redis_url, queue, monkeypatch, shadow, prestage):
+    """Each leased version is only opened while the engine serves (no copy, no checksum); the
+    swap copies the trainer's tensors into the live weights, through load_weights without a
+    shadow, by the shadow's load plan with one (its first version loads into the shadow and
+    traces the plan). The release returns only once that swap is done: held mid-swap, the
+    trainer's release waits, and its next step never reaches the replica's weights."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher
+    from rollq.weightsync.worker._ipc import IpcStaging
+    from tests.helpers import until
+
+    if shadow:
+        monkeypatch.setenv("ROLLQ_SHADOW_WEIGHTS", "1")  # "auto" uses them on GPUs only
+    copies: list[int] = []
+    real_copy = IpcStaging._copy
+
+    def counted(self: Any, h: Any, srcs: Any, t0: float) -> Any:
+        out = real_copy(self, h, srcs, t0)
+        if not out.direct:
+            copies.append(h.version)
+        return out
+
+    monkeypatch.setattr(IpcStaging, "_copy", counted)
+    engine = FakeWorkerEngine(loadable_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True, ipc_prestage=prestage))
+    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    async with serving(consumer, follower, await pub.redis()):
+        st = shared(1.0)
+        for fill in (1.0, 2.0, 3.0):
+            _step(st, fill)
+            rec = await pub.publish_weights(st, transport="ipc")
+            got = await pub.release_weights(timeout=10)
+            assert got["r0"] >= rec.version, got
+            _step(st, 100.0)  # the next step, right after the release
+            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+            assert all(bool((p == fill).all()) for p in _live(engine)), (fill, _live(engine))
+            load = follower.history[-1].load
+            first_with_shadow = shadow and fill == 1.0
+            assert load["swap"] == ("shadow" if first_with_shadow else "direct"), load
+            assert load.get("direct", False) is not first_with_shadow, load
+        assert copies == ([1] if shadow else []), copies  # only the version that traced the plan
+        assert (engine.workers[0].rollq_state.shadow is not None) == shadow
+
+        gate, reached = _hold_direct_swaps(monkeypatch)
+        _step(st, 4.0)
+        rec = await pub.publish_weights(st, transport="ipc")
+        releasing = asyncio.create_task(pub.release_weights(timeout=0.2))
+        assert await asyncio.to_thread(reached.wait, 10), "the direct swap did not start"
+        await asyncio.sleep(0.5)  # well past the release's timeout for copies
+        assert not releasing.done(), "the release did not wait for the claimed swap"
+        claims = await pub._client.hgetall(consumer.keys.weights_ipc_claims)
+        assert b"c:r0" in claims and int(claims[b"c:r0"].split()[0]) == rec.version, claims
+        gate.set()
+        await asyncio.wait_for(releasing, 10)
+        _step(st, 100.0)
+        await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        assert all(bool((p == 4.0).all()) for p in _live(engine))
+        assert b"c:r0" not in await pub._client.hgetall(consumer.keys.weights_ipc_claims)
+    await pub.close()
+
+
+async def test_a_version_whose_release_began_before_the_claim_is_refused_and_the_next_goes_through(
+        redis_url, queue, monkeypatch):
+    """The workers opened a leased version (watchers), but the follower reaches its claim only
+    after the trainer's release began (its copies timeout ran out): the claim is refused, the
+    version is not applied, the load failure is recorded, the old weights serve on, and the next
+    version is swapped in directly."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(loadable_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True, ipc_prestage=True,
+                                                           load_retries=0))
+    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    async with serving(consumer, follower, await pub.redis()):
+        st = shared(1.0)
+        first = await pub.publish_weights(st, transport="ipc")
+        await pub.release_weights(timeout=10)
+        await until(lambda: consumer.version == first.version, 10, "version 1")
+        async with follower._lock:  # the follower cannot reach the claim
+            _step(st, 2.0)
+            second = await pub.publish_weights(st, transport="ipc")
+            ipc = engine.workers[0].rollq_state.ipc
+            await until(lambda: ipc.leased is not None and ipc.leased.version == second.version, 10, "opened")
+            t0 = time.monotonic()
+            await pub.release_weights(timeout=0.2)  # the watchers' opening is no copy: it waits, then releases
+            assert time.monotonic() - t0 >= 0.2
+            _step(st, 9.0)
+        errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
+        assert (errors["r0"].version, errors["r0"].error) == (second.version, "IpcUnavailable"), errors
+        assert "began releasing" in errors["r0"].message, errors
+        assert consumer.version == first.version and all(bool((p == 1.0).all()) for p in _live(engine))
+        _step(st, 3.0)
+        third = await pub.publish_weights(st, transport="ipc")
+        await pub.release_weights(timeout=10)
+        await until(lambda: consumer.version == third.version, 10, "the next version")
+        assert follower.history[-1].load["swap"] == "direct"
+        assert all(bool((p == 3.0).all()) for p in _live(engine))
+    await pub.close()
+
+
+async def test_the_release_waits_for_live_unexpired_claims_only_and_refuses_later_ones(redis_url, queue):
+    """A claim of the version (or an older one) by a live replica holds the release until it is
+    removed; claims past their deadline, of dead replicas, or of a newer version do not; once
+    the release began, claiming that version is refused."""
+    from rollq.protocol import ReplicaInfo
+    from rollq.weightsync import WeightPublisher
+    from rollq.weightsync.transports.ipc import IPC_CLAIM, _end_claims
+
+    pub = WeightPublisher(redis_url, queue)
+    client, keys = await pub.redis(), pub.keys
+    key = keys.weights_ipc_claims
+
+    async def replica(rid: str, alive: bool = True) -> None:
+        info = ReplicaInfo(id=rid, host="h", pid=1, engine="echo", model="m", device="cpu", version=0, inflight=0, cap=1,
+                           kv_usage=None, tokens_per_s=0.0, completed=0, failed=0, started_at=0.0, heartbeat_at=0.0,
+                           state="serving")
+        await client.hset(keys.consumers, rid, msgspec.msgpack.encode(info))
+        if alive:
+            await client.set(keys.heartbeat(rid), 1, ex=60)
+
+    try:
+        now_ms = int(time.time() * 1000)
+        for rid, alive in (("holder", True), ("expired", True), ("dead", False), ("newer", True)):
+            await replica(rid, alive)
+        assert await IPC_CLAIM(client, [key], ["holder", 5, now_ms + 60_000]) == 1
+        assert await IPC_CLAIM(client, [key], ["expired", 4, now_ms - 1]) == 1
+        assert await IPC_CLAIM(client, [key], ["dead", 5, now_ms + 60_000]) == 1
+        assert await IPC_CLAIM(client, [key], ["newer", 6, now_ms + 60_000]) == 1
+        await client.hset(key, "c:garbage", "not a claim")
+        waiting = asyncio.create_task(_end_claims(client, keys, 5))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        assert await IPC_CLAIM(client, [key], ["late", 5, now_ms + 60_000]) == 0  # the release began
+        assert await IPC_CLAIM(client, [key], ["late", 4, now_ms + 60_000]) == 0
+        await client.hdel(key, "c:holder")  # the holder's swap ended
+        await asyncio.wait_for(waiting, 5)
+        assert await IPC_CLAIM(client, [key], ["next", 6, now_ms + 60_000]) == 1  # the next version is claimable
+    finally:
+        await pub.close()
+
+
+def test_leased_handles_are_owned():
+    from rollq.weightsync.ipc_wire import IpcHandles, IpcStorage, StorageKind
+
+    token = IpcStorage(kind=StorageKind.CPU, nbytes=8, fd=5, inode=77)
+    with pytest.raises(ValueError, match="leased handles are owned"):
+        IpcHandles(version=1, host="h", pid=2, checksum="c", token=token, storages=[], tensors=[], lease=True)
+    assert IpcHandles(version=1, host="h", pid=2, checksum="", token=token, storages=[], tensors=[], owned=True,
+                      lease=True).lease
+
