@@ -18,7 +18,8 @@ from tests.weightsync.transports.test_ipc_lease import serving, shared
 
 
 def _live(engine: Any) -> list[torch.Tensor]:
-    return list(engine.workers[0].model_runner.model.parameters())
+    """Every worker's live parameters."""
+    return [p for w in engine.workers for p in w.model_runner.model.parameters()]
 
 
 def _step(st: dict[str, torch.Tensor], fill: float) -> None:
@@ -37,7 +38,7 @@ def _hold_direct_swaps(monkeypatch: Any) -> tuple[threading.Event, threading.Eve
     real = IpcStaging.swap_direct
 
     def held(self: Any, version: int) -> bool:
-        if self.leased is not None:
+        if self.leased is not None and self.state.worker.rank == 0:
             reached.set()
             gate.wait(10)
         return real(self, version)
@@ -46,10 +47,10 @@ def _hold_direct_swaps(monkeypatch: Any) -> tuple[threading.Event, threading.Eve
     return gate, reached
 
 
-@pytest.mark.parametrize("prestage", [False, True], ids=["follower opens", "watchers open"])
+@pytest.mark.parametrize("prestage,workers", [(False, 1), (True, 2)], ids=["follower opens", "2 workers' watchers open"])
 @pytest.mark.parametrize("shadow", [False, True], ids=["load_weights", "by the load plan"])
 async def test_a_direct_swap_copies_the_leased_tensors_into_the_live_weights_and_the_release_waits_for_it(
-        redis_url, queue, monkeypatch, shadow, prestage):
+        redis_url, queue, monkeypatch, shadow, prestage, workers):
     """Each leased version is only opened while the engine serves (no copy, no checksum); the
     swap copies the trainer's tensors into the live weights, through load_weights without a
     shadow, by the shadow's load plan with one (its first version loads into the shadow and
@@ -73,7 +74,7 @@ async def test_a_direct_swap_copies_the_leased_tensors_into_the_live_weights_and
         return out
 
     monkeypatch.setattr(IpcStaging, "_copy", counted)
-    engine = FakeWorkerEngine(loadable_model)
+    engine = FakeWorkerEngine(loadable_model, num_workers=workers)
     consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
     follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True, ipc_prestage=prestage))
     pub = WeightPublisher(redis_url, queue, ipc_lease=True)
@@ -91,8 +92,8 @@ async def test_a_direct_swap_copies_the_leased_tensors_into_the_live_weights_and
             first_with_shadow = shadow and fill == 1.0
             assert load["swap"] == ("shadow" if first_with_shadow else "direct"), load
             assert load.get("direct", False) is not first_with_shadow, load
-        assert copies == ([1] if shadow else []), copies  # only the version that traced the plan
-        assert (engine.workers[0].rollq_state.shadow is not None) == shadow
+        assert copies == ([1] * workers if shadow else []), copies  # only the version that traced the plan
+        assert all((w.rollq_state.shadow is not None) == shadow for w in engine.workers)
 
         gate, reached = _hold_direct_swaps(monkeypatch)
         _step(st, 4.0)
