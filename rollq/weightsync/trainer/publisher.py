@@ -275,7 +275,10 @@ class WeightPublisher:
         it; the tensors may then change. Returns ``{replica: newest version it copied or
         serves}`` for those replicas (``{}`` when no version is exposed). A replica still
         copying at the timeout refuses the version and takes the next one. With ``ipc_lease``
-        call it before every in-place update of the published tensors:
+        call it before every in-place update of the published tensors. A replica swapping the
+        version straight from the tensors (``WeightSyncSettings.ipc_direct``) claimed it: the
+        release then waits for that swap however long the timeout, until the claim's deadline
+        (the replica's ``load_timeout``) or the replica's death:
 
         >>> pub = WeightPublisher(url, queue="grpo", ipc_lease=True)               # doctest: +SKIP
         >>> await pub.publish_weights(model.state_dict(), transport="ipc")         # doctest: +SKIP
