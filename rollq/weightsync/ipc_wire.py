@@ -53,8 +53,10 @@ class IpcUnavailable(WeightSyncError):
 
 
 class TornDirectSwap(IpcUnavailable):
-    """The trainer process exited while a direct swap (``WeightSyncSettings.ipc_direct``)
-    copied its CUDA tensors into the live weights: they may hold part of the version."""
+    """A direct swap (``WeightSyncSettings.ipc_direct``) copied tensors its trainer stopped
+    guaranteeing meanwhile: the trainer process exited while its CUDA tensors were copied, or
+    released the version (the replica's claim was lost): the live weights may hold part of the
+    version."""
 
 
 class StorageKind(str, enum.Enum):

@@ -102,6 +102,16 @@ def _open_cuda(s: IpcStorage, device: torch.device) -> torch.UntypedStorage:
         raise IpcUnavailable(f"cannot open a CUDA IPC handle ({e}): the trainer exited or freed it") from e
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class IpcStaging:
     """IPC copies of one worker (``state``: its :class:`~rollq.weightsync.worker._state.WorkerState`)."""
 
@@ -348,8 +358,11 @@ class IpcStaging:
                 st.load_live(items)
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()  # the claim ends after this
-        if not _token_alive(h) and any(s.kind is StorageKind.CUDA for s in h.storages):
-            raise TornDirectSwap(f"trainer process {h.pid} exited during the direct swap of version {version}: "
+        if not _token_alive(h) and (any(s.kind is StorageKind.CUDA for s in h.storages) or _process_alive(h.pid)):
+            # CUDA memory of an exited process is undefined; a live trainer that dropped the
+            # token released the version (its claim was lost) and may have changed the tensors.
+            # Shared-memory files of an exited trainer stay mapped here, unchanged: the copy holds.
+            raise TornDirectSwap(f"trainer process {h.pid} exited or released version {version} during its direct swap: "
                                  "the live weights may hold part of it")
         return True
 

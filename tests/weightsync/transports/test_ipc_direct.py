@@ -206,3 +206,39 @@ def test_leased_handles_are_owned():
     assert IpcHandles(version=1, host="h", pid=2, checksum="", token=token, storages=[], tensors=[], owned=True,
                       lease=True).lease
 
+
+
+async def test_a_direct_swap_whose_version_is_released_while_it_copies_reports_a_torn_swap(redis_url, queue, monkeypatch):
+    """The trainer's release reaches the worker in the middle of its copy (the replica's claim
+    was lost, e.g. with a Redis that restarted empty): the trainer may have changed the tensors
+    the swap read, so the swap is reported torn (``TornDirectSwap``, recorded as the load
+    failure), not taken as the version."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from rollq.weightsync.transports.ipc import release
+    from rollq.weightsync.worker._state import WorkerState
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(loadable_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True, load_retries=0))
+    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    async with serving(consumer, follower, await pub.redis()):
+        st = shared(1.0)
+        first = await pub.publish_weights(st, transport="ipc")
+        await pub.release_weights(timeout=10)
+        await until(lambda: consumer.version == first.version, 10, "version 1")
+        real = WorkerState.load_live
+
+        def released_meanwhile(self: Any, items: Any) -> None:
+            release(pub)  # the trainer's release, past the claim it never saw
+            real(self, items)
+
+        monkeypatch.setattr(WorkerState, "load_live", released_meanwhile)
+        _step(st, 2.0)
+        second = await pub.publish_weights(st, transport="ipc")
+        errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
+        assert (errors["r0"].version, errors["r0"].error) == (second.version, "TornDirectSwap"), errors
+        assert consumer.version == first.version
+    await pub.close()
