@@ -272,8 +272,9 @@ class WeightSyncSettings:
     #: milliseconds on a GPU) is not covered on CUDA, where the memory of a dead exporter is
     #: undefined: the worker then fails the swap with
     #: :class:`~rollq.weightsync.ipc_wire.TornDirectSwap`, its weights possibly mixed, and the
-    #: follower records it; so it does when the trainer released the version during the copy
-    #: (the claim lives in Redis: a Redis that lost it within those milliseconds). False (the default): leased versions are copied into the shadow
+    #: follower loads the version's memmap copy instead where the publisher keeps one, else
+    #: records it; so it does when the trainer released the version during the copy (the
+    #: claim lives in Redis: a Redis that lost it within those milliseconds). False (the default): leased versions are copied into the shadow
     #: first, and a trainer dying at any point leaves the old weights serving.
     ipc_direct: bool = False
     #: Swap broadcast versions in part by part while they arrive (``keep``, one worker;

@@ -32,6 +32,7 @@ from ..errors import (
     WeightSyncError,
     WeightSyncTimeout,
 )
+from .ipc_wire import IpcUnavailable, TornDirectSwap
 from .versions import TensorMeta
 
 T = TypeVar("T")
@@ -39,7 +40,7 @@ T = TypeVar("T")
 
 # -- errors ----------------------------------------------------------------------------
 _ERRORS: dict[str, type[WeightSyncError]] = {
-    c.__name__: c for c in (WeightSyncError, CorruptWeights, WeightSyncTimeout, WeightMismatch)
+    c.__name__: c for c in (WeightSyncError, CorruptWeights, WeightSyncTimeout, WeightMismatch, IpcUnavailable, TornDirectSwap)
 }
 
 

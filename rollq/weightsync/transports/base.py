@@ -136,10 +136,14 @@ class ReplicaTransport(ABC):
             delay = min(delay * 2, 0.01)
 
     async def _swap_in_workers(self, rec: VersionRecord, staged: Staged) -> SwapReport:
-        """Have every worker swap in what it staged (``apply_staged``), within ``load_timeout``."""
+        """Have every worker swap in what it staged (``apply_staged``), within ``load_timeout``;
+        a worker that refused it raises here as its own error type."""
         timeout = self.settings.load_timeout
         try:
             res = await asyncio.wait_for(self.workers.apply_staged(version=staged.version), timeout)
         except asyncio.TimeoutError as e:
             raise WeightSyncTimeout(f"swapping in version {rec.version} took longer than {timeout}s") from e
+        for r in res:
+            if r.error is not None:
+                raise r.error.exception(f"version {rec.version} refused: ")
         return res[0] if res else SwapReport()

@@ -50,7 +50,7 @@ import msgspec
 
 from ...connection import RETRYABLE, Script, text
 from ...errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
-from ..ipc_wire import IpcHandles, IpcUnavailable, decode_handles, encode_handles, token_alive
+from ..ipc_wire import IpcHandles, IpcUnavailable, TornDirectSwap, decode_handles, encode_handles, token_alive
 from ..wire import IpcWatch, StageStatus, State, SwapReport, WorkerError
 from .base import PublisherSide, ReplicaTransport, Staged, TrainerTransport
 
@@ -327,7 +327,9 @@ class IpcReceive(ReplicaTransport):
     async def swap(self, rec: VersionRecord, staged: Staged) -> SwapReport:
         """Swap the staged version in; a direct swap (claimed in :meth:`stage`) copies the
         trainer's tensors into the live weights here, then ends its claim. A swap that timed
-        out keeps the claim until its deadline: a worker may still be copying."""
+        out keeps the claim until its deadline: a worker may still be copying. A torn direct
+        swap (:class:`~rollq.weightsync.ipc_wire.TornDirectSwap`) loads the record's memmap
+        copy in its place when there is one (the same version, whole), else raises."""
         if not staged.report.get("direct"):
             return await self._swap_in_workers(rec, staged)
         h, self._claimed = self._claimed, None
@@ -340,6 +342,16 @@ class IpcReceive(ReplicaTransport):
             report = await self._swap_in_workers(rec, staged)
         except WeightSyncTimeout:
             raise
+        except TornDirectSwap as e:
+            self._record_copied(rec.version, unclaim=True)
+            if rec.memmap_slot is None or self.settings.root is None:
+                log.error("%s; no memmap copy of version %d to load instead: the replica's weights may be mixed until "
+                          "a version loads", e, rec.version)
+                raise
+            log.warning("%s; loading its memmap copy instead", e)
+            from .memmap import MemmapReceive
+
+            return await MemmapReceive(self.engine, self.settings, self.receiver).load(rec)
         except BaseException:
             self._record_copied(rec.version, unclaim=True)
             raise

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...errors import WeightSyncError
-from ..wire import Swap, SwapReport
+from ..ipc_wire import IpcUnavailable
+from ..wire import Swap, SwapReport, WorkerError
 
 if TYPE_CHECKING:
     from ._receiver import ReceiveProgress, WorkerReceiver
@@ -46,7 +47,11 @@ def apply_staged(st: WorkerState, version: int) -> SwapReport:
             st.load_live(mm[1])
         elif ipc is not None and ipc[0] == version and ipc[1] is not None:
             how = Swap.LOAD
-            if st.ipc.swap_direct(version):  # the trainer's leased tensors, straight into live
+            try:
+                direct = st.ipc.swap_direct(version)  # the trainer's leased tensors, straight into live
+            except IpcUnavailable as e:  # refused (or torn) data: an answer, not a failed call
+                return SwapReport(swap=Swap.DIRECT, error=WorkerError.of(e), load_s=time.perf_counter() - t0)
+            if direct:
                 how = Swap.DIRECT
             else:
                 st.ipc.staged = None

@@ -208,11 +208,14 @@ def test_leased_handles_are_owned():
 
 
 
-async def test_a_direct_swap_whose_version_is_released_while_it_copies_reports_a_torn_swap(redis_url, queue, monkeypatch):
+@pytest.mark.parametrize("memmap", [False, True], ids=["no memmap copy", "memmap copy"])
+async def test_a_direct_swap_whose_version_is_released_while_it_copies_is_torn(redis_url, queue, monkeypatch, tmp_path,
+                                                                               memmap):
     """The trainer's release reaches the worker in the middle of its copy (the replica's claim
     was lost, e.g. with a Redis that restarted empty): the trainer may have changed the tensors
-    the swap read, so the swap is reported torn (``TornDirectSwap``, recorded as the load
-    failure), not taken as the version."""
+    the swap read, so the swap is torn (``TornDirectSwap``), not taken as the version: with
+    the memmap copy the publisher kept, the replica loads that instead and serves the version
+    whole; without one the failure is recorded."""
     from rollq import Consumer, WeightSyncSettings
     from rollq.testing.fake_workers import FakeWorkerEngine
     from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
@@ -222,8 +225,9 @@ async def test_a_direct_swap_whose_version_is_released_while_it_copies_reports_a
 
     engine = FakeWorkerEngine(loadable_model)
     consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
-    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True, load_retries=0))
-    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    root = str(tmp_path) if memmap else None
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.1, ipc_direct=True, load_retries=0))
+    pub = WeightPublisher(redis_url, queue, ipc_lease=True, root=root)
     async with serving(consumer, follower, await pub.redis()):
         st = shared(1.0)
         first = await pub.publish_weights(st, transport="ipc")
@@ -238,7 +242,13 @@ async def test_a_direct_swap_whose_version_is_released_while_it_copies_reports_a
         monkeypatch.setattr(WorkerState, "load_live", released_meanwhile)
         _step(st, 2.0)
         second = await pub.publish_weights(st, transport="ipc")
-        errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
-        assert (errors["r0"].version, errors["r0"].error) == (second.version, "TornDirectSwap"), errors
-        assert consumer.version == first.version
+        _step(st, 9.0)  # the trainer's step after its (early) release
+        if memmap:
+            await until(lambda: consumer.version == second.version, 10, "the version, from its memmap copy")
+            assert follower.history[-1].load.get("swap") != "direct", follower.history[-1].load
+            assert all(bool((p == 2.0).all()) for p in _live(engine)), _live(engine)
+        else:
+            errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
+            assert (errors["r0"].version, errors["r0"].error) == (second.version, "TornDirectSwap"), errors
+            assert consumer.version == first.version
     await pub.close()
