@@ -415,6 +415,10 @@ class WeightFollower:
                         t_pause = time.perf_counter()
                 report = await self._swap(rec, staged, policy, paused=paused)
                 pause_s = time.perf_counter() - t_pause
+            except BaseException:
+                if staged is not None:  # a swap never reached lets go of what staging holds
+                    await staged.transport.unstage(staged)
+                raise
             finally:
                 if aborted:  # before intake reopens
                     c.restart(aborted)

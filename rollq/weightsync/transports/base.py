@@ -102,6 +102,9 @@ class ReplicaTransport(ABC):
     async def swap(self, rec: VersionRecord, staged: Staged) -> SwapReport:
         """Swap the staged version in; the first worker's report."""
 
+    async def unstage(self, staged: Staged) -> None:  # noqa: B027 - optional hook
+        """The update of ``staged`` failed before its swap: what staging holds for it goes."""
+
     async def close(self) -> None:
         """The replica stops following versions (what the transport started in the workers ends)."""
 

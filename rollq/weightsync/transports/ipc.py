@@ -269,6 +269,13 @@ class IpcReceive(ReplicaTransport):
             if not direct:  # a direct swap records its copy once it has made it
                 self._record_copied(rec.version)
 
+    async def unstage(self, staged: Staged) -> None:
+        """A claimed direct swap that will not happen ends its claim (the release waits no more)."""
+        h = self._claimed
+        if h is not None and h.version == staged.version:
+            self._claimed = None
+            self._record_copied(staged.version, unclaim=True)
+
     async def _claim(self, version: int) -> None:
         """Claim leased ``version`` for a direct swap, for ``load_timeout`` at most (the swap
         ends it); IpcUnavailable once its publisher began releasing it, or exposes another."""

@@ -252,3 +252,44 @@ async def test_a_direct_swap_whose_version_is_released_while_it_copies_is_torn(r
             assert (errors["r0"].version, errors["r0"].error) == (second.version, "TornDirectSwap"), errors
             assert consumer.version == first.version
     await pub.close()
+
+
+async def test_an_update_that_fails_before_its_direct_swap_ends_its_claim(redis_url, queue, monkeypatch):
+    """The update fails after the claim and before the swap (here ending the running requests
+    under the ``abort`` policy): the claim goes at once, so the trainer's release does not wait
+    for its deadline."""
+    import rollq.weightsync.replica.follower as follower_module
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(loadable_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True, load_retry_delay=60.0))
+    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    client = await pub.redis()
+    await client.hset(consumer.keys.config, "update_policy", "abort")
+    real, calls = follower_module.end_running, []
+
+    async def fails_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the engine would not pause")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(follower_module, "end_running", fails_once)
+    async with serving(consumer, follower, client):
+        st = shared(1.0)
+        rec = await pub.publish_weights(st, transport="ipc")
+        errors = await until(lambda: read_load_errors(client, consumer.keys), 10, "a load error")
+        assert errors["r0"].version == rec.version and "would not pause" in errors["r0"].message, errors
+        await until(lambda: _no_claim(client, consumer.keys), 5, "the claim to go")
+        t0 = time.monotonic()
+        await pub.release_weights(timeout=0.2)
+        assert time.monotonic() - t0 < 5  # not the claim's deadline (load_timeout)
+    await pub.close()
+
+
+async def _no_claim(client: Any, keys: Any) -> bool:
+    return b"c:r0" not in await client.hgetall(keys.weights_ipc_claims)
