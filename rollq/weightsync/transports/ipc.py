@@ -170,7 +170,7 @@ async def _end_claims(client: Any, keys: QueueKeys, version: int, poll: float = 
     if not held:
         return
     alive = set(await live_replicas(client, keys))
-    t0 = time.monotonic()
+    t0 = checked = time.monotonic()
     warned = False
     while held := {r: d for r, d in held.items() if r in alive and d > time.time() * 1000}:
         if not warned and time.monotonic() - t0 > 5.0:
@@ -179,6 +179,8 @@ async def _end_claims(client: Any, keys: QueueKeys, version: int, poll: float = 
         await asyncio.sleep(poll)
         poll = min(poll * 2, 0.01)
         held = _claims(await client.hgetall(keys.weights_ipc_claims), version)
+        if time.monotonic() - checked > 1.0:  # a replica that died holding its claim
+            alive, checked = set(await live_replicas(client, keys)), time.monotonic()
 
 
 def _claims(raw: Any, version: int) -> dict[str, float]:

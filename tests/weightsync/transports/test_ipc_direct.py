@@ -158,8 +158,8 @@ async def test_a_version_whose_release_began_before_the_claim_is_refused_and_the
 
 async def test_the_release_waits_for_live_unexpired_claims_only_and_refuses_later_ones(redis_url, queue):
     """A claim of the version (or an older one) by a live replica holds the release until it is
-    removed; claims past their deadline, of dead replicas, or of a newer version do not; once
-    the release began, claiming that version is refused."""
+    removed or the replica dies; claims past their deadline, of dead replicas, or of a newer
+    version do not; once the release began, claiming that version is refused."""
     from rollq.protocol import ReplicaInfo
     from rollq.weightsync import WeightPublisher
     from rollq.weightsync.transports.ipc import IPC_CLAIM, _end_claims
@@ -178,9 +178,10 @@ async def test_the_release_waits_for_live_unexpired_claims_only_and_refuses_late
 
     try:
         now_ms = int(time.time() * 1000)
-        for rid, alive in (("holder", True), ("expired", True), ("dead", False), ("newer", True)):
+        for rid, alive in (("holder", True), ("dies", True), ("expired", True), ("dead", False), ("newer", True)):
             await replica(rid, alive)
         assert await IPC_CLAIM(client, [key], ["holder", 5, now_ms + 60_000]) == 1
+        assert await IPC_CLAIM(client, [key], ["dies", 5, now_ms + 60_000]) == 1
         assert await IPC_CLAIM(client, [key], ["expired", 4, now_ms - 1]) == 1
         assert await IPC_CLAIM(client, [key], ["dead", 5, now_ms + 60_000]) == 1
         assert await IPC_CLAIM(client, [key], ["newer", 6, now_ms + 60_000]) == 1
@@ -191,6 +192,9 @@ async def test_the_release_waits_for_live_unexpired_claims_only_and_refuses_late
         assert await IPC_CLAIM(client, [key], ["late", 5, now_ms + 60_000]) == 0  # the release began
         assert await IPC_CLAIM(client, [key], ["late", 4, now_ms + 60_000]) == 0
         await client.hdel(key, "c:holder")  # the holder's swap ended
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # "dies" still swaps
+        await client.delete(keys.heartbeat("dies"))  # and dies holding its claim
         await asyncio.wait_for(waiting, 5)
         assert await IPC_CLAIM(client, [key], ["next", 6, now_ms + 60_000]) == 1  # the next version is claimable
     finally:
