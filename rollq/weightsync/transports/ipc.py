@@ -29,6 +29,9 @@ the copy; another host or GPU) raise :class:`~rollq.weightsync.ipc_wire.IpcUnava
 exposed tensors that changed before a worker copied them :class:`~rollq.errors.CorruptWeights`:
 the version is not applied, the follower records the load failure and the old weights serve
 on; with a memmap copy in the record the replica loads that instead. With
+``WeightSyncSettings.ipc_direct`` a leased version is only opened, claimed
+(``QueueKeys.weights_ipc_claims``), and copied by the swap straight into the live weights
+(:meth:`IpcReceive.swap`); :func:`release_when_copied` waits for the claims. With
 ``WeightSyncSettings.ipc_prestage`` the workers start each copy themselves when the version is
 announced (:meth:`IpcReceive.watch`, :mod:`rollq.weightsync.worker._ipc_watch`) and the follower
 reads how it stands from Redis; a copy they did not start, or that failed, it starts itself.
@@ -132,7 +135,9 @@ async def release_when_copied(publisher: PublisherSide, timeout: float, poll: fl
     exposes, then release it (:func:`release`). Returns ``{replica: version}`` of those
     replicas: the newest version each has copied or serves. A replica still copying at the
     timeout is named in a warning; releasing the version makes it refuse its copy, so nothing
-    it serves mixes two versions."""
+    it serves mixes two versions. A leased version is then marked released in Redis, and the
+    direct swaps that claimed it before are waited for (:func:`_end_claims`): those cannot be
+    refused once they copy."""
     x = _EXPOSED.get(publisher)
     if x is None:
         return {}
