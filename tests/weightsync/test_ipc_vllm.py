@@ -123,7 +123,8 @@ async def test_a_direct_swap_copies_the_leased_tensors_into_vllm_and_the_release
 ):
     """``ipc_direct``: vLLM's worker only opens each leased version while it serves; the swap
     copies the trainer's tensors into the live weights (through load_weights on the CPU
-    backend), and the trainer's release returns once it did, so its step right after changes
+    backend; on a GPU by the shadow's load plan, which the first version traces by loading into
+    the shadow), and the trainer's release returns once it did, so its step right after changes
     nothing the replica serves."""
     async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w"), ipc_direct=True,
                                ipc_prestage=prestage) as (consumer, follower):
@@ -136,7 +137,8 @@ async def test_a_direct_swap_copies_the_leased_tensors_into_vllm_and_the_release
                 await t.bump(100.0)
                 await wait_version(consumer, rec["version"])
                 load = follower.history[-1].load
-                assert load.get("swap") == "direct" and load.get("direct") is True, load
+                traced = step == 1 and load.get("swap") == "shadow" and load.get("no_shadow") is None  # a GPU's first
+                assert traced or (load.get("swap") == "direct" and load.get("direct") is True), load
                 assert (await served_digest(vllm_engine) == checkpoint_digest(vllm_engine)) is (step == 0)
             assert await greedy(p) == before
 
@@ -146,19 +148,23 @@ async def test_a_trainer_killed_after_vllm_opened_a_leased_version_leaves_the_ol
 ):
     """``ipc_direct``: vLLM's worker opened a leased version (its watcher), then the trainer
     process is killed before the swap: the swap refuses the version, the old weights serve on,
-    the failure is recorded, and the next trainer's version goes through."""
+    the failure is recorded, and the next trainer's version goes through. (The checkpoint goes
+    first as version 1: on a GPU it traces the shadow's load plan, which direct swaps need.)"""
     async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w"), ipc_direct=True,
                                ipc_prestage=True) as (consumer, follower):
         async with Producer(redis_url, queue) as p:
             before = await greedy(p)
-            async with follower._lock:  # the swap waits until the trainer is gone
-                async with trainer(redis_url, queue, tiny_model_path, "--lease", "--shared", "--inplace") as t:
+            async with trainer(redis_url, queue, tiny_model_path, "--lease", "--shared", "--inplace") as t:
+                first = await t.publish(0)
+                await t.release_copied(60)
+                await wait_version(consumer, first["version"])
+                async with follower._lock:  # the swap waits until the trainer is gone
                     rec = await t.publish(1)
                     await until(lambda: _ipc_opened(vllm_engine, rec["version"]), 60, "the worker to open the version")
                     await t.kill()
             err = await load_error(follower, rec["version"])
             assert err.error == "IpcUnavailable" and "before the direct swap" in err.message, err
-            assert consumer.version == 0 and await greedy(p) == before
+            assert consumer.version == first["version"] and await greedy(p) == before
             assert await served_digest(vllm_engine) == checkpoint_digest(vllm_engine)
             async with trainer(redis_url, queue, tiny_model_path, "--lease", "--shared", "--inplace") as t2:
                 rec2 = await t2.publish(2)
