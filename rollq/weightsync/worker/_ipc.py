@@ -139,6 +139,9 @@ class IpcStaging:
         #: The handles of the version :attr:`staged` holds for a direct swap (its tensors are
         #: the trainer's), else None.
         self.leased: IpcHandles | None = None
+        #: The direct swap's copies by the load plan, made while staging (the swap then only
+        #: enqueues them): live bytes and the trainer's bytes, tensor by tensor; None: none made.
+        self.plan_copy: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._thread: threading.Thread | None = None
         self._starting = threading.RLock()  # the replica's call and the watcher's start one copy at a time
         #: Versions this worker started copying before the replica asked (the watcher's).
@@ -157,7 +160,7 @@ class IpcStaging:
                 return StageStatus(state=State.BUSY, version=self.status.version)
             if self.staged is not None and self.staged[0] == version and self.status.state is State.STAGED:
                 return self.status  # copied already (by the watcher): not again
-            self.staged, self.leased = None, None  # free a previously staged copy first
+            self.staged, self.leased, self.plan_copy = None, None, None  # free a previously staged copy first
             started = self.status = StageStatus(state=State.STAGING, version=version)
             self.chunk_bytes, self._since = max(0, int(chunk_bytes)), 0
             self.keep_maps = bool(keep_maps)
@@ -271,6 +274,7 @@ class IpcStaging:
             with st.lock:
                 if st.takes_direct(manifest):  # the swap copies them (swap_direct)
                     self.staged, self.leased = (version, srcs), h
+                    self.plan_copy = self._plan_copy(srcs, st.live_views(manifest))
                     return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0,
                                        prepare_s=0.0, shadow=False, direct=True, open_s=self._open_s)
         if dev.type == "cuda":
@@ -343,16 +347,16 @@ class IpcStaging:
         staged, h = self.staged, self.leased
         if staged is None or h is None or staged[0] != version or h.version != version or staged[1] is None:
             return False
-        items = staged[1]
-        self.staged, self.leased = None, None
+        items, plan = staged[1], self.plan_copy
+        self.staged, self.leased, self.plan_copy = None, None, None
         if not _token_alive(h):
             raise IpcUnavailable(f"trainer process {h.pid} exited or released version {version} before the direct swap")
         st, dev = self.state, self.state.device
-        views = st.live_views(manifest_of(items))
+        if plan is None:  # not made while staging (a plan traced since): made now
+            plan = self._plan_copy(items, st.live_views(manifest_of(items)))
         with torch.no_grad():
-            if views is not None:  # by the load plan: one device copy per tensor
-                pairs = [(v, src.reshape(-1).view(torch.uint8)) for (_, src), v in zip(items, views) if v is not None]
-                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
+            if plan is not None:  # by the load plan: one device copy per tensor
+                torch._foreach_copy_(plan[0], plan[1], non_blocking=True)
                 st.wrote_live()
             else:
                 st.load_live(items)
@@ -365,6 +369,14 @@ class IpcStaging:
             raise TornDirectSwap(f"trainer process {h.pid} exited or released version {version} during its direct swap: "
                                  "the live weights may hold part of it")
         return True
+
+    @staticmethod
+    def _plan_copy(items: Items, views: list[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The copies of ``items`` into the live bytes ``views`` (None: no load plan)."""
+        if views is None:
+            return None
+        pairs = [(v, src.reshape(-1).view(torch.uint8)) for (_, src), v in zip(items, views) if v is not None]
+        return [d for d, _ in pairs], [s for _, s in pairs]
 
     def _fed(self, srcs: Items, stream: Any) -> Iterable[tuple[str, torch.Tensor]]:
         """``srcs`` as ``load_weights`` reads them, with :attr:`before_copy` before each
