@@ -274,8 +274,9 @@ class WeightSyncSettings:
     #: :class:`~rollq.weightsync.ipc_wire.TornDirectSwap`, its weights possibly mixed, and the
     #: follower loads the version's memmap copy instead where the publisher keeps one, else
     #: records it; so it does when the trainer released the version during the copy (the
-    #: claim lives in Redis: a Redis that lost it within those milliseconds). False (the default): leased versions are copied into the shadow
-    #: first, and a trainer dying at any point leaves the old weights serving.
+    #: claim lives in Redis: a Redis that lost it within those milliseconds). False (the
+    #: default): leased versions are copied into the shadow first, and a trainer dying at any
+    #: point leaves the old weights serving.
     ipc_direct: bool = False
     #: Swap broadcast versions in part by part while they arrive (``keep``, one worker;
     #: :class:`~rollq.weightsync.replica._overlap.OverlappedSwap`).

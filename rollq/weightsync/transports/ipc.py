@@ -171,7 +171,8 @@ async def _end_claims(client: Any, keys: QueueKeys, version: int, poll: float = 
     share the host's clock)."""
     from ...replicas import live_replicas
 
-    held = _claims(await IPC_RELEASE(client, [keys.weights_ipc_claims], [version]), version)
+    flat = await IPC_RELEASE(client, [keys.weights_ipc_claims], [version])
+    held = _claims(dict(zip(flat[::2], flat[1::2])), version)
     if not held:
         return
     alive = set(await live_replicas(client, keys))
@@ -188,19 +189,18 @@ async def _end_claims(client: Any, keys: QueueKeys, version: int, poll: float = 
             alive, checked = set(await live_replicas(client, keys)), time.monotonic()
 
 
-def _claims(raw: Any, version: int) -> dict[str, float]:
-    """``{replica: deadline ms}`` of the claims of ``version`` or older in ``raw``: the claims
-    hash as a dict, or the release script's flat list (replica, claim, ...)."""
-    if isinstance(raw, dict):
-        pairs = [(text(k)[2:], v) for k, v in raw.items() if text(k).startswith("c:")]
-    else:
-        pairs = [(text(k), v) for k, v in zip(raw[::2], raw[1::2])]
+def _claims(raw: dict[Any, Any], version: int) -> dict[str, float]:
+    """``{replica: deadline ms}`` of the claims of ``version`` or older in ``raw`` (the claims
+    hash, as HGETALL gives it)."""
     out: dict[str, float] = {}
-    for name, value in pairs:
+    for k, v in raw.items():
+        name = text(k)
+        if not name.startswith("c:"):
+            continue
         try:
-            claimed, deadline = text(value).split()
+            claimed, deadline = text(v).split()
             if int(claimed) <= version:
-                out[name] = float(deadline)
+                out[name[2:]] = float(deadline)
         except ValueError:  # not a claim this build writes
             continue
     return out
@@ -293,7 +293,7 @@ class IpcReceive(ReplicaTransport):
         raw = await self.client.get(self.keys.weights_ipc)
         h = decode_handles(raw) if raw is not None else None
         if h is None or h.version != version:
-            self._record_copied(version, unclaim=True)
+            await self.client.hdel(self.keys.weights_ipc_claims, f"c:{self.replica}")
             raise IpcUnavailable(f"version {version}: its trainer exposes another version now")
         self._claimed = h
 
@@ -347,17 +347,17 @@ class IpcReceive(ReplicaTransport):
         if not staged.report.get("direct"):
             return await self._swap_in_workers(rec, staged)
         h, self._claimed = self._claimed, None
-        if h is None or h.version != rec.version or not token_alive(h):
-            # every worker refuses it alike: none copies what a dead trainer left
-            self._record_copied(rec.version, unclaim=True)
-            raise IpcUnavailable(f"trainer process {h.pid if h else '?'} exited or released version {rec.version} "
-                                 "before the direct swap")
+        keep_claim = False
         try:
-            report = await self._swap_in_workers(rec, staged)
+            if h is None or h.version != rec.version or not token_alive(h):
+                # every worker refuses it alike: none copies what a dead trainer left
+                raise IpcUnavailable(f"trainer process {h.pid if h else '?'} exited or released version {rec.version} "
+                                     "before the direct swap")
+            return await self._swap_in_workers(rec, staged)
         except WeightSyncTimeout:
+            keep_claim = True  # a worker may still be copying
             raise
         except TornDirectSwap as e:
-            self._record_copied(rec.version, unclaim=True)
             if rec.memmap_slot is None or self.settings.root is None:
                 log.error("%s; no memmap copy of version %d to load instead: the replica's weights may be mixed until "
                           "a version loads", e, rec.version)
@@ -366,11 +366,9 @@ class IpcReceive(ReplicaTransport):
             from .memmap import MemmapReceive
 
             return await MemmapReceive(self.engine, self.settings, self.receiver).load(rec)
-        except BaseException:
-            self._record_copied(rec.version, unclaim=True)
-            raise
-        self._record_copied(rec.version, unclaim=True)
-        return report
+        finally:
+            if not keep_claim:
+                self._record_copied(rec.version, unclaim=True)
 
     #: The watching workers' fields in ``QueueKeys.weights_ipc_staged`` (:meth:`watch`).
     _fields: tuple[str, ...] = ()

@@ -345,7 +345,7 @@ class IpcStaging:
         copy of its CUDA memory, whose contents are then undefined (its shared-memory files
         stay mapped here: their bytes are the version's)."""
         staged, h = self.staged, self.leased
-        if staged is None or h is None or staged[0] != version or h.version != version or staged[1] is None:
+        if staged is None or h is None or staged[0] != version or staged[1] is None:  # leased goes with staged
             return False
         items, plan = staged[1], self.plan_copy
         self.staged, self.leased, self.plan_copy = None, None, None

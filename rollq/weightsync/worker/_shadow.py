@@ -77,6 +77,12 @@ def room_for(nbytes: int, device: torch.device, *, margin_bytes: int = 256 << 20
     return free + cached >= nbytes + margin_bytes
 
 
+def _bytes_from(p: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``p``'s storage from its first element on (``uint8``)."""
+    st = p.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=p.device).set_(st)[p.data_ptr() - st.data_ptr() :]
+
+
 def _allocate(nbytes: int, device: torch.device) -> torch.Tensor | None:
     """``nbytes`` of ``uint8`` on ``device``, or None when the device is out of memory."""
     try:
@@ -359,10 +365,7 @@ class ShadowWeights:
         """The bytes of shadow parameter ``i`` from its first element on (``uint8``)."""
         b = self._bytes[i]
         if b is None:
-            p = self.shadow[i]
-            st = p.untyped_storage()
-            whole = torch.empty(0, dtype=torch.uint8, device=p.device).set_(st)
-            b = self._bytes[i] = whole[p.data_ptr() - st.data_ptr() :]
+            b = self._bytes[i] = _bytes_from(self.shadow[i])
         return b
 
     def direct_views(self, metas: Iterable[Any]) -> list[torch.Tensor] | None:
@@ -394,12 +397,7 @@ class ShadowWeights:
             return None
         if self._live_views is None:
             regions = self.plan[1]
-            whole: dict[int, torch.Tensor] = {}
-            for r in regions.values():
-                if r.param >= 0 and r.param not in whole:
-                    p = self.live[r.param]
-                    st = p.untyped_storage()
-                    whole[r.param] = torch.empty(0, dtype=torch.uint8, device=p.device).set_(st)[p.data_ptr() - st.data_ptr() :]
+            whole = {i: _bytes_from(self.live[i]) for i in {r.param for r in regions.values() if r.param >= 0}}
             self._live_views = [
                 whole[r.param][r.offset : r.offset + r.nbytes] if r.param >= 0 else None
                 for r in (regions[m.name] for m in metas)
