@@ -199,5 +199,6 @@ class StagingHost(ReceiveSink, Protocol):
     @property
     def device(self) -> torch.device: ...
 
-    def load_live(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load ``items`` into the served weights now (the engine is paused)."""
+    def load_live(self, items: Iterable[tuple[str, torch.Tensor]], *, trace: bool = False) -> None:
+        """Load ``items`` into the served weights now (the engine is paused); ``trace``: record
+        their load plan where there are no shadow weights (a direct swap's load)."""

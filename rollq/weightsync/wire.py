@@ -335,6 +335,7 @@ class SwapReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     wait_commit_s: float | None = None
     receive_s: float | None = None
     kernel: str | None = None  # how the exchanges swapped bytes: triton | copies
+    copied_by: str | None = None  # a direct swap: plan (a copy per tensor) | load_weights
     error: WorkerError | None = None
 
 

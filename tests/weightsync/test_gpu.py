@@ -291,11 +291,12 @@ async def test_a_cuda_lease_is_released_once_the_replica_copied_it_and_the_next_
 
 async def test_a_cuda_direct_swap_copies_the_leased_tensors_into_the_live_weights_by_the_load_plan(
         redis_url, queue, shm_root):
-    """``ipc_direct`` on a GPU: the first leased version loads into the shadow (tracing the
-    plan); from the second on the worker only opens the trainer's CUDA tensors while serving,
-    the swap copies them device to device into the live weights' bytes by the plan, and the
-    release returns once it did: the trainer's step right after does not reach the replica.
-    The shadow is then behind live, and a version that loads into it again starts from live."""
+    """``ipc_direct`` on a GPU: the replica builds no shadow weights; the first leased version
+    loads through load_weights at its swap (tracing the plan on the live weights); from the
+    second on the worker only opens the trainer's CUDA tensors while serving, the swap copies
+    them device to device into the live weights' bytes by the plan, and the release returns
+    once it did: the trainer's step right after does not reach the replica. A version that is
+    not leased then loads into shadow weights built for it, starting from live."""
     import asyncio
 
     from rollq.replicas import live_replicas
@@ -315,8 +316,9 @@ async def test_a_cuda_direct_swap_copies_the_leased_tensors_into_the_live_weight
                 await t.bump(100.0)
                 await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
                 load = follower.history[-1].load
-                assert load["swap"] == ("shadow" if fill == 1 else "direct"), load
+                assert (load["swap"], load["copied_by"]) == ("direct", "load_weights" if fill == 1 else "plan"), load
                 check(engine, float(fill))
+            assert all(w.rollq_state.shadow is None for w in engine.workers)
         async with trainer(redis_url, queue, "-", "--cuda", "--inplace") as t:  # not leased: through the shadow
             rec = await t.publish(4)
             await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")

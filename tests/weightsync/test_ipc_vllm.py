@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from rollq import Consumer, Producer
 from rollq.weightsync import read_load_errors
@@ -123,9 +124,11 @@ async def test_a_direct_swap_copies_the_leased_tensors_into_vllm_and_the_release
 ):
     """``ipc_direct``: vLLM's worker only opens each leased version while it serves; the swap
     copies the trainer's tensors into the live weights (through load_weights on the CPU
-    backend; on a GPU by the shadow's load plan, which the first version traces by loading into
-    the shadow), and the trainer's release returns once it did, so its step right after changes
-    nothing the replica serves."""
+    backend; on a GPU by a load plan from the second version on: the first traces it, loading
+    through load_weights at its swap, or into shadow weights an earlier test left), and the
+    trainer's release returns once it did, so its step right after changes nothing the
+    replica serves."""
+    on_gpu = torch.cuda.is_available()
     async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w"), ipc_direct=True,
                                ipc_prestage=prestage) as (consumer, follower):
         async with Producer(redis_url, queue) as p, trainer(redis_url, queue, tiny_model_path, "--lease", "--shared",
@@ -139,6 +142,9 @@ async def test_a_direct_swap_copies_the_leased_tensors_into_vllm_and_the_release
                 load = follower.history[-1].load
                 traced = step == 1 and load.get("swap") == "shadow" and load.get("no_shadow") is None  # a GPU's first
                 assert traced or (load.get("swap") == "direct" and load.get("direct") is True), load
+                if not traced:  # the CPU backend reloads (it repacks its weights): no plan there
+                    want = ({"plan"} if step == 0 else {"plan", "load_weights"}) if on_gpu else {"load_weights"}
+                    assert load["copied_by"] in want, load
                 assert (await served_digest(vllm_engine) == checkpoint_digest(vllm_engine)) is (step == 0)
             assert await greedy(p) == before
 
@@ -149,7 +155,7 @@ async def test_a_trainer_killed_after_vllm_opened_a_leased_version_leaves_the_ol
     """``ipc_direct``: vLLM's worker opened a leased version (its watcher), then the trainer
     process is killed before the swap: the swap refuses the version, the old weights serve on,
     the failure is recorded, and the next trainer's version goes through. (The checkpoint goes
-    first as version 1: on a GPU it traces the shadow's load plan, which direct swaps need.)"""
+    first as version 1: on a GPU it traces the load plan.)"""
     async with serving_replica(vllm_engine, redis_url, queue, str(tmp_path / "w"), ipc_direct=True,
                                ipc_prestage=True) as (consumer, follower):
         async with Producer(redis_url, queue) as p:

@@ -67,10 +67,11 @@ class StagingHost(Protocol):
     def live_views(self, manifest: list[TensorMeta]) -> list[torch.Tensor | None] | None:
         """The live weights' bytes of each tensor by the load plan (None: load_live instead)."""
 
-    def load_live(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load ``items`` into the live weights (generation stands)."""
+    def load_live(self, items: Iterable[tuple[str, torch.Tensor]], *, trace: bool = False) -> None:
+        """Load ``items`` into the live weights (generation stands); ``trace``: record their
+        load plan where there are no shadow weights."""
 
-    def wrote_live(self) -> None:
+    def wrote_live(self, manifest: list[TensorMeta]) -> None:
         """A version was just written into the live weights by :meth:`live_views`."""
 
 
@@ -333,10 +334,12 @@ class IpcStaging:
         return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0, prepare_s=0.0,
                            shadow=False, open_s=self._open_s, verify_s=self._verify_s)
 
-    def swap_direct(self, version: int) -> bool:
+    def swap_direct(self, version: int) -> str | None:
         """Copy leased ``version`` from the trainer's tensors straight into the live weights
-        (inside the swap: the worker lock held, generation stopped; on a GPU by the shadow's
-        load plan on the current stream, waited for, else through ``load_weights``). False
+        (inside the swap: the worker lock held, generation stopped; waited for). How:
+        ``"plan"``, one device copy per tensor by a load plan (on the current stream), or
+        ``"load_weights"`` where there is none (the first version of a manifest without
+        shadow weights, which traces the plan on the live weights; vLLM's CPU backend). None
         when :attr:`staged` holds no leased version ``version``. The replica claimed the
         version, so the trainer changes none of its tensors before this returns.
 
@@ -346,20 +349,21 @@ class IpcStaging:
         stay mapped here: their bytes are the version's)."""
         staged, h = self.staged, self.leased
         if staged is None or h is None or staged[0] != version or staged[1] is None:  # leased goes with staged
-            return False
+            return None
         items, plan = staged[1], self.plan_copy
         self.staged, self.leased, self.plan_copy = None, None, None
         if not _token_alive(h):
             raise IpcUnavailable(f"trainer process {h.pid} exited or released version {version} before the direct swap")
         st, dev = self.state, self.state.device
+        manifest = manifest_of(items)
         if plan is None:  # not made while staging (a plan traced since): made now
-            plan = self._plan_copy(items, st.live_views(manifest_of(items)))
+            plan = self._plan_copy(items, st.live_views(manifest))
         with torch.no_grad():
             if plan is not None:  # by the load plan: one device copy per tensor
                 torch._foreach_copy_(plan[0], plan[1], non_blocking=True)
-                st.wrote_live()
+                st.wrote_live(manifest)
             else:
-                st.load_live(items)
+                st.load_live(items, trace=True)
             if dev.type == "cuda":
                 torch.cuda.current_stream(dev).synchronize()  # the claim ends after this
         if not _token_alive(h) and (any(s.kind is StorageKind.CUDA for s in h.storages) or _process_alive(h.pid)):
@@ -368,7 +372,7 @@ class IpcStaging:
             # Shared-memory files of an exited trainer stay mapped here, unchanged: the copy holds.
             raise TornDirectSwap(f"trainer process {h.pid} exited or released version {version} during its direct swap: "
                                  "the live weights may hold part of it")
-        return True
+        return "plan" if plan is not None else "load_weights"
 
     @staticmethod
     def _plan_copy(items: Items, views: list[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:

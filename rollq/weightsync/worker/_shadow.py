@@ -35,12 +35,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
-from ._load_trace import LoadTrace, Region, Signature, signature_of
+from ._load_trace import Plan, Region, Signature, bytes_from, live_bytes, plan_from, signature_of, traced_load
 from ._swap_kernel import swap_bytes_, warm_swap_kernel
 
 log = logging.getLogger(__name__)
@@ -75,12 +74,6 @@ def room_for(nbytes: int, device: torch.device, *, margin_bytes: int = 256 << 20
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return free + cached >= nbytes + margin_bytes
-
-
-def _bytes_from(p: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``p``'s storage from its first element on (``uint8``)."""
-    st = p.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=p.device).set_(st)[p.data_ptr() - st.data_ptr() :]
 
 
 def _allocate(nbytes: int, device: torch.device) -> torch.Tensor | None:
@@ -147,7 +140,7 @@ class ShadowWeights:
         #: :meth:`live_views` (the live parameters' bytes by the same plan).
         self._views: list[torch.Tensor] | None = None
         self._live_views: list[torch.Tensor | None] | None = None
-        #: Where tensors that load_weights ignores are received (see _plan_from).
+        #: Where tensors that load_weights ignores are received (see plan_from).
         self._scratch: torch.Tensor | None = None
         self._scratch_bytes = 0
         #: The plan's parameters in one buffer (see :meth:`_relayout`): its signature, each
@@ -238,65 +231,20 @@ class ShadowWeights:
     def _traced_load(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
         live = {p.untyped_storage().data_ptr() for p in self.live}
         live |= {b.untyped_storage().data_ptr() for b in self.model.buffers() if b is not None}
-        addrs = [p.data_ptr() for p in self.shadow]
-        trace = LoadTrace(self.shadow, live)
-        seen: list[tuple[str, str, tuple]] = []
-
-        def follow() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in items:
-                seen.append((name, str(t.dtype).replace("torch.", ""), tuple(t.shape)))
-                trace.current = (name, t)  # what load_weights does until it asks for the next
-                yield name, t
-            trace.current = ("<end>", None)
-
-        with trace:
-            self.root.load_weights(follow())
-        if [p.data_ptr() for p in self.shadow] != addrs:
-            raise RuntimeError("load_weights rebound shadow parameters instead of writing them")
-        sig = tuple(seen)
-        why = self._plan_from(trace, sig)
-        if why is None:
+        trace, sig = traced_load(self.root.load_weights, self.shadow, live, items)
+        plan = plan_from(trace, sig)
+        if isinstance(plan, Plan):
+            self._scratch_bytes, self._scratch = plan.scratch_bytes, None
+            self.flat_layout = None
+            self._views = self._live_views = None
+            self.plan, self.plan_refused = (sig, plan.regions), None
             self._relayout()
             log.info("load plan recorded: %d tensors written straight into the shadow from now on (%s)", len(sig),
                      "one flat buffer" if self.flat_layout else "parameters apart")
         else:
-            self.plan_refused = why
+            self.plan_refused = plan
             self._no_plan.add(sig)
-            log.info("no load plan for this manifest (%s): versions keep loading through load_weights", why)
-
-    def _plan_from(self, trace: LoadTrace, sig: Signature) -> str | None:
-        regions: dict[str, Region] = {}
-        scratch = 0
-        for edge in ("<start>", "<end>"):
-            if edge in trace.other:
-                return trace.other[edge]
-        for name, dtype, shape in sig:
-            if name in trace.other:
-                return f"{name}: {trace.other[name]}"
-            got = trace.regions.get(name, [])
-            if not got:
-                # load_weights wrote nothing for it (a tied lm_head, an unused buffer): it is
-                # received into scratch bytes, never read (a loader that kept it to write it
-                # later would have shown up as a foreign copy under another name: refused)
-                n = math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-                regions[name] = Region(-1, scratch, n)
-                scratch += (n + 255) // 256 * 256
-                continue
-            if len(got) != 1:
-                return f"{name} was written {len(got)} times"
-            regions[name] = got[0]
-        if all(r.param < 0 for r in regions.values()):
-            return "load_weights wrote none of the tensors"
-        self._scratch_bytes, self._scratch = scratch, None
-        self.flat_layout = None
-        self._views = None
-        spans = sorted((r.param, r.offset, r.offset + r.nbytes) for r in regions.values() if r.param >= 0)
-        for (p0, _, e0), (p1, s1, _) in zip(spans, spans[1:]):
-            if p0 == p1 and s1 < e0:
-                return "two tensors land on overlapping bytes"
-        self.plan, self.plan_refused = (sig, regions), None
-        self._live_views = None
-        return None
+            log.info("no load plan for this manifest (%s): versions keep loading through load_weights", plan)
 
     def _relayout(self, align: int = 256) -> None:
         """Move the parameters the plan fills completely into one flat buffer, in the order
@@ -314,7 +262,7 @@ class ShadowWeights:
                 if r.param not in filled:
                     order.append(r.param)
                     filled[r.param] = 0
-                filled[r.param] += r.nbytes  # regions never overlap (_plan_from)
+                filled[r.param] += r.nbytes  # regions never overlap (plan_from)
         size = {i: self.shadow[i].numel() * self.shadow[i].element_size() for i in order}
         if any(filled[i] != size[i] or not self.shadow[i].is_contiguous() for i in order):
             return
@@ -365,7 +313,7 @@ class ShadowWeights:
         """The bytes of shadow parameter ``i`` from its first element on (``uint8``)."""
         b = self._bytes[i]
         if b is None:
-            b = self._bytes[i] = _bytes_from(self.shadow[i])
+            b = self._bytes[i] = bytes_from(self.shadow[i])
         return b
 
     def direct_views(self, metas: Iterable[Any]) -> list[torch.Tensor] | None:
@@ -396,22 +344,17 @@ class ShadowWeights:
         if self.plan is None or self.plan[0] != signature_of(metas):
             return None
         if self._live_views is None:
-            regions = self.plan[1]
-            whole = {i: _bytes_from(self.live[i]) for i in {r.param for r in regions.values() if r.param >= 0}}
-            self._live_views = [
-                whole[r.param][r.offset : r.offset + r.nbytes] if r.param >= 0 else None
-                for r in (regions[m.name] for m in metas)
-            ]
+            self._live_views = live_bytes(self.live, self.plan[1], [m.name for m in metas])
         return list(self._live_views)
 
-    def wrote_live(self) -> None:
-        """A version went into the live weights by :meth:`live_views` (enqueued on the current
-        stream): the shadow holds nothing to swap in, and differs from live in the plan's bytes
-        (and wherever it differed before); its next write starts after these writes."""
-        assert self.plan is not None  # live_views needs it
-        sig = self.plan[0]
+    def wrote_live(self, sig: Signature) -> None:
+        """A version of manifest ``sig`` went into the live weights (enqueued on the current
+        stream; by :meth:`live_views`, or by a plan traced on the live weights): the shadow
+        holds nothing to swap in, and differs from live in that plan's bytes (and wherever it
+        differed before); its next write starts after these writes."""
         self.version = None
-        self._clean_except = sig if self.synced or self._clean_except == sig else None
+        mine = self.plan is not None and self.plan[0] == sig
+        self._clean_except = sig if mine and (self.synced or self._clean_except == sig) else None
         self.synced = False
         self._mark_swap()
 

@@ -36,9 +36,12 @@ from ..wire import (
     WorkerStatus,
     manifest_digest,
 )
+from ..memmap import manifest_of
+from ._load_trace import signature_of
 
 if TYPE_CHECKING:
     from ._ipc_watch import IpcWatcher
+    from ._live_plan import LivePlan
     from ._receiver import WorkerReceiver
     from ._shadow import ShadowWeights
     from ..versions import TensorMeta
@@ -63,6 +66,8 @@ class WorkerState:
         #: The shadow weights (:meth:`ensure_shadow` builds them), and why there are none.
         self.shadow: ShadowWeights | None = None
         self.shadow_off: str | None = None
+        #: Without shadow weights: the load plan a direct swap traced on the live weights.
+        self.live_plan: LivePlan | None = None
         #: This worker's rank in the trainer's broadcast group, and its place there.
         self.receiver: WorkerReceiver | None = None
         self.join = WorkerStatus()
@@ -82,14 +87,28 @@ class WorkerState:
     def model(self) -> Any:
         return self.worker.model_runner.model
 
-    def load_live(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load checkpoint-format ``items`` into the live weights (while generation stands)."""
+    def load_live(self, items: Iterable[tuple[str, torch.Tensor]], *, trace: bool = False) -> None:
+        """Load checkpoint-format ``items`` into the live weights (while generation stands).
+
+        ``trace`` (a direct swap's load): without shadow weights, the first load of a manifest
+        through ``load_weights`` records its load plan on the live weights (:attr:`live_plan`),
+        by which the next direct swaps copy. vLLM's CPU backend reloads instead (it repacks
+        the weights after loading them): nothing is traced there."""
         if self.shadow is not None:
             self.shadow.synced = False  # live weights change behind the shadow's back
         if self.device.type == "cpu" and hasattr(self.worker, "reload_weights"):
             self.worker.reload_weights(weights_iterator=iter(list(items)), is_checkpoint_format=True)
-        else:
-            self.model.load_weights(weights=iter(items))
+            return
+        if trace and self.shadow is None:
+            from ._live_plan import LivePlan
+
+            items = list(items)
+            if self.live_plan is None:
+                self.live_plan = LivePlan(self.model)
+            if self.live_plan.wants_trace(signature_of(manifest_of(items))):
+                self.live_plan.load(items)
+                return
+        self.model.load_weights(weights=iter(items))
 
     # -- shadow weights ----------------------------------------------------------------------
     def ensure_shadow(self) -> ShadowWeights | None:
@@ -103,9 +122,9 @@ class WorkerState:
             return self.shadow
         from ._shadow import ShadowWeights, shadow_supported
 
-        mode = os.environ.get("ROLLQ_SHADOW_WEIGHTS", "auto").lower()
+        mode = _shadow_mode()
         why: str | None
-        if mode in ("0", "off", "false", "no"):
+        if mode == "off":
             why = "disabled by ROLLQ_SHADOW_WEIGHTS"
         elif mode == "auto" and self.device.type != "cuda":
             why = "not on a GPU (the CPU backend repacks its weights)"
@@ -154,22 +173,29 @@ class WorkerState:
 
     def takes_direct(self, manifest: list[TensorMeta]) -> bool:
         """Whether a version of ``manifest`` can be copied straight into the live weights at
-        the swap (``WeightSyncSettings.ipc_direct``): by the shadow's load plan, or through
-        :meth:`load_live` where there is no shadow. A shadow without a plan for it says no:
-        the version then loads into the shadow, which traces the plan. Call with :attr:`lock`."""
-        sh = self.ensure_shadow()
-        return sh is None or sh.live_views(manifest) is not None
+        the swap (``WeightSyncSettings.ipc_direct``): by a load plan, or through
+        :meth:`load_live` (tracing the plan) where there are no shadow weights. A direct
+        replica builds none unless ``ROLLQ_SHADOW_WEIGHTS=1`` (they would cost a copy of the
+        weights only to trace the plan); one that has them (built for another transport's
+        version, or forced) and no plan for this manifest says no: the version then loads
+        into the shadow, which traces it. Call with :attr:`lock`."""
+        sh = self.shadow if self.shadow is not None or _shadow_mode() != "on" else self.ensure_shadow()
+        return sh is None or self.live_views(manifest) is not None
 
     def live_views(self, manifest: list[TensorMeta]) -> list[torch.Tensor | None] | None:
-        """The live weights' bytes of each tensor of ``manifest`` by the shadow's load plan
-        (:meth:`~rollq.weightsync.worker._shadow.ShadowWeights.live_views`); None without one."""
-        return self.shadow.live_views(manifest) if self.shadow is not None else None
+        """The live weights' bytes of each tensor of ``manifest`` by a load plan: the shadow's
+        (:meth:`~rollq.weightsync.worker._shadow.ShadowWeights.live_views`), else the one
+        traced on the live weights (:attr:`live_plan`); None without one."""
+        views = self.shadow.live_views(manifest) if self.shadow is not None else None
+        if views is None and self.live_plan is not None:
+            views = self.live_plan.views(manifest)
+        return views
 
-    def wrote_live(self) -> None:
-        """A version was just written into the live weights by :meth:`live_views` (see
-        :meth:`~rollq.weightsync.worker._shadow.ShadowWeights.wrote_live`)."""
+    def wrote_live(self, manifest: list[TensorMeta]) -> None:
+        """A version of ``manifest`` was just written into the live weights by
+        :meth:`live_views` (see :meth:`~rollq.weightsync.worker._shadow.ShadowWeights.wrote_live`)."""
         if self.shadow is not None:
-            self.shadow.wrote_live()
+            self.shadow.wrote_live(signature_of(manifest))
 
     def invalidate(self) -> None:
         with self.lock:
@@ -283,3 +309,9 @@ class DirectTarget:
                 self.shadow.invalidate()
         finally:
             self._lock.release()
+
+
+def _shadow_mode() -> str:
+    """``ROLLQ_SHADOW_WEIGHTS`` as ``auto``, ``on`` or ``off``."""
+    mode = os.environ.get("ROLLQ_SHADOW_WEIGHTS", "auto").lower()
+    return "off" if mode in ("0", "off", "false", "no") else "on" if mode in ("1", "on", "true", "yes") else "auto"

@@ -33,6 +33,7 @@ def apply_staged(st: WorkerState, version: int) -> SwapReport:
     t0 = time.perf_counter()
     how = Swap.SHADOW
     swapped = None
+    copied_by: str | None = None
     with st.lock:  # nothing rewrites the shadow or memmap staging mid-swap
         sh, mm, ipc = st.shadow, st.memmap.staged, st.ipc.staged
         if sh is not None and sh.version == version:
@@ -48,10 +49,10 @@ def apply_staged(st: WorkerState, version: int) -> SwapReport:
         elif ipc is not None and ipc[0] == version and ipc[1] is not None:
             how = Swap.LOAD
             try:
-                direct = st.ipc.swap_direct(version)  # the trainer's leased tensors, straight into live
+                copied_by = st.ipc.swap_direct(version)  # the trainer's leased tensors, straight into live
             except IpcUnavailable as e:  # refused (or torn) data: an answer, not a failed call
                 return SwapReport(swap=Swap.DIRECT, error=WorkerError.of(e), load_s=time.perf_counter() - t0)
-            if direct:
+            if copied_by is not None:
                 how = Swap.DIRECT
             else:
                 st.ipc.staged = None
@@ -71,8 +72,8 @@ def apply_staged(st: WorkerState, version: int) -> SwapReport:
         torch.cuda.synchronize(st.device)
     st.version = version
     return SwapReport(swap=how, load_s=time.perf_counter() - t0, progress=st.tracker.report(st.worker),
-                      no_shadow=None if how is Swap.SHADOW or (how is Swap.DIRECT and st.shadow is not None)
-                      else (st.shadow_off or "not prepared"))
+                      no_shadow=None if how is Swap.SHADOW or copied_by == "plan" or (how is Swap.DIRECT and st.shadow is not None)
+                      else (st.shadow_off or "not prepared"), copied_by=copied_by)
 
 
 def swap_overlapped(

@@ -48,14 +48,16 @@ def _hold_direct_swaps(monkeypatch: Any) -> tuple[threading.Event, threading.Eve
 
 
 @pytest.mark.parametrize("prestage,workers", [(False, 1), (True, 2)], ids=["follower opens", "2 workers' watchers open"])
-@pytest.mark.parametrize("shadow", [False, True], ids=["load_weights", "by the load plan"])
+@pytest.mark.parametrize("shadow", [False, True], ids=["plan traced on live", "plan traced in the shadow"])
 async def test_a_direct_swap_copies_the_leased_tensors_into_the_live_weights_and_the_release_waits_for_it(
         redis_url, queue, monkeypatch, shadow, prestage, workers):
     """Each leased version is only opened while the engine serves (no copy, no checksum); the
-    swap copies the trainer's tensors into the live weights, through load_weights without a
-    shadow, by the shadow's load plan with one (its first version loads into the shadow and
-    traces the plan). The release returns only once that swap is done: held mid-swap, the
-    trainer's release waits, and its next step never reaches the replica's weights."""
+    swap copies the trainer's tensors into the live weights by a load plan. Without shadow
+    weights (a direct replica builds none) the first version loads through load_weights at
+    its swap, which traces the plan on the live weights; with them (forced) it loads into
+    the shadow, which traces it. The release returns only once that swap is done: held
+    mid-swap, the trainer's release waits, and its next step never reaches the replica's
+    weights."""
     from rollq import Consumer, WeightSyncSettings
     from rollq.testing.fake_workers import FakeWorkerEngine
     from rollq.weightsync import WeightFollower, WeightPublisher
@@ -92,8 +94,11 @@ async def test_a_direct_swap_copies_the_leased_tensors_into_the_live_weights_and
             first_with_shadow = shadow and fill == 1.0
             assert load["swap"] == ("shadow" if first_with_shadow else "direct"), load
             assert load.get("direct", False) is not first_with_shadow, load
+            if not first_with_shadow:
+                assert load["copied_by"] == ("load_weights" if fill == 1.0 else "plan"), load
         assert copies == ([1] * workers if shadow else []), copies  # only the version that traced the plan
         assert all((w.rollq_state.shadow is not None) == shadow for w in engine.workers)
+        assert all((w.rollq_state.live_plan is not None) != shadow for w in engine.workers)
 
         gate, reached = _hold_direct_swaps(monkeypatch)
         _step(st, 4.0)
@@ -213,13 +218,15 @@ def test_leased_handles_are_owned():
 
 
 @pytest.mark.parametrize("memmap", [False, True], ids=["no memmap copy", "memmap copy"])
+@pytest.mark.parametrize("transform", [False, True], ids=["by the plan", "load_weights"])
 async def test_a_direct_swap_whose_version_is_released_while_it_copies_is_torn(redis_url, queue, monkeypatch, tmp_path,
-                                                                               memmap):
+                                                                               memmap, transform):
     """The trainer's release reaches the worker in the middle of its copy (the replica's claim
     was lost, e.g. with a Redis that restarted empty): the trainer may have changed the tensors
     the swap read, so the swap is torn (``TornDirectSwap``), not taken as the version: with
     the memmap copy the publisher kept, the replica loads that instead and serves the version
-    whole; without one the failure is recorded."""
+    whole; without one the failure is recorded. Whether the copy goes by the load plan or
+    through load_weights (a loader that transforms what it reads gives no plan)."""
     from rollq import Consumer, WeightSyncSettings
     from rollq.testing.fake_workers import FakeWorkerEngine
     from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
@@ -227,7 +234,7 @@ async def test_a_direct_swap_whose_version_is_released_while_it_copies_is_torn(r
     from rollq.weightsync.worker._state import WorkerState
     from tests.helpers import until
 
-    engine = FakeWorkerEngine(loadable_model)
+    engine = FakeWorkerEngine(lambda: loadable_model(transform))
     consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
     root = str(tmp_path) if memmap else None
     follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.1, ipc_direct=True, load_retries=0))
@@ -237,13 +244,22 @@ async def test_a_direct_swap_whose_version_is_released_while_it_copies_is_torn(r
         first = await pub.publish_weights(st, transport="ipc")
         await pub.release_weights(timeout=10)
         await until(lambda: consumer.version == first.version, 10, "version 1")
-        real = WorkerState.load_live
+        assert follower.history[-1].load["copied_by"] == "load_weights"
+        real_load, real_wrote = WorkerState.load_live, WorkerState.wrote_live
+        how: list[str] = []
 
-        def released_meanwhile(self: Any, items: Any) -> None:
+        def released_meanwhile(self: Any, items: Any, **kw: Any) -> None:
             release(pub)  # the trainer's release, past the claim it never saw
-            real(self, items)
+            how.append("load_weights")
+            real_load(self, items, **kw)
+
+        def released_after_the_copy(self: Any, manifest: Any) -> None:
+            release(pub)  # by the plan: the copy is made, the check after it runs next
+            how.append("plan")
+            real_wrote(self, manifest)
 
         monkeypatch.setattr(WorkerState, "load_live", released_meanwhile)
+        monkeypatch.setattr(WorkerState, "wrote_live", released_after_the_copy)
         _step(st, 2.0)
         second = await pub.publish_weights(st, transport="ipc")
         _step(st, 9.0)  # the trainer's step after its (early) release
@@ -255,6 +271,7 @@ async def test_a_direct_swap_whose_version_is_released_while_it_copies_is_torn(r
             errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
             assert (errors["r0"].version, errors["r0"].error) == (second.version, "TornDirectSwap"), errors
             assert consumer.version == first.version
+        assert how[0] == ("load_weights" if transform else "plan"), how
     await pub.close()
 
 
