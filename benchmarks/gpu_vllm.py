@@ -43,6 +43,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -507,7 +508,7 @@ async def engine_main(a: argparse.Namespace) -> None:
             save()
 
         if "ipc" in phases:
-            rows = []
+            rows, warm_rows = [], []
             try:
                 import dataclasses
 
@@ -544,14 +545,15 @@ async def engine_main(a: argparse.Namespace) -> None:
                                open_s=st.load.get("open_s"), verify_s=st.load.get("verify_s"), opened=st.load.get("opened"),
                                reused=st.load.get("reused"), hint_after_publish_s=hinted - r["t1"] if hinted else None,
                                stage_call_s=st.timings.get("stage_call_s"), **timeline(st, r["t1"], row["seen_s"] + r["t0"]),
-                               load=st.load)
+                               copied_by=st.load.get("copied_by"),
+                               gpu_used_mib=gpu_used_mib(), load=st.load)
                     log("ipc", {k: v for k, v in row.items() if k != "load"})
                     i, prev_keep, prev_expose = i + 1, keep, expose
-                    if not warm:
-                        rows.append(row)
-                out["phases"]["ipc"] = {"reps": rows}
+                    (warm_rows if warm else rows).append(row)
+                out["phases"]["ipc"] = {"reps": rows, "warm_ups": warm_rows}
             except Exception as e:
-                out["phases"]["ipc"] = {"reps": rows, "error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}  # the updates before it too
+                out["phases"]["ipc"] = {"reps": rows, "warm_ups": warm_rows, "error": f"{type(e).__name__}: {e}",
+                                        "tb": traceback.format_exc()}  # the updates before it too
             save()
 
         load.task.cancel()
@@ -661,12 +663,31 @@ def render(out: dict) -> str:
                   f"steps {med(r, 'max_step_gap_s') * 1000:.1f} ms (median step {med(r, 'median_step_s') * 1000:.1f} ms); "
                   f"trainer's extra GPU memory {max(x.get('trainer_extra_gpu_bytes') or 0 for x in r) / 2**20:.0f} MiB in the publish "
                   f"call, {max(x.get('trainer_held_gpu_bytes') or 0 for x in r) / 2**20:.0f} MiB held beside its weights, copied "
-                  f"{max(x.get('trainer_copied_bytes') or 0 for x in r) / 2**20:.0f} MiB; served weights equal the published ones: "
-                  f"{all(x.get('weights_match') for x in r)}", ""]
+                  f"{max(x.get('trainer_copied_bytes') or 0 for x in r) / 2**20:.0f} MiB; "
+                  + (f"swaps copied by {', '.join(sorted({str(x.get('copied_by')) for x in r}))}, " if expose == "direct" else "")
+                  + (f"GPU memory in use after the update {max(x['gpu_used_mib'] for x in r):.0f} MiB (all processes); "
+                     if all(x.get("gpu_used_mib") for x in r) else "")
+                  + f"served weights equal the published ones: {all(x.get('weights_match') for x in r)}", ""]
+    warm = ph.get("ipc", {}).get("warm_ups", [])
+    if warm:
+        lines += ["Warm-up updates, not counted above (the first traces the load plan): " + "; ".join(
+            f"{x['expose']}{' (' + str(x['copied_by']) + ')' if x.get('copied_by') else ''}: end to end "
+            f"{x['end_to_end_s'] * 1000:.0f} ms, swap call {x['paused_s'] * 1000:.1f} ms, longest gap between engine steps "
+            f"{x['max_step_gap_s'] * 1000:.1f} ms" for x in warm), ""]
     for k, v in ph.items():
         if "error" in v:
             lines.append(f"{k}: ERROR {v['error']}")
     return "\n".join(lines) + "\n"
+
+
+def gpu_used_mib() -> float | None:
+    """Memory in use on GPU 0 by every process (nvidia-smi; None without it)."""
+    try:
+        got = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=10)
+        return float(got.stdout.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
 
 
 def exposures(a: argparse.Namespace) -> list[str]:
