@@ -185,7 +185,7 @@ class Replicas:
         return sorted({d for c in self.consumers for d in c.converted_from})
 
     def update_history(self) -> list[Any]:
-        """Every follower's :class:`~rollq.weightsync.replica.follower.UpdateStats`, all replicas."""
+        """Every follower's :class:`~rollq.weightsync.replica._stats.UpdateStats`, all replicas."""
         return [st for f in self.followers for st in f.history]
 
     async def __aenter__(self) -> Replicas:

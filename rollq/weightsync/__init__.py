@@ -27,7 +27,7 @@ from typing import Any
 
 _GROUPS: dict[str, dict[str, str]] = {
     "trainer": {"WeightPublisher": "trainer.publisher", "BroadcastSender": "trainer.sender"},
-    "replica": {"WeightFollower": "replica.follower", "UpdateStats": "replica.follower", "WorkerCalls": "replica.worker_calls"},
+    "replica": {"WeightFollower": "replica.follower", "UpdateStats": "replica._stats", "WorkerCalls": "replica.worker_calls"},
     "worker": {"RollqWorkerExtension": "worker.ext"},
     "storage": {"MemmapStore": "memmap", "state_checksum": "checksum", "tensor_checksum": "checksum"},
     "versions": {
