@@ -323,23 +323,26 @@ def test_a_flat_buffer_without_room_beside_the_shadow_is_filled_through_host_mem
     assert all(torch.equal(live.state_dict()[k], v) for k, v in ref.state_dict().items())
 
 
+class Big(torch.nn.Module):
+    """Two 64 MiB float32 parameters on the GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(4096, 4096, device="cuda"), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(4096, 4096, device="cuda"), requires_grad=False)
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for n, t in weights:
+            params[n].data.copy_(t)
+        return set(params)
+
+
 @pytest.mark.gpu
 def test_the_first_traced_load_holds_one_copy_of_the_weights_beside_the_model_when_memory_is_short(monkeypatch):
     """On a GPU with too little room for a second shadow, the relayout into the flat buffer
     peaks at one shadow's bytes beside the live weights (not two)."""
     from rollq.weightsync.worker import _shadow
-
-    class Big(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = torch.nn.Parameter(torch.zeros(4096, 4096, device="cuda"), requires_grad=False)
-            self.b = torch.nn.Parameter(torch.zeros(4096, 4096, device="cuda"), requires_grad=False)
-
-        def load_weights(self, weights):
-            params = dict(self.named_parameters())
-            for n, t in weights:
-                params[n].data.copy_(t)
-            return set(params)
 
     live = Big()
     ckpt_ = [(n, torch.full((4096, 4096), float(i + 1))) for i, n in enumerate("ab")]  # host tensors
@@ -352,5 +355,24 @@ def test_the_first_traced_load_holds_one_copy_of_the_weights_beside_the_model_wh
     peak = torch.cuda.max_memory_allocated() - base
     assert sh.flat is not None
     assert peak < 1.25 * sh.nbytes, (peak, sh.nbytes)  # the copy of the weights, not two
+    sh.swap()
+    assert bool((live.a == 1).all()) and bool((live.b == 2).all())
+
+
+@pytest.mark.gpu
+def test_the_relayout_returns_the_storages_it_replaced_to_the_device():
+    """The shadow's parameters moved into its flat buffer leave their old storages free; they
+    go back to the device, not into the worker's allocator cache, where a shadow of a 7B model
+    kept 15 GB the trainer beside it could not use."""
+    live = Big()
+    ckpt_ = [(n, torch.full((4096, 4096), float(i + 1), device="cuda")) for i, n in enumerate("ab")]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    sh = ShadowWeights(live)
+    sh.load(ckpt_, version=1, trace=True)
+    assert sh.flat is not None
+    grown = torch.cuda.memory_reserved() - reserved
+    assert grown < 1.5 * sh.nbytes, (grown, sh.nbytes)  # the flat shadow, not it and the old storages
     sh.swap()
     assert bool((live.a == 1).all()) and bool((live.b == 2).all())

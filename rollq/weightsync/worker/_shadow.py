@@ -296,6 +296,11 @@ class ShadowWeights:
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
         del srcs  # kept until the copies out of them are done (their blocks may be reused)
+        if dev.type == "cuda":
+            # The replaced storages (a copy of the weights) go back to the device: cached by
+            # this worker's allocator they would stay out of reach of other processes, such as
+            # a trainer on the same GPU, for as long as the engine runs.
+            torch.cuda.empty_cache()
         self._views = None
         self.flat = flat
         self._scratch = flat[scratch_at:] if self._scratch_bytes else None
