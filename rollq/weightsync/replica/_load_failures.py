@@ -19,6 +19,7 @@ from typing import Any
 from ...connection import RETRYABLE
 from ...errors import CorruptWeights, WeightMismatch
 from ..base import ReplicaSide
+from ..ipc_wire import IpcUnavailable
 from ..versions import LoadError, report_load_error
 
 log = logging.getLogger(__name__)
@@ -73,9 +74,12 @@ class LoadFailures:
                 c.id, version, type(e).__name__, msg[:500], c.version,
             )
         else:
+            # A refused IPC version (its trainer released it or exited) is a condition its
+            # message tells whole, met at the end of every run: no traceback beside it.
             log.warning(
                 "replica %s could not load policy version %d (%s: %s); retry %d of %d in %.1fs (WeightFollower load_retries)",
-                c.id, version, type(e).__name__, msg[:500], attempts, self.retries, delay, exc_info=e,
+                c.id, version, type(e).__name__, msg[:500], attempts, self.retries, delay,
+                exc_info=None if isinstance(e, IpcUnavailable) else e,
             )
         try:
             await report_load_error(client, c.keys, c.id, LoadError(
