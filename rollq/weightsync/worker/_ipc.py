@@ -270,12 +270,16 @@ class IpcStaging:
     def _copy(self, h: IpcHandles, srcs: Items, t0: float) -> StageStatus:
         st, version = self.state, h.version
         dev = st.device
-        manifest = manifest_of(srcs)
+        # The views over kept mappings are the same every version: so are their manifest and
+        # the direct swap's copies (a thousand tensor calls, each waiting for the engine's GIL).
+        manifest = self.maps.derived(srcs, "manifest", None, lambda: manifest_of(srcs))
         if self.direct and h.lease:
             with st.lock:
                 if st.takes_direct(manifest):  # the swap copies them (swap_direct)
                     self.staged, self.leased = (version, srcs), h
-                    self.plan_copy = self._plan_copy(srcs, st.live_views(manifest))
+                    views = st.live_views(manifest)
+                    self.plan_copy = None if views is None else self.maps.derived(
+                        srcs, "plan_copy", tuple(map(id, views)), lambda: self._plan_copy(srcs, views))
                     return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0,
                                        prepare_s=0.0, shadow=False, direct=True, open_s=self._open_s)
         if dev.type == "cuda":

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, TypeVar
 
 import torch
 
@@ -47,6 +47,7 @@ from ..ipc_wire import IpcHandles, IpcStorage, IpcTensor, StorageKind
 log = logging.getLogger(__name__)
 
 Opener = Callable[[int, IpcStorage], torch.UntypedStorage]
+T = TypeVar("T")
 
 
 def storage_key(pid: int, s: IpcStorage) -> Hashable:
@@ -89,6 +90,8 @@ class MappedStorages:
         self._owner: tuple[int, int | None] | None = None  # (pid, start time) of their trainer
         #: The last :meth:`tensors`: (its storages, its tensor table, what ``build`` made of them).
         self._views: tuple[list[torch.UntypedStorage], list[IpcTensor], Any] | None = None
+        #: What callers built from those views (:meth:`derived`), dropped with them.
+        self._derived: dict[str, tuple[Hashable, Any]] = {}
         self._watcher: threading.Thread | None = None
 
     def __len__(self) -> int:
@@ -126,7 +129,7 @@ class MappedStorages:
         with self._lock:
             kept, self._maps = self._maps, now
             if opened or len(now) != len(kept):
-                self._views = None  # built on storages this version does not hold
+                self._views, self._derived = None, {}  # built on storages this version does not hold
         del kept  # what the last version held and this one does not is unmapped here
         self.opened, self.reused = opened, reused
         self._watch()
@@ -145,8 +148,30 @@ class MappedStorages:
         made = build(storages)
         with self._lock:
             if self._maps:  # not unmapped meanwhile (a failure, the trainer's exit)
-                self._views = (storages, h.tensors, made)
+                self._views, self._derived = (storages, h.tensors, made), {}
         return made
+
+    def derived(self, views: Any, name: str, ident: Hashable, make: Callable[[], T]) -> T:
+        """What ``make()`` builds from ``views`` (what :meth:`tensors` returned) and from what
+        ``ident`` identifies: built once while those views are kept, and dropped with them
+        (so it holds none of the trainer's memory longer than the mappings do). Views that
+        are not the kept ones (mappings not kept, or dropped since) are built for each call.
+
+        >>> maps = MappedStorages()
+        >>> maps.derived([], "x", 1, lambda: "built")  # nothing kept: built every time
+        'built'
+        """
+        with self._lock:
+            kept = self._views
+            got = self._derived.get(name) if kept is not None and kept[2] is views else None
+        if got is not None and got[0] == ident:
+            out: T = got[1]
+            return out
+        out = make()
+        with self._lock:
+            if kept is not None and self._views is kept:
+                self._derived[name] = (ident, out)
+        return out
 
     def clear(self) -> None:
         """Unmap everything (the next version opens every storage)."""
@@ -157,7 +182,7 @@ class MappedStorages:
     def _detach(self) -> dict[Hashable, torch.UntypedStorage]:
         """Forget every mapping and the views over them (under the lock); the caller unmaps
         what this returns by dropping it outside the lock."""
-        old, self._maps, self._owner, self._views = self._maps, {}, None, None
+        old, self._maps, self._owner, self._views, self._derived = self._maps, {}, None, None, {}
         return old
 
     def _watch(self) -> None:

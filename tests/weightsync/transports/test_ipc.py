@@ -446,7 +446,12 @@ def test_mappings_of_a_trainer_process_that_exited_are_dropped():
         # the same storages laid out the same way: the same views, nothing opened
         assert maps.tensors(h, lambda i, s: pytest.fail("opened again"), lambda st: pytest.fail("built again")) is views
         assert (maps.opened, maps.reused) == (0, 1)
-        del views
+        # what a worker builds from kept views (their manifest, a direct swap's copies): once
+        built = maps.derived(views, "plan", 1, lambda: ["copies"])
+        assert maps.derived(views, "plan", 1, lambda: pytest.fail("built again")) is built
+        assert maps.derived(views, "plan", 2, lambda: ["other"]) == ["other"]  # another plan: built anew
+        assert maps.derived(list(views), "plan", 2, lambda: ["not kept"]) == ["not kept"]  # views not the kept ones
+        del views, built
         assert len(maps) == 1 and process_start(h.pid) is not None
         time.sleep(0.3)
         assert len(maps) == 1  # the trainer lives: kept
@@ -455,7 +460,7 @@ def test_mappings_of_a_trainer_process_that_exited_are_dropped():
         deadline = time.monotonic() + 10
         while len(maps) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert len(maps) == 0 and maps._views is None  # the views held the storages too
+        assert len(maps) == 0 and maps._views is None and not maps._derived  # they held the storages too
         with pytest.raises(IpcUnavailable, match="the trainer exited"):
             maps.open(h, lambda i, s: _open_cpu(h.pid, s, "w"))
         assert len(maps) == 0

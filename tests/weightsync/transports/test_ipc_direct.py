@@ -76,6 +76,15 @@ async def test_a_direct_swap_copies_the_leased_tensors_into_the_live_weights_and
         return out
 
     monkeypatch.setattr(IpcStaging, "_copy", counted)
+    plans: list[int] = []
+    real_plan = IpcStaging._plan_copy
+
+    def planned(items: Any, views: Any) -> Any:
+        if views is not None:  # a plan to copy by (None: there is none yet)
+            plans.append(len(items))
+        return real_plan(items, views)
+
+    monkeypatch.setattr(IpcStaging, "_plan_copy", staticmethod(planned))
     engine = FakeWorkerEngine(loadable_model, num_workers=workers)
     consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
     follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True, ipc_prestage=prestage))
@@ -97,6 +106,8 @@ async def test_a_direct_swap_copies_the_leased_tensors_into_the_live_weights_and
             if not first_with_shadow:
                 assert load["copied_by"] == ("load_weights" if fill == 1.0 else "plan"), load
         assert copies == ([1] * workers if shadow else []), copies  # only the version that traced the plan
+        # the copies by the plan are built once per worker (version 2) and reused over the kept mappings
+        assert plans == [2] * workers, plans
         assert all((w.rollq_state.shadow is not None) == shadow for w in engine.workers)
         assert all((w.rollq_state.live_plan is not None) != shadow for w in engine.workers)
 
