@@ -38,7 +38,7 @@ QUEUE = "demo"
 #: ``scale_rewards``: :attr:`~rollq.rl.grpo.GrpoConfig.scale_rewards` (absent: ``"group"``).
 #: ``shaping``: the task's reward-shaping schedule (:class:`~rollq.rl.tasks.Shaping` arguments;
 #: absent: the task trains on its exact reward). ``agree_every``:
-#: :attr:`~rollq.rl.loop.LoopConfig.agree_every` (absent: 1, the agreement forward every step).
+#: :attr:`~rollq.rl.loop_config.LoopConfig.agree_every` (absent: 1, the agreement forward every step).
 #: ``explore``: :class:`~rollq.rl.tasks.Exploration` arguments (absent: every job at temperature 1).
 RECIPES: dict[str, dict[str, Any]] = {
     "bucket": {"model": {}, "steps": 40, "groups": 16, "group_size": 8, "lr": 5e-3, "decay_after": None,

@@ -8,7 +8,8 @@
 from .behavior import SamplingTransformError, behavior_temperature, logprob_agreement, single_version, token_logprobs
 from .episodes import NOT_GENERATED, Episode, EpisodeGroup, Turn, assemble_episode, play_group
 from .grpo import GrpoConfig, GrpoTrainer, StepStats, group_advantages, grpo_loss
-from .loop import LoopConfig, run_loop
+from .loop import run_loop
+from .loop_config import LoopConfig
 from .report import LoopReport, StepRecord, busy_fraction
 from .plot import plot_run
 from .replicas import Replicas

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from .behavior import CONFIDENCE_BUCKETS, merge_buckets
 
 if TYPE_CHECKING:
-    from .loop import LoopConfig
+    from .loop_config import LoopConfig
 
 __all__ = ["LoopReport", "StepRecord", "busy_fraction", "mean"]
 
