@@ -275,9 +275,9 @@ class IpcStaging:
         manifest = self.maps.derived(srcs, "manifest", None, lambda: manifest_of(srcs))
         if self.direct and h.lease:
             with st.lock:
-                if st.takes_direct(manifest):  # the swap copies them (swap_direct)
+                views = st.live_views(manifest)
+                if views is not None or st.takes_direct(manifest):  # the swap copies them (swap_direct)
                     self.staged, self.leased = (version, srcs), h
-                    views = st.live_views(manifest)
                     self.plan_copy = None if views is None else self.maps.derived(
                         srcs, "plan_copy", tuple(map(id, views)), lambda: self._plan_copy(srcs, views))
                     return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0,
@@ -359,7 +359,7 @@ class IpcStaging:
         if not _token_alive(h):
             raise IpcUnavailable(f"trainer process {h.pid} exited or released version {version} before the direct swap")
         st, dev = self.state, self.state.device
-        manifest = manifest_of(items)
+        manifest = self.maps.derived(items, "manifest", None, lambda: manifest_of(items))  # the staging's
         if plan is None:  # not made while staging (a plan traced since): made now
             plan = self._plan_copy(items, st.live_views(manifest))
         with torch.no_grad():

@@ -39,7 +39,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ._load_trace import Plan, Region, Signature, bytes_from, live_bytes, plan_from, signature_of, traced_load
+from ._load_trace import Plan, Signature, bytes_from, live_bytes, plan_from, signature_of, traced_load
 from ._swap_kernel import swap_bytes_, warm_swap_kernel
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class ShadowWeights:
         #: live into the shadow so that a partial update keeps the other weights.
         self.synced = False
         #: The load plan: manifest signature and where each tensor lands (see the module doc).
-        self.plan: tuple[Signature, dict[str, Region]] | None = None
+        self.plan: Plan | None = None
         #: Why the last traced load gave no plan (None: it gave one, or none was traced).
         self.plan_refused: str | None = None
         self._no_plan: set[Signature] = set()
@@ -142,7 +142,6 @@ class ShadowWeights:
         self._live_views: list[torch.Tensor | None] | None = None
         #: Where tensors that load_weights ignores are received (see plan_from).
         self._scratch: torch.Tensor | None = None
-        self._scratch_bytes = 0
         #: The plan's parameters in one buffer (see :meth:`_relayout`): its signature, each
         #: tensor's byte offset in :attr:`flat`, and its size.
         self.flat: torch.Tensor | None = None
@@ -186,7 +185,7 @@ class ShadowWeights:
     def wants_trace(self, metas: Iterable[Any]) -> bool:
         """Whether a load of this manifest should be traced (no plan for it yet, none refused)."""
         sig = signature_of(metas)
-        return sig not in self._no_plan and (self.plan is None or self.plan[0] != sig)
+        return sig not in self._no_plan and (self.plan is None or self.plan.sig != sig)
 
     def load(
         self, items: Iterable[tuple[str, torch.Tensor]], version: int, stream: torch.cuda.Stream | None = None,
@@ -234,10 +233,8 @@ class ShadowWeights:
         trace, sig = traced_load(self.root.load_weights, self.shadow, live, items)
         plan = plan_from(trace, sig)
         if isinstance(plan, Plan):
-            self._scratch_bytes, self._scratch = plan.scratch_bytes, None
-            self.flat_layout = None
-            self._views = self._live_views = None
-            self.plan, self.plan_refused = (sig, plan.regions), None
+            self._scratch = self.flat_layout = self._views = self._live_views = None
+            self.plan, self.plan_refused = plan, None
             self._relayout()
             log.info("load plan recorded: %d tensors written straight into the shadow from now on (%s)", len(sig),
                      "one flat buffer" if self.flat_layout else "parameters apart")
@@ -253,7 +250,7 @@ class ShadowWeights:
         a few calls instead of one per tensor. Skipped when the plan fills a parameter only
         in part (bytes in between would be overwritten) or a parameter is not contiguous."""
         assert self.plan is not None
-        sig, regions = self.plan
+        sig, regions = self.plan.sig, self.plan.regions
         order: list[int] = []
         filled: dict[int, int] = {}
         for name, _, _ in sig:
@@ -271,7 +268,7 @@ class ShadowWeights:
             base[i] = pos
             pos = (pos + size[i] + align - 1) // align * align
         scratch_at = pos
-        total = scratch_at + self._scratch_bytes
+        total = scratch_at + self.plan.scratch_bytes
         dev = self.shadow[order[0]].device
         flat = _allocate(total, dev) if room_for(total, dev) else None
         self._bytes = [None] * len(self.shadow)  # views of the storages being replaced
@@ -303,7 +300,7 @@ class ShadowWeights:
             torch.cuda.empty_cache()
         self._views = None
         self.flat = flat
-        self._scratch = flat[scratch_at:] if self._scratch_bytes else None
+        self._scratch = flat[scratch_at:] if self.plan.scratch_bytes else None
         offsets = [base[r.param] + r.offset if r.param >= 0 else scratch_at + r.offset for r in (regions[n] for n, _, _ in sig)]
         self.flat_layout = (sig, offsets, total)
 
@@ -327,12 +324,12 @@ class ShadowWeights:
         receiving thread shares the GIL with the engine: hundreds of tensor calls per version
         would each wait for it)."""
         metas = list(metas)
-        if self.plan is None or self.plan[0] != signature_of(metas):
+        if self.plan is None or self.plan.sig != signature_of(metas):
             return None
         if self._views is None:
-            regions = self.plan[1]
-            if self._scratch is None and self._scratch_bytes:
-                self._scratch = torch.empty(self._scratch_bytes, dtype=torch.uint8, device=self.shadow[0].device)
+            regions = self.plan.regions
+            if self._scratch is None and self.plan.scratch_bytes:
+                self._scratch = torch.empty(self.plan.scratch_bytes, dtype=torch.uint8, device=self.shadow[0].device)
             scratch: Any = self._scratch  # set whenever a region lies in it (r.param < 0)
             self._views = [
                 (self._param_bytes(r.param) if r.param >= 0 else scratch)[r.offset : r.offset + r.nbytes]
@@ -346,10 +343,10 @@ class ShadowWeights:
         into the live weights goes (:meth:`wrote_live` after). None unless the recorded plan is
         for exactly this manifest. Live parameters never move: built once per plan."""
         metas = list(metas)
-        if self.plan is None or self.plan[0] != signature_of(metas):
+        if self.plan is None or self.plan.sig != signature_of(metas):
             return None
         if self._live_views is None:
-            self._live_views = live_bytes(self.live, self.plan[1], [m.name for m in metas])
+            self._live_views = live_bytes(self.live, self.plan.regions, [m.name for m in metas])
         return list(self._live_views)
 
     def wrote_live(self, sig: Signature) -> None:
@@ -358,7 +355,7 @@ class ShadowWeights:
         holds nothing to swap in, and differs from live in that plan's bytes (and wherever it
         differed before); its next write starts after these writes."""
         self.version = None
-        mine = self.plan is not None and self.plan[0] == sig
+        mine = self.plan is not None and self.plan.sig == sig
         self._clean_except = sig if mine and (self.synced or self._clean_except == sig) else None
         self.synced = False
         self._mark_swap()
@@ -372,7 +369,7 @@ class ShadowWeights:
             return None
         assert self.plan is not None  # direct_views needs it
         with self._on(stream), torch.no_grad():
-            self._begin_write(self.plan[0])  # the writes into ``views`` go on this stream, after it
+            self._begin_write(self.plan.sig)  # the writes into ``views`` go on this stream, after it
         return views
 
     def params_by_part(self, metas: Iterable[Any], part_of: list[int]) -> list[list[int]] | None:
@@ -381,9 +378,9 @@ class ShadowWeights:
         manifest tensor ``j``; a parameter written by several tensors (a fused ``qkv_proj``)
         is complete with the last of them. None without a plan for this manifest."""
         metas = list(metas)
-        if self.plan is None or self.plan[0] != signature_of(metas):
+        if self.plan is None or self.plan.sig != signature_of(metas):
             return None
-        regions = self.plan[1]
+        regions = self.plan.regions
         last: dict[int, int] = {}
         for m, k in zip(metas, part_of):
             r = regions[m.name]
