@@ -18,7 +18,6 @@ waits for the GIL, so the saving there is larger than here.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -32,11 +31,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def main() -> None:
-    from direct_swap_host import Model
+    from _report import write_results
+    from direct_swap_host import Model, stage_leased
 
     from rollq.testing.fake_workers import FakeWorker
-    from rollq.weightsync.ipc_wire import encode_handles
-    from rollq.weightsync.trainer.ipc_export import Exposure
     from rollq.weightsync.worker._ipc_maps import MappedStorages
     from rollq.weightsync.worker._swap import apply_staged
 
@@ -58,16 +56,9 @@ def main() -> None:
     times: dict[str, list[float]] = {"built once, reused": [], "built every version": []}
     x = None
     for v in range(1, 2 * a.reps + 4):
-        for _, t in items:
-            t.fill_(float(v))
-        last, x = x, Exposure(v, items, lease=True)
-        if last is not None:
-            last.release()
         case = "built once, reused" if v % 2 else "built every version"
         ipc.maps.derived = kept if v % 2 else every_time  # type: ignore[method-assign]
-        ipc.stage(encode_handles(x.handles), v, direct=True)
-        ipc.wait()
-        assert ipc.status.state.value == "staged", ipc.status
+        x = stage_leased(ipc, items, v, x)
         if v > 3:  # the first traces the plan, the second builds the copies, the third is the first reuse
             times[case].append(ipc.status.stage_s * 1e6)
         report = apply_staged(st, v)
@@ -82,10 +73,7 @@ def main() -> None:
           f"{len(times['built once, reused'])} stagings each, taking turns, µs (StageStatus.stage_s):\n\n"
           "| the manifest and the plan's copies | staging |\n| --- | --- |\n"
           + "".join(f"| {k} | {v:.0f} |\n" for k, v in med.items()) + f"\nratio: {out['ratio']:.2f}x\n")
-    print(md)
-    if a.out:
-        Path(a.out + ".json").write_text(json.dumps(out, indent=1))
-        Path(a.out + ".md").write_text(md)
+    write_results(a.out, out, md)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ swap). Medians of ``--reps`` swaps each, microseconds; ``<out>.json`` and ``<out
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from _report import write_results  # noqa: E402  (beside this script)
 
 
 class Model(torch.nn.Module):
@@ -43,10 +44,26 @@ class Model(torch.nn.Module):
         return set(params)
 
 
-def main() -> None:
-    from rollq.testing.fake_workers import FakeWorker
+def stage_leased(ipc: Any, items: list[tuple[str, torch.Tensor]], version: int, last: Any) -> Any:
+    """The trainer's step (``items`` filled with ``version``), ``version`` exposed leased in
+    place of ``last`` (released), and staged for a direct swap by the worker's ``ipc``
+    staging; the new exposure."""
     from rollq.weightsync.ipc_wire import encode_handles
     from rollq.weightsync.trainer.ipc_export import Exposure
+
+    for _, t in items:
+        t.fill_(float(version))
+    x = Exposure(version, items, lease=True)
+    if last is not None:
+        last.release()
+    ipc.stage(encode_handles(x.handles), version, direct=True)
+    ipc.wait()
+    assert ipc.status.state.value == "staged", ipc.status
+    return x
+
+
+def main() -> None:
+    from rollq.testing.fake_workers import FakeWorker
     from rollq.weightsync.worker._swap import apply_staged
 
     ap = argparse.ArgumentParser()
@@ -63,14 +80,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"made while staging": [], "made in the swap": []}
     x = None
     for v in range(1, 2 * a.reps + 3):
-        for _, t in items:
-            t.fill_(float(v))
-        last, x = x, Exposure(v, items, lease=True)
-        if last is not None:
-            last.release()
-        ipc.stage(encode_handles(x.handles), v, direct=True)
-        ipc.wait()
-        assert ipc.status.state.value == "staged", ipc.status
+        x = stage_leased(ipc, items, v, x)
         case = "made while staging" if v % 2 else "made in the swap"
         if case == "made in the swap":
             ipc.plan_copy = None
@@ -88,10 +98,7 @@ def main() -> None:
     md = (f"# Host time of a direct swap's call ({a.tensors} tensors)\n\n`{out['command']}`, medians of {len(times['made in the swap'])} "
           "swaps each, taking turns, µs:\n\n| the plan's copies | apply_staged |\n| --- | --- |\n"
           + "".join(f"| {k} | {v:.0f} |\n" for k, v in med.items()) + f"\nratio: {out['ratio']:.2f}x\n")
-    print(md)
-    if a.out:
-        Path(a.out + ".json").write_text(json.dumps(out, indent=1))
-        Path(a.out + ".md").write_text(md)
+    write_results(a.out, out, md)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _report import write_results  # noqa: E402  (beside this script)
+
 
 class Model(torch.nn.Sequential):
     """Linear layers with vLLM's ``load_weights`` entry point (a plain copy per tensor: the
@@ -146,11 +148,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     out = asyncio.run(run(a))
-    md = summary(out)
-    print(md)
-    if a.out:
-        Path(a.out + ".json").write_text(json.dumps(out, indent=1))
-        Path(a.out + ".md").write_text(md)
+    write_results(a.out, out, summary(out))
 
 
 if __name__ == "__main__":
