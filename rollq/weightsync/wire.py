@@ -336,17 +336,24 @@ class SwapReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     receive_s: float | None = None
     kernel: str | None = None  # how the exchanges swapped bytes: triton | copies
     copied_by: str | None = None  # a direct swap: plan (a copy per tensor) | load_weights
+    #: A direct swap's copies still ran when the call returned (``rollq_swap_done`` says when
+    #: they ended); the replica's claim of the version lasts until then.
+    pending: bool = False
+    wait_copy_s: float | None = None  # the replica's wait for those copies after the call
     error: WorkerError | None = None
 
 
 class SwapTimes(msgspec.Struct, kw_only=True):
-    """When a worker's last swap from the shadow weights was enqueued and when its device
-    copies finished (``time.time()``; ``done_at`` None while they run; ``rollq_swap_done``).
-    ``version`` 0: no such swap yet."""
+    """When a worker's last swap from the shadow weights, or direct swap by a load plan, was
+    enqueued and when its device copies finished (``time.time()``; ``done_at`` None while
+    they run; ``rollq_swap_done``). ``version`` 0: no such swap yet. ``torn``: why a direct
+    swap's copies may hold part of the version (the trainer stopped guaranteeing its tensors
+    before they ended), set before ``done_at``."""
 
     version: int = 0
     enqueued_at: float = 0.0
     done_at: float | None = None
+    torn: str | None = None
 
 
 class MalformedReply(WeightSyncError):

@@ -140,7 +140,12 @@ class ReplicaTransport(ABC):
 
     async def _swap_in_workers(self, rec: VersionRecord, staged: Staged) -> SwapReport:
         """Have every worker swap in what it staged (``apply_staged``), within ``load_timeout``;
-        a worker that refused it raises here as its own error type."""
+        a worker that refused it raises here as its own error type. The first worker's report."""
+        res = await self._swap_each(rec, staged)
+        return res[0] if res else SwapReport()
+
+    async def _swap_each(self, rec: VersionRecord, staged: Staged) -> list[SwapReport]:
+        """:meth:`_swap_in_workers`, every worker's report."""
         timeout = self.settings.load_timeout
         try:
             res = await asyncio.wait_for(self.workers.apply_staged(version=staged.version), timeout)
@@ -149,4 +154,4 @@ class ReplicaTransport(ABC):
         for r in res:
             if r.error is not None:
                 raise r.error.exception(f"version {rec.version} refused: ")
-        return res[0] if res else SwapReport()
+        return res

@@ -31,7 +31,9 @@ the version is not applied, the follower records the load failure and the old we
 on; with a memmap copy in the record the replica loads that instead. With
 ``WeightSyncSettings.ipc_direct`` a leased version is only opened, claimed
 (``QueueKeys.weights_ipc_claims``), and copied by the swap straight into the live weights
-(:meth:`IpcReceive.swap`); :func:`release_when_copied` waits for the claims. With
+(:meth:`IpcReceive.swap`; on a GPU the copies run on the device after the swap call returns,
+ahead of the next engine step, and the claim ends once they ended);
+:func:`release_when_copied` waits for the claims. With
 ``WeightSyncSettings.ipc_prestage`` the workers start each copy themselves when the version is
 announced (:meth:`IpcReceive.watch`, :mod:`rollq.weightsync.worker._ipc_watch`) and the follower
 reads how it stands from Redis; a copy they did not start, or that failed, it starts itself.
@@ -340,10 +342,12 @@ class IpcReceive(ReplicaTransport):
 
     async def swap(self, rec: VersionRecord, staged: Staged) -> SwapReport:
         """Swap the staged version in; a direct swap (claimed in :meth:`stage`) copies the
-        trainer's tensors into the live weights here, then ends its claim. A swap that timed
-        out keeps the claim until its deadline: a worker may still be copying. A torn direct
-        swap (:class:`~rollq.weightsync.ipc_wire.TornDirectSwap`) loads the record's memmap
-        copy in its place when there is one (the same version, whole), else raises."""
+        trainer's tensors into the live weights here, then ends its claim once the copies
+        ended on the device (:meth:`_copies_ended`; the engine steps on meanwhile, after them).
+        A swap that timed out keeps the claim until its deadline: a worker may still be
+        copying. A torn direct swap (:class:`~rollq.weightsync.ipc_wire.TornDirectSwap`) loads
+        the record's memmap copy in its place when there is one (the same version, whole),
+        else raises."""
         if not staged.report.get("direct"):
             return await self._swap_in_workers(rec, staged)
         h, self._claimed = self._claimed, None
@@ -353,7 +357,12 @@ class IpcReceive(ReplicaTransport):
                 # every worker refuses it alike: none copies what a dead trainer left
                 raise IpcUnavailable(f"trainer process {h.pid if h else '?'} exited or released version {rec.version} "
                                      "before the direct swap")
-            return await self._swap_in_workers(rec, staged)
+            reports = await self._swap_each(rec, staged)
+            if any(r.pending for r in reports):
+                t0 = time.perf_counter()
+                await self._copies_ended(rec.version, [r.pending for r in reports])
+                reports[0].wait_copy_s = time.perf_counter() - t0
+            return reports[0] if reports else SwapReport()
         except WeightSyncTimeout:
             keep_claim = True  # a worker may still be copying
             raise
@@ -369,6 +378,25 @@ class IpcReceive(ReplicaTransport):
         finally:
             if not keep_claim:
                 self._record_copied(rec.version, unclaim=True)
+
+    async def _copies_ended(self, version: int, pending: list[bool], poll: float = 0.0005) -> None:
+        """Wait until the direct swap's copies of ``version`` ended on every worker whose
+        report said ``pending`` (``rollq_swap_done``; each answer comes between two engine
+        steps, which run after the copies), within ``load_timeout``. Raises TornDirectSwap
+        when a worker's copies read tensors the trainer stopped guaranteeing meanwhile,
+        WeightSyncTimeout when they do not end in time."""
+        deadline = time.monotonic() + self.settings.load_timeout
+        while True:
+            times = [t for t, p in zip(await self.workers.swap_done(), pending) if p]
+            torn = [t.torn for t in times if t.version == version and t.torn]
+            if torn:
+                raise TornDirectSwap(torn[0])
+            if all(t.version == version and t.done_at is not None for t in times):
+                return
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(f"the direct swap's copies of version {version} did not end within "
+                                        f"{self.settings.load_timeout}s")
+            await asyncio.sleep(poll)
 
     #: The watching workers' fields in ``QueueKeys.weights_ipc_staged`` (:meth:`watch`).
     _fields: tuple[str, ...] = ()

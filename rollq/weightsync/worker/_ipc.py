@@ -38,6 +38,7 @@ from ..memmap import manifest_of
 from ..process_group import responsive_gil
 from ..versions import TensorMeta
 from ..wire import StageStatus, State, WorkerError
+from ._direct_copy import PendingCopy, copy_by_plan
 from ._ipc_maps import MappedStorages
 
 Items = list[tuple[str, torch.Tensor]]
@@ -338,19 +339,25 @@ class IpcStaging:
         return StageStatus(state=State.STAGED, version=version, stage_s=time.perf_counter() - t0, prepare_s=0.0,
                            shadow=False, open_s=self._open_s, verify_s=self._verify_s)
 
-    def swap_direct(self, version: int) -> str | None:
+    def swap_direct(self, version: int) -> tuple[str, PendingCopy | None] | None:
         """Copy leased ``version`` from the trainer's tensors straight into the live weights
-        (inside the swap: the worker lock held, generation stopped; waited for). How:
-        ``"plan"``, one device copy per tensor by a load plan (on the current stream), or
-        ``"load_weights"`` where there is none (the first version of a manifest without
-        shadow weights, which traces the plan on the live weights; vLLM's CPU backend). None
-        when :attr:`staged` holds no leased version ``version``. The replica claimed the
-        version, so the trainer changes none of its tensors before this returns.
+        (inside the swap: the worker lock held, generation stopped). How, and what is still
+        to end:
+
+        - ``("plan", pending)``: one copy per tensor by a load plan, enqueued on the current
+          stream and not waited for (:func:`~rollq.weightsync.worker._direct_copy.copy_by_plan`);
+          ``pending`` says when the copies end and whether the version was torn meanwhile.
+          The replica's claim must last until then.
+        - ``("load_weights", None)``: no plan (the first version of a manifest without shadow
+          weights, which traces the plan on the live weights; vLLM's CPU backend), loaded and
+          waited for here.
+
+        None when :attr:`staged` holds no leased version ``version``. The replica claimed the
+        version, so the trainer changes none of its tensors before its copies end.
 
         Raises IpcUnavailable when the trainer exited or released the version before the
-        copy (the live weights untouched), TornDirectSwap when its process exited during a
-        copy of its CUDA memory, whose contents are then undefined (its shared-memory files
-        stay mapped here: their bytes are the version's)."""
+        copy (the live weights untouched), TornDirectSwap when a copy waited for here read
+        tensors the trainer stopped guaranteeing (:meth:`_torn`)."""
         staged, h = self.staged, self.leased
         if staged is None or h is None or staged[0] != version or staged[1] is None:  # leased goes with staged
             return None
@@ -363,20 +370,29 @@ class IpcStaging:
         if plan is None:  # not made while staging (a plan traced since): made now
             plan = self._plan_copy(items, st.live_views(manifest))
         with torch.no_grad():
-            if plan is not None:  # by the load plan: one device copy per tensor
-                torch._foreach_copy_(plan[0], plan[1], non_blocking=True)
+            if plan is not None:  # by the load plan: one device copy per tensor, not waited for
+                end = copy_by_plan(plan[0], plan[1], dev)
                 st.wrote_live(manifest)
-            else:
-                st.load_live(items, trace=True)
+                return "plan", PendingCopy(end, lambda: self._torn(h), keep=(items, plan))
+            st.load_live(items, trace=True)
             if dev.type == "cuda":
-                torch.cuda.current_stream(dev).synchronize()  # the claim ends after this
-        if not _token_alive(h) and (any(s.kind is StorageKind.CUDA for s in h.storages) or _process_alive(h.pid)):
-            # CUDA memory of an exited process is undefined; a live trainer that dropped the
-            # token released the version (its claim was lost) and may have changed the tensors.
-            # Shared-memory files of an exited trainer stay mapped here, unchanged: the copy holds.
-            raise TornDirectSwap(f"trainer process {h.pid} exited or released version {version} during its direct swap: "
-                                 "the live weights may hold part of it")
-        return "plan" if plan is not None else "load_weights"
+                torch.cuda.current_stream(dev).synchronize()
+        torn = self._torn(h)
+        if torn is not None:
+            raise TornDirectSwap(torn)
+        return "load_weights", None
+
+    @staticmethod
+    def _torn(h: IpcHandles) -> str | None:
+        """After a direct swap's copies of ``h`` ended: why they may hold part of the version,
+        or None. CUDA memory of an exited trainer is undefined; a live trainer that dropped
+        the token released the version (the replica's claim was lost) and may have changed
+        the tensors. Shared-memory files of an exited trainer stay mapped here, unchanged:
+        that copy holds."""
+        if _token_alive(h) or not (any(s.kind is StorageKind.CUDA for s in h.storages) or _process_alive(h.pid)):
+            return None
+        return (f"trainer process {h.pid} exited or released version {h.version} during its direct swap: "
+                "the live weights may hold part of it")
 
     @staticmethod
     def _plan_copy(items: Items, views: list[torch.Tensor | None] | None) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:

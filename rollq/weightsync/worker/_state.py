@@ -278,12 +278,22 @@ class WorkerState:
             w.close()
 
     # -- swaps -------------------------------------------------------------------------------
-    def watch_swap(self, version: int, event: Any) -> None:
-        """Note (wall clock) when the swap's copies of ``version`` finished on the device."""
+    def watch_swap(self, version: int, event: Any, finish: Callable[[], str | None] | None = None) -> None:
+        """Note (wall clock) when the swap's copies of ``version`` finished on the device
+        (``event``: a CUDA event, or anything with its ``synchronize``); ``finish`` (a direct
+        swap's :meth:`~rollq.weightsync.worker._direct_copy.PendingCopy.finish`) waits for them
+        instead and says whether they were torn (``SwapTimes.torn``, set before ``done_at``)."""
         rec = self.last_swap = SwapTimes(version=version, enqueued_at=time.time())
 
         def wait() -> None:
-            event.synchronize()  # blocks without the GIL: no polling beside the engine
+            try:
+                if finish is not None:
+                    rec.torn = finish()
+                else:
+                    event.synchronize()  # blocks without the GIL: no polling beside the engine
+            except Exception as e:  # the device failed the copies: they did not make the version
+                log.exception("the swap's copies of version %d failed", version)
+                rec.torn = f"the swap's copies of version {version} failed: {e}"[:1000]
             rec.done_at = time.time()
 
         threading.Thread(target=wait, name="rollq-swap-watch", daemon=True).start()

@@ -19,6 +19,7 @@ from ..ipc_wire import IpcUnavailable
 from ..wire import Swap, SwapReport, WorkerError
 
 if TYPE_CHECKING:
+    from ._direct_copy import PendingCopy
     from ._receiver import ReceiveProgress, WorkerReceiver
     from ._shadow import ShadowWeights
     from ._state import WorkerState
@@ -29,11 +30,18 @@ log = logging.getLogger(__name__)
 def apply_staged(st: WorkerState, version: int) -> SwapReport:
     """Swap a staged version in: from the shadow weights, else from the memmap or IPC copy
     staged here (or the trainer's leased tensors: a direct swap), else from the broadcast's
-    staging buffer."""
+    staging buffer.
+
+    Copies from the shadow and a direct swap's copies by its load plan are enqueued on the
+    engine's stream and not waited for (the next step runs after them on the device);
+    :attr:`~rollq.weightsync.worker._state.WorkerState.last_swap` says when they ended. A
+    direct swap's report then says ``pending``: the trainer's tensors are read until that end
+    (``SwapTimes.done_at``), which the replica's claim must outlast."""
     t0 = time.perf_counter()
     how = Swap.SHADOW
     swapped = None
     copied_by: str | None = None
+    pending: PendingCopy | None = None
     with st.lock:  # nothing rewrites the shadow or memmap staging mid-swap
         sh, mm, ipc = st.shadow, st.memmap.staged, st.ipc.staged
         if sh is not None and sh.version == version:
@@ -49,11 +57,12 @@ def apply_staged(st: WorkerState, version: int) -> SwapReport:
         elif ipc is not None and ipc[0] == version and ipc[1] is not None:
             how = Swap.LOAD
             try:
-                copied_by = st.ipc.swap_direct(version)  # the trainer's leased tensors, straight into live
+                direct = st.ipc.swap_direct(version)  # the trainer's leased tensors, straight into live
             except IpcUnavailable as e:  # refused (or torn) data: an answer, not a failed call
                 return SwapReport(swap=Swap.DIRECT, error=WorkerError.of(e), load_s=time.perf_counter() - t0)
-            if copied_by is not None:
+            if direct is not None:
                 how = Swap.DIRECT
+                copied_by, pending = direct
             else:
                 st.ipc.staged = None
                 st.load_live(ipc[1])
@@ -68,12 +77,14 @@ def apply_staged(st: WorkerState, version: int) -> SwapReport:
             st.load_live(rcv.take(version))
     if swapped is not None:
         st.watch_swap(version, swapped)
+    elif pending is not None:  # its copies end on the device after this call: watched for
+        st.watch_swap(version, pending.end, finish=pending.finish)
     elif st.device.type == "cuda":
         torch.cuda.synchronize(st.device)
     st.version = version
     return SwapReport(swap=how, load_s=time.perf_counter() - t0, progress=st.tracker.report(st.worker),
                       no_shadow=None if how is Swap.SHADOW or copied_by == "plan" or (how is Swap.DIRECT and st.shadow is not None)
-                      else (st.shadow_off or "not prepared"), copied_by=copied_by)
+                      else (st.shadow_off or "not prepared"), copied_by=copied_by, pending=pending is not None)
 
 
 def swap_overlapped(

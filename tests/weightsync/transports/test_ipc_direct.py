@@ -325,3 +325,152 @@ async def test_an_update_that_fails_before_its_direct_swap_ends_its_claim(redis_
 
 async def _no_claim(client: Any, keys: Any) -> bool:
     return b"c:r0" not in await client.hgetall(keys.weights_ipc_claims)
+
+
+def _hold_pending_copies(monkeypatch: Any, before: Any = None) -> tuple[threading.Event, threading.Event]:
+    """Hold every direct swap's copies by the plan "on the device" (their end, which the swap
+    call no longer waits for) until the returned gate is set; ``before`` runs first (in the
+    worker's watch thread); the second event says the copies were enqueued."""
+    from rollq.weightsync.worker._direct_copy import PendingCopy
+
+    gate, reached = threading.Event(), threading.Event()
+    real = PendingCopy.finish
+
+    def held(self: Any) -> Any:
+        reached.set()
+        gate.wait(10)
+        if before is not None:
+            before()
+        return real(self)
+
+    monkeypatch.setattr(PendingCopy, "finish", held)
+    return gate, reached
+
+
+async def test_a_direct_swap_call_returns_before_its_copies_end_and_the_claim_lasts_until_they_did(
+        redis_url, queue, monkeypatch):
+    """A direct swap by the load plan enqueues its copies and returns (the engine steps on,
+    after them on the device); the replica keeps its claim, and holds the version back from
+    its results, until every worker says the copies ended (``rollq_swap_done``): the trainer's
+    release waits that long, and the update reports the wait."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(loadable_model, num_workers=2)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True))
+    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    async with serving(consumer, follower, await pub.redis()):
+        st = shared(1.0)
+        for fill in (1.0, 2.0):  # the first traces the plan (load_weights, waited for); the second goes by it
+            _step(st, fill)
+            rec = await pub.publish_weights(st, transport="ipc")
+            await pub.release_weights(timeout=10)
+            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        assert follower.history[-1].load["copied_by"] == "plan" and follower.history[-1].load["pending"] is True
+        gate, reached = _hold_pending_copies(monkeypatch)
+        _step(st, 3.0)
+        rec = await pub.publish_weights(st, transport="ipc")
+        releasing = asyncio.create_task(pub.release_weights(timeout=0.2))
+        assert await asyncio.to_thread(reached.wait, 10), "the direct swap's copies were not enqueued"
+        # every worker's call returned, its copies still "running"
+        await until(lambda: all(w.rollq_state.last_swap.version == rec.version for w in engine.workers), 10, "the calls")
+        assert all(w.rollq_state.last_swap.done_at is None for w in engine.workers)
+        await asyncio.sleep(0.5)
+        assert not releasing.done(), "the release did not wait for the copies"
+        assert consumer.version == 2, "the version was taken before its copies ended"
+        claims = await pub._client.hgetall(consumer.keys.weights_ipc_claims)
+        assert int(claims[b"c:r0"].split()[0]) == rec.version, claims
+        gate.set()
+        await asyncio.wait_for(releasing, 10)
+        await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        load = follower.history[-1].load
+        assert (load["swap"], load["copied_by"], load["pending"]) == ("direct", "plan", True), load
+        assert load["wait_copy_s"] >= 0.4, load
+        assert all(bool((p == 3.0).all()) for p in _live(engine))
+        assert b"c:r0" not in await pub._client.hgetall(consumer.keys.weights_ipc_claims)
+    await pub.close()
+
+
+@pytest.mark.parametrize("memmap", [False, True], ids=["no memmap copy", "memmap copy"])
+async def test_a_version_released_while_its_direct_copies_still_run_is_torn(redis_url, queue, monkeypatch, tmp_path,
+                                                                           memmap):
+    """The swap call returned, its copies still run, and the trainer releases the version (the
+    claim was lost): the copies may have read changed tensors, which the worker finds once they
+    ended (``SwapTimes.torn``). The version is not taken from them: with the publisher's memmap
+    copy the replica loads that (the version, whole); without one the failure is recorded and
+    the next version goes through."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from rollq.weightsync.transports.ipc import release
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(loadable_model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    root = str(tmp_path) if memmap else None
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.1, ipc_direct=True, load_retries=0))
+    pub = WeightPublisher(redis_url, queue, ipc_lease=True, root=root)
+    async with serving(consumer, follower, await pub.redis()):
+        st = shared(1.0)
+        for fill in (1.0, 2.0):
+            _step(st, fill)
+            rec = await pub.publish_weights(st, transport="ipc")
+            await pub.release_weights(timeout=10)
+            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        gate, reached = _hold_pending_copies(monkeypatch, before=lambda: release(pub))
+        gate.set()  # held only for the release to land between the call and the copies' end
+        _step(st, 3.0)
+        third = await pub.publish_weights(st, transport="ipc")
+        if memmap:
+            await until(lambda: consumer.version == third.version, 10, "the version, from its memmap copy")
+            assert follower.history[-1].load.get("swap") != "direct", follower.history[-1].load
+        else:
+            errors = await until(lambda: read_load_errors(pub._client, consumer.keys), 10, "a load error")
+            assert (errors["r0"].version, errors["r0"].error) == (third.version, "TornDirectSwap"), errors
+            assert "during its direct swap" in errors["r0"].message, errors
+            assert consumer.version == 2
+        assert reached.is_set()
+        monkeypatch.undo()
+        _step(st, 4.0)
+        fourth = await pub.publish_weights(st, transport="ipc")
+        await pub.release_weights(timeout=10)
+        await until(lambda: consumer.version == fourth.version, 10, "the next version")
+        assert all(bool((p == 4.0).all()) for p in _live(engine))
+    await pub.close()
+
+
+async def test_waiting_for_direct_copies_reads_every_pending_worker_and_is_bounded():
+    """The follower's wait for a direct swap's copies: done once every worker whose call said
+    ``pending`` reports them ended for this version (others are not waited for); a torn
+    worker raises TornDirectSwap; copies that never end raise WeightSyncTimeout at
+    ``load_timeout``."""
+    from rollq import WeightSyncSettings
+    from rollq.errors import WeightSyncTimeout
+    from rollq.weightsync.ipc_wire import TornDirectSwap
+    from rollq.weightsync.transports.ipc import IpcReceive
+    from rollq.weightsync.wire import SwapTimes
+
+    class Calls:
+        def __init__(self, answers: list[list[SwapTimes]]):
+            self.answers, self.asked = answers, 0
+
+        async def swap_done(self) -> list[SwapTimes]:
+            self.asked += 1
+            return self.answers[min(self.asked, len(self.answers)) - 1]
+
+    t = IpcReceive(None, WeightSyncSettings(load_timeout=0.3), None)
+    old, running, ended = SwapTimes(version=4, done_at=1.0), SwapTimes(version=5), SwapTimes(version=5, done_at=2.0)
+    t.workers = Calls([[running, old], [ended, old]])  # type: ignore[assignment]
+    await t._copies_ended(5, [True, False])  # worker 1 went by load_weights: not pending
+    assert t.workers.asked == 2
+    t.workers = Calls([[ended, running], [ended, SwapTimes(version=5, done_at=2.0, torn="trainer process 7 exited")]])  # type: ignore[assignment]
+    with pytest.raises(TornDirectSwap, match="process 7 exited"):
+        await t._copies_ended(5, [True, True])
+    t.workers = Calls([[running]])  # type: ignore[assignment]
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncTimeout, match="did not end within"):
+        await t._copies_ended(5, [True])
+    assert 0.3 <= time.monotonic() - t0 < 5
