@@ -317,6 +317,8 @@ async def test_a_cuda_direct_swap_copies_the_leased_tensors_into_the_live_weight
                 await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
                 load = follower.history[-1].load
                 assert (load["swap"], load["copied_by"]) == ("direct", "load_weights" if fill == 1 else "plan"), load
+                # by the plan the swap call only enqueues the copies; the claim ended after their event
+                assert load.get("pending", False) is (fill != 1) and (fill == 1 or load["wait_copy_s"] >= 0), load
                 check(engine, float(fill))
             assert all(w.rollq_state.shadow is None for w in engine.workers)
         async with trainer(redis_url, queue, "-", "--cuda", "--inplace") as t:  # not leased: through the shadow
@@ -324,6 +326,54 @@ async def test_a_cuda_direct_swap_copies_the_leased_tensors_into_the_live_weight
             await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
             assert follower.history[-1].load["swap"] == "shadow"
             check(engine, 4.0)
+    finally:
+        consumer.stop()
+        await task
+        await follower.stop()
+
+
+async def test_a_trainer_killed_while_a_direct_swaps_copies_run_on_the_device_leaves_the_version_whole(
+        redis_url, queue, shm_root, monkeypatch):
+    """A direct swap's copies queue on the engine's stream behind a long kernel (the swap call
+    has returned), and the trainer process is killed before they run: its CUDA memory is then
+    undefined, so the copies are torn (``SwapTimes.torn``) and the version is not taken from
+    them; the replica loads the publisher's memmap copy of it instead and serves it whole,
+    and its device still works."""
+    import asyncio
+    import threading
+
+    import rollq.weightsync.worker._ipc as ipc_worker
+    from tests.weightsync.ipc_trainer_proc import trainer
+
+    engine = FakeWorkerEngine(Fused, device="cuda:0")
+    consumer = Consumer(engine, redis_url, queue)
+    follower = WeightFollower(consumer, WeightSyncSettings(root=shm_root, reconcile_interval=0.3, ipc_direct=True,
+                                                           load_retries=0))
+    await follower.start()
+    task = asyncio.create_task(consumer.run())
+    enqueued = threading.Event()
+    real_copy = ipc_worker.copy_by_plan
+
+    def behind_a_long_kernel(dsts, srcs, device):
+        torch.cuda._sleep(int(3e9))  # ~2 s of the engine's stream before the copies
+        enqueued.set()
+        return real_copy(dsts, srcs, device)
+
+    try:
+        async with trainer(redis_url, queue, "-", "--cuda", "--lease", "--inplace", "--root", shm_root) as t:
+            for fill in (1, 2):
+                rec = await t.publish(fill)
+                await t.release_copied(60)
+                await until(lambda: consumer.version == rec["version"], 60, f"version {rec['version']}")
+            monkeypatch.setattr(ipc_worker, "copy_by_plan", behind_a_long_kernel)
+            rec = await t.publish(3)
+            assert await asyncio.to_thread(enqueued.wait, 60), "the direct swap's copies were not enqueued"
+            await t.kill()
+        await until(lambda: consumer.version == rec["version"], 60, "the version, from its memmap copy")
+        assert follower.history[-1].load.get("swap") != "direct", follower.history[-1].load
+        assert engine.workers[0].rollq_state.last_swap.torn, engine.workers[0].rollq_state.last_swap
+        check(engine, 3.0)
+        torch.cuda.synchronize()  # no fault left on the device
     finally:
         consumer.stop()
         await task
@@ -359,3 +409,32 @@ async def test_a_cuda_snapshot_lets_the_trainer_step_right_after_publishing(redi
     finally:
         await follower.stop()
 
+
+
+def test_a_cuda_storage_exposed_again_keeps_its_ipc_handle_while_it_lives(monkeypatch):
+    """A trainer that steps in place exposes the same CUDA storages every version: their IPC
+    handles are asked of CUDA once and kept while the storages live; a storage that replaced
+    one (a new tensor) is asked for its own. (Replicas opening kept handles: the IPC tests above.)"""
+    from rollq.weightsync.trainer import ipc_export
+    from rollq.weightsync.trainer.ipc_export import Exposure
+
+    asked: list[int] = []
+    real = torch.UntypedStorage._share_cuda_
+
+    def counted(self):
+        asked.append(self.data_ptr())
+        return real(self)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_cuda_", counted)
+    state = ckpt(1.0, "cuda:0")
+    first = Exposure(1, list(state.items()), lease=True)
+    first.release()
+    assert len(asked) == 4
+    second = Exposure(2, list(state.items()), lease=True)
+    assert len(asked) == 4 and second.handles.storages == first.handles.storages
+    second.release()
+    state["out"] = torch.full((32, 64), 5.0, dtype=torch.bfloat16, device="cuda:0")  # a new storage
+    third = Exposure(3, list(state.items()), lease=True)
+    assert len(asked) == 5 and third.handles.storages[3] != first.handles.storages[3]
+    third.release()
+    assert len(ipc_export._CUDA_SHARED) >= 4
