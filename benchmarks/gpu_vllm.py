@@ -545,7 +545,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                                open_s=st.load.get("open_s"), verify_s=st.load.get("verify_s"), opened=st.load.get("opened"),
                                reused=st.load.get("reused"), hint_after_publish_s=hinted - r["t1"] if hinted else None,
                                stage_call_s=st.timings.get("stage_call_s"), **timeline(st, r["t1"], row["seen_s"] + r["t0"]),
-                               copied_by=st.load.get("copied_by"),
+                               copied_by=st.load.get("copied_by"), wait_copy_s=st.load.get("wait_copy_s"),
                                gpu_used_mib=gpu_used_mib(), load=st.load)
                     log("ipc", {k: v for k, v in row.items() if k != "load"})
                     i, prev_keep, prev_expose = i + 1, keep, expose
@@ -654,7 +654,9 @@ def render(out: dict) -> str:
                   f"{med(r, 'open_s') * 1000:.1f} for {med(r, 'opened'):.0f} storages opened, {med(r, 'reused'):.0f} kept; verify "
                   f"{med(r, 'verify_s') * 1000:.1f}), announcement after the publish call {med(r, 'hint_after_publish_s') * 1000:.1f} ms, "
                   f"follower's read {med(r, 'follower_read_s') * 1000:.1f} ms, staging as the follower saw it "
-                  f"{med(r, 'stage_call_s') * 1000:.1f} ms, swap call {med(r, 'paused_s') * 1000:.1f} ms, "
+                  f"{med(r, 'stage_call_s') * 1000:.1f} ms, swap call {med(r, 'paused_s') * 1000:.1f} ms"
+                  + (f" (of which waiting, the engine stepping, for the direct copies' end {med(r, 'wait_copy_s') * 1000:.1f})"
+                     if all(x.get("wait_copy_s") is not None for x in r) else "") + ", "
                   + (f"waits the durations do not cover: reconcile after the announcement {med(r, 't_wake_s') * 1000:.1f} ms, "
                      f"reading and checking the record {med(r, 't_read_check_s') * 1000:.1f}, staged to swap "
                      f"{med(r, 't_staged_to_swap_s') * 1000:.1f}, swap to recorded {med(r, 't_swap_to_recorded_s') * 1000:.1f}, "
