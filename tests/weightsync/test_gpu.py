@@ -410,31 +410,3 @@ async def test_a_cuda_snapshot_lets_the_trainer_step_right_after_publishing(redi
         await follower.stop()
 
 
-
-def test_a_cuda_storage_exposed_again_keeps_its_ipc_handle_while_it_lives(monkeypatch):
-    """A trainer that steps in place exposes the same CUDA storages every version: their IPC
-    handles are asked of CUDA once and kept while the storages live; a storage that replaced
-    one (a new tensor) is asked for its own. (Replicas opening kept handles: the IPC tests above.)"""
-    from rollq.weightsync.trainer import ipc_export
-    from rollq.weightsync.trainer.ipc_export import Exposure
-
-    asked: list[int] = []
-    real = torch.UntypedStorage._share_cuda_
-
-    def counted(self):
-        asked.append(self.data_ptr())
-        return real(self)
-
-    monkeypatch.setattr(torch.UntypedStorage, "_share_cuda_", counted)
-    state = ckpt(1.0, "cuda:0")
-    first = Exposure(1, list(state.items()), lease=True)
-    first.release()
-    assert len(asked) == 4
-    second = Exposure(2, list(state.items()), lease=True)
-    assert len(asked) == 4 and second.handles.storages == first.handles.storages
-    second.release()
-    state["out"] = torch.full((32, 64), 5.0, dtype=torch.bfloat16, device="cuda:0")  # a new storage
-    third = Exposure(3, list(state.items()), lease=True)
-    assert len(asked) == 5 and third.handles.storages[3] != first.handles.storages[3]
-    third.release()
-    assert len(ipc_export._CUDA_SHARED) >= 4

@@ -43,7 +43,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-import weakref
 
 import torch
 
@@ -62,24 +61,13 @@ def _cpu_storage(s: torch.UntypedStorage) -> IpcStorage:
     return IpcStorage(kind=StorageKind.CPU, nbytes=int(size), fd=int(fd), inode=os.fstat(fd).st_ino)
 
 
-#: The IPC handle of each CUDA storage exposed before, for as long as the storage lives: a
-#: trainer that steps in place exposes the same storages every version, whose handles stay the
-#: same, and asking CUDA for them again cost milliseconds a version (hundreds of storages).
-_CUDA_SHARED: weakref.WeakKeyDictionary[torch.UntypedStorage, tuple[int, int, IpcStorage]] = weakref.WeakKeyDictionary()
-
-
 def _cuda_storage(s: torch.UntypedStorage) -> IpcStorage:
-    known = _CUDA_SHARED.get(s)
-    if known is not None and known[:2] == (s.data_ptr(), s.nbytes()):
-        return known[2]
     (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = s._share_cuda_()
-    got = IpcStorage(
+    return IpcStorage(
         kind=StorageKind.CUDA, nbytes=int(size), device_uuid=str(torch.cuda.get_device_properties(device).uuid),
         handle=bytes(handle), offset=int(offset), ref_counter_handle=bytes(ref_handle), ref_counter_offset=int(ref_offset),
         event_handle=bytes(event_handle or b""), event_sync_required=bool(event_sync),
     )
-    _CUDA_SHARED[s] = (s.data_ptr(), s.nbytes(), got)
-    return got
 
 
 def _shared_copy(t: torch.Tensor) -> torch.Tensor:
