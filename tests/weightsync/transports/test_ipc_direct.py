@@ -29,6 +29,20 @@ def _step(st: dict[str, torch.Tensor], fill: float) -> None:
             v.fill_(fill)
 
 
+def _torn_replica(redis_url: str, queue: str, model: Any, root: str | None) -> tuple[Any, Any, Any, Any]:
+    """A direct replica (fake workers over ``model``) that does not retry a failed load, and a
+    leasing publisher, both keeping memmap copies under ``root`` (None: none): the engine,
+    the consumer, the follower and the publisher."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher
+
+    engine = FakeWorkerEngine(model)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.1, ipc_direct=True, load_retries=0))
+    return engine, consumer, follower, WeightPublisher(redis_url, queue, ipc_lease=True, root=root)
+
+
 def _hold_direct_swaps(monkeypatch: Any) -> tuple[threading.Event, threading.Event]:
     """Hold every direct swap in the worker before its copy until the returned gate is set;
     the second event says a swap got there."""
@@ -238,18 +252,13 @@ async def test_a_direct_swap_whose_version_is_released_while_it_copies_is_torn(r
     the memmap copy the publisher kept, the replica loads that instead and serves the version
     whole; without one the failure is recorded. Whether the copy goes by the load plan or
     through load_weights (a loader that transforms what it reads gives no plan)."""
-    from rollq import Consumer, WeightSyncSettings
-    from rollq.testing.fake_workers import FakeWorkerEngine
-    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from rollq.weightsync import read_load_errors
     from rollq.weightsync.transports.ipc import release
     from rollq.weightsync.worker._state import WorkerState
     from tests.helpers import until
 
-    engine = FakeWorkerEngine(lambda: loadable_model(transform))
-    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
-    root = str(tmp_path) if memmap else None
-    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.1, ipc_direct=True, load_retries=0))
-    pub = WeightPublisher(redis_url, queue, ipc_lease=True, root=root)
+    engine, consumer, follower, pub = _torn_replica(redis_url, queue, lambda: loadable_model(transform),
+                                                    str(tmp_path) if memmap else None)
     async with serving(consumer, follower, await pub.redis()):
         st = shared(1.0)
         first = await pub.publish_weights(st, transport="ipc")
@@ -402,17 +411,11 @@ async def test_a_version_released_while_its_direct_copies_still_run_is_torn(redi
     ended (``SwapTimes.torn``). The version is not taken from them: with the publisher's memmap
     copy the replica loads that (the version, whole); without one the failure is recorded and
     the next version goes through."""
-    from rollq import Consumer, WeightSyncSettings
-    from rollq.testing.fake_workers import FakeWorkerEngine
-    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from rollq.weightsync import read_load_errors
     from rollq.weightsync.transports.ipc import release
     from tests.helpers import until
 
-    engine = FakeWorkerEngine(loadable_model)
-    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
-    root = str(tmp_path) if memmap else None
-    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.1, ipc_direct=True, load_retries=0))
-    pub = WeightPublisher(redis_url, queue, ipc_lease=True, root=root)
+    engine, consumer, follower, pub = _torn_replica(redis_url, queue, loadable_model, str(tmp_path) if memmap else None)
     async with serving(consumer, follower, await pub.redis()):
         st = shared(1.0)
         for fill in (1.0, 2.0):
