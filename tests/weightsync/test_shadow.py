@@ -323,6 +323,22 @@ def test_a_flat_buffer_without_room_beside_the_shadow_is_filled_through_host_mem
     assert all(torch.equal(live.state_dict()[k], v) for k, v in ref.state_dict().items())
 
 
+def test_the_relayout_lets_go_of_every_storage_it_replaced_before_giving_memory_back(monkeypatch):
+    """When the flat relayout hands the allocator's unused blocks back to the device, no
+    reference to a replaced storage is left (one still held, such as a loop's last variable,
+    is not freed, and on a GPU its block stays cached in the worker)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from rollq.weightsync.worker import _shadow
+
+    sh = ShadowWeights(Tiny())
+    old = [StorageWeakRef(p.untyped_storage()) for p in sh.shadow]
+    alive_then: list[int] = []
+    monkeypatch.setattr(_shadow, "give_back_cached", lambda device: alive_then.append(sum(not r.expired() for r in old)))
+    sh.load(ckpt(1), version=1, trace=True)
+    assert sh.flat is not None and alive_then == [0]
+
+
 class Big(torch.nn.Module):
     """Two 64 MiB float32 parameters on the GPU."""
 

@@ -76,6 +76,15 @@ def room_for(nbytes: int, device: torch.device, *, margin_bytes: int = 256 << 20
     return free + cached >= nbytes + margin_bytes
 
 
+def give_back_cached(device: torch.device) -> None:
+    """Return the blocks this process's allocator holds unused on ``device`` to the device
+    (nothing to do off a GPU). The storages a flat relayout replaces (a copy of the weights)
+    would otherwise stay cached by the worker, out of reach of other processes such as a
+    trainer on the same GPU, for as long as the engine runs."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _allocate(nbytes: int, device: torch.device) -> torch.Tensor | None:
     """``nbytes`` of ``uint8`` on ``device``, or None when the device is out of memory."""
     try:
@@ -292,12 +301,10 @@ class ShadowWeights:
                 p.data = dst.view(src.dtype).view(src.shape)
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
-        del srcs  # kept until the copies out of them are done (their blocks may be reused)
-        if dev.type == "cuda":
-            # The replaced storages (a copy of the weights) go back to the device: cached by
-            # this worker's allocator they would stay out of reach of other processes, such as
-            # a trainer on the same GPU, for as long as the engine runs.
-            torch.cuda.empty_cache()
+        # Kept until the copies out of them are done (their blocks may be reused); the loop's
+        # last ``src`` is one of them too, and a storage still referenced is not given back.
+        del srcs, src
+        give_back_cached(dev)
         self._views = None
         self.flat = flat
         self._scratch = flat[scratch_at:] if self.plan.scratch_bytes else None
