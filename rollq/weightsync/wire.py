@@ -348,12 +348,16 @@ class SwapTimes(msgspec.Struct, kw_only=True):
     enqueued and when its device copies finished (``time.time()``; ``done_at`` None while
     they run; ``rollq_swap_done``). ``version`` 0: no such swap yet. ``torn``: why a direct
     swap's copies may hold part of the version (the trainer stopped guaranteeing its tensors
-    before they ended), set before ``done_at``."""
+    before they ended), set before ``done_at``. On a GPU, ``started_at``: when the device
+    reached the copies (the work enqueued before them, such as the engine step in flight, was
+    done), and ``device_s``: how long they ran there (CUDA timing events around them)."""
 
     version: int = 0
     enqueued_at: float = 0.0
     done_at: float | None = None
     torn: str | None = None
+    started_at: float | None = None
+    device_s: float | None = None
 
 
 class MalformedReply(WeightSyncError):

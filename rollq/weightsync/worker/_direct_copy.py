@@ -13,19 +13,24 @@ trainer still guaranteed the tensors until then (``SwapTimes.torn``), for the fo
 >>> import torch
 >>> live, trainer = torch.zeros(8, dtype=torch.uint8), torch.arange(8, dtype=torch.uint8)
 >>> end = copy_by_plan([live[:4], live[4:]], [trainer[:4], trainer[4:]], torch.device("cpu"))
->>> end.query(), live.tolist()
-(True, [0, 1, 2, 3, 4, 5, 6, 7])
+>>> end.query(), live.tolist(), end.seconds() >= 0
+(True, [0, 1, 2, 3, 4, 5, 6, 7], True)
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
 
 
 class Ended:
-    """The end of copies the host made itself (already over): the shape of a CUDA event."""
+    """The end of copies the host made itself (already over): the shape of
+    :class:`DeviceCopies`. ``host_s``: how long the host took for them."""
+
+    def __init__(self, host_s: float | None = None):
+        self.host_s = host_s
 
     def synchronize(self) -> None:
         """Nothing to wait for."""
@@ -33,21 +38,59 @@ class Ended:
     def query(self) -> bool:
         return True
 
+    def wait_started(self) -> None:
+        """Nothing to wait for."""
 
-def copy_by_plan(dsts: list[torch.Tensor], srcs: list[torch.Tensor], device: torch.device) -> Any:
+    def seconds(self) -> float | None:
+        return self.host_s
+
+
+class DeviceCopies:
+    """Copies enqueued on a CUDA stream between two timing events, ``start`` and ``end``.
+
+    ``synchronize``/``query`` are the end's (so it stands where a CUDA event does);
+    :meth:`wait_started` waits until the device reached the copies (the work enqueued before
+    them, such as the engine step in flight, is done); :meth:`seconds` is how long the copies
+    ran on the device, once ended."""
+
+    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event):
+        self.start, self.end = start, end
+
+    def synchronize(self) -> None:
+        self.end.synchronize()
+
+    def query(self) -> bool:
+        return bool(self.end.query())
+
+    def wait_started(self) -> None:
+        self.start.synchronize()
+
+    def seconds(self) -> float | None:
+        return float(self.start.elapsed_time(self.end)) / 1000
+
+
+def timing_event(device: torch.device) -> torch.cuda.Event:
+    """A CUDA event that can time, recorded now on ``device``'s current stream."""
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+def copy_by_plan(dsts: list[torch.Tensor], srcs: list[torch.Tensor], device: torch.device) -> Ended | DeviceCopies:
     """Copy each of ``srcs`` into the bytes ``dsts`` (same sizes, both raw bytes) and return
-    what says when the copies ended: on a GPU a CUDA event recorded after them on the current
-    stream (one device-to-device memcpy per tensor, none waited for), else :class:`Ended`."""
+    what says when the copies ended and how long they took: on a GPU :class:`DeviceCopies`
+    around them on the current stream (one device-to-device memcpy per tensor, none waited
+    for), else :class:`Ended`."""
     if device.type != "cuda":
+        t0 = time.perf_counter()
         torch._foreach_copy_(dsts, srcs)
-        return Ended()
+        return Ended(time.perf_counter() - t0)
+    start = timing_event(device)
     # One memcpy per tensor: a byte-wise kernel over hundreds of tensors (the foreach copy)
     # moves far fewer bytes per launch than the copy engine's memcpy does.
     for d, s in zip(dsts, srcs):
         d.copy_(s, non_blocking=True)
-    end = torch.cuda.Event()
-    end.record(torch.cuda.current_stream(device))
-    return end
+    return DeviceCopies(start, timing_event(device))
 
 
 class PendingCopy:

@@ -39,6 +39,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ._direct_copy import DeviceCopies, timing_event
 from ._load_trace import Plan, Signature, bytes_from, live_bytes, plan_from, signature_of, traced_load
 from ._swap_kernel import swap_bytes_, warm_swap_kernel
 
@@ -448,21 +449,24 @@ class ShadowWeights:
         self.version = None
         self.synced = False
 
-    def swap(self) -> torch.cuda.Event | None:
+    def swap(self) -> DeviceCopies | None:
         """Copy the shadow into the live parameters (on the current stream: stream-ordered
         after the engine step in flight and before the next one). On a GPU this only
-        enqueues the copies; the returned event marks their end (the shadow is not
-        rewritten before it)."""
+        enqueues the copies; the returned :class:`DeviceCopies` marks their end (the shadow is
+        not rewritten before it) and times them. None off a GPU (the copies are done)."""
+        dev = self.live[0].device
+        start = timing_event(dev) if dev.type == "cuda" else None
         with torch.no_grad():
             copy_all(self.live, self.shadow)
         self.synced = True
         self._mark_swap()
-        return self.swap_event
+        if start is None or self.swap_event is None:
+            return None
+        return DeviceCopies(start, self.swap_event)
 
     def _mark_swap(self) -> None:
         """Record :attr:`swap_event` after the work just enqueued on the current stream (that
         reads or writes the shadow): the next write into the shadow waits for it."""
         if self.live[0].device.type == "cuda":
-            self.swap_event = torch.cuda.Event()
-            self.swap_event.record()
+            self.swap_event = timing_event(self.live[0].device)
 

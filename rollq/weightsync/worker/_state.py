@@ -37,6 +37,7 @@ from ..wire import (
     manifest_digest,
 )
 from ..memmap import manifest_of
+from ._direct_copy import DeviceCopies
 from ._load_trace import signature_of
 
 if TYPE_CHECKING:
@@ -280,17 +281,24 @@ class WorkerState:
     # -- swaps -------------------------------------------------------------------------------
     def watch_swap(self, version: int, event: Any, finish: Callable[[], str | None] | None = None) -> None:
         """Note (wall clock) when the swap's copies of ``version`` finished on the device
-        (``event``: a CUDA event, or anything with its ``synchronize``); ``finish`` (a direct
+        (``event``: a CUDA event, or anything with its ``synchronize``; a
+        :class:`~rollq.weightsync.worker._direct_copy.DeviceCopies` also gives when the device
+        reached them and how long they ran); ``finish`` (a direct
         swap's :meth:`~rollq.weightsync.worker._direct_copy.PendingCopy.finish`) waits for them
         instead and says whether they were torn (``SwapTimes.torn``, set before ``done_at``)."""
         rec = self.last_swap = SwapTimes(version=version, enqueued_at=time.time())
 
         def wait() -> None:
             try:
+                if isinstance(event, DeviceCopies):  # timed: when the device reached them, how long they ran
+                    event.wait_started()
+                    rec.started_at = time.time()
                 if finish is not None:
                     rec.torn = finish()
                 else:
                     event.synchronize()  # blocks without the GIL: no polling beside the engine
+                if isinstance(event, DeviceCopies):
+                    rec.device_s = event.seconds()
             except Exception as e:  # the device failed the copies: they did not make the version
                 log.exception("the swap's copies of version %d failed", version)
                 rec.torn = f"the swap's copies of version {version} failed: {e}"[:1000]
