@@ -352,15 +352,19 @@ async def engine_main(a: argparse.Namespace) -> None:
                                        f"(at {consumer.version}, failures {follower.failures})")
                 await asyncio.sleep(0.0005)
 
-        async def served_at(v: int, t_follower: float) -> float:
+        async def served_at(v: int, t_follower: float) -> tuple[float, dict]:
             """When version ``v`` is really serving: the follower has recorded it and the
-            swap's device copies (enqueued without a host wait) have finished."""
+            swap's device copies (enqueued without a host wait) have finished; and, for
+            copies timed on the device (a shadow swap or a direct swap by the plan), how long
+            they waited there behind the work before them and how long they ran."""
             for _ in range(2000):
                 done = (await WorkerCalls(engine).swap_done())[0]
                 if done.version != v:
-                    return t_follower  # not swapped from the shadow: the follower waited for it
+                    return t_follower, {}  # not swapped from the shadow: the follower waited for it
                 if done.done_at:
-                    return max(t_follower, done.done_at)
+                    copies = {"copy_queued_s": done.started_at - done.enqueued_at if done.started_at else None,
+                              "copy_device_s": done.device_s}
+                    return max(t_follower, done.done_at), copies
                 await asyncio.sleep(0.001)
             raise TimeoutError(f"swap of version {v} did not finish on the device")
 
@@ -396,13 +400,13 @@ async def engine_main(a: argparse.Namespace) -> None:
             # (resumed, intake reopened), which this benchmark's poll, behind the same event
             # loop as 256 requests' outputs, sees up to ~20 ms later (t_recorded_to_seen_s).
             t_follower = st.timings.get("recorded_at") or t_seen
-            t_served = await served_at(r["version"], t_follower)
+            t_served, copies = await served_at(r["version"], t_follower)
             row = {"version": r["version"], "transport": r["transport"], "running_at_start": running,
                    "end_to_end_s": t_served - r["t0"], "trainer_publish_s": r["t1"] - r["t0"],
                    "follower_done_s": t_follower - r["t0"], "copies_after_follower_s": t_served - t_follower,
                    "follower_read_s": st.timings.get("read_s"), "swap_call_s": st.timings.get("load_call_s"),
                    "paused_s": st.pause_s, "seen_s": t_seen - r["t0"], **(await step_gaps(m0)),
-                   "weights_match": await weights_match(r["mark"])}
+                   **copies, "weights_match": await weights_match(r["mark"])}
             return r, row, st
 
         def timeline(st: Any, t_published: float, t_seen: float) -> dict:
@@ -657,6 +661,9 @@ def render(out: dict) -> str:
                   f"{med(r, 'stage_call_s') * 1000:.1f} ms, swap call {med(r, 'paused_s') * 1000:.1f} ms"
                   + (f" (of which waiting, the engine stepping, for the direct copies' end {med(r, 'wait_copy_s') * 1000:.1f})"
                      if all(x.get("wait_copy_s") is not None for x in r) else "") + ", "
+                  + (f"the swap's copies on the device {med(r, 'copy_device_s') * 1000:.1f} ms after waiting there "
+                     f"{med(r, 'copy_queued_s') * 1000:.1f} ms for the work before them, "
+                     if all(x.get("copy_device_s") is not None and x.get("copy_queued_s") is not None for x in r) else "")
                   + (f"waits the durations do not cover: reconcile after the announcement {med(r, 't_wake_s') * 1000:.1f} ms, "
                      f"reading and checking the record {med(r, 't_read_check_s') * 1000:.1f}, staged to swap "
                      f"{med(r, 't_staged_to_swap_s') * 1000:.1f}, swap to recorded {med(r, 't_swap_to_recorded_s') * 1000:.1f}, "
