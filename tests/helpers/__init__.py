@@ -55,6 +55,17 @@ async def until(pred: Callable[[], Any], timeout: float, what: str, interval: fl
         await asyncio.sleep(interval)
 
 
+def until_sync(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.005) -> Any:
+    """:func:`until` for a test that is not a coroutine: poll ``pred`` from this thread (sleeping
+    between tries) until it is truthy; fail the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not (v := pred()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+    return v
+
+
 async def bounded(aw: Awaitable[Any], timeout: float, what: str) -> Any:
     """``await aw`` but fail (not hang) after ``timeout`` seconds."""
     try:

@@ -22,7 +22,7 @@ from rollq.testing.fake_workers import FakeWorkerEngine
 from rollq.settings import WeightSyncSettings
 from rollq.weightsync import MemmapStore, VersionRecord, WeightFollower, WeightPublisher, commit_version, read_version
 from rollq.weightsync.nccl import BroadcastSender, GroupInfo
-from tests.helpers import until
+from tests.helpers import until, until_sync
 
 
 def small_model() -> torch.nn.Module:
@@ -570,7 +570,7 @@ def test_overlapped_swap_goes_live_part_by_part_and_is_undone_on_failure_or_with
     out: dict = {}
     swap = threading.Thread(target=lambda: out.update(worker.rollq_swap_overlapped(2, commit_timeout=1.0)))
     swap.start()
-    assert until_sync(lambda: values() == {1.0, 2.0})  # parts 0 and 1 are live already (generation is paused)
+    assert until_sync(lambda: values() == {1.0, 2.0}, 5.0, "parts 0 and 1 live")  # parts 0 and 1 are live already (generation is paused)
     g.release.set()
     th.join()
     swap.join()
@@ -620,15 +620,6 @@ def test_overlapped_swap_goes_live_part_by_part_and_is_undone_on_failure_or_with
     assert values() == {4.0}
     # no in-place receive of that version: nothing to do here
     assert worker.rollq_swap_overlapped(9, start_timeout=0.01)["swap"] == "none"
-
-
-def until_sync(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 async def test_receivers_report_their_shadow_layout_and_the_trainer_packs_buckets_that_way(redis_url, queue, root, monkeypatch):

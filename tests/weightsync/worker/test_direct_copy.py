@@ -13,13 +13,7 @@ import torch
 
 from rollq.weightsync.worker._direct_copy import DeviceCopies, Ended, PendingCopy, copy_by_plan
 from rollq.weightsync.worker._state import WorkerState
-
-
-def until_sync(pred, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
+from tests.helpers import until_sync
 
 
 class HeldEvent:
