@@ -26,7 +26,7 @@ import torch
 
 
 class Ended:
-    """The end of copies the host made itself (already over): the shape of
+    """The end of copies the host made itself (already over), where a GPU's copies give
     :class:`DeviceCopies`. ``host_s``: how long the host took for them."""
 
     def __init__(self, host_s: float | None = None):
@@ -37,9 +37,6 @@ class Ended:
 
     def query(self) -> bool:
         return True
-
-    def wait_started(self) -> None:
-        """Nothing to wait for."""
 
     def seconds(self) -> float | None:
         return self.host_s
