@@ -363,7 +363,8 @@ async def engine_main(a: argparse.Namespace) -> None:
                     return t_follower, {}  # not swapped from the shadow: the follower waited for it
                 if done.done_at:
                     copies = {"copy_queued_s": done.started_at - done.enqueued_at if done.started_at else None,
-                              "copy_device_s": done.device_s}
+                              "copy_device_s": done.device_s, "swap_enqueued_at": done.enqueued_at,
+                              "copies_started_at": done.started_at}
                     return max(t_follower, done.done_at), copies
                 await asyncio.sleep(0.001)
             raise TimeoutError(f"swap of version {v} did not finish on the device")
@@ -382,10 +383,29 @@ async def engine_main(a: argparse.Namespace) -> None:
             """Engine steps seen from just before the update until just after it: the largest
             gap is how long generation actually stood still (measured, not inferred)."""
             await asyncio.sleep(0.3)
-            gaps = sorted(engine.step_gaps(m0))
+            steps = engine.steps_seen(m0)
+            gaps = [(b - a, a) for a, b in zip(steps, steps[1:])]
             if not gaps:
                 return {"max_step_gap_s": None, "median_step_s": None, "steps": 0}
-            return {"max_step_gap_s": gaps[-1], "median_step_s": gaps[len(gaps) // 2], "steps": len(gaps)}
+            longest, began = max(gaps)
+            return {"max_step_gap_s": longest, "median_step_s": sorted(g for g, _ in gaps)[len(gaps) // 2],
+                    "steps": len(gaps), "gap_began_at": began + (time.time() - time.monotonic())}
+
+        def gap_timeline(row: dict) -> dict:
+            """Where the swap fell in the longest gap between engine steps, in seconds from the
+            gap's start (the last step seen before it, wall clock): the worker's swap call
+            ended (its copies enqueued), the device reached the copies, the copies ended; the
+            gap ends when the next step is seen."""
+            began, enq, start, dev = (row.get(k) for k in ("gap_began_at", "swap_enqueued_at", "copies_started_at",
+                                                           "copy_device_s"))
+            if began is None or not enq:
+                return {}
+            out = {"gap_swap_call_end_s": enq - began}
+            if start is not None:
+                out["gap_copies_start_s"] = start - began
+                if dev is not None:
+                    out["gap_copies_end_s"] = start + dev - began
+            return out
 
         async def measured_update(transport: str) -> tuple[dict, dict, Any]:
             """One update through ``transport`` with the load running: the trainer's reply, the
@@ -407,6 +427,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                    "follower_read_s": st.timings.get("read_s"), "swap_call_s": st.timings.get("load_call_s"),
                    "paused_s": st.pause_s, "seen_s": t_seen - r["t0"], **(await step_gaps(m0)),
                    **copies, "weights_match": await weights_match(r["mark"])}
+            row.update(gap_timeline(row))
             return r, row, st
 
         def timeline(st: Any, t_published: float, t_seen: float) -> dict:
@@ -664,6 +685,10 @@ def render(out: dict) -> str:
                   + (f"the swap's copies on the device {med(r, 'copy_device_s') * 1000:.1f} ms after waiting there "
                      f"{med(r, 'copy_queued_s') * 1000:.1f} ms for the work before them, "
                      if all(x.get("copy_device_s") is not None and x.get("copy_queued_s") is not None for x in r) else "")
+                  + (f"in the longest gap between engine steps (from the last step before it): the worker's swap call "
+                     f"ended at {med(r, 'gap_swap_call_end_s') * 1000:.1f} ms, the device reached the copies at "
+                     f"{med(r, 'gap_copies_start_s') * 1000:.1f} and ended them at {med(r, 'gap_copies_end_s') * 1000:.1f}, "
+                     if all(x.get("gap_copies_end_s") is not None for x in r) else "")
                   + (f"waits the durations do not cover: reconcile after the announcement {med(r, 't_wake_s') * 1000:.1f} ms, "
                      f"reading and checking the record {med(r, 't_read_check_s') * 1000:.1f}, staged to swap "
                      f"{med(r, 't_staged_to_swap_s') * 1000:.1f}, swap to recorded {med(r, 't_swap_to_recorded_s') * 1000:.1f}, "

@@ -81,9 +81,13 @@ class StatsSink:
             },
         )
 
+    def steps_seen(self, since: float, until: float | None = None) -> list[float]:
+        """When engine steps were seen in ``[since, until]`` (``time.monotonic``), in order."""
+        return [t for t in self.step_times if t >= since and (until is None or t <= until)]
+
     def step_gaps(self, since: float, until: float | None = None) -> list[float]:
         """Seconds between consecutive engine steps seen in ``[since, until]``."""
-        ts = [t for t in self.step_times if t >= since and (until is None or t <= until)]
+        ts = self.steps_seen(since, until)
         return [b - a for a, b in zip(ts, ts[1:])]
 
 

@@ -364,6 +364,11 @@ class VllmEngine(Engine):
         clock); the largest is how long generation stood still in that window."""
         return self._sink.step_gaps(since, until)
 
+    def steps_seen(self, since: float, until: float | None = None) -> list[float]:
+        """When engine steps were seen in ``[since, until]`` (``time.monotonic`` clock), in
+        order: where a gap of :meth:`step_gaps` began and ended."""
+        return self._sink.steps_seen(since, until)
+
     def capacity_hint(self) -> int | None:
         """vLLM's scheduler limit (``max_num_seqs``): how many sequences it schedules at once,
         which the consumer sizes its in-flight cap to (None before :meth:`start`)."""
