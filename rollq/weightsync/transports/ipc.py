@@ -69,8 +69,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: How long the follower waits for the workers' watchers to have started a version before it
-#: starts the copy itself (the announcement reaches both at about the same time).
-WATCHER_GRACE_S = 0.01
+#: starts the copy itself (the announcement reaches both at about the same time; a watcher
+#: shares the GIL with the engine's busy loop, which may hold it 5 ms before the watcher
+#: runs). A watcher that will not copy the version says so at once (``BUSY``).
+WATCHER_GRACE_S = 0.025
+
+#: How long :meth:`IpcReplica.watch` waits for every watcher to listen.
+WATCHERS_READY_S = 10.0
 
 #: A replica's claim of a leased version before its direct swap, and a publisher's start of
 #: its release (``QueueKeys.weights_ipc_claims``): one refuses the other.
@@ -226,9 +231,9 @@ async def _copies(client: Any, keys: QueueKeys, host: str) -> dict[str, int]:
     by_worker: dict[str, list[int]] = {}
     for k, raw in watched.items():
         st = _status(raw)
-        if st is not None:  # a copy under way, or left to a direct swap, counts as the version before it
-            by_worker.setdefault(text(k).rpartition("/")[0], []).append(
-                st.version - (st.state is State.STAGING or bool(st.direct)))
+        if st is not None:  # a copy under way, left to a direct swap, or left to the follower (BUSY)
+            by_worker.setdefault(text(k).rpartition("/")[0], []).append(  # counts as the version before it
+                st.version - (st.state in (State.STAGING, State.BUSY) or bool(st.direct)))
     for r, v in replicas.items():
         replicas[r] = max(v, following[r], min(by_worker.get(r, [0])))
     return replicas
@@ -422,6 +427,20 @@ class IpcReceive(ReplicaTransport):
             field=field, chunk_bytes=self.settings.ipc_chunk_bytes, keep_maps=self.settings.ipc_keep_mappings, serving=serving,
             high_priority=self.settings.ipc_high_priority, direct=self.settings.ipc_direct))
         self._fields = tuple(f"{field}{rank}" for rank in range(n))
+        await self._listening(self.keys)
+
+    async def _listening(self, keys: QueueKeys) -> None:
+        """Until every watcher wrote its first status (it listens for announcements), for
+        :data:`WATCHERS_READY_S` at most; a version announced before then may be copied by
+        the follower instead (logged)."""
+        deadline, delay = time.monotonic() + WATCHERS_READY_S, 0.001
+        while self._fields and None in await self.client.hmget(keys.weights_ipc_staged, list(self._fields)):
+            if time.monotonic() > deadline:
+                log.warning("the workers' IPC watchers did not report within %.0fs; the follower starts copies "
+                            "they have not started", WATCHERS_READY_S)
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     async def close(self) -> None:
         if self._writes:  # let the records of finished copies reach Redis
@@ -448,9 +467,9 @@ class IpcReceive(ReplicaTransport):
             got = await self.client.hmget(keys.weights_ipc_staged, list(self._fields))
             mine = [st for st in map(_status, got) if st is not None and st.version == version]
             if len(mine) < len(got):  # not (yet) started by every watcher
-                if time.monotonic() > grace:
+                if time.monotonic() > grace or any(st.state is State.BUSY for st in mine):
                     return None
-            elif any(st.state is State.FAILED for st in mine):
+            elif any(st.state in (State.FAILED, State.BUSY) for st in mine):  # BUSY: a watcher will not copy it
                 return None
             elif all(st.state is State.STAGED for st in mine):
                 return Staged(version, self, report=dict(mine[0].report(), ipc=True, prestaged=True))

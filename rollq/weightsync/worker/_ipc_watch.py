@@ -12,6 +12,15 @@ reads it from Redis, with the record, instead of asking the engine), and only wa
 swaps it in; it never swaps in a version whose record it has not read and checked. Pub/sub is only a hint: the exposed handles are checked every ``watch.poll`` seconds
 too. Each exposed version is tried once; a copy that fails here is started again by the
 follower (which records the failure).
+
+Each watcher writes its status once it listens (subscribed, the exposed handles checked once),
+so :meth:`~rollq.weightsync.transports.ipc.IpcReplica.watch` returns only then; and a version
+it will not copy (a copy still runs, or a staged version waits for its swap) as ``BUSY`` with
+that version, so the follower starts that copy itself at once instead of waiting for the
+watcher. From the announcement's arrival on, the watcher holds a short GIL switch interval
+(:func:`~rollq.weightsync.process_group.responsive_gil`): it shares the GIL with the engine's
+busy loop, and each of its few blocking steps (reading the handles, starting the copy,
+writing its status) would otherwise wait up to the interpreter's 5 ms for it.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ import msgspec
 
 from ...protocol import Control, parse_control
 from ..ipc_wire import MalformedIpcHandles, decode_handles
-from ..wire import IpcWatch
+from ..process_group import responsive_gil
+from ..wire import IpcWatch, StageStatus, State
 from ._listener import follow_channel
 
 if TYPE_CHECKING:
@@ -41,6 +51,7 @@ class IpcWatcher:
         self.watch = watch
         self.rank = rank
         self.tried = watch.serving  # the newest exposed version this watcher looked at
+        self.listening = False  # its status written once after it subscribed
         self.closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollq-ipc-watch", daemon=True)
 
@@ -64,7 +75,17 @@ class IpcWatcher:
             msg = pubsub.get_message(timeout=0)
 
     def check(self, client: Any) -> bool:
-        """Start copying the exposed version if it is new here; returns whether it started."""
+        """Start copying the exposed version if it is new here; returns whether it started.
+        The first check writes this worker's status whatever it finds (it listens now)."""
+        with responsive_gil():
+            started = self._check(client)
+            if not self.listening:
+                self.listening = True
+                if not started:
+                    self._report(client)
+            return started
+
+    def _check(self, client: Any) -> bool:
         raw = client.get(self.watch.handles_key)
         if raw is None:
             return False
@@ -78,12 +99,14 @@ class IpcWatcher:
         self.tried = version
         if not self.staging.prestage(raw, version, self.watch.chunk_bytes, self.watch.keep_maps,
                                       self.watch.high_priority, self.watch.direct):
+            self._report(client, StageStatus(state=State.BUSY, version=version))  # the follower copies it
             return False
         self._report(client)  # staging
         self.staging.wait()
         self._report(client)  # staged or failed
         return True
 
-    def _report(self, client: Any) -> None:
-        """This worker's copy, for the follower to read without an engine RPC."""
-        client.hset(self.watch.status_key, f"{self.watch.field}{self.rank}", msgspec.msgpack.encode(self.staging.status))
+    def _report(self, client: Any, status: StageStatus | None = None) -> None:
+        """This worker's copy (or ``status``), for the follower to read without an engine RPC."""
+        client.hset(self.watch.status_key, f"{self.watch.field}{self.rank}",
+                    msgspec.msgpack.encode(self.staging.status if status is None else status))

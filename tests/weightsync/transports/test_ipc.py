@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from typing import Any
 
 import msgspec
 import pytest
+import redis.asyncio
 import torch
 
 from rollq.weightsync.trainer.ipc_export import Exposure
@@ -672,6 +674,74 @@ async def test_with_shadow_weights_a_version_is_loaded_from_the_trainers_tensors
         rec = await pub.publish_weights(state(4.0), transport="ipc")
         await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
         assert follower.history[-1].load["swap"] == "shadow" and all(bool((p == 4.0).all()) for p in live.parameters())
+    finally:
+        await follower.stop()
+        await pub.close()
+
+
+async def test_watching_starts_only_once_every_watcher_listens(redis_url, queue, tmp_path):
+    """The follower's start returns once each worker's watcher has subscribed and written its
+    status, so a version published right after it is the watchers' to copy."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher
+    from rollq.weightsync.wire import StageStatus, State
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model, num_workers=2)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.2, ipc_prestage=True))
+    pub = WeightPublisher(redis_url, queue)
+    client = redis.asyncio.Redis.from_url(redis_url)
+    await follower.start()
+    try:
+        got = await client.hmget(consumer.keys.weights_ipc_staged, ["r0/0", "r0/1"])
+        assert None not in got, got
+        assert [msgspec.msgpack.decode(raw, type=StageStatus).state for raw in got] == [State.IDLE, State.IDLE]
+        rec = await pub.publish_weights(state(1.0), transport="ipc")
+        await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        assert follower.history[-1].load.get("prestaged") is True, follower.history[-1].load
+    finally:
+        await follower.stop()
+        await pub.close()
+        await client.aclose()
+
+
+async def test_a_watcher_that_will_not_copy_a_version_says_so_and_checks_with_a_short_gil_interval(redis_url, queue, tmp_path):
+    """A watcher whose worker still holds a staged version waiting for its swap does not copy
+    the next one: it writes BUSY for it, so the follower starts that copy itself at once. The
+    watcher starts its copies with the GIL's switch interval shortened (it shares the GIL with
+    the engine's busy loop)."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher
+    from rollq.weightsync.wire import StageStatus, State
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(small_model, num_workers=2)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.2, ipc_prestage=True))
+    pub = WeightPublisher(redis_url, queue)
+    intervals: list[float] = []
+    for w in engine.workers:
+        ipc = w.rollq_state.ipc
+        ipc.prestage = (lambda f: lambda *a, **k: intervals.append(sys.getswitchinterval()) or f(*a, **k))(ipc.prestage)
+
+    async def all_say(state: State, version: int) -> bool:  # each watcher's status, as the follower reads it
+        got = await pub._client.hmget(consumer.keys.weights_ipc_staged, ["r0/0", "r0/1"])
+        return all(raw and (s := msgspec.msgpack.decode(raw, type=StageStatus)).state is state and s.version == version
+                   for raw in got)
+
+    await follower.start()
+    try:
+        async with follower._lock:
+            first = await pub.publish_weights(state(1.0), transport="ipc")
+            await until(lambda: all_say(State.STAGED, first.version), 10, "the watchers' copy of the first version")
+            second = await pub.publish_weights(state(2.0), transport="ipc")
+            await until(lambda: all_say(State.BUSY, second.version), 10, "the watchers' word that they will not copy the second")
+        await until(lambda: consumer.version == second.version, 10, "the second version, copied by the follower")
+        assert follower.history[-1].load.get("prestaged") is None and all(weight0(w) == 2.0 for w in engine.workers)
+        assert len(intervals) == 4 and max(intervals) < sys.getswitchinterval(), intervals
     finally:
         await follower.stop()
         await pub.close()

@@ -192,6 +192,37 @@ async def test_the_release_waits_only_for_live_replicas_on_the_trainers_host(red
         await pub.close()
 
 
+@pytest.mark.parametrize("state, counts", [("staged", 4), ("failed", 4), ("staging", 3), ("busy", 3), ("direct", 3)])
+async def test_a_watchers_status_counts_as_copied_only_once_its_copy_ended(redis_url, queue, state, counts):
+    """A replica's watching workers' statuses count toward the release as the version copied
+    only once their copy ended (staged, or failed: it reads no more); one under way, one left
+    to a direct swap, or one a watcher left to the follower (busy) counts as the version
+    before it, whatever the follower recorded."""
+    import socket
+
+    from rollq.protocol import ReplicaInfo
+    from rollq.weightsync import WeightPublisher
+    from rollq.weightsync.transports.ipc import _copies
+    from rollq.weightsync.wire import StageStatus, State
+
+    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    client, keys = await pub.redis(), pub.keys
+    here = socket.gethostname()
+    try:
+        info = ReplicaInfo(id="r0", host=here, pid=1, engine="echo", model="m", device="cpu", version=2, inflight=0,
+                           cap=1, kv_usage=None, tokens_per_s=0.0, completed=0, failed=0, started_at=0.0, heartbeat_at=0.0,
+                           state="serving")
+        await client.hset(keys.consumers, "r0", msgspec.msgpack.encode(info))
+        await client.set(keys.heartbeat("r0"), 1, ex=60)
+        await client.hset(keys.weights_ipc_copied, "r0", 2)
+        st = StageStatus(state=State.STAGED, version=4, direct=True) if state == "direct" else StageStatus(state=State(state), version=4)
+        await client.hset(keys.weights_ipc_staged, mapping={"r0/0": msgspec.msgpack.encode(StageStatus(state=State.STAGED, version=4)),
+                                                            "r0/1": msgspec.msgpack.encode(st)})
+        assert await _copies(client, keys, here) == {"r0": counts}
+    finally:
+        await pub.close()
+
+
 async def test_a_producer_leases_and_releases_through_its_publisher(redis_url, queue, tmp_path):
     """``Producer.publish_weights(..., ipc_lease=True)`` then ``Producer.release_weights()``:
     the release returns once the replica copied the version; a producer that published nothing
