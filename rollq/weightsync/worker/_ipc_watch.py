@@ -14,7 +14,7 @@ too. Each exposed version is tried once; a copy that fails here is started again
 follower (which records the failure).
 
 Each watcher writes its status once it listens (subscribed, the exposed handles checked once),
-so :meth:`~rollq.weightsync.transports.ipc.IpcReplica.watch` returns only then; and a version
+so :meth:`~rollq.weightsync.transports.ipc.IpcReceive.watch` returns only then; and a version
 it will not copy (a copy still runs, or a staged version waits for its swap) as ``BUSY`` with
 that version, so the follower starts that copy itself at once instead of waiting for the
 watcher. From the announcement's arrival on, the watcher holds a short GIL switch interval
@@ -76,13 +76,15 @@ class IpcWatcher:
 
     def check(self, client: Any) -> bool:
         """Start copying the exposed version if it is new here; returns whether it started.
-        The first check writes this worker's status whatever it finds (it listens now)."""
+        The first check writes that this watcher listens: ``IDLE`` at the version the replica
+        served when it began watching (not the worker's last staging, which may be of
+        another queue's versions), unless it started a copy."""
         with responsive_gil():
             started = self._check(client)
             if not self.listening:
                 self.listening = True
                 if not started:
-                    self._report(client)
+                    self._report(client, StageStatus(state=State.IDLE, version=self.watch.serving))
             return started
 
     def _check(self, client: Any) -> bool:

@@ -689,6 +689,9 @@ async def test_watching_starts_only_once_every_watcher_listens(redis_url, queue,
     from tests.helpers import until
 
     engine = FakeWorkerEngine(small_model, num_workers=2)
+    # A worker whose last staging was of version 1 of another queue (an engine serving on):
+    # its watcher does not say so, or the follower and the release would take it for this one.
+    engine.workers[1].rollq_state.ipc.status = StageStatus(state=State.STAGED, version=1)
     consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
     follower = WeightFollower(consumer, WeightSyncSettings(root=str(tmp_path), reconcile_interval=0.2, ipc_prestage=True))
     pub = WeightPublisher(redis_url, queue)
@@ -697,10 +700,11 @@ async def test_watching_starts_only_once_every_watcher_listens(redis_url, queue,
     try:
         got = await client.hmget(consumer.keys.weights_ipc_staged, ["r0/0", "r0/1"])
         assert None not in got, got
-        assert [msgspec.msgpack.decode(raw, type=StageStatus).state for raw in got] == [State.IDLE, State.IDLE]
+        assert [msgspec.msgpack.decode(raw, type=StageStatus) for raw in got] == [StageStatus(state=State.IDLE, version=0)] * 2
         rec = await pub.publish_weights(state(1.0), transport="ipc")
         await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
         assert follower.history[-1].load.get("prestaged") is True, follower.history[-1].load
+        assert all(weight0(w) == 1.0 for w in engine.workers)
     finally:
         await follower.stop()
         await pub.close()
