@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 #: runs). A watcher that will not copy the version says so at once (``BUSY``).
 WATCHER_GRACE_S = 0.025
 
-#: How long :meth:`IpcReplica.watch` waits for every watcher to listen.
+#: How long :meth:`IpcReceive.watch` waits for every watcher to listen.
 WATCHERS_READY_S = 10.0
 
 #: A replica's claim of a leased version before its direct swap, and a publisher's start of
