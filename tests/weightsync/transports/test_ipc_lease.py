@@ -151,36 +151,40 @@ async def test_a_lease_released_at_its_timeout_is_refused_by_the_replica_still_c
     await pub.close()
 
 
+async def _register(client: Any, keys: Any, rid: str, host: str, version: int, alive: bool = True,
+                    follows: bool = True) -> None:
+    """A replica ``rid`` on ``host`` serving ``version``, as the release sees it: its info, its
+    heartbeat when ``alive``, its follower's record of ``version`` copied when ``follows``."""
+    from rollq.protocol import ReplicaInfo
+
+    info = ReplicaInfo(id=rid, host=host, pid=1, engine="echo", model="m", device="cpu", version=version, inflight=0,
+                       cap=1, kv_usage=None, tokens_per_s=0.0, completed=0, failed=0, started_at=0.0, heartbeat_at=0.0,
+                       state="serving")
+    await client.hset(keys.consumers, rid, msgspec.msgpack.encode(info))
+    if alive:
+        await client.set(keys.heartbeat(rid), 1, ex=60)
+    if follows:
+        await client.hset(keys.weights_ipc_copied, rid, version)
+
+
 async def test_the_release_waits_only_for_live_replicas_on_the_trainers_host(redis_url, queue):
     """Replicas elsewhere take the version another way, dead ones and those without a follower
     never copy: none of them holds the release back; one on this host that has copied, or
     serves the version, counts as done."""
     import socket
 
-    from rollq.protocol import ReplicaInfo
     from rollq.weightsync import WeightPublisher
     from rollq.weightsync.transports.ipc import _copies
 
     pub = WeightPublisher(redis_url, queue, ipc_lease=True)
     client, keys = await pub.redis(), pub.keys
     here = socket.gethostname()
-
-    async def register(rid: str, host: str, version: int, alive: bool = True, follows: bool = True) -> None:
-        info = ReplicaInfo(id=rid, host=host, pid=1, engine="echo", model="m", device="cpu", version=version, inflight=0,
-                           cap=1, kv_usage=None, tokens_per_s=0.0, completed=0, failed=0, started_at=0.0, heartbeat_at=0.0,
-                           state="serving")
-        await client.hset(keys.consumers, rid, msgspec.msgpack.encode(info))
-        if alive:
-            await client.set(keys.heartbeat(rid), 1, ex=60)
-        if follows:
-            await client.hset(keys.weights_ipc_copied, rid, version)
-
     try:
-        await register("elsewhere", "another-host", 0)
-        await register("dead", here, 0, alive=False)
-        await register("no follower", here, 0, follows=False)
-        await register("copied", here, 1)
-        await register("serving", here, 3)
+        await _register(client, keys, "elsewhere", "another-host", 0)
+        await _register(client, keys, "dead", here, 0, alive=False)
+        await _register(client, keys, "no follower", here, 0, follows=False)
+        await _register(client, keys, "copied", here, 1)
+        await _register(client, keys, "serving", here, 3)
         await client.hset(keys.weights_ipc_copied, "copied", 3)
         assert await _copies(client, keys, here) == {"copied": 3, "serving": 3}
         x = await pub.publish_weights(shared(1.0), version=3, transport="ipc")
@@ -200,7 +204,6 @@ async def test_a_watchers_status_counts_as_copied_only_once_its_copy_ended(redis
     before it, whatever the follower recorded."""
     import socket
 
-    from rollq.protocol import ReplicaInfo
     from rollq.weightsync import WeightPublisher
     from rollq.weightsync.transports.ipc import _copies
     from rollq.weightsync.wire import StageStatus, State
@@ -209,12 +212,7 @@ async def test_a_watchers_status_counts_as_copied_only_once_its_copy_ended(redis
     client, keys = await pub.redis(), pub.keys
     here = socket.gethostname()
     try:
-        info = ReplicaInfo(id="r0", host=here, pid=1, engine="echo", model="m", device="cpu", version=2, inflight=0,
-                           cap=1, kv_usage=None, tokens_per_s=0.0, completed=0, failed=0, started_at=0.0, heartbeat_at=0.0,
-                           state="serving")
-        await client.hset(keys.consumers, "r0", msgspec.msgpack.encode(info))
-        await client.set(keys.heartbeat("r0"), 1, ex=60)
-        await client.hset(keys.weights_ipc_copied, "r0", 2)
+        await _register(client, keys, "r0", here, 2)
         st = StageStatus(state=State.STAGED, version=4, direct=True) if state == "direct" else StageStatus(state=State(state), version=4)
         await client.hset(keys.weights_ipc_staged, mapping={"r0/0": msgspec.msgpack.encode(StageStatus(state=State.STAGED, version=4)),
                                                             "r0/1": msgspec.msgpack.encode(st)})
