@@ -274,7 +274,7 @@ class QueueKeys:
         """Hash ``replica -> version``: each running follower (registered at its start with the
         version it serves, removed at its stop) and the last version exposed over IPC that it
         finished copying (or gave up on), read by a publisher releasing a leased version
-        (rollq.weightsync.transports.ipc)."""
+        (rollq.weightsync.transports.ipc_lease)."""
         return f"{self.tag}:wipcc"
 
     @cached_property
@@ -283,7 +283,7 @@ class QueueKeys:
         ``released`` (the newest version its publisher started releasing) and, per replica
         about to copy the trainer's tensors straight into its live weights,
         ``c:<replica> -> "<version> <deadline ms>"`` (rollq/lua/ipc_claim.lua,
-        rollq/lua/ipc_release.lua; rollq.weightsync.transports.ipc)."""
+        rollq/lua/ipc_release.lua; rollq.weightsync.transports.ipc_lease)."""
         return f"{self.tag}:wipcl"
 
     def weights_acks(self, version: int) -> str:

@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator
 import torch
 
 from rollq.weightsync import WeightPublisher
-from rollq.weightsync.transports.ipc import release
+from rollq.weightsync.transports.ipc_lease import release
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -26,7 +26,7 @@ those, with a memmap copy for the others when there is a store; on any other fai
 timeout the group is dropped (formed again next time) and the same version is published
 through memmap instead. With ``transport="ipc"`` this process exposes the tensors to the
 replicas on its host (CUDA IPC or CPU shared memory) until its next IPC version or
-:meth:`WeightPublisher.close` (:mod:`rollq.weightsync.transports.ipc`). The transports themselves
+:meth:`WeightPublisher.close` (:mod:`rollq.weightsync.transports.ipc_lease`). The transports themselves
 live in :mod:`rollq.weightsync.transports`.
 """
 
@@ -287,7 +287,7 @@ class WeightPublisher:
         {'replica-0': 4}
         >>> optimizer.step()                                                        # doctest: +SKIP
         """
-        from ..transports.ipc import release_when_copied
+        from ..transports.ipc_lease import release_when_copied
 
         return await release_when_copied(self, timeout)
 
@@ -409,7 +409,7 @@ class WeightPublisher:
             await param_shards.in_thread(src.drain)  # the other ranks gather every bucket: match them
 
     async def close(self) -> None:
-        from ..transports.ipc import release
+        from ..transports.ipc_lease import release
 
         release(self)  # a version exposed over IPC is no longer
         if self._client is not None:

@@ -9,7 +9,7 @@ memmap store (``WeightPublisher(root=...)``) it also writes a memmap copy, which
 other hosts or GPUs, late joiners and replicas that could not copy load instead.
 
 How long a version stays exposed: from its publish until the same publisher publishes the
-next version over IPC, :func:`release` is called, the publisher closes, or the trainer process
+next version over IPC, :func:`~.ipc_lease.release` is called, the publisher closes, or the trainer process
 exits, whichever comes first. A replica still copying it then refuses it (it takes the next
 one). Extra memory held meanwhile: none for CUDA tensors and CPU tensors already in shared
 memory (zero-copy), one copy of every other CPU tensor (``timings["ipc_copied_bytes"]``). With
@@ -17,7 +17,7 @@ memory (zero-copy), one copy of every other CPU tensor (``timings["ipc_copied_by
 GPU), so the trainer may update its weights in place right after publishing. With
 ``WeightPublisher(ipc_lease=True)`` the trainer's own tensors are exposed zero-copy and
 without a checksum, on its promise to change none of them until it calls
-``WeightPublisher.release_weights`` (:func:`release_when_copied`), which waits until every live
+``WeightPublisher.release_weights`` (:func:`~.ipc_lease.release_when_copied`), which waits until every live
 replica on this host whose follower registered in ``QueueKeys.weights_ipc_copied`` has finished
 its copy (the follower records it there; watching workers' statuses and served versions count too),
 then releases the version. A replica whose copy ends after the release refuses the version.
@@ -33,7 +33,7 @@ on; with a memmap copy in the record the replica loads that instead. With
 (``QueueKeys.weights_ipc_claims``), and copied by the swap straight into the live weights
 (:meth:`IpcReceive.swap`; on a GPU the copies run on the device after the swap call returns,
 ahead of the next engine step, and the claim ends once they ended);
-:func:`release_when_copied` waits for the claims. With
+:func:`~.ipc_lease.release_when_copied` waits for the claims. With
 ``WeightSyncSettings.ipc_prestage`` the workers start each copy themselves when the version is
 announced (:meth:`IpcReceive.watch`, :mod:`rollq.weightsync.worker._ipc_watch`) and the follower
 reads how it stands from Redis; a copy they did not start, or that failed, it starts itself.
@@ -48,22 +48,20 @@ import asyncio
 import contextlib
 import logging
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 
-from ...connection import RETRYABLE, Script, text
+from ...connection import RETRYABLE, Script
 from ...errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
 from ..ipc_wire import IpcHandles, IpcUnavailable, TornDirectSwap, decode_handles, encode_handles, token_alive
 from ..wire import IpcWatch, StageStatus, State, SwapReport, WorkerError
-from .base import PublisherSide, ReplicaTransport, Staged, TrainerTransport
+from .base import ReplicaTransport, Staged, TrainerTransport
+from .ipc_lease import EXPOSED, watcher_status
 
 if TYPE_CHECKING:
     import torch
 
     from ...keys import QueueKeys
-    from ..trainer.ipc_export import Exposure
     from ..versions import VersionRecord
 
 log = logging.getLogger(__name__)
@@ -77,23 +75,9 @@ WATCHER_GRACE_S = 0.025
 #: How long :meth:`IpcReceive.watch` waits for every watcher to listen.
 WATCHERS_READY_S = 10.0
 
-#: A replica's claim of a leased version before its direct swap, and a publisher's start of
-#: its release (``QueueKeys.weights_ipc_claims``): one refuses the other.
+#: A replica's claim of a leased version before its direct swap
+#: (``QueueKeys.weights_ipc_claims``); a publisher's release refuses it (:data:`IPC_RELEASE`).
 IPC_CLAIM = Script("ipc_claim")
-IPC_RELEASE = Script("ipc_release")
-
-#: The version each publisher exposes now (released when it exposes the next one).
-_EXPOSED: weakref.WeakKeyDictionary[PublisherSide, Exposure] = weakref.WeakKeyDictionary()
-
-
-def release(publisher: PublisherSide) -> bool:
-    """Stop exposing ``publisher``'s current IPC version (a replica copying it refuses it) and
-    free its snapshot; False when it exposes none. ``WeightPublisher.close`` calls it."""
-    x = _EXPOSED.pop(publisher, None)
-    if x is None:
-        return False
-    x.release()
-    return True
 
 
 class IpcSend(TrainerTransport):
@@ -106,7 +90,7 @@ class IpcSend(TrainerTransport):
         pub = self.publisher
         t0 = time.perf_counter()
         into = None
-        if pub.ipc_snapshot and (last := _EXPOSED.pop(pub, None)) is not None:
+        if pub.ipc_snapshot and (last := EXPOSED.pop(pub, None)) is not None:
             # The last version is released before its snapshot is rewritten: a replica still
             # copying it then refuses it (its token is gone) rather than keep mixed bytes.
             last.release()
@@ -129,121 +113,11 @@ class IpcSend(TrainerTransport):
         except BaseException:
             x.release()
             raise
-        old = _EXPOSED.get(pub)
-        _EXPOSED[pub] = x
+        old = EXPOSED.get(pub)
+        EXPOSED[pub] = x
         if old is not None:
             old.release()
         return rec
-
-
-async def release_when_copied(publisher: PublisherSide, timeout: float, poll: float = 0.002) -> dict[str, int]:
-    """Wait (``timeout`` seconds at most) until every live replica on this host that follows
-    versions (its follower registered) has finished copying the version ``publisher``
-    exposes, then release it (:func:`release`). Returns ``{replica: version}`` of those
-    replicas: the newest version each has copied or serves. A replica still copying at the
-    timeout is named in a warning; releasing the version makes it refuse its copy, so nothing
-    it serves mixes two versions. A leased version is then marked released in Redis, and the
-    direct swaps that claimed it before are waited for (:func:`_end_claims`): those cannot be
-    refused once they copy."""
-    x = _EXPOSED.get(publisher)
-    if x is None:
-        return {}
-    version, host = x.handles.version, x.handles.host
-    deadline = time.monotonic() + timeout
-    client = await publisher.redis()
-    try:
-        while True:
-            got = await _copies(client, publisher.keys, host)
-            behind = sorted(r for r, v in got.items() if v < version)
-            if not behind:
-                break
-            if time.monotonic() > deadline:
-                log.warning("version %d released after %.1fs with %d replica(s) on this host still copying it: %s",
-                            version, timeout, len(behind), ", ".join(r[:64] for r in behind[:5]))
-                break
-            await asyncio.sleep(poll)
-            poll = min(poll * 2, 0.02)
-        if x.handles.lease:
-            await _end_claims(client, publisher.keys, version)
-        return got
-    finally:
-        if _EXPOSED.get(publisher) is x:
-            release(publisher)
-
-
-async def _end_claims(client: Any, keys: QueueKeys, version: int, poll: float = 0.001) -> None:
-    """Start releasing leased ``version`` (no replica claims it from now on) and wait until
-    every direct swap that claimed it has ended: its claim removed, past its deadline, or held
-    by a replica no longer alive. The claims' deadlines bound the wait (trainer and replicas
-    share the host's clock)."""
-    from ...replicas import live_replicas
-
-    flat = await IPC_RELEASE(client, [keys.weights_ipc_claims], [version])
-    held = _claims(dict(zip(flat[::2], flat[1::2])), version)
-    if not held:
-        return
-    alive = set(await live_replicas(client, keys))
-    t0 = checked = time.monotonic()
-    warned = False
-    while held := {r: d for r, d in held.items() if r in alive and d > time.time() * 1000}:
-        if not warned and time.monotonic() - t0 > 5.0:
-            warned = True
-            log.warning("releasing version %d waits for the direct swap of %s", version, ", ".join(r[:64] for r in list(held)[:5]))
-        await asyncio.sleep(poll)
-        poll = min(poll * 2, 0.01)
-        held = _claims(await client.hgetall(keys.weights_ipc_claims), version)
-        if time.monotonic() - checked > 1.0:  # a replica that died holding its claim
-            alive, checked = set(await live_replicas(client, keys)), time.monotonic()
-
-
-def _claims(raw: dict[Any, Any], version: int) -> dict[str, float]:
-    """``{replica: deadline ms}`` of the claims of ``version`` or older in ``raw`` (the claims
-    hash, as HGETALL gives it)."""
-    out: dict[str, float] = {}
-    for k, v in raw.items():
-        name = text(k)
-        if not name.startswith("c:"):
-            continue
-        try:
-            claimed, deadline = text(v).split()
-            if int(claimed) <= version:
-                out[name[2:]] = float(deadline)
-        except ValueError:  # not a claim this build writes
-            continue
-    return out
-
-
-async def _copies(client: Any, keys: QueueKeys, host: str) -> dict[str, int]:
-    """``{replica: version}`` of the live replicas on ``host`` that follow versions (their
-    followers registered in ``weights_ipc_copied``): the newest version each has finished
-    copying over IPC (its follower's record, its watching workers' statuses) or serves."""
-    from ...replicas import live_replicas
-
-    pipe = client.pipeline(transaction=False)
-    pipe.hgetall(keys.weights_ipc_copied)
-    pipe.hgetall(keys.weights_ipc_staged)
-    registered, watched = await pipe.execute()
-    following = {text(k): _int(v) for k, v in registered.items()}
-    replicas = {r: info.version for r, info in (await live_replicas(client, keys)).items()
-                if info.host == host and r in following}
-    if not replicas:
-        return {}
-    by_worker: dict[str, list[int]] = {}
-    for k, raw in watched.items():
-        st = _status(raw)
-        if st is not None:  # a copy under way, left to a direct swap, or left to the follower (BUSY)
-            by_worker.setdefault(text(k).rpartition("/")[0], []).append(  # counts as the version before it
-                st.version - (st.state in (State.STAGING, State.BUSY) or bool(st.direct)))
-    for r, v in replicas.items():
-        replicas[r] = max(v, following[r], min(by_worker.get(r, [0])))
-    return replicas
-
-
-def _int(raw: bytes | None) -> int:
-    try:
-        return int(raw) if raw else 0
-    except ValueError:
-        return 0
 
 
 class IpcReceive(ReplicaTransport):
@@ -465,7 +339,7 @@ class IpcReceive(ReplicaTransport):
         delay = 0.001
         while True:
             got = await self.client.hmget(keys.weights_ipc_staged, list(self._fields))
-            mine = [st for st in map(_status, got) if st is not None and st.version == version]
+            mine = [st for st in map(watcher_status, got) if st is not None and st.version == version]
             if len(mine) < len(got):  # not (yet) started by every watcher
                 if time.monotonic() > grace or any(st.state is State.BUSY for st in mine):
                     return None
@@ -492,14 +366,6 @@ class IpcReceive(ReplicaTransport):
             while any(s.state is State.STAGING and s.version != version for s in await self.workers.ipc_status()):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.01)
-
-
-def _status(raw: bytes | None) -> StageStatus | None:
-    """A watcher's status as it wrote it (None: none, or not a status)."""
-    try:
-        return msgspec.msgpack.decode(raw, type=StageStatus) if raw else None
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
 
 
 def _unavailable(version: int, errors: list[WorkerError], msg: str) -> Exception | None:

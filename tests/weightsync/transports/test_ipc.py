@@ -145,7 +145,7 @@ async def test_fake_workers_copy_each_version_and_refuse_a_released_one(redis_ur
     from rollq import Consumer, EchoEngine, WeightSyncSettings
     from rollq.testing.fake_workers import FakeWorkerEngine
     from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
-    from rollq.weightsync.transports.ipc import release
+    from rollq.weightsync.transports.ipc_lease import release
     from tests.helpers import until
 
     engine = FakeWorkerEngine(small_model, num_workers=2)
@@ -530,7 +530,7 @@ async def test_a_version_released_while_a_watcher_copies_it_is_recorded_and_the_
     from rollq import Consumer, WeightSyncSettings
     from rollq.testing.fake_workers import FakeWorkerEngine
     from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
-    from rollq.weightsync.transports.ipc import release
+    from rollq.weightsync.transports.ipc_lease import release
     from rollq.weightsync.wire import State
     from tests.helpers import until
 

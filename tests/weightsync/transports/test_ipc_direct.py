@@ -192,7 +192,8 @@ async def test_the_release_waits_for_live_unexpired_claims_only_and_refuses_late
     version do not; once the release began, claiming that version is refused."""
     from rollq.protocol import ReplicaInfo
     from rollq.weightsync import WeightPublisher
-    from rollq.weightsync.transports.ipc import IPC_CLAIM, _end_claims
+    from rollq.weightsync.transports.ipc import IPC_CLAIM
+    from rollq.weightsync.transports.ipc_lease import _end_claims
 
     pub = WeightPublisher(redis_url, queue)
     client, keys = await pub.redis(), pub.keys
@@ -253,7 +254,7 @@ async def test_a_direct_swap_whose_version_is_released_while_it_copies_is_torn(r
     whole; without one the failure is recorded. Whether the copy goes by the load plan or
     through load_weights (a loader that transforms what it reads gives no plan)."""
     from rollq.weightsync import read_load_errors
-    from rollq.weightsync.transports.ipc import release
+    from rollq.weightsync.transports.ipc_lease import release
     from rollq.weightsync.worker._state import WorkerState
     from tests.helpers import until
 
@@ -412,7 +413,7 @@ async def test_a_version_released_while_its_direct_copies_still_run_is_torn(redi
     copy the replica loads that (the version, whole); without one the failure is recorded and
     the next version goes through."""
     from rollq.weightsync import read_load_errors
-    from rollq.weightsync.transports.ipc import release
+    from rollq.weightsync.transports.ipc_lease import release
     from tests.helpers import until
 
     engine, consumer, follower, pub = _torn_replica(redis_url, queue, loadable_model, str(tmp_path) if memmap else None)

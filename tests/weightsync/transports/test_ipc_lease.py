@@ -128,7 +128,7 @@ async def test_a_lease_released_at_its_timeout_is_refused_by_the_replica_still_c
         second = await pub.publish_weights(st, transport="ipc")
         assert await asyncio.to_thread(at_copy.wait, 10), "the worker did not start copying"
         t0 = time.monotonic()
-        with caplog.at_level(logging.WARNING, logger="rollq.weightsync.transports.ipc"):
+        with caplog.at_level(logging.WARNING, logger="rollq.weightsync.transports.ipc_lease"):
             got = await pub.release_weights(timeout=0.3)
         assert 0.3 <= time.monotonic() - t0 < 5 and got == {"r0": first.version}, got
         assert "still copying it: r0" in caplog.text
@@ -174,7 +174,7 @@ async def test_the_release_waits_only_for_live_replicas_on_the_trainers_host(red
     import socket
 
     from rollq.weightsync import WeightPublisher
-    from rollq.weightsync.transports.ipc import _copies
+    from rollq.weightsync.transports.ipc_lease import _copies
 
     pub = WeightPublisher(redis_url, queue, ipc_lease=True)
     client, keys = await pub.redis(), pub.keys
@@ -205,7 +205,7 @@ async def test_a_watchers_status_counts_as_copied_only_once_its_copy_ended(redis
     import socket
 
     from rollq.weightsync import WeightPublisher
-    from rollq.weightsync.transports.ipc import _copies
+    from rollq.weightsync.transports.ipc_lease import _copies
     from rollq.weightsync.wire import StageStatus, State
 
     pub = WeightPublisher(redis_url, queue, ipc_lease=True)
