@@ -37,8 +37,11 @@ version comes from another trainer process, when the staging fails, and, within
 from __future__ import annotations
 
 import logging
+import mmap
+import os
+import re
 import threading
-from typing import Any, Callable, Hashable, TypeVar
+from typing import Any, Callable, Hashable, Iterable, TypeVar
 
 import torch
 
@@ -70,11 +73,72 @@ def process_start(pid: int) -> int | None:
     return int(fields[19]) if len(fields) > 19 else None
 
 
-def _release_message(s: IpcStorage) -> None:
-    """Give back the reference the trainer counted for this message of ``s``, as opening it
-    would have done when the opened storage went (torch's CUDA IPC reference counting)."""
-    if s.kind is StorageKind.CUDA and s.ref_counter_handle:
-        torch.UntypedStorage._release_ipc_counter_cuda(s.ref_counter_handle, s.ref_counter_offset)
+#: Bytes before the first counter in a torch reference-counter file (``at::RefcountedMapAllocator``
+#: keeps its own header there: ``map_alloc_alignment``).
+COUNTER_HEADER = 64
+#: The names torch gives the shared-memory files it creates (``at::NewProcessWideShmHandle``).
+_SHM_NAME = re.compile(rb"/torch_[0-9]+_[0-9]+_[0-9]+")
+
+
+def release_messages(storages: Iterable[IpcStorage]) -> int:
+    """Give back the reference the trainer counted for each message of a CUDA storage in
+    ``storages``, as opening it would have done when the opened storage went (torch's CUDA IPC
+    reference counting: each ``_share_cuda_`` names a counter in a shared-memory file, which
+    the trainer frees the block by once it reads zero). Returns the counters given back.
+
+    torch's own call (``UntypedStorage._release_ipc_counter_cuda``) maps and unmaps the whole
+    counter file for each counter: a few hundred of them took ~10 ms beside a busy engine (an
+    unmap stalls every thread of the process). The counters of one version share a file or a
+    few, so each file is mapped once here and its counters decremented in place, as torch does
+    (not atomically: one worker releases each message). A file already gone (its trainer
+    exited) has nothing to give back; a file that is not laid out as torch lays it out is left
+    to torch's call."""
+    by_file: dict[bytes, list[int]] = {}
+    for s in storages:
+        if s.kind is StorageKind.CUDA and s.ref_counter_handle:
+            by_file.setdefault(s.ref_counter_handle, []).append(s.ref_counter_offset)
+    done = 0
+    for name, offsets in by_file.items():
+        if _decrement(name, offsets):
+            done += len(offsets)
+            continue
+        for off in offsets:
+            try:
+                torch.UntypedStorage._release_ipc_counter_cuda(name, off)
+                done += 1
+            except RuntimeError as e:  # torch gives up on a file it cannot map, silently
+                log.debug("could not give back IPC counter %d of %r: %s", off, name, e)
+    return done
+
+
+def _decrement(name: bytes, offsets: list[int]) -> bool:
+    """Decrement counters ``offsets`` of torch's reference-counter file ``name``; False when
+    this cannot be done the way torch does it (the caller then calls torch)."""
+    if _SHM_NAME.fullmatch(name) is None:
+        return False
+    try:
+        fd = os.open(f"/dev/shm{name.decode()}", os.O_RDWR)
+    except FileNotFoundError:
+        return True  # unlinked: its trainer exited, nothing counts these references any more
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        count, rest = divmod(size - COUNTER_HEADER, 8)
+        if rest or count <= 0 or not all(0 <= off < count for off in offsets):
+            return False
+        with mmap.mmap(fd, size) as m:
+            counters = memoryview(m)[COUNTER_HEADER:].cast("q")
+            try:
+                for off in offsets:
+                    counters[off] -= 1
+            finally:
+                counters.release()
+        return True
+    except (OSError, ValueError):
+        return False
+    finally:
+        os.close(fd)
 
 
 class MappedStorages:
@@ -108,7 +172,8 @@ class MappedStorages:
             kept = self._maps
         out: list[torch.UntypedStorage] = []
         now: dict[Hashable, torch.UntypedStorage] = {}
-        opened = reused = 0
+        opened = 0
+        reused: list[IpcStorage] = []  # their messages are given back at once, below
         try:
             for i, s in enumerate(h.storages):
                 key = storage_key(h.pid, s)
@@ -119,19 +184,20 @@ class MappedStorages:
                         got = open_one(i, s)
                         opened += 1
                     else:
-                        _release_message(s)
-                        reused += 1
+                        reused.append(s)
                     now[key] = got
                 out.append(got)
         except BaseException:
             self.clear()
             raise
+        finally:
+            release_messages(reused)
         with self._lock:
             kept, self._maps = self._maps, now
             if opened or len(now) != len(kept):
                 self._views, self._derived = None, {}  # built on storages this version does not hold
         del kept  # what the last version held and this one does not is unmapped here
-        self.opened, self.reused = opened, reused
+        self.opened, self.reused = opened, len(reused)
         self._watch()
         return out
 
