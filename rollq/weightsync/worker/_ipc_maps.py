@@ -4,7 +4,8 @@ A trainer that steps its optimizer in place exposes the same storages every vers
 handles of version N+1 name memory this worker already mapped for version N. Opening a CUDA
 IPC handle costs a driver call (``cudaIpcOpenMemHandle``) and an IPC event per storage, tens
 of milliseconds for a few hundred tensors beside a busy engine; a mapping kept from the last
-version costs a dictionary lookup. :class:`MappedStorages` keeps the storages the last
+version costs a dictionary lookup, and the new message's reference counter is given back
+(:func:`release_messages`: each counter file mapped once per version). :class:`MappedStorages` keeps the storages the last
 version used, keyed by what identifies their memory in the trainer process (a CUDA handle and
 offset, or a shared-memory file's descriptor and inode), and maps only storages it does not
 hold. What the last version held and the next one does not name is unmapped when the next
