@@ -136,7 +136,10 @@ async def test_tokens_stream_while_vllm_generates(served):
     answer of the same seeded request (text, token ids, logprobs). The jobs are long enough
     (400 and 300 tokens) to run for many of the replica's 25 ms progress flushes on fast
     cores too: 96 tokens of the tiny model can finish before the first chunk reaches the
-    client."""
+    client. Two live chunks are asked for, not more: on two starved cores one flush can
+    stall past its 1 s bound (logged, its tokens reach the stream with the result), which
+    left 2 live chunks of a 400-token job in one CI run; a server that streams nothing
+    before the result gives 0."""
     client, _, _, consumer = served
     kw = dict(model=MODEL, prompt="one two three", max_tokens=400, seed=11, n=2, logprobs=0,
               extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -151,7 +154,7 @@ async def test_tokens_stream_while_vllm_generates(served):
             ids[c.index] = ids.get(c.index, []) + (c.token_ids or [])
             lps[c.index] = lps.get(c.index, []) + (c.logprobs.token_logprobs if c.logprobs else [])
             live += bool(c.token_ids) and c.finish_reason is None and consumer.running_count() == 1
-    assert live >= 3, f"only {live} chunks with tokens came while the job ran on the replica"
+    assert live >= 2, f"only {live} chunks with tokens came while the job ran on the replica"
     assert texts == {c.index: c.text for c in whole.choices}
     assert ids == {c.index: c.token_ids for c in whole.choices}
     for c in whole.choices:
