@@ -393,14 +393,20 @@ async def engine_main(a: argparse.Namespace) -> None:
 
         def gap_timeline(row: dict) -> dict:
             """Where the swap fell in the longest gap between engine steps, in seconds from the
-            gap's start (the last step seen before it, wall clock): the worker's swap call
-            ended (its copies enqueued), the device reached the copies, the copies ended; the
-            gap ends when the next step is seen."""
+            gap's start (the last step seen before it, wall clock): the follower's swap call
+            began (negative: before the gap) and its call to the workers came back (the swap
+            call less its wait for a direct swap's copies), the worker's swap call ended (its
+            copies enqueued), the device reached the copies, the copies ended; the gap ends
+            when the next step is seen."""
             began, enq, start, dev = (row.get(k) for k in ("gap_began_at", "swap_enqueued_at", "copies_started_at",
                                                            "copy_device_s"))
             if began is None or not enq:
                 return {}
             out = {"gap_swap_call_end_s": enq - began}
+            if row.get("follower_swap_at") and row.get("paused_s") is not None:
+                out["gap_follower_call_start_s"] = row["follower_swap_at"] - began
+                out["gap_follower_call_return_s"] = (row["follower_swap_at"] + row["paused_s"] - (row.get("wait_copy_s") or 0.0)
+                                                     - began)
             if start is not None:
                 out["gap_copies_start_s"] = start - began
                 if dev is not None:
@@ -425,7 +431,8 @@ async def engine_main(a: argparse.Namespace) -> None:
                    "end_to_end_s": t_served - r["t0"], "trainer_publish_s": r["t1"] - r["t0"],
                    "follower_done_s": t_follower - r["t0"], "copies_after_follower_s": t_served - t_follower,
                    "follower_read_s": st.timings.get("read_s"), "swap_call_s": st.timings.get("load_call_s"),
-                   "paused_s": st.pause_s, "seen_s": t_seen - r["t0"], **(await step_gaps(m0)),
+                   "paused_s": st.pause_s, "seen_s": t_seen - r["t0"], "follower_swap_at": st.timings.get("swap_at"),
+                   "wait_copy_s": st.load.get("wait_copy_s"), **(await step_gaps(m0)),
                    **copies, "weights_match": await weights_match(r["mark"])}
             row.update(gap_timeline(row))
             return r, row, st
@@ -685,8 +692,13 @@ def render(out: dict) -> str:
                   + (f"the swap's copies on the device {med(r, 'copy_device_s') * 1000:.1f} ms after waiting there "
                      f"{med(r, 'copy_queued_s') * 1000:.1f} ms for the work before them, "
                      if all(x.get("copy_device_s") is not None and x.get("copy_queued_s") is not None for x in r) else "")
-                  + (f"in the longest gap between engine steps (from the last step before it): the worker's swap call "
-                     f"ended at {med(r, 'gap_swap_call_end_s') * 1000:.1f} ms, the device reached the copies at "
+                  + ("in the longest gap between engine steps (from the last step before it): "
+                     if all(x.get("gap_copies_end_s") is not None or x.get("gap_follower_call_return_s") is not None
+                            for x in r) else "")
+                  + (f"the follower's swap call began at {med(r, 'gap_follower_call_start_s') * 1000:.1f} ms and its call to "
+                     f"the workers came back at {med(r, 'gap_follower_call_return_s') * 1000:.1f}, "
+                     if all(x.get("gap_follower_call_return_s") is not None for x in r) else "")
+                  + (f"the worker's swap call ended at {med(r, 'gap_swap_call_end_s') * 1000:.1f} ms, the device reached the copies at "
                      f"{med(r, 'gap_copies_start_s') * 1000:.1f} and ended them at {med(r, 'gap_copies_end_s') * 1000:.1f}, "
                      if all(x.get("gap_copies_end_s") is not None for x in r) else "")
                   + (f"waits the durations do not cover: reconcile after the announcement {med(r, 't_wake_s') * 1000:.1f} ms, "
