@@ -577,7 +577,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                                open_s=st.load.get("open_s"), verify_s=st.load.get("verify_s"), opened=st.load.get("opened"),
                                reused=st.load.get("reused"), hint_after_publish_s=hinted - r["t1"] if hinted else None,
                                stage_call_s=st.timings.get("stage_call_s"), **timeline(st, r["t1"], row["seen_s"] + r["t0"]),
-                               copied_by=st.load.get("copied_by"), wait_copy_s=st.load.get("wait_copy_s"),
+                               copied_by=st.load.get("copied_by"),
                                gpu_used_mib=gpu_used_mib(), load=st.load)
                     log("ipc", {k: v for k, v in row.items() if k != "load"})
                     i, prev_keep, prev_expose = i + 1, keep, expose

@@ -12,9 +12,10 @@ does not keep. Each cycle is three versions: one with every handle opened and un
 (``keep 0``), one that maps them again for the next (a warm-up, not counted), one through the
 kept mappings (``keep 1``), and one more through them giving back the trainer's reference
 counter of each kept storage with torch's own call, one call per storage (``keep 1,
-per-counter``: how the worker gave them back before ``release_messages``, which maps each counter
-file once; on CPU shared memory there are no counters and the two kept rows are alike). ``open_s`` is the opening, ``close_s`` the unmapping after the copy
-(where the worker unmaps). Idle: no engine competes for the GIL or the GPU here, so the figures
+per-counter``: how the worker gave them back before ``release_messages``, which maps each
+counter file once; on CPU shared memory there are no counters and the two kept rows are
+alike). ``open_s`` is the opening, ``close_s`` the unmapping after the copy (where the worker
+unmaps). Idle: no engine competes for the GIL or the GPU here, so the figures
 are lower bounds of what a worker beside a busy engine sees (``gpu_vllm.py --phases ipc``).
 Results: ``<out>.json`` and ``<out>.md``.
 """
