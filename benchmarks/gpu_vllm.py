@@ -30,7 +30,9 @@
    ``WeightSyncSettings.ipc_direct``);
    ``--ipc-snapshot 0,1`` is ``--ipc-expose tensors,snapshot``; ``--ipc-priority 0,1`` the
    replica's copies on a stream of the engine's priority or a higher one
-   (``WeightSyncSettings.ipc_high_priority``).
+   (``WeightSyncSettings.ipc_high_priority``); ``--ipc-swap-end redis,engine`` a direct swap's
+   follower learning that the copies ended from the watching workers' writes to Redis, or
+   from the engine's answers alone (``IpcReceive.read_swap_ends``).
 
 Results go to ``<out>.json`` and ``<out>.md``; each phase is written as soon as it ends.
 """
@@ -395,7 +397,8 @@ async def engine_main(a: argparse.Namespace) -> None:
             """Where the swap fell in the longest gap between engine steps, in seconds from the
             gap's start (the last step seen before it, wall clock): the follower's swap call
             began (negative: before the gap) and its call to the workers came back (the swap
-            call less its wait for a direct swap's copies), the worker's swap call ended (its
+            call less its wait for a direct swap's copies) and it knew the copies ended (its swap
+            call's end), the worker's swap call ended (its
             copies enqueued), the device reached the copies, the copies ended; the gap ends
             when the next step is seen."""
             began, enq, start, dev = (row.get(k) for k in ("gap_began_at", "swap_enqueued_at", "copies_started_at",
@@ -407,6 +410,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                 out["gap_follower_call_start_s"] = row["follower_swap_at"] - began
                 out["gap_follower_call_return_s"] = (row["follower_swap_at"] + row["paused_s"] - (row.get("wait_copy_s") or 0.0)
                                                      - began)
+                out["gap_follower_swap_end_s"] = row["follower_swap_at"] + row["paused_s"] - began
             if start is not None:
                 out["gap_copies_start_s"] = start - began
                 if dev is not None:
@@ -545,15 +549,16 @@ async def engine_main(a: argparse.Namespace) -> None:
                 import dataclasses
 
                 chunks = [int(float(c) * (1 << 20)) for c in a.ipc_chunk_mb.split(",")]
-                combos = [(c, k == "1", x == "1", n, hp == "1") for c in chunks for k in a.ipc_keep.split(",")
-                          for x in a.ipc_prestage.split(",") for n in exposures(a) for hp in a.ipc_priority.split(",")]
+                combos = [(c, k == "1", x == "1", n, hp == "1", se) for c in chunks for k in a.ipc_keep.split(",")
+                          for x in a.ipc_prestage.split(",") for n in exposures(a) for hp in a.ipc_priority.split(",")
+                          for se in a.ipc_swap_end.split(",")]
                 # The first traces the load plan into the shadow; then the variants take turns.
                 # A kept-mappings update right after one without opens everything again, and so
                 # does a switch between the publisher's snapshot and the trainer's own tensors
                 # (other storages): that one is a warm-up, not measured.
                 prev_keep, prev_expose, i = True, "tensors", 0
                 while len(rows) < a.ipc_reps * len(combos):
-                    chunk, keep, prestage, expose, high = combos[len(rows) % len(combos)]
+                    chunk, keep, prestage, expose, high, swap_end = combos[len(rows) % len(combos)]
                     await asyncio.to_thread(call, op="configure", ipc_expose=expose)
                     warm = i == 0 or (keep and not prev_keep) or (expose == "snapshot") != (prev_expose == "snapshot")
                     follower.settings = dataclasses.replace(follower.settings, ipc_chunk_bytes=chunk, ipc_keep_mappings=keep,
@@ -562,6 +567,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                     for tr in follower._transports.values():
                         tr.settings = follower.settings
                     ipc = follower.transport("ipc")  # the workers watch for versions (ipc_prestage) or not
+                    ipc.read_swap_ends = swap_end == "redis"
                     await ipc.close()
                     if prestage:
                         await ipc.watch(srv.url, consumer.version, consumer.id)
@@ -569,7 +575,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                     hinted = st.timings.get("hinted_at") or 0.0
                     row.update(chunk_mb=chunk / (1 << 20), keep_mappings=keep, prestage=prestage, prestaged=bool(st.load.get("prestaged")),
                                expose=expose, snapshot=expose == "snapshot", snapshot_reused=r["timings"].get("ipc_snapshot_reused"),
-                               release_s=r["release_s"], high_priority=high,
+                               release_s=r["release_s"], high_priority=high, swap_end=swap_end,
                                warm_up=warm, expose_s=r["timings"].get("expose_s"),
                                checksum_s=r["timings"].get("checksum_s"), trainer_copied_bytes=r["timings"].get("ipc_copied_bytes"),
                                trainer_extra_gpu_bytes=r["trainer_extra_gpu_bytes"], trainer_held_gpu_bytes=r.get("trainer_held_gpu_bytes"),
@@ -661,10 +667,11 @@ def render(out: dict) -> str:
                   f"served weights equal the published ones: {all(x.get('weights_match') for x in ph['memmap']['reps'])}", ""]
     def variant(x: dict) -> tuple:
         return (x.get("chunk_mb", 0), x.get("keep_mappings", False), x.get("prestage", False),
-                x.get("expose", "snapshot" if x.get("snapshot") else "tensors"), x.get("high_priority", False))
+                x.get("expose", "snapshot" if x.get("snapshot") else "tensors"), x.get("high_priority", False),
+                x.get("swap_end", "engine"))
 
-    for chunk, keep, prestage, expose, high in sorted({variant(x) for x in ph.get("ipc", {}).get("reps", [])}):
-        r = [x for x in ph["ipc"]["reps"] if variant(x) == (chunk, keep, prestage, expose, high)]
+    for chunk, keep, prestage, expose, high, swap_end in sorted({variant(x) for x in ph.get("ipc", {}).get("reps", [])}):
+        r = [x for x in ph["ipc"]["reps"] if variant(x) == (chunk, keep, prestage, expose, high, swap_end)]
         e2e = sorted(x["end_to_end_s"] * 1000 for x in r)
         paced = f"waits every {chunk:.0f} MiB" if chunk else "one burst"
         kept = "handles kept mapped across versions" if keep else "every handle opened each version"
@@ -676,6 +683,9 @@ def render(out: dict) -> str:
                              "(WeightSyncSettings.ipc_direct)"}.get(
             expose, "the trainer's tensors (zero-copy, checksummed)")
         prio = "copies on a high-priority stream" if high else "copies at the engine's stream priority"
+        if expose == "direct" and prestage:
+            prio += (", the copies' end read from the workers' writes to Redis" if swap_end == "redis"
+                     else ", the copies' end from the engine's answers alone")
         lines += [f"CUDA IPC on one GPU, {paced}, {kept}, {started}, {exposed}, {prio} ({len(r)} updates, "
                   f"{r[0].get('running_at_start')} requests running): end to end "
                   f"{med(r, 'end_to_end_s') * 1000:.1f} ms ({e2e[0]:.1f}-{e2e[-1]:.1f}), publish call "
@@ -695,8 +705,9 @@ def render(out: dict) -> str:
                   + ("in the longest gap between engine steps (from the last step before it): "
                      if all(x.get("gap_copies_end_s") is not None or x.get("gap_follower_call_return_s") is not None
                             for x in r) else "")
-                  + (f"the follower's swap call began at {med(r, 'gap_follower_call_start_s') * 1000:.1f} ms and its call to "
-                     f"the workers came back at {med(r, 'gap_follower_call_return_s') * 1000:.1f}, "
+                  + (f"the follower's swap call began at {med(r, 'gap_follower_call_start_s') * 1000:.1f} ms, its call to "
+                     f"the workers came back at {med(r, 'gap_follower_call_return_s') * 1000:.1f} and it knew the copies ended "
+                     f"at {med(r, 'gap_follower_swap_end_s') * 1000:.1f}, "
                      if all(x.get("gap_follower_call_return_s") is not None for x in r) else "")
                   + (f"the worker's swap call ended at {med(r, 'gap_swap_call_end_s') * 1000:.1f} ms, the device reached the copies at "
                      f"{med(r, 'gap_copies_start_s') * 1000:.1f} and ended them at {med(r, 'gap_copies_end_s') * 1000:.1f}, "
@@ -771,6 +782,10 @@ def main() -> None:
     ap.add_argument("--ipc-priority", default="0",
                     help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_high_priority (1: the replica's "
                          "copies on a high-priority CUDA stream)")
+    ap.add_argument("--ipc-swap-end", default="redis",
+                    help="comma list taking turns in the ipc phase: how a direct swap's follower learns that the copies "
+                         "ended: redis (the watching workers' writes, and the engine's answers) or engine (its answers "
+                         "alone); only with --ipc-prestage 1")
     ap.add_argument("--ipc-keep", default="1",
                     help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_keep_mappings (1: kept, 0: opened every version)")
     ap.add_argument("--memmap-chunks", type=int, default=3, help="256 MiB read chunks in flight (0: unthrottled)")

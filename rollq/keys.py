@@ -270,6 +270,14 @@ class QueueKeys:
         return f"{self.tag}:wipcs"
 
     @cached_property
+    def weights_ipc_swaps(self) -> str:
+        """Hash ``replica/worker -> msgpack SwapTimes``: when each watching worker's last direct
+        swap's copies ended on its device (or why they were torn), written by the worker's
+        thread that waits for them (rollq.weightsync.worker._ipc_watch) and read by its
+        follower without an engine RPC."""
+        return f"{self.tag}:wipcw"
+
+    @cached_property
     def weights_ipc_copied(self) -> str:
         """Hash ``replica -> version``: each running follower (registered at its start with the
         version it serves, removed at its stop) and the last version exposed over IPC that it
@@ -328,7 +336,7 @@ class QueueKeys:
             self.jobs, self.ids, self.dlq, self.consumers, self.free, self.reclaimer, self.stats, self.latency, self.lag,
             self.config, self.version, self.versions_log, self.admission, self.weights_group, self.weights_offer,
             self.weights_layouts, self.weights_members, self.weights_ipc, self.weights_ipc_staged, self.weights_ipc_copied,
-            self.weights_ipc_claims, self.manifests,
+            self.weights_ipc_claims, self.weights_ipc_swaps, self.manifests,
             self.load_errors,
         ]
 

@@ -126,6 +126,9 @@ class IpcWatch(msgspec.Struct, kw_only=True):
     handles_key: str  # the trainer's exposed handles (``QueueKeys.weights_ipc``)
     status_key: str  # hash the worker writes its copy's StageStatus to (``QueueKeys.weights_ipc_staged``)
     field: str  # this worker's field there, ``replica/rank-in-replica`` (the rank is appended)
+    #: Hash the worker writes each direct swap's SwapTimes to, under the same field, once its
+    #: copies ended (``QueueKeys.weights_ipc_swaps``; empty: not written).
+    swaps_key: str = ""
     poll: float = 1.0  # seconds between checks of the handles (pub/sub is only a hint)
     chunk_bytes: int = 0  # as ``WeightSyncSettings.ipc_chunk_bytes``
     keep_maps: bool = True  # as ``WeightSyncSettings.ipc_keep_mappings``

@@ -50,11 +50,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 
 from ...connection import RETRYABLE, Script
 from ...errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
 from ..ipc_wire import IpcHandles, IpcUnavailable, TornDirectSwap, decode_handles, encode_handles, token_alive
-from ..wire import IpcWatch, StageStatus, State, SwapReport, WorkerError
+from ..wire import IpcWatch, StageStatus, State, SwapReport, SwapTimes, WorkerError
 from .base import ReplicaTransport, Staged, TrainerTransport
 from .ipc_lease import EXPOSED, watcher_status
 
@@ -127,6 +128,8 @@ class IpcReceive(ReplicaTransport):
         super().__init__(*args, **kwargs)
         #: Records of finished copies still being written (:meth:`_record_copied`).
         self._writes: set[asyncio.Task[None]] = set()
+        #: Engine calls still running whose answers nobody waits for (:meth:`_copies_ended`).
+        self._unheard: set[asyncio.Future[Any]] = set()
         #: The handles of the version claimed for a direct swap (:meth:`_claim`).
         self._claimed: IpcHandles | None = None
 
@@ -236,10 +239,11 @@ class IpcReceive(ReplicaTransport):
                 # every worker refuses it alike: none copies what a dead trainer left
                 raise IpcUnavailable(f"trainer process {h.pid if h else '?'} exited or released version {rec.version} "
                                      "before the direct swap")
+            since = time.time()
             reports = await self._swap_each(rec, staged)
             if any(r.pending for r in reports):
                 t0 = time.perf_counter()
-                await self._copies_ended(rec.version, [r.pending for r in reports])
+                await self._copies_ended(rec.version, [r.pending for r in reports], since)
                 reports[0].wait_copy_s = time.perf_counter() - t0
             return reports[0] if reports else SwapReport()
         except WeightSyncTimeout:
@@ -258,24 +262,51 @@ class IpcReceive(ReplicaTransport):
             if not keep_claim:
                 self._record_copied(rec.version, unclaim=True)
 
-    async def _copies_ended(self, version: int, pending: list[bool], poll: float = 0.0005) -> None:
+    async def _copies_ended(self, version: int, pending: list[bool], since: float = 0.0, poll: float = 0.0005) -> None:
         """Wait until the direct swap's copies of ``version`` ended on every worker whose
-        report said ``pending`` (``rollq_swap_done``; each answer comes between two engine
-        steps, which run after the copies), within ``load_timeout``. Raises TornDirectSwap
-        when a worker's copies read tensors the trainer stopped guaranteeing meanwhile,
-        WeightSyncTimeout when they do not end in time."""
+        report said ``pending``, within ``load_timeout``. The engine is asked
+        (``rollq_swap_done``; each answer comes between two engine steps, which run after the
+        copies); with the workers watching (:meth:`watch`), each one's own write of the end
+        (``QueueKeys.weights_ipc_swaps``, for a swap enqueued after ``since``, wall clock) is
+        read every ``poll`` seconds meanwhile, which no engine step holds up. Raises
+        TornDirectSwap when a worker's copies read tensors the trainer stopped guaranteeing
+        meanwhile, WeightSyncTimeout when they do not end in time."""
         deadline = time.monotonic() + self.settings.load_timeout
-        while True:
-            times = [t for t, p in zip(await self.workers.swap_done(), pending) if p]
-            torn = [t.torn for t in times if t.version == version and t.torn]
-            if torn:
-                raise TornDirectSwap(torn[0])
-            if all(t.version == version and t.done_at is not None for t in times):
-                return
-            if time.monotonic() > deadline:
-                raise WeightSyncTimeout(f"the direct swap's copies of version {version} did not end within "
-                                        f"{self.settings.load_timeout}s")
-            await asyncio.sleep(poll)
+        fields = ([f for f, p in zip(self._fields, pending) if p]
+                  if self.read_swap_ends and len(self._fields) == len(pending) else [])
+        ask: asyncio.Future[list[SwapTimes]] | None = None
+        try:
+            while True:
+                if ask is None:
+                    ask = asyncio.ensure_future(self.workers.swap_done())
+                if fields:
+                    try:
+                        raw = await self.client.hmget(self.keys.weights_ipc_swaps, fields)  # type: ignore[union-attr]
+                    except RETRYABLE as e:  # the engine's answers stand in
+                        log.warning("could not read the direct swap's copies of version %d from Redis: %s", version, e)
+                        fields = []
+                    else:
+                        if _copies_done(version, [_swap_times(r, since) for r in raw]):
+                            return
+                else:
+                    await asyncio.wait([ask], timeout=max(0.0, deadline - time.monotonic()))
+                if ask.done():
+                    answer, ask = ask.result(), None
+                    if _copies_done(version, [t for t, p in zip(answer, pending) if p]):
+                        return
+                if time.monotonic() > deadline:
+                    raise WeightSyncTimeout(f"the direct swap's copies of version {version} did not end within "
+                                            f"{self.settings.load_timeout}s")
+                await asyncio.sleep(poll)
+        finally:
+            if ask is not None and not ask.done():  # answered between two steps; nobody waits for it
+                self._unheard.add(ask)
+                ask.add_done_callback(_dropped_answer)
+                ask.add_done_callback(self._unheard.discard)
+
+    #: Whether :meth:`_copies_ended` reads the watching workers' writes (benchmarks turn it
+    #: off to compare with the engine's answers alone).
+    read_swap_ends = True
 
     #: The watching workers' fields in ``QueueKeys.weights_ipc_staged`` (:meth:`watch`).
     _fields: tuple[str, ...] = ()
@@ -295,10 +326,11 @@ class IpcReceive(ReplicaTransport):
         await self.close()
         field = f"{replica}/"
         fields = tuple(f"{field}{rank}" for rank in range(getattr(self.engine, "num_workers", 1)))
-        await self.client.hdel(self.keys.weights_ipc_staged, *fields)  # an earlier run's, under this id
+        for key in (self.keys.weights_ipc_staged, self.keys.weights_ipc_swaps):  # an earlier run's, under this id
+            await self.client.hdel(key, *fields)
         n = await self.workers.watch_ipc(watch=IpcWatch(
             url=url, channel=self.keys.control, handles_key=self.keys.weights_ipc, status_key=self.keys.weights_ipc_staged,
-            field=field, chunk_bytes=self.settings.ipc_chunk_bytes, keep_maps=self.settings.ipc_keep_mappings, serving=serving,
+            swaps_key=self.keys.weights_ipc_swaps, field=field, chunk_bytes=self.settings.ipc_chunk_bytes, keep_maps=self.settings.ipc_keep_mappings, serving=serving,
             high_priority=self.settings.ipc_high_priority, direct=self.settings.ipc_direct))
         self._fields = tuple(f"{field}{rank}" for rank in range(n))
         await self._listening(self.keys)
@@ -329,6 +361,7 @@ class IpcReceive(ReplicaTransport):
         if self.keys is not None:
             with contextlib.suppress(*RETRYABLE):
                 await self.client.hdel(self.keys.weights_ipc_staged, *fields)
+                await self.client.hdel(self.keys.weights_ipc_swaps, *fields)
 
     async def _watched(self, version: int, keys: QueueKeys) -> Staged | None:
         """``version`` as the workers' watchers copied it, read from Redis (waiting while they
@@ -366,6 +399,32 @@ class IpcReceive(ReplicaTransport):
             while any(s.state is State.STAGING and s.version != version for s in await self.workers.ipc_status()):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.01)
+
+
+def _copies_done(version: int, times: list[SwapTimes | None]) -> bool:
+    """Whether every worker's ``times`` say the copies of ``version`` ended; TornDirectSwap
+    when one says they were torn."""
+    torn = [t.torn for t in times if t is not None and t.version == version and t.torn]
+    if torn:
+        raise TornDirectSwap(torn[0])
+    return all(t is not None and t.version == version and t.done_at is not None for t in times)
+
+
+def _swap_times(raw: bytes | None, since: float) -> SwapTimes | None:
+    """A worker's SwapTimes as written to Redis, when of a swap enqueued after ``since``."""
+    if raw is None:
+        return None
+    try:
+        t = msgspec.msgpack.decode(raw, type=SwapTimes)
+    except msgspec.DecodeError as e:
+        log.debug("unreadable swap times in Redis: %s", e)
+        return None
+    return t if t.enqueued_at >= since else None
+
+
+def _dropped_answer(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.debug("an engine answer nobody waited for failed: %s", fut.exception())
 
 
 def _unavailable(version: int, errors: list[WorkerError], msg: str) -> Exception | None:

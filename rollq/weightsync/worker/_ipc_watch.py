@@ -21,6 +21,12 @@ watcher. From the announcement's arrival on, the watcher holds a short GIL switc
 (:func:`~rollq.weightsync.process_group.responsive_gil`): it shares the GIL with the engine's
 busy loop, and each of its few blocking steps (reading the handles, starting the copy,
 writing its status) would otherwise wait up to the interpreter's 5 ms for it.
+
+A direct swap's copies end on the device after the swap call returned; the worker's thread
+that waits for them writes their end (:class:`~rollq.weightsync.wire.SwapTimes`) through
+:meth:`IpcWatcher.report_swap` to ``IpcWatch.swaps_key``, over a second connection of the
+watcher's, so the follower reads it there instead of asking the engine, whose answer waits for
+the step that follows the copies.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ import msgspec
 from ...protocol import Control, parse_control
 from ..ipc_wire import MalformedIpcHandles, decode_handles
 from ..process_group import responsive_gil
-from ..wire import IpcWatch, StageStatus, State
-from ._listener import follow_channel
+from ..wire import IpcWatch, StageStatus, State, SwapTimes
+from ._listener import follow_channel, sync_client
 
 if TYPE_CHECKING:
     from ._ipc import IpcStaging
@@ -54,6 +60,9 @@ class IpcWatcher:
         self.listening = False  # its status written once after it subscribed
         self.closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollq-ipc-watch", daemon=True)
+        #: The connection :meth:`report_swap` writes over (the swap threads', not this one's).
+        self._swaps: Any = None
+        self._swaps_lock = threading.Lock()
 
     def start(self) -> IpcWatcher:
         self._thread.start()
@@ -61,6 +70,25 @@ class IpcWatcher:
 
     def close(self) -> None:
         self.closed.set()
+        with self._swaps_lock:
+            client, self._swaps = self._swaps, None
+        if client is not None:
+            client.close()
+
+    def report_swap(self, times: SwapTimes) -> None:
+        """Write a direct swap's ``times`` (its copies ended, or were torn) to the watch's
+        ``swaps_key`` for the follower (called by the worker's thread that waited for them).
+        A write that fails is logged: the follower asks the engine (``rollq_swap_done``) too."""
+        if not self.watch.swaps_key or self.closed.is_set():
+            return
+        try:
+            with responsive_gil(), self._swaps_lock:
+                if self._swaps is None:
+                    self._swaps = sync_client(self.watch.url)
+                self._swaps.hset(self.watch.swaps_key, f"{self.watch.field}{self.rank}", msgspec.msgpack.encode(times))
+        except Exception as e:  # Redis down or restarting: the engine's answer stands in
+            log.warning("IPC watcher of rank %d could not write the end of version %d's copies: %s: %s",
+                        self.rank, times.version, type(e).__name__, e)
 
     def _run(self) -> None:
         follow_channel(self.watch.url, self.watch.channel, self.closed, self.check, self._wait_hint,
@@ -85,7 +113,20 @@ class IpcWatcher:
                 self.listening = True
                 if not started:
                     self._report(client, StageStatus(state=State.IDLE, version=self.watch.serving))
+                self._connect_swaps()
             return started
+
+    def _connect_swaps(self) -> None:
+        """Open :meth:`report_swap`'s connection ahead of the first swap."""
+        if not self.watch.swaps_key:
+            return
+        try:
+            with self._swaps_lock:
+                if self._swaps is None:
+                    self._swaps = sync_client(self.watch.url)
+                self._swaps.ping()
+        except Exception as e:  # report_swap connects again, or logs why it cannot
+            log.debug("IPC watcher of rank %d: %s", self.rank, e)
 
     def _check(self, client: Any) -> bool:
         raw = client.get(self.watch.handles_key)

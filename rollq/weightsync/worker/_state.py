@@ -37,6 +37,7 @@ from ..wire import (
     manifest_digest,
 )
 from ..memmap import manifest_of
+from ..process_group import responsive_gil
 from ._direct_copy import DeviceCopies
 from ._load_trace import signature_of
 
@@ -285,10 +286,22 @@ class WorkerState:
         :class:`~rollq.weightsync.worker._direct_copy.DeviceCopies` also gives when the device
         reached them and how long they ran); ``finish`` (a direct
         swap's :meth:`~rollq.weightsync.worker._direct_copy.PendingCopy.finish`) waits for them
-        instead and says whether they were torn (``SwapTimes.torn``, set before ``done_at``)."""
+        instead and says whether they were torn (``SwapTimes.torn``, set before ``done_at``).
+        With an IPC watcher (:meth:`watch_ipc`), a direct swap's times are written to Redis
+        for the follower once its copies ended
+        (:meth:`~rollq.weightsync.worker._ipc_watch.IpcWatcher.report_swap`). The wait holds
+        the short GIL switch interval, so that its thread, woken beside the engine's busy
+        loop, notes the end without waiting up to 5 ms for the GIL."""
         rec = self.last_swap = SwapTimes(version=version, enqueued_at=time.time())
+        watcher = self.ipc_watcher if finish is not None else None
 
         def wait() -> None:
+            with responsive_gil():
+                timed()
+            if watcher is not None:
+                watcher.report_swap(rec)
+
+        def timed() -> None:
             try:
                 if isinstance(event, DeviceCopies):  # timed: when the device reached them, how long they ran
                     event.wait_started()

@@ -478,3 +478,109 @@ async def test_waiting_for_direct_copies_reads_every_pending_worker_and_is_bound
     with pytest.raises(WeightSyncTimeout, match="did not end within"):
         await t._copies_ended(5, [True])
     assert 0.3 <= time.monotonic() - t0 < 5
+
+
+async def test_watching_workers_write_their_direct_copies_end_to_redis_and_the_follower_reads_it_there(
+        redis_url, queue, monkeypatch):
+    """With the workers watching (``ipc_prestage``), each worker's thread that waits for a
+    direct swap's copies writes their end to ``QueueKeys.weights_ipc_swaps`` (its field
+    ``replica/rank``), and the follower takes the version from there: here the engine's
+    ``rollq_swap_done`` answers nothing newer than before the swap, and the version still goes
+    through within its load timeout, its wait for the copies measured."""
+    from rollq import Consumer, WeightSyncSettings
+    from rollq.testing.fake_workers import FakeWorkerEngine
+    from rollq.weightsync import WeightFollower, WeightPublisher
+    from rollq.weightsync.wire import SwapTimes
+    from rollq.weightsync.worker.ext import RollqWorkerExtension
+    from tests.helpers import until
+
+    engine = FakeWorkerEngine(loadable_model, num_workers=2)
+    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
+    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True, ipc_prestage=True,
+                                                           load_timeout=5))
+    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    async with serving(consumer, follower, await pub.redis()):
+        st = shared(1.0)
+        for fill in (1.0, 2.0):  # the first traces the plan; the second goes by it, its copies pending
+            _step(st, fill)
+            rec = await pub.publish_weights(st, transport="ipc")
+            await pub.release_weights(timeout=10)
+            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        assert follower.history[-1].load["pending"] is True
+        asked: list[int] = []
+
+        def stale(self: Any) -> dict[str, Any]:  # the engine's answer never says the copies ended
+            asked.append(1)
+            return msgspec.to_builtins(SwapTimes(version=2, enqueued_at=1.0, done_at=1.5))
+
+        monkeypatch.setattr(RollqWorkerExtension, "rollq_swap_done", stale)
+        gate, reached = _hold_pending_copies(monkeypatch)
+        _step(st, 3.0)
+        rec = await pub.publish_weights(st, transport="ipc")
+        assert await asyncio.to_thread(reached.wait, 10), "the direct swap's copies were not enqueued"
+        await asyncio.sleep(0.3)
+        assert consumer.version == 2, "the version was taken before its copies ended"
+        gate.set()
+        await pub.release_weights(timeout=10)
+        await until(lambda: consumer.version == rec.version, 4, f"version {rec.version}, its copies' end read from Redis")
+        load = follower.history[-1].load
+        assert (load["swap"], load["pending"]) == ("direct", True) and load["wait_copy_s"] >= 0.2, load
+        assert all(bool((p == 3.0).all()) for p in _live(engine))
+        raw = await pub._client.hmget(consumer.keys.weights_ipc_swaps, ["r0/0", "r0/1"])
+        times = [msgspec.msgpack.decode(r, type=SwapTimes) for r in raw]
+        assert all(t.version == rec.version and t.done_at is not None and t.torn is None for t in times), times
+    assert await pub._client.hlen(consumer.keys.weights_ipc_swaps) == 0  # a stopped replica's go with it
+    await pub.close()
+
+
+async def test_the_wait_for_direct_copies_reads_the_watchers_writes_of_this_swap_and_falls_back_to_the_engine(
+        redis_client, queue):
+    """Watching workers' writes (``QueueKeys.weights_ipc_swaps``) end the wait as soon as
+    every pending worker's says the copies of this version ended, of a swap enqueued after
+    the call began (an older write of the same version does not count); a torn one raises
+    TornDirectSwap; without the writes (the Redis read fails) the engine's answers end it."""
+    from rollq import WeightSyncSettings
+    from rollq.errors import WeightSyncTimeout
+    from rollq.keys import QueueKeys
+    from rollq.weightsync.ipc_wire import TornDirectSwap
+    from rollq.weightsync.transports.ipc import IpcReceive
+    from rollq.weightsync.wire import SwapTimes
+
+    class Calls:
+        def __init__(self, answer: list[SwapTimes]):
+            self.answer, self.asked = answer, 0
+
+        async def swap_done(self) -> list[SwapTimes]:
+            self.asked += 1
+            await asyncio.sleep(0.01)  # an engine step
+            return self.answer
+
+    keys = QueueKeys(queue)
+    t = IpcReceive(None, WeightSyncSettings(load_timeout=0.5), None)
+    t.client, t.keys, t._fields = redis_client, keys, ("r0/0", "r0/1")
+    running = SwapTimes(version=5, enqueued_at=100.0)
+    t.workers = Calls([running, running])  # type: ignore[assignment]
+
+    def put(**times: SwapTimes) -> Any:
+        return redis_client.hset(keys.weights_ipc_swaps, mapping={f"r0/{k[1:]}": msgspec.msgpack.encode(v)
+                                                                for k, v in times.items()})
+
+    await put(w0=SwapTimes(version=5, enqueued_at=50.0, done_at=51.0))  # an older swap of version 5
+    with pytest.raises(WeightSyncTimeout):
+        await t._copies_ended(5, [True, False], since=99.0)
+    await put(w0=SwapTimes(version=5, enqueued_at=100.0, done_at=101.0))
+    await t._copies_ended(5, [True, False], since=99.0)  # worker 1 not pending: not read
+    with pytest.raises(WeightSyncTimeout):
+        await t._copies_ended(5, [True, True], since=99.0)
+    await put(w1=SwapTimes(version=5, enqueued_at=100.0, done_at=101.0, torn="trainer process 7 exited"))
+    with pytest.raises(TornDirectSwap, match="process 7 exited"):
+        await t._copies_ended(5, [True, True], since=99.0)
+
+    class Down:
+        async def hmget(self, *a: Any) -> Any:
+            raise ConnectionError("Redis is down")
+
+    t.client = Down()  # type: ignore[assignment]
+    t.workers = Calls([SwapTimes(version=5, enqueued_at=100.0, done_at=101.0)] * 2)  # type: ignore[assignment]
+    await t._copies_ended(5, [True, True], since=99.0)
+    assert t.workers.asked >= 1
