@@ -309,8 +309,10 @@ async def engine_main(a: argparse.Namespace) -> None:
             engine_kwargs={"load_format": "dummy", "weight_transfer_config": WeightTransferConfig(backend="nccl")},
         )
     engine = VllmEngine(cfg)
+    replies, lags = watch_replies(), LoopLag()
     t0 = time.perf_counter()
     await engine.start()
+    lag_task = asyncio.create_task(lags.run())
     out["env"].update(vllm=engine.vllm_version, engine_start_s=time.perf_counter() - t0, device=engine.device)
     log("engine up", out["env"])
     save()
@@ -411,6 +413,14 @@ async def engine_main(a: argparse.Namespace) -> None:
                 out["gap_follower_call_return_s"] = (row["follower_swap_at"] + row["paused_s"] - (row.get("wait_copy_s") or 0.0)
                                                      - began)
                 out["gap_follower_swap_end_s"] = row["follower_swap_at"] + row["paused_s"] - began
+            returned = (row.get("load") or {}).get("returned_at")
+            if returned and row.get("follower_swap_at"):
+                out["gap_worker_return_s"] = returned - began
+                arrived = [t for t in replies if t >= returned]
+                if arrived:  # the first engine answer to reach this process after the worker's return
+                    out["gap_reply_arrived_s"] = arrived[0] - began
+                t1 = row["follower_swap_at"] + (row.get("paused_s") or 0.0)
+                out["loop_lag_max_s"] = lags.worst(row["follower_swap_at"], t1)
             if start is not None:
                 out["gap_copies_start_s"] = start - began
                 if dev is not None:
@@ -438,6 +448,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                    "paused_s": st.pause_s, "seen_s": t_seen - r["t0"], "follower_swap_at": st.timings.get("swap_at"),
                    "wait_copy_s": st.load.get("wait_copy_s"), **(await step_gaps(m0)),
                    **copies, "weights_match": await weights_match(r["mark"])}
+            row["load"] = st.load
             row.update(gap_timeline(row))
             return r, row, st
 
@@ -599,6 +610,7 @@ async def engine_main(a: argparse.Namespace) -> None:
         await asyncio.wait_for(ctask, 60)
         await follower.stop()
         await asyncio.to_thread(call, op="quit")
+    lag_task.cancel()
     await engine.stop()
     srv.cleanup()
     save()
@@ -709,6 +721,10 @@ def render(out: dict) -> str:
                      f"the workers came back at {med(r, 'gap_follower_call_return_s') * 1000:.1f} and it knew the copies ended "
                      f"at {med(r, 'gap_follower_swap_end_s') * 1000:.1f}, "
                      if all(x.get("gap_follower_call_return_s") is not None for x in r) else "")
+                  + (f"the worker's call returned at {med(r, 'gap_worker_return_s') * 1000:.1f} ms and the first engine answer "
+                     f"after it reached the follower's process at {med(r, 'gap_reply_arrived_s') * 1000:.1f} (its event loop "
+                     f"ran a 1 ms timer up to {med(r, 'loop_lag_max_s') * 1000:.1f} ms late during the swap call), "
+                     if all(x.get("gap_reply_arrived_s") is not None and x.get("loop_lag_max_s") is not None for x in r) else "")
                   + (f"the worker's swap call ended at {med(r, 'gap_swap_call_end_s') * 1000:.1f} ms, the device reached the copies at "
                      f"{med(r, 'gap_copies_start_s') * 1000:.1f} and ended them at {med(r, 'gap_copies_end_s') * 1000:.1f}, "
                      if all(x.get("gap_copies_end_s") is not None for x in r) else "")
@@ -735,6 +751,45 @@ def render(out: dict) -> str:
         if "error" in v:
             lines.append(f"{k}: ERROR {v['error']}")
     return "\n".join(lines) + "\n"
+
+
+def watch_replies() -> list[float]:
+    """When each engine call's answer reached this process (``time.time()``): vLLM's client
+    hands every answer to ``_process_utility_output``, wrapped here to note the time."""
+    got: list[float] = []
+    try:
+        from vllm.v1.engine import core_client
+    except ImportError:
+        return got
+    real = core_client._process_utility_output
+
+    def noted(output: Any, results: Any) -> None:
+        got.append(time.time())
+        real(output, results)
+
+    core_client._process_utility_output = noted
+    return got
+
+
+class LoopLag:
+    """How late this process's event loop runs a task that asks to wake every millisecond:
+    (wall clock, lateness) per wake."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, float]] = []
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + 0.001
+            await asyncio.sleep(0.001)
+            self.seen.append((time.time(), loop.time() - due))
+            if len(self.seen) > 2_000_000:
+                del self.seen[:1_000_000]
+
+    def worst(self, t0: float, t1: float) -> float | None:
+        got = [lag for t, lag in self.seen if t0 <= t <= t1]
+        return max(got) if got else None
 
 
 def gpu_used_mib() -> float | None:

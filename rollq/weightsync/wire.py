@@ -343,6 +343,9 @@ class SwapReport(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: they ended); the replica's claim of the version lasts until then.
     pending: bool = False
     wait_copy_s: float | None = None  # the replica's wait for those copies after the call
+    #: When the worker's call returned (``time.time()``; ``rollq_apply_staged``): with the
+    #: time its caller got the answer, how long the answer took to come back.
+    returned_at: float | None = None
     error: WorkerError | None = None
 
 

@@ -18,6 +18,7 @@ did the work itself would hold the engine's step loop for its whole duration.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -109,7 +110,9 @@ class RollqWorkerExtension:
         """Swap a staged version in (:func:`rollq.weightsync.worker._swap.apply_staged`)."""
         from ._swap import apply_staged
 
-        return to_wire(apply_staged(self.rollq_state, version))
+        report = apply_staged(self.rollq_state, version)
+        report.returned_at = time.time()
+        return to_wire(report)
 
     def rollq_swap_overlapped(
         self, version: int, commit_timeout: float = 0.25, receive_timeout: float = 5.0, start_timeout: float = 0.05,
