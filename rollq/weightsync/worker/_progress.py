@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from ..wire import Progress
 
@@ -27,6 +29,8 @@ class RequestTracker:
     def __init__(self) -> None:
         #: request id -> (tokens when vLLM let go of it, when); None until :meth:`install`.
         self.removed: collections.OrderedDict[str, tuple[int, float]] | None = None
+        #: The pinned host buffer :meth:`begin_report` copies the device's counts into.
+        self._pinned: torch.Tensor | None = None
 
     def install(self, runner: Any) -> bool:
         """Start remembering how many tokens each request had generated when vLLM let go of
@@ -72,17 +76,46 @@ class RequestTracker:
         self.removed = removed
         return True
 
-    def report(self, worker: Any) -> Progress:
+    def begin_report(self, worker: Any) -> Callable[[], Progress]:
+        """:meth:`report` in two halves, for a swap that enqueues its copies between them.
+        On a GPU whose model runner keeps the computed tokens on the device, their copy to
+        the host is enqueued now on the current stream, ahead of the swap's copies, and the
+        returned call waits for it alone (the steps already launched), not for the copies
+        behind it, then gives the report; elsewhere the report is taken now.
+
+        >>> RequestTracker().begin_report(object())()
+        Progress(tokens={}, complete=False)
+        """
+        states = getattr(getattr(worker, "model_runner", None), "req_states", None)
+        dev = getattr(getattr(states, "num_computed_tokens", None), "gpu", None)
+        if not isinstance(dev, torch.Tensor) or not dev.is_cuda:
+            progress = self.report(worker)
+            return lambda: progress
+        host = self._pinned
+        if host is None or host.shape != dev.shape or host.dtype != dev.dtype:
+            host = self._pinned = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+        host.copy_(dev, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(dev.device))
+
+        def finish() -> Progress:
+            copied.synchronize()  # without the GIL
+            return self.report(worker, computed=host.numpy())
+
+        return finish
+
+    def report(self, worker: Any, computed: Any = None) -> Progress:
         """Tokens generated so far by every request vLLM holds, taken inside a swap (between
         two engine steps, so each of them was sampled on the weights being replaced; a token
         of a step still in flight counts too, since the swap's copies run after that step).
 
         ``complete``: a request missing from ``tokens`` had generated nothing yet (requests
         that ended in the last :data:`_REMOVED_WINDOW_S` seconds are included with their
-        final counts).
+        final counts). ``computed``: the second model runner's computed tokens per row, read
+        already (:meth:`begin_report`).
         """
         runner = getattr(worker, "model_runner", None)
-        tokens = _runner_counts(runner) if runner is not None else None
+        tokens = _runner_counts(runner, computed) if runner is not None else None
         if tokens is None:
             return Progress(tokens={}, complete=False)
         removed = self.removed
@@ -95,16 +128,17 @@ class RequestTracker:
         return Progress(tokens=tokens, complete=removed is not None)
 
 
-def _runner_counts(runner: Any) -> dict[str, int] | None:
+def _runner_counts(runner: Any, computed: Any = None) -> dict[str, int] | None:
     """Output tokens so far of every request a model runner holds (None: a runner this code
-    cannot read)."""
+    cannot read); ``computed``: the second runner's computed tokens per row, if read already."""
     reqs = getattr(runner, "requests", None)
     if isinstance(reqs, dict):
         return {rid: len(st.output_token_ids) for rid, st in list(reqs.items())}
     states = getattr(runner, "req_states", None)
     index = getattr(states, "req_id_to_index", None)
     if isinstance(index, dict) and hasattr(states, "num_computed_tokens_np") and hasattr(states, "prompt_len"):
-        computed = _v2_computed(states)
+        if computed is None:
+            computed = _v2_computed(states)
         return {rid: _v2_count(states, i, computed) for rid, i in list(index.items())}
     return None
 

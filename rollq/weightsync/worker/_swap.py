@@ -36,8 +36,12 @@ def apply_staged(st: WorkerState, version: int) -> SwapReport:
     engine's stream and not waited for (the next step runs after them on the device);
     :attr:`~rollq.weightsync.worker._state.WorkerState.last_swap` says when they ended. A
     direct swap's report then says ``pending``: the trainer's tensors are read until that end
-    (``SwapTimes.done_at``), which the replica's claim must outlast."""
+    (``SwapTimes.done_at``), which the replica's claim must outlast. The requests' progress
+    is read off the device ahead of the copies (:meth:`~rollq.weightsync.worker._progress.RequestTracker.begin_report`),
+    so the call returns once the step in flight has ended, while the copies run: the engine
+    then prepares its next step, which the device runs right after them."""
     t0 = time.perf_counter()
+    progress = st.tracker.begin_report(st.worker)
     how = Swap.SHADOW
     swapped = None
     copied_by: str | None = None
@@ -82,7 +86,7 @@ def apply_staged(st: WorkerState, version: int) -> SwapReport:
     elif st.device.type == "cuda":
         torch.cuda.synchronize(st.device)
     st.version = version
-    return SwapReport(swap=how, load_s=time.perf_counter() - t0, progress=st.tracker.report(st.worker),
+    return SwapReport(swap=how, load_s=time.perf_counter() - t0, progress=progress(),
                       no_shadow=None if how is Swap.SHADOW or copied_by == "plan" or (how is Swap.DIRECT and st.shadow is not None)
                       else (st.shadow_off or "not prepared"), copied_by=copied_by, pending=pending is not None)
 
