@@ -107,6 +107,25 @@ async def pending_of(client: Any, stream: str, consumer: str) -> list[dict]:
         raise
 
 
+async def register_replica(client: Any, keys: QueueKeys, rid: str, host: str = "h", version: int = 0,
+                           alive: bool = True, follows: bool = False) -> None:
+    """A replica ``rid`` on ``host`` serving ``version`` as a publisher releasing an IPC
+    version sees it: its info, its heartbeat when ``alive``, its follower's record of
+    ``version`` copied (``QueueKeys.weights_ipc_copied``) when ``follows``."""
+    import msgspec
+
+    from rollq.protocol import ReplicaInfo
+
+    info = ReplicaInfo(id=rid, host=host, pid=1, engine="echo", model="m", device="cpu", version=version, inflight=0,
+                       cap=1, kv_usage=None, tokens_per_s=0.0, completed=0, failed=0, started_at=0.0, heartbeat_at=0.0,
+                       state="serving")
+    await client.hset(keys.consumers, rid, msgspec.msgpack.encode(info))
+    if alive:
+        await client.set(keys.heartbeat(rid), 1, ex=60)
+    if follows:
+        await client.hset(keys.weights_ipc_copied, rid, version)
+
+
 @pytest_asyncio.fixture
 async def make_producer(redis_url):
     """``create(url=None, queue=..., **ProducerSettings)`` -> connected Producer; closed after."""

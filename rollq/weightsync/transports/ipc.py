@@ -37,6 +37,8 @@ ahead of the next engine step, and the claim ends once they ended);
 ``WeightSyncSettings.ipc_prestage`` the workers start each copy themselves when the version is
 announced (:meth:`IpcReceive.watch`, :mod:`rollq.weightsync.worker._ipc_watch`) and the follower
 reads how it stands from Redis; a copy they did not start, or that failed, it starts itself.
+Watching workers also write when a direct swap's copies ended (``QueueKeys.weights_ipc_swaps``),
+which the follower reads there too, without waiting for the engine's next answer.
 
 >>> pub = WeightPublisher(url, queue="grpo")                                   # doctest: +SKIP
 >>> rec = await pub.publish_weights(model.state_dict(), transport="ipc")      # doctest: +SKIP

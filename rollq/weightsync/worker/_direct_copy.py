@@ -8,7 +8,7 @@ move, not while the host waits for them. The replica's claim of the version (whi
 trainer from changing the tensors) then ends once the copies have ended:
 :meth:`~rollq.weightsync.worker._state.WorkerState.watch_swap` notes when, and whether the
 trainer still guaranteed the tensors until then (``SwapTimes.torn``), for the follower to read
-(``rollq_swap_done``).
+(``rollq_swap_done``, and from Redis where the worker watches for IPC versions).
 
 >>> import torch
 >>> live, trainer = torch.zeros(8, dtype=torch.uint8), torch.arange(8, dtype=torch.uint8)

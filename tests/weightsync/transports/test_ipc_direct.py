@@ -190,7 +190,7 @@ async def test_the_release_waits_for_live_unexpired_claims_only_and_refuses_late
     """A claim of the version (or an older one) by a live replica holds the release until it is
     removed or the replica dies; claims past their deadline, of dead replicas, or of a newer
     version do not; once the release began, claiming that version is refused."""
-    from rollq.protocol import ReplicaInfo
+    from tests.helpers import register_replica
     from rollq.weightsync import WeightPublisher
     from rollq.weightsync.transports.ipc import IPC_CLAIM
     from rollq.weightsync.transports.ipc_lease import _end_claims
@@ -199,18 +199,10 @@ async def test_the_release_waits_for_live_unexpired_claims_only_and_refuses_late
     client, keys = await pub.redis(), pub.keys
     key = keys.weights_ipc_claims
 
-    async def replica(rid: str, alive: bool = True) -> None:
-        info = ReplicaInfo(id=rid, host="h", pid=1, engine="echo", model="m", device="cpu", version=0, inflight=0, cap=1,
-                           kv_usage=None, tokens_per_s=0.0, completed=0, failed=0, started_at=0.0, heartbeat_at=0.0,
-                           state="serving")
-        await client.hset(keys.consumers, rid, msgspec.msgpack.encode(info))
-        if alive:
-            await client.set(keys.heartbeat(rid), 1, ex=60)
-
     try:
         now_ms = int(time.time() * 1000)
         for rid, alive in (("holder", True), ("dies", True), ("expired", True), ("dead", False), ("newer", True)):
-            await replica(rid, alive)
+            await register_replica(client, keys, rid, alive=alive)
         assert await IPC_CLAIM(client, [key], ["holder", 5, now_ms + 60_000]) == 1
         assert await IPC_CLAIM(client, [key], ["dies", 5, now_ms + 60_000]) == 1
         assert await IPC_CLAIM(client, [key], ["expired", 4, now_ms - 1]) == 1

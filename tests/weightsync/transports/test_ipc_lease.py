@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rollq.weightsync.ipc_wire import decode_handles
+from tests.helpers import register_replica
 from tests.weightsync.transports.test_ipc import hold_copy, small_model, state, weight0
 
 
@@ -151,22 +152,6 @@ async def test_a_lease_released_at_its_timeout_is_refused_by_the_replica_still_c
     await pub.close()
 
 
-async def _register(client: Any, keys: Any, rid: str, host: str, version: int, alive: bool = True,
-                    follows: bool = True) -> None:
-    """A replica ``rid`` on ``host`` serving ``version``, as the release sees it: its info, its
-    heartbeat when ``alive``, its follower's record of ``version`` copied when ``follows``."""
-    from rollq.protocol import ReplicaInfo
-
-    info = ReplicaInfo(id=rid, host=host, pid=1, engine="echo", model="m", device="cpu", version=version, inflight=0,
-                       cap=1, kv_usage=None, tokens_per_s=0.0, completed=0, failed=0, started_at=0.0, heartbeat_at=0.0,
-                       state="serving")
-    await client.hset(keys.consumers, rid, msgspec.msgpack.encode(info))
-    if alive:
-        await client.set(keys.heartbeat(rid), 1, ex=60)
-    if follows:
-        await client.hset(keys.weights_ipc_copied, rid, version)
-
-
 async def test_the_release_waits_only_for_live_replicas_on_the_trainers_host(redis_url, queue):
     """Replicas elsewhere take the version another way, dead ones and those without a follower
     never copy: none of them holds the release back; one on this host that has copied, or
@@ -180,11 +165,11 @@ async def test_the_release_waits_only_for_live_replicas_on_the_trainers_host(red
     client, keys = await pub.redis(), pub.keys
     here = socket.gethostname()
     try:
-        await _register(client, keys, "elsewhere", "another-host", 0)
-        await _register(client, keys, "dead", here, 0, alive=False)
-        await _register(client, keys, "no follower", here, 0, follows=False)
-        await _register(client, keys, "copied", here, 1)
-        await _register(client, keys, "serving", here, 3)
+        await register_replica(client, keys, "elsewhere", "another-host", 0, follows=True)
+        await register_replica(client, keys, "dead", here, 0, alive=False, follows=True)
+        await register_replica(client, keys, "no follower", here, 0, follows=False)
+        await register_replica(client, keys, "copied", here, 1, follows=True)
+        await register_replica(client, keys, "serving", here, 3, follows=True)
         await client.hset(keys.weights_ipc_copied, "copied", 3)
         assert await _copies(client, keys, here) == {"copied": 3, "serving": 3}
         x = await pub.publish_weights(shared(1.0), version=3, transport="ipc")
@@ -212,7 +197,7 @@ async def test_a_watchers_status_counts_as_copied_only_once_its_copy_ended(redis
     client, keys = await pub.redis(), pub.keys
     here = socket.gethostname()
     try:
-        await _register(client, keys, "r0", here, 2)
+        await register_replica(client, keys, "r0", here, 2, follows=True)
         st = StageStatus(state=State.STAGED, version=4, direct=True) if state == "direct" else StageStatus(state=State(state), version=4)
         await client.hset(keys.weights_ipc_staged, mapping={"r0/0": msgspec.msgpack.encode(StageStatus(state=State.STAGED, version=4)),
                                                             "r0/1": msgspec.msgpack.encode(st)})
