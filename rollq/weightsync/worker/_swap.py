@@ -113,6 +113,7 @@ def swap_overlapped(
     ``wait_parts_s`` (until the last part was swapped in), ``wait_commit_s``, ``load_s``.
     """
     t0 = time.perf_counter()
+    progress = st.tracker.begin_report(st.worker)  # ahead of the exchanges, as in apply_staged
     rcv, sh = st.receiver, st.shadow
     if rcv is None or sh is None:
         return SwapReport(swap=Swap.NONE, why="no broadcast receiver" if rcv is None else "no shadow weights")
@@ -137,7 +138,7 @@ def swap_overlapped(
     if ev is not None:
         st.watch_swap(version, ev)
     st.version = version
-    return SwapReport(swap=Swap.OVERLAP, progress=st.tracker.report(st.worker), parts=len(groups), wait_parts_s=t_parts,
+    return SwapReport(swap=Swap.OVERLAP, progress=progress(), parts=len(groups), wait_parts_s=t_parts,
                       wait_commit_s=t_commit, load_s=time.perf_counter() - t0, receive_s=rcv.status.receive_s,
                       kernel=sh.exchange_kernel)
 
