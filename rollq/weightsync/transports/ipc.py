@@ -75,6 +75,13 @@ log = logging.getLogger(__name__)
 #: runs). A watcher that will not copy the version says so at once (``BUSY``).
 WATCHER_GRACE_S = 0.025
 
+#: While the workers' watchers copy, the follower reads their statuses first after
+#: ``WATCH_POLL_FIRST_S``, then after twice as long each time, up to ``WATCH_POLL_S``: a
+#: status written is seen that much later at most (each read is one HMGET on the replica's
+#: Redis; ``benchmarks/ipc_watch_poll.py`` has the figures).
+WATCH_POLL_FIRST_S = 0.0005
+WATCH_POLL_S = 0.001
+
 #: How long :meth:`IpcReceive.watch` waits for every watcher to listen.
 WATCHERS_READY_S = 10.0
 
@@ -332,8 +339,9 @@ class IpcReceive(ReplicaTransport):
             await self.client.hdel(key, *fields)
         n = await self.workers.watch_ipc(watch=IpcWatch(
             url=url, channel=self.keys.control, handles_key=self.keys.weights_ipc, status_key=self.keys.weights_ipc_staged,
-            swaps_key=self.keys.weights_ipc_swaps, field=field, chunk_bytes=self.settings.ipc_chunk_bytes, keep_maps=self.settings.ipc_keep_mappings, serving=serving,
-            high_priority=self.settings.ipc_high_priority, direct=self.settings.ipc_direct))
+            swaps_key=self.keys.weights_ipc_swaps, field=field, chunk_bytes=self.settings.ipc_chunk_bytes,
+            keep_maps=self.settings.ipc_keep_mappings, serving=serving, high_priority=self.settings.ipc_high_priority,
+            direct=self.settings.ipc_direct))
         self._fields = tuple(f"{field}{rank}" for rank in range(n))
         await self._listening(self.keys)
 
@@ -371,7 +379,7 @@ class IpcReceive(ReplicaTransport):
         copy failed (it tries again, and records the failure)."""
         deadline = time.monotonic() + self.settings.load_timeout
         grace = time.monotonic() + WATCHER_GRACE_S  # the announcement reaches the watchers about when it reaches us
-        delay = 0.001
+        delay = WATCH_POLL_FIRST_S
         while True:
             got = await self.client.hmget(keys.weights_ipc_staged, list(self._fields))
             mine = [st for st in map(watcher_status, got) if st is not None and st.version == version]
@@ -385,7 +393,7 @@ class IpcReceive(ReplicaTransport):
             if time.monotonic() > deadline:
                 raise WeightSyncTimeout(f"copying version {version} over IPC took longer than {self.settings.load_timeout}s")
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.005)
+            delay = min(delay * 2, WATCH_POLL_S)
 
     async def _start(self, raw: bytes, version: int) -> list[StageStatus]:
         """Have every worker start copying ``version``; a worker whose watcher still copies an
