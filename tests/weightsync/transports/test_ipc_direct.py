@@ -29,18 +29,32 @@ def _step(st: dict[str, torch.Tensor], fill: float) -> None:
             v.fill_(fill)
 
 
-def _torn_replica(redis_url: str, queue: str, model: Any, root: str | None) -> tuple[Any, Any, Any, Any]:
-    """A direct replica (fake workers over ``model``) that does not retry a failed load, and a
-    leasing publisher, both keeping memmap copies under ``root`` (None: none): the engine,
-    the consumer, the follower and the publisher."""
+def _direct_replica(redis_url: str, queue: str, workers: int = 1, root: str | None = None, model: Any = loadable_model,
+                    **settings: Any) -> tuple[Any, Any, Any, Any]:
+    """A direct replica ``r0`` (``workers`` fake workers over ``model``; its follower's
+    ``WeightSyncSettings`` with ``ipc_direct`` and ``settings``) and a leasing publisher, both
+    keeping memmap copies under ``root`` (None: none): the engine, the consumer, the follower
+    and the publisher."""
     from rollq import Consumer, WeightSyncSettings
     from rollq.testing.fake_workers import FakeWorkerEngine
     from rollq.weightsync import WeightFollower, WeightPublisher
 
-    engine = FakeWorkerEngine(model)
+    engine = FakeWorkerEngine(model, num_workers=workers)
     consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
-    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.1, ipc_direct=True, load_retries=0))
+    follower = WeightFollower(consumer, WeightSyncSettings(root=root, reconcile_interval=0.1, ipc_direct=True, **settings))
     return engine, consumer, follower, WeightPublisher(redis_url, queue, ipc_lease=True, root=root)
+
+
+async def _to_plan(pub: Any, consumer: Any, st: dict[str, torch.Tensor]) -> None:
+    """Two leased versions through the replica: the first traces the load plan (load_weights,
+    waited for), the second goes by it."""
+    from tests.helpers import until
+
+    for fill in (1.0, 2.0):
+        _step(st, fill)
+        rec = await pub.publish_weights(st, transport="ipc")
+        await pub.release_weights(timeout=10)
+        await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
 
 
 def _hold_direct_swaps(monkeypatch: Any) -> tuple[threading.Event, threading.Event]:
@@ -72,9 +86,6 @@ async def test_a_direct_swap_copies_the_leased_tensors_into_the_live_weights_and
     the shadow, which traces it. The release returns only once that swap is done: held
     mid-swap, the trainer's release waits, and its next step never reaches the replica's
     weights."""
-    from rollq import Consumer, WeightSyncSettings
-    from rollq.testing.fake_workers import FakeWorkerEngine
-    from rollq.weightsync import WeightFollower, WeightPublisher
     from rollq.weightsync.worker._ipc import IpcStaging
     from tests.helpers import until
 
@@ -99,10 +110,7 @@ async def test_a_direct_swap_copies_the_leased_tensors_into_the_live_weights_and
         return real_plan(items, views)
 
     monkeypatch.setattr(IpcStaging, "_plan_copy", staticmethod(planned))
-    engine = FakeWorkerEngine(loadable_model, num_workers=workers)
-    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
-    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True, ipc_prestage=prestage))
-    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    engine, consumer, follower, pub = _direct_replica(redis_url, queue, workers, ipc_prestage=prestage)
     async with serving(consumer, follower, await pub.redis()):
         st = shared(1.0)
         for fill in (1.0, 2.0, 3.0):
@@ -149,16 +157,10 @@ async def test_a_version_whose_release_began_before_the_claim_is_refused_and_the
     after the trainer's release began (its copies timeout ran out): the claim is refused, the
     version is not applied, the load failure is recorded, the old weights serve on, and the next
     version is swapped in directly."""
-    from rollq import Consumer, WeightSyncSettings
-    from rollq.testing.fake_workers import FakeWorkerEngine
-    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from rollq.weightsync import read_load_errors
     from tests.helpers import until
 
-    engine = FakeWorkerEngine(loadable_model)
-    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
-    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True, ipc_prestage=True,
-                                                           load_retries=0))
-    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    engine, consumer, follower, pub = _direct_replica(redis_url, queue, ipc_prestage=True, load_retries=0)
     async with serving(consumer, follower, await pub.redis()):
         st = shared(1.0)
         first = await pub.publish_weights(st, transport="ipc")
@@ -250,8 +252,8 @@ async def test_a_direct_swap_whose_version_is_released_while_it_copies_is_torn(r
     from rollq.weightsync.worker._state import WorkerState
     from tests.helpers import until
 
-    engine, consumer, follower, pub = _torn_replica(redis_url, queue, lambda: loadable_model(transform),
-                                                    str(tmp_path) if memmap else None)
+    engine, consumer, follower, pub = _direct_replica(redis_url, queue, root=str(tmp_path) if memmap else None,
+                                                      model=lambda: loadable_model(transform), load_retries=0)
     async with serving(consumer, follower, await pub.redis()):
         st = shared(1.0)
         first = await pub.publish_weights(st, transport="ipc")
@@ -293,15 +295,10 @@ async def test_an_update_that_fails_before_its_direct_swap_ends_its_claim(redis_
     under the ``abort`` policy): the claim goes at once, so the trainer's release does not wait
     for its deadline."""
     import rollq.weightsync.replica.follower as follower_module
-    from rollq import Consumer, WeightSyncSettings
-    from rollq.testing.fake_workers import FakeWorkerEngine
-    from rollq.weightsync import WeightFollower, WeightPublisher, read_load_errors
+    from rollq.weightsync import read_load_errors
     from tests.helpers import until
 
-    engine = FakeWorkerEngine(loadable_model)
-    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
-    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True, load_retry_delay=60.0))
-    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    engine, consumer, follower, pub = _direct_replica(redis_url, queue, load_retry_delay=60.0)
     client = await pub.redis()
     await client.hset(consumer.keys.config, "update_policy", "abort")
     real, calls = follower_module.end_running, []
@@ -355,22 +352,12 @@ async def test_a_direct_swap_call_returns_before_its_copies_end_and_the_claim_la
     after them on the device); the replica keeps its claim, and holds the version back from
     its results, until every worker says the copies ended (``rollq_swap_done``): the trainer's
     release waits that long, and the update reports the wait."""
-    from rollq import Consumer, WeightSyncSettings
-    from rollq.testing.fake_workers import FakeWorkerEngine
-    from rollq.weightsync import WeightFollower, WeightPublisher
     from tests.helpers import until
 
-    engine = FakeWorkerEngine(loadable_model, num_workers=2)
-    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
-    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True))
-    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    engine, consumer, follower, pub = _direct_replica(redis_url, queue, 2)
     async with serving(consumer, follower, await pub.redis()):
         st = shared(1.0)
-        for fill in (1.0, 2.0):  # the first traces the plan (load_weights, waited for); the second goes by it
-            _step(st, fill)
-            rec = await pub.publish_weights(st, transport="ipc")
-            await pub.release_weights(timeout=10)
-            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        await _to_plan(pub, consumer, st)
         assert follower.history[-1].load["copied_by"] == "plan" and follower.history[-1].load["pending"] is True
         gate, reached = _hold_pending_copies(monkeypatch)
         _step(st, 3.0)
@@ -408,14 +395,10 @@ async def test_a_version_released_while_its_direct_copies_still_run_is_torn(redi
     from rollq.weightsync.transports.ipc_lease import release
     from tests.helpers import until
 
-    engine, consumer, follower, pub = _torn_replica(redis_url, queue, loadable_model, str(tmp_path) if memmap else None)
+    engine, consumer, follower, pub = _direct_replica(redis_url, queue, root=str(tmp_path) if memmap else None, load_retries=0)
     async with serving(consumer, follower, await pub.redis()):
         st = shared(1.0)
-        for fill in (1.0, 2.0):
-            _step(st, fill)
-            rec = await pub.publish_weights(st, transport="ipc")
-            await pub.release_weights(timeout=10)
-            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        await _to_plan(pub, consumer, st)
         gate, reached = _hold_pending_copies(monkeypatch, before=lambda: release(pub))
         gate.set()  # held only for the release to land between the call and the copies' end
         _step(st, 3.0)
@@ -479,25 +462,14 @@ async def test_watching_workers_write_their_direct_copies_end_to_redis_and_the_f
     ``replica/rank``), and the follower takes the version from there: here the engine's
     ``rollq_swap_done`` answers nothing newer than before the swap, and the version still goes
     through within its load timeout, its wait for the copies measured."""
-    from rollq import Consumer, WeightSyncSettings
-    from rollq.testing.fake_workers import FakeWorkerEngine
-    from rollq.weightsync import WeightFollower, WeightPublisher
     from rollq.weightsync.wire import SwapTimes
     from rollq.weightsync.worker.ext import RollqWorkerExtension
     from tests.helpers import until
 
-    engine = FakeWorkerEngine(loadable_model, num_workers=2)
-    consumer = Consumer(engine, redis_url, queue, consumer_id="r0")
-    follower = WeightFollower(consumer, WeightSyncSettings(reconcile_interval=0.1, ipc_direct=True, ipc_prestage=True,
-                                                           load_timeout=5))
-    pub = WeightPublisher(redis_url, queue, ipc_lease=True)
+    engine, consumer, follower, pub = _direct_replica(redis_url, queue, 2, ipc_prestage=True, load_timeout=5)
     async with serving(consumer, follower, await pub.redis()):
         st = shared(1.0)
-        for fill in (1.0, 2.0):  # the first traces the plan; the second goes by it, its copies pending
-            _step(st, fill)
-            rec = await pub.publish_weights(st, transport="ipc")
-            await pub.release_weights(timeout=10)
-            await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
+        await _to_plan(pub, consumer, st)
         assert follower.history[-1].load["pending"] is True
         asked: list[int] = []
 
