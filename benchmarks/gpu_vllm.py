@@ -395,7 +395,7 @@ async def engine_main(a: argparse.Namespace) -> None:
             return {"max_step_gap_s": longest, "median_step_s": sorted(g for g, _ in gaps)[len(gaps) // 2],
                     "steps": len(gaps), "gap_began_at": began + (time.time() - time.monotonic())}
 
-        def gap_timeline(row: dict) -> dict:
+        def gap_timeline(row: dict, load: dict) -> dict:
             """Where the swap fell in the longest gap between engine steps, in seconds from the
             gap's start (the last step seen before it, wall clock): the follower's swap call
             began (negative: before the gap) and its call to the workers came back (the swap
@@ -413,7 +413,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                 out["gap_follower_call_return_s"] = (row["follower_swap_at"] + row["paused_s"] - (row.get("wait_copy_s") or 0.0)
                                                      - began)
                 out["gap_follower_swap_end_s"] = row["follower_swap_at"] + row["paused_s"] - began
-            returned = (row.get("load") or {}).get("returned_at")
+            returned = load.get("returned_at")
             if returned and row.get("follower_swap_at"):
                 out["gap_worker_return_s"] = returned - began
                 arrived = [t for t in replies if t >= returned]
@@ -448,8 +448,7 @@ async def engine_main(a: argparse.Namespace) -> None:
                    "paused_s": st.pause_s, "seen_s": t_seen - r["t0"], "follower_swap_at": st.timings.get("swap_at"),
                    "wait_copy_s": st.load.get("wait_copy_s"), **(await step_gaps(m0)),
                    **copies, "weights_match": await weights_match(r["mark"])}
-            row["load"] = st.load
-            row.update(gap_timeline(row))
+            row.update(gap_timeline(row, st.load))
             return r, row, st
 
         def timeline(st: Any, t_published: float, t_seen: float) -> dict:

@@ -370,8 +370,8 @@ class IpcReceive(ReplicaTransport):
             log.debug("could not stop the workers' IPC watchers: %s", e)
         if self.keys is not None:
             with contextlib.suppress(*RETRYABLE):
-                await self.client.hdel(self.keys.weights_ipc_staged, *fields)
-                await self.client.hdel(self.keys.weights_ipc_swaps, *fields)
+                for key in (self.keys.weights_ipc_staged, self.keys.weights_ipc_swaps):
+                    await self.client.hdel(key, *fields)
 
     async def _watched(self, version: int, keys: QueueKeys) -> Staged | None:
         """``version`` as the workers' watchers copied it, read from Redis (waiting while they

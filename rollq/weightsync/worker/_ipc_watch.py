@@ -83,9 +83,7 @@ class IpcWatcher:
             return
         try:
             with responsive_gil(), self._swaps_lock:
-                if self._swaps is None:
-                    self._swaps = sync_client(self.watch.url)
-                self._swaps.hset(self.watch.swaps_key, f"{self.watch.field}{self.rank}", msgspec.msgpack.encode(times))
+                self._swap_client().hset(self.watch.swaps_key, f"{self.watch.field}{self.rank}", msgspec.msgpack.encode(times))
         except Exception as e:  # Redis down or restarting: the engine's answer stands in
             log.warning("IPC watcher of rank %d could not write the end of version %d's copies: %s: %s",
                         self.rank, times.version, type(e).__name__, e)
@@ -122,11 +120,15 @@ class IpcWatcher:
             return
         try:
             with self._swaps_lock:
-                if self._swaps is None:
-                    self._swaps = sync_client(self.watch.url)
-                self._swaps.ping()
+                self._swap_client().ping()
         except Exception as e:  # report_swap connects again, or logs why it cannot
             log.debug("IPC watcher of rank %d: %s", self.rank, e)
+
+    def _swap_client(self) -> Any:
+        """:meth:`report_swap`'s connection, made on first use (``_swaps_lock`` held)."""
+        if self._swaps is None:
+            self._swaps = sync_client(self.watch.url)
+        return self._swaps
 
     def _check(self, client: Any) -> bool:
         raw = client.get(self.watch.handles_key)
