@@ -68,6 +68,13 @@ one torch thread, where the machine has the cores for it (:func:`rollq.rl.cores.
 
 ``--model-size small|medium`` builds a larger random Qwen2-shaped model (vocab 1024) with
 ``rollq.testing.tiny_model.build_tiny_model``; meant for a GPU (the trainer then runs on CUDA).
+
+One GPU: the trainer (this process) and each replica's engine core (a process of vLLM's) have
+CUDA contexts of their own, and a GPU runs one context at a time, so without MPS their kernels
+take turns in time slices and async's overlap of training with generation buys little wall
+time (``benchmarks/gpu_share.py``). ``--mps`` starts a CUDA MPS daemon of the run's own
+(:class:`rollq.rl.mps.MpsDaemon`) before anything touches the GPU; the trainer and the engines
+are its clients and their kernels run side by side.
 """
 
 from __future__ import annotations
@@ -300,7 +307,8 @@ def markdown(res: dict) -> str:
     lines = [
         f"# RL loop: sync vs rollq async ({res['model_size']} model, {res['replicas']} replica(s), {res['steps']} steps)",
         "",
-        f"`{res['command']}` on {res['machine']}; cores: {res['cores']}.",
+        f"`{res['command']}` on {res['machine']}; cores: {res['cores']}"
+        + ("" if not res.get("mps") else f"; CUDA MPS (servers {res['mps']['servers']})") + ".",
         "",
         "| run | time to reward 0.8 | steps to 0.8 | s per step | rollout tokens/s | replica idle | final reward | held-out reward | wall | lag histogram | generate wait / train (of it agreement) / publish (s, all steps) | trainer / served dtype | logprob \\|diff\\| mean / max |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -422,6 +430,7 @@ async def main_async(a: argparse.Namespace) -> dict:
                     runs.append(await one_run(name + tag, mode, lag, a, srv.url, replicas, model, tokenizer, device, arm, policy))
                     runs[-1]["run"] = name
             # Written before the replicas stop: an engine that hangs on shutdown loses no figures.
+            mps = None if a.mps_daemon is None else {"servers": a.mps_daemon.servers()}
             res = {
                 "command": "python benchmarks/rl_loop.py " + " ".join(sys.argv[1:]),
                 "machine": f"{platform.machine()}, {ncpu} cores, {device}",
@@ -446,6 +455,7 @@ async def main_async(a: argparse.Namespace) -> dict:
                 "order": orders,
                 "engine_start_s": round(replicas.start_s, 1),
                 "batch_invariant": a.batch_invariant,
+                "mps": mps,
                 "runs": runs,
                 "ratios": ratios(runs),
                 "by_arm": by_arm(runs),
@@ -511,6 +521,10 @@ def main() -> None:
                     help="GPU: vLLM's batch-invariant kernels in the replicas (VLLM_BATCH_INVARIANT=1) and its kernel "
                          "overrides in the trainer's torch too (matmul, log_softmax, mean), to measure how close that "
                          "brings the two and what it costs in tokens/s")
+    ap.add_argument("--mps", action="store_true",
+                    help="GPU: run the trainer and the replicas' engines as clients of a CUDA MPS daemon of the run's "
+                         "own (rollq.rl.mps.MpsDaemon), so that their kernels run side by side on one GPU instead of "
+                         "taking turns in time slices")
     ap.add_argument("--out", default="benchmarks/results/rl_loop")
     a = ap.parse_args()
     for key, normal, stress in (("lags", [1, 2], [4, 8]), ("min_tokens", 4, 32), ("max_tokens", 4, 64),
@@ -526,7 +540,15 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    print(markdown(asyncio.run(main_async(a))))
+    if not a.mps:
+        a.mps_daemon = None
+        print(markdown(asyncio.run(main_async(a))))
+        return
+    from rollq.rl.mps import MpsDaemon
+
+    with MpsDaemon() as daemon:  # before anything in this process or its children touches CUDA
+        a.mps_daemon = daemon
+        print(markdown(asyncio.run(main_async(a))))
 
 
 if __name__ == "__main__":  # AsyncLLM starts processes: this guard is needed

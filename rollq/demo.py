@@ -309,7 +309,20 @@ def run_demo(a: argparse.Namespace) -> int:
     # down makes vLLM 0.32's output handler log an EngineDeadError traceback: noise, on stderr.)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     console = Console(stderr=True)
-    summary = asyncio.run(demo(a, console))
+    if getattr(a, "mps", False):
+        from .rl.mps import MpsDaemon, MpsUnavailable
+
+        try:
+            daemon = MpsDaemon().__enter__()  # before anything in this process or the engines' touches CUDA
+        except MpsUnavailable as e:
+            console.print(f"rollq demo --mps: {e}", markup=False, highlight=False, soft_wrap=True)
+            return 2
+        try:
+            summary = asyncio.run(demo(a, console))
+        finally:
+            daemon.close()
+    else:
+        summary = asyncio.run(demo(a, console))
     if a.json:
         sys.stdout.write(json.dumps(summary) + "\n")
     else:

@@ -84,6 +84,17 @@ def test_demo_with_the_echo_engine_prints_its_summary(tmp_path):
     assert (tmp_path / "d.png").stat().st_size > 0 and (tmp_path / "d.json").exists()
 
 
+def test_demo_mps_where_mps_cannot_run_is_a_clear_error_before_anything_starts(tmp_path):
+    """``rollq demo --mps`` on a machine without NVIDIA's MPS control program: exit 2 and why."""
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                           if not (Path(p) / "nvidia-cuda-mps-control").exists())
+    r = rollq("demo", "--engine", "echo", "--mps", "--steps", "2", "--plot", str(tmp_path / "d.png"),
+              env={"PATH": path}, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "rollq demo --mps: nvidia-cuda-mps-control not found" in r.stderr
+    assert not (tmp_path / "d.png").exists()
+
+
 def test_quickstart_example_runs():
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "ones, and the trainer on the rest, where there are more cores than replicas)")
     s.add_argument("--dtype", default="auto",
                    help="the replicas' served dtype (auto: float32 on CPU, the checkpoint's own on GPU)")
+    s.add_argument("--mps", action="store_true",
+                   help="GPU: run the trainer and the replicas' engines as clients of a CUDA MPS daemon of the demo's "
+                        "own, so that training and generation on one GPU run side by side instead of taking turns")
     s.add_argument("--plot", default="rollq-demo.png", help="PNG of reward and policy lag (a .json beside it)")
     s.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     s.set_defaults(fn=cmd_demo)
