@@ -69,7 +69,9 @@ class MpsDaemon:
     On entry: starts the daemon under a fresh directory and sets its environment in
     ``os.environ``, so this process and every child started later become its clients. On exit:
     stops the daemon (``quit``, which waits for its clients to go) and restores the
-    environment. ``servers()`` lists the MPS servers running, one per GPU with clients: the
+    environment; where this process is a client itself (it initialised CUDA), ``quit`` is sent
+    without waiting, since the daemon waits for its clients, and it goes when this process
+    does. ``servers()`` lists the MPS servers running, one per GPU with clients: the
     proof that the processes did attach.
 
     >>> daemon = MpsDaemon()
@@ -83,6 +85,7 @@ class MpsDaemon:
         self._made_root = False
         self._env: dict[str, str] = {}
         self._saved: dict[str, str | None] = {}
+        self._quitter: subprocess.Popen[str] | None = None
         self.running = False
 
     def _control(self, command: str | None) -> str:
@@ -152,15 +155,31 @@ class MpsDaemon:
         if not self.running:
             return
         self.running = False
-        try:
-            self._control("quit")
-        except MpsUnavailable as e:
-            log.warning("stopping the CUDA MPS daemon under %s: %s", self._root, e)
+        client = _cuda_initialised()
+        if client:
+            # This process is a client itself: "quit" stops new clients and waits for the
+            # current ones, so it is sent without waiting; the daemon goes when this process
+            # does, and its folders stay until then.
+            try:
+                self._quitter = subprocess.Popen([CONTROL], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                                 stderr=subprocess.DEVNULL, env={**os.environ, **self._env}, text=True,
+                                                 start_new_session=True)
+                assert self._quitter.stdin is not None
+                self._quitter.stdin.write("quit\n")
+                self._quitter.stdin.close()
+            except OSError as e:
+                log.warning("stopping the CUDA MPS daemon under %s: %s", self._root, e)
+        else:
+            try:
+                self._control("quit")
+            except MpsUnavailable as e:
+                log.warning("stopping the CUDA MPS daemon under %s: %s", self._root, e)
         for name, value in self._saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        if self._made_root and self._root is not None:
+        if self._made_root and self._root is not None and not client:
             shutil.rmtree(self._root, ignore_errors=True)
-        log.info("CUDA MPS daemon under %s stopped", self._root)
+        log.info("CUDA MPS daemon under %s %s", self._root,
+                 "told to quit once this process (a client) exits" if client else "stopped")

@@ -121,3 +121,24 @@ def test_a_child_that_uses_the_gpu_becomes_a_client_of_the_real_daemon(tmp_path)
             assert daemon.servers(), daemon.log_tail()
         finally:
             child.communicate("\n", timeout=60)
+
+
+def test_closing_from_a_process_that_is_a_client_does_not_wait_for_the_daemon(fake_path, tmp_path, monkeypatch):
+    """The daemon's ``quit`` waits for its clients; a process that used CUDA is one, so closing
+    must not wait for it (an rl_loop run on an H100 waited out the 10 s control timeout)."""
+    import time
+
+    import torch
+
+    script = _fake_control(fake_path)
+    # "quit" blocks as the real one does while a client remains
+    script.write_text(script.read_text().replace('exit 0\n', 'if [ "$cmd" = "quit" ]; then sleep 5; fi\nexit 0\n'))
+    with MpsDaemon(tmp_path / "mps") as daemon:
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 2.0
+    assert not daemon.running and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    deadline = time.monotonic() + 5
+    while "cmd quit" not in (fake_path / "calls").read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (fake_path / "calls").read_text().splitlines()[-1] == "cmd quit"
