@@ -198,6 +198,8 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                         specs = task.final_specs(tokenizer, a.group_size)
                         final = task.final_report(await generate(srv.url, QUEUE, specs, trainer.version))
                 report.updates = replicas.update_history()
+                daemon = getattr(a, "mps_daemon", None)
+                mps_servers = _mps_servers(daemon) if daemon is not None else None  # while its clients run
                 served, converted = replicas.served_dtype, replicas.converted_from()
                 if publisher is not None:
                     await publisher.close()
@@ -217,7 +219,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                    scale_rewards=a.scale_rewards if learn else None, shaping=shaping if learn else None,
                    explore=explore, engine_start_s=round(replicas.start_s, 1),
                    served_dtype=served, trainer_dtype=trainer.dtype if trainer is not None else None,
-                   converted_from=converted,
+                   converted_from=converted, mps_servers=mps_servers,
                    cores={"trainer": list(cores.trainer), "replicas": list(cores.replicas)} if cores else None)
     try:
         png = plot_run(report.per_step(), a.plot, random_policy_reward=task.random_policy_reward,
@@ -301,6 +303,17 @@ def _table(summary: dict[str, Any]) -> Any:
     return t
 
 
+def _mps_servers(daemon: Any) -> list[int] | None:
+    """The MPS servers ``daemon`` runs (its clients attached to them); None where it cannot say."""
+    from .rl.mps import MpsUnavailable
+
+    try:
+        return daemon.servers()
+    except MpsUnavailable as e:
+        log.warning("the MPS daemon's servers: %s", e)
+        return None
+
+
 def run_demo(a: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -317,6 +330,7 @@ def run_demo(a: argparse.Namespace) -> int:
         except MpsUnavailable as e:
             console.print(f"rollq demo --mps: {e}", markup=False, highlight=False, soft_wrap=True)
             return 2
+        a.mps_daemon = daemon
         try:
             summary = asyncio.run(demo(a, console))
         finally:

@@ -95,6 +95,22 @@ def test_demo_mps_where_mps_cannot_run_is_a_clear_error_before_anything_starts(t
     assert not (tmp_path / "d.png").exists()
 
 
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_demo_mps_on_one_gpu_runs_the_trainer_and_the_replica_as_clients_of_its_daemon(tmp_path):
+    """``rollq demo --mps --transport ipc`` on one GPU: the trainer and the replica's engine
+    attach to the demo's MPS server, CUDA IPC works between them, every version goes live."""
+    pytest.importorskip("vllm")
+    r = rollq("demo", "--mps", "--transport", "ipc", "--replicas", "1", "--steps", "4", "--json", "--plot",
+              str(tmp_path / "d.png"), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout.splitlines()[-1])
+    assert s["mps_servers"], s
+    assert s["versions"] == 4 and s["failed_jobs"] == 0
+    assert s["logprob_tokens_compared"] > 0 and s["logprob_abs_diff_mean"] <= 1e-3
+
+
 def test_quickstart_example_runs():
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
