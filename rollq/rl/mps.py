@@ -128,23 +128,38 @@ class MpsDaemon:
         if shutil.which(CONTROL) is None:
             raise MpsUnavailable(f"{CONTROL} not found on PATH (NVIDIA's driver tools)")
         self._made_root = self._root_arg is None
-        self._root = Path(tempfile.mkdtemp(prefix="rollq-mps-")) if self._made_root else Path(self._root_arg)  # type: ignore[arg-type]
+        self._root = Path(self._root_arg) if self._root_arg is not None else Path(tempfile.mkdtemp(prefix="rollq-mps-"))
         self._env = mps_environment(self._root)
         for folder in self._env.values():
             Path(folder).mkdir(parents=True, exist_ok=True)
-        self._control(None)
-        pipe = Path(self._env["CUDA_MPS_PIPE_DIRECTORY"]) / "control"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not pipe.exists():
-            if time.monotonic() > deadline:
-                raise MpsUnavailable(f"the MPS daemon's pipe {pipe} did not appear in {START_TIMEOUT_S} s: "
-                                     f"{self.log_tail()}")
-            time.sleep(0.05)
+        try:
+            self._control(None)
+            pipe = Path(self._env["CUDA_MPS_PIPE_DIRECTORY"]) / "control"
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not pipe.exists():
+                if time.monotonic() > deadline:
+                    raise MpsUnavailable(f"the MPS daemon's pipe {pipe} did not appear in {START_TIMEOUT_S} s: "
+                                         f"{self.log_tail()}")
+                time.sleep(0.05)
+        except MpsUnavailable:
+            self._abandon()
+            raise
         self._saved = {name: os.environ.get(name) for name in self._env}
         os.environ.update(self._env)
         self.running = True
         log.info("CUDA MPS daemon started under %s", self._root)
         return self
+
+    def _abandon(self) -> None:
+        """After a failed start: stop whatever did start (without waiting long) and drop a
+        folder made for it."""
+        try:
+            subprocess.run([CONTROL], input="quit\n", env={**os.environ, **self._env}, capture_output=True, text=True,
+                           timeout=2.0, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        if self._made_root and self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

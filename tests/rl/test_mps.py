@@ -97,6 +97,13 @@ def test_a_daemon_that_fails_to_start_or_never_makes_its_pipe_is_a_clear_error(f
     with pytest.raises(MpsUnavailable, match="did not appear"):
         MpsDaemon(tmp_path / "b").__enter__()
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    # whatever started is told to quit, and a folder made for it goes
+    assert (fake_path / "calls").read_text().splitlines()[-2:] == [f"start {tmp_path / 'b' / 'pipe'} {tmp_path / 'b' / 'log'}",
+                                                                   "cmd quit"]
+    monkeypatch.setattr(mps.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "made"))
+    with pytest.raises(MpsUnavailable, match="did not appear"):
+        MpsDaemon().__enter__()
+    assert not (tmp_path / "made").exists()
 
 
 def test_the_daemon_refuses_to_start_once_cuda_is_initialised(fake_path, tmp_path, monkeypatch):
