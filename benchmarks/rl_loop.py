@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -540,13 +541,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    if not a.mps:
-        a.mps_daemon = None
-        print(markdown(asyncio.run(main_async(a))))
-        return
     from rollq.rl.mps import MpsDaemon
 
-    with MpsDaemon() as daemon:  # before anything in this process or its children touches CUDA
+    # The daemon starts before anything in this process or its children touches CUDA.
+    with MpsDaemon() if a.mps else contextlib.nullcontext() as daemon:
         a.mps_daemon = daemon
         print(markdown(asyncio.run(main_async(a))))
 

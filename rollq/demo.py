@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -322,20 +323,15 @@ def run_demo(a: argparse.Namespace) -> int:
     # down makes vLLM 0.32's output handler log an EngineDeadError traceback: noise, on stderr.)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     console = Console(stderr=True)
-    if getattr(a, "mps", False):
-        from .rl.mps import MpsDaemon, MpsUnavailable
+    with contextlib.ExitStack() as stack:
+        if getattr(a, "mps", False):
+            from .rl.mps import MpsDaemon, MpsUnavailable
 
-        try:
-            daemon = MpsDaemon().__enter__()  # before anything in this process or the engines' touches CUDA
-        except MpsUnavailable as e:
-            console.print(f"rollq demo --mps: {e}", markup=False, highlight=False, soft_wrap=True)
-            return 2
-        a.mps_daemon = daemon
-        try:
-            summary = asyncio.run(demo(a, console))
-        finally:
-            daemon.close()
-    else:
+            try:  # before anything in this process or the engines' touches CUDA
+                a.mps_daemon = stack.enter_context(MpsDaemon())
+            except MpsUnavailable as e:
+                console.print(f"rollq demo --mps: {e}", markup=False, highlight=False, soft_wrap=True)
+                return 2
         summary = asyncio.run(demo(a, console))
     if a.json:
         sys.stdout.write(json.dumps(summary) + "\n")

@@ -26,6 +26,7 @@ naming the cause.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -88,19 +89,21 @@ class MpsDaemon:
         self._quitter: subprocess.Popen[str] | None = None
         self.running = False
 
-    def _control(self, command: str | None) -> str:
+    def _control(self, command: str | None, timeout: float = CONTROL_TIMEOUT_S) -> str:
         """Run the control program with this daemon's environment: ``command`` on its stdin
         (None: start it with ``-d``); its stdout, or :class:`MpsUnavailable` naming the failure."""
         env = {**os.environ, **self._env}
         args = [CONTROL, "-d"] if command is None else [CONTROL]
         try:
             done = subprocess.run(args, input=None if command is None else command + "\n", env=env,
-                                  capture_output=True, text=True, timeout=CONTROL_TIMEOUT_S, check=False)
+                                  capture_output=True, text=True, timeout=timeout, check=False)
         except FileNotFoundError as e:
             raise MpsUnavailable(f"{CONTROL} not found on PATH (NVIDIA's driver tools)") from e
+        except OSError as e:
+            raise MpsUnavailable(f"{CONTROL} could not run: {e}") from e
         except subprocess.TimeoutExpired as e:
             raise MpsUnavailable(f"{CONTROL} {'-d' if command is None else command!r} did not answer "
-                                 f"in {CONTROL_TIMEOUT_S} s") from e
+                                 f"in {timeout} s") from e
         if done.returncode != 0:
             raise MpsUnavailable(f"{CONTROL} {'-d' if command is None else command!r} exited "
                                  f"{done.returncode}: {(done.stderr or done.stdout).strip()[:500]}")
@@ -153,11 +156,8 @@ class MpsDaemon:
     def _abandon(self) -> None:
         """After a failed start: stop whatever did start (without waiting long) and drop a
         folder made for it."""
-        try:
-            subprocess.run([CONTROL], input="quit\n", env={**os.environ, **self._env}, capture_output=True, text=True,
-                           timeout=2.0, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
+        with contextlib.suppress(MpsUnavailable):
+            self._control("quit", timeout=2.0)
         if self._made_root and self._root is not None:
             shutil.rmtree(self._root, ignore_errors=True)
 
