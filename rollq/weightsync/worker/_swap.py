@@ -113,10 +113,10 @@ def swap_overlapped(
     ``wait_parts_s`` (until the last part was swapped in), ``wait_commit_s``, ``load_s``.
     """
     t0 = time.perf_counter()
-    progress = st.tracker.begin_report(st.worker)  # ahead of the exchanges, as in apply_staged
     rcv, sh = st.receiver, st.shadow
     if rcv is None or sh is None:
         return SwapReport(swap=Swap.NONE, why="no broadcast receiver" if rcv is None else "no shadow weights")
+    progress = st.tracker.begin_report(st.worker)  # ahead of the exchanges, as in apply_staged
     prog = rcv.progress_for(version, start_timeout)
     groups = sh.params_by_part(prog.manifest, prog.part_of) if prog is not None else None
     if prog is None or groups is None:
