@@ -9,13 +9,11 @@ CPU in shared memory and each ``--shrink`` times smaller, default 1000 on CPU an
 (:class:`~rollq.weightsync.trainer.ipc_export.Exposure`). A child process is the worker: it
 opens each version through the worker's own opener (``IpcStaging._open``) and unmaps what it
 does not keep. Each cycle is three versions: one with every handle opened and unmapped after
-(``keep 0``), one that maps them again for the next (a warm-up, not counted), one through the
-kept mappings (``keep 1``), and one more through them giving back the trainer's reference
-counter of each kept storage with torch's own call, one call per storage (``keep 1,
-per-counter``: how the worker gave them back before ``release_messages``, which maps each
-counter file once; on CPU shared memory there are no counters and the two kept rows are
-alike). ``open_s`` is the opening, ``close_s`` the unmapping after the copy (where the worker
-unmaps). Idle: no engine competes for the GIL or the GPU here, so the figures
+(``keep 0``), one that maps them again for the next (a warm-up, not counted), and one through the
+kept mappings (``keep 1``). The trainer shares each storage once (``Exposure(shares=...)``),
+as the IPC transport does; opening a storage takes a reference to it
+(:func:`rollq.weightsync.ipc_counters.take`), a kept one takes none. ``open_s`` is the
+opening, ``close_s`` the unmapping after the copy (where the worker unmaps). Idle: no engine competes for the GIL or the GPU here, so the figures
 are lower bounds of what a worker beside a busy engine sees (``gpu_vllm.py --phases ipc``).
 Results: ``<out>.json`` and ``<out>.md``.
 """
@@ -36,24 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _per_counter(storages: list) -> int:
-    """The reference counters of ``storages`` given back one torch call each."""
-    from rollq.weightsync.ipc_wire import StorageKind
-
-    n = 0
-    for s in storages:
-        if s.kind is StorageKind.CUDA and s.ref_counter_handle:
-            torch.UntypedStorage._release_ipc_counter_cuda(s.ref_counter_handle, s.ref_counter_offset)
-            n += 1
-    return n
-
-
 def child(device_name: str) -> None:
     from rollq.weightsync.ipc_wire import decode_handles
-    from rollq.weightsync.worker import _ipc_maps
     from rollq.weightsync.worker._ipc import IpcStaging
-
-    batched = _ipc_maps.release_messages
 
     class Host:  # the worker state IpcStaging asks for (no shadow weights)
         lock = None
@@ -64,7 +47,6 @@ def child(device_name: str) -> None:
         raw, keep = line.split()
         h = decode_handles(bytes.fromhex(raw))
         staging.keep_maps = keep != "0"
-        _ipc_maps.release_messages = _per_counter if keep == "t" else batched  # type: ignore[assignment]
         t0 = time.perf_counter()
         srcs = staging._open(h)
         t1 = time.perf_counter()
@@ -101,36 +83,34 @@ def main() -> None:
     assert proc.stdin is not None and proc.stdout is not None
     rows: list[dict] = []
     version = 0
+    shares = None
     try:
         for cycle in range(a.cycles):
-            for keep, counted in (("0", True), ("1", False), ("1", True), ("t", True)):
+            for keep, counted in (("0", True), ("1", False), ("1", True)):
                 version += 1
                 with torch.no_grad():
                     for _, t in items:  # the optimizer's step: in place, the same storages
                         t.view(-1)[:1].fill_(float(version))
-                x = Exposure(version, items)
+                x = Exposure(version, items, shares=shares)
+                shares = x.shares
                 proc.stdin.write(encode_handles(x.handles).hex() + f" {keep}\n")
                 proc.stdin.flush()
                 got = json.loads(proc.stdout.readline())
                 x.release()
-                row = {"cycle": cycle, "version": version, "keep": keep != "0", "per_counter": keep == "t",
-                       "counted": counted, **got}
+                row = {"cycle": cycle, "version": version, "keep": keep != "0", "counted": counted, **got}
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 rows.append(row)
     finally:
         proc.stdin.close()
         proc.wait(60)
 
-    def med(keep: bool, key: str, per_counter: bool = False) -> float:
-        return statistics.median(r[key] for r in rows
-                                 if r["counted"] and r["keep"] == keep and r.get("per_counter", False) == per_counter)
+    def med(keep: bool, key: str) -> float:
+        return statistics.median(r[key] for r in rows if r["counted"] and r["keep"] == keep)
 
     out = {"device": a.device, "gpu": torch.cuda.get_device_name(0) if a.device != "cpu" else None, "tensors": len(items),
            "GB": nbytes / 1e9, "shrink": shrink, "torch": torch.__version__, "rows": rows,
            "open_ms": {"every_handle": med(False, "open_s") * 1e3, "kept": med(True, "open_s") * 1e3},
-           "close_ms": {"every_handle": med(False, "close_s") * 1e3, "kept": med(True, "close_s") * 1e3},
-           "open_kept_per_counter_ms": med(True, "open_s", True) * 1e3}
-    out["ratio_kept_batched_to_per_counter"] = med(True, "open_s") / med(True, "open_s", True)
+           "close_ms": {"every_handle": med(False, "close_s") * 1e3, "kept": med(True, "close_s") * 1e3}}
     out["ratio_open_plus_close"] = ((med(True, "open_s") + med(True, "close_s"))
                                     / (med(False, "open_s") + med(False, "close_s")))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -142,12 +122,7 @@ def main() -> None:
           f"{out['open_ms']['kept'] / out['open_ms']['every_handle']:.3f} |",
           f"| unmap after the copy | {out['close_ms']['every_handle']:.2f} ms | {out['close_ms']['kept']:.2f} ms | - |",
           f"| both | {out['open_ms']['every_handle'] + out['close_ms']['every_handle']:.2f} ms | "
-          f"{out['open_ms']['kept'] + out['close_ms']['kept']:.2f} ms | {out['ratio_open_plus_close']:.3f} |", "",
-          "| kept mappings: the trainer's counters given back | open | against one torch call per counter |",
-          "| --- | ---: | ---: |",
-          f"| one torch call per counter (before) | {out['open_kept_per_counter_ms']:.2f} ms | 1.000 |",
-          f"| each counter file mapped once (`release_messages`) | {out['open_ms']['kept']:.2f} ms | "
-          f"{out['ratio_kept_batched_to_per_counter']:.3f} |", ""]
+          f"{out['open_ms']['kept'] + out['close_ms']['kept']:.2f} ms | {out['ratio_open_plus_close']:.3f} |", ""]
     Path(a.out + ".md").write_text("\n".join(md))
     print("\n".join(md))
 

@@ -5,7 +5,9 @@ Every field is a plain value (ints, strings, bytes) that rollq writes itself; no
 pickled. A CPU storage is a shared-memory file the trainer process holds open: its pid, the
 descriptor's number there and the file's inode (a replica opens ``/proc/<pid>/fd/<fd>`` and
 checks the inode, so a descriptor number the trainer reused for another file is refused). A
-CUDA storage is the fields of ``torch.UntypedStorage._share_cuda_()`` with the device's UUID.
+CUDA storage is the fields of ``torch.UntypedStorage._share_cuda_()`` with the device's UUID;
+its reference counter counts the workers that map it, each of which takes its reference itself
+(:mod:`rollq.weightsync.ipc_counters`), so one message serves every version and every worker.
 The ``token`` is a small CPU storage the trainer keeps exactly as long as it exposes the
 version: a worker that cannot open it (before or after its copy) knows the trainer exited or
 released the version. Tensors the trainer may change in place carry their ``checksum``, which
@@ -38,8 +40,9 @@ import msgspec
 from ..errors import WeightSyncError
 from .versions import _ITEMSIZE, tensor_nbytes
 
-#: Schema of :class:`IpcHandles`; a worker refuses handles of another.
-IPC_SCHEMA = 1
+#: Schema of :class:`IpcHandles`; a worker refuses handles of another. 2: a CUDA storage's
+#: reference counter is left at zero by the trainer and counted by each worker that maps it.
+IPC_SCHEMA = 2
 
 
 class MalformedIpcHandles(WeightSyncError, ValueError):

@@ -21,6 +21,17 @@ The next version of the same layout is copied into the same snapshot (``into``) 
 is released, so the extra memory stays one copy of the weights and the replicas' kept mappings
 of its storages stay valid.
 
+A storage is shared once (:class:`ShareTable`): an exposure given the last one's table
+(``shares``) reuses the message of every storage of the caller's that it exposes again, so a
+trainer that steps its optimizer in place pays torch's ``_share_cuda_`` (a CUDA IPC memory
+handle, an IPC event and a reference counter per storage: 7.5-9.5 ms for the 339 tensors of a
+7B model beside a busy engine) for its first version only, and its storages do not gather a
+new event and counter every version. The count ``_share_cuda_`` takes is given back at once
+(:func:`~rollq.weightsync.ipc_counters.give_back`): the table holds the storage while it may be
+exposed, and each worker counts its own reference when it maps it. The table holds the
+caller's storages, never the copies an exposure makes, until the next exposure's table
+replaces it (``WeightPublisher.close`` drops it).
+
 >>> import torch
 >>> x = Exposure(1, [("w", torch.ones(2, 2))])
 >>> (x.handles.tensors[0].name, x.copied_bytes, x.handles.owned)
@@ -32,10 +43,15 @@ of its storages stay valid.
 >>> (s2.handles.owned, s2.handles.checksum, s2.reused, s2.snapshot[0][1].data_ptr() == s1.snapshot[0][1].data_ptr())
 (True, '', True, True)
 >>> s2.release()
->>> x = Exposure(4, [("w", torch.ones(2, 2).share_memory_())], lease=True)
+>>> w = torch.ones(2, 2).share_memory_()
+>>> x = Exposure(4, [("w", w)], lease=True)
 >>> (x.handles.owned, x.handles.lease, x.handles.checksum, x.copied_bytes)
 (True, True, '', 0)
 >>> x.release()
+>>> y = Exposure(5, [("w", w)], lease=True, shares=x.shares)  # the same storage: shared once
+>>> (y.shares_reused, y.handles.storages == x.handles.storages)
+(1, True)
+>>> y.release()
 """
 
 from __future__ import annotations
@@ -47,6 +63,7 @@ import time
 import torch
 
 from ..checksum import state_checksum
+from ..ipc_counters import give_back
 from ..ipc_wire import IpcHandles, IpcStorage, IpcTensor, StorageKind
 
 Items = list[tuple[str, torch.Tensor]]
@@ -78,14 +95,57 @@ def _shared_copy(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+StorageKey = tuple[str, int, int, int]
+
+
+def _key(t: torch.Tensor, s: torch.UntypedStorage) -> StorageKey:
+    """What identifies storage ``s`` of ``t`` in this process while something holds it: its
+    device, its ``StorageImpl``, its bytes' address and size."""
+    return (str(t.device), int(s._cdata), s.data_ptr(), s.nbytes())
+
+
+class ShareTable:
+    """The messages of the storages one exposure shared, each with the storage it names (held:
+    while the table lives, no other storage can take its address, so an equal key is the same
+    memory). See the module docstring.
+
+    >>> ShareTable().get(("cpu", 1, 2, 3)) is None
+    True
+    """
+
+    def __init__(self) -> None:
+        self._by_key: dict[StorageKey, tuple[torch.UntypedStorage, IpcStorage]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def get(self, key: StorageKey) -> IpcStorage | None:
+        got = self._by_key.get(key)
+        return None if got is None else got[1]
+
+    def put(self, key: StorageKey, storage: torch.UntypedStorage, message: IpcStorage) -> None:
+        self._by_key[key] = (storage, message)
+
+    def clear(self) -> None:
+        self._by_key.clear()
+
+
 class Exposure:
     """Version ``version`` of ``items`` exposed to the processes of this host until
-    :meth:`release` (or until this process exits): :attr:`handles` say where each tensor is."""
+    :meth:`release` (or until this process exits): :attr:`handles` say where each tensor is.
+    ``shares``: the last exposure's :attr:`shares`, whose messages are reused for the storages
+    exposed again."""
 
-    def __init__(self, version: int, items: Items, snapshot: bool = False, into: Items | None = None, lease: bool = False):
+    def __init__(self, version: int, items: Items, snapshot: bool = False, into: Items | None = None, lease: bool = False,
+                 shares: ShareTable | None = None):
         if snapshot and lease:
             raise ValueError("a version is exposed as a snapshot or leased, not both")
         t0 = time.perf_counter()
+        #: The messages of the caller's storages exposed here (``shares`` of the next exposure).
+        self.shares = ShareTable()
+        #: Storages whose message came from ``shares`` (not shared again).
+        self.shares_reused = 0
+        fresh: list[IpcStorage] = []  # CUDA messages shared here: their counts are given back
         #: Bytes copied for the exposure (into shared memory, or on the GPU for a CUDA snapshot; 0: zero-copy).
         self.copied_bytes = 0
         self._held: list[torch.Tensor] = []  # what keeps the exposed storages alive
@@ -95,32 +155,43 @@ class Exposure:
         if snapshot:
             items = self._snapshot(items, into)
         storages: list[IpcStorage] = []
-        index: dict[tuple[str, int], int] = {}  # (device, data_ptr) of a storage -> its index
+        index: dict[StorageKey, int] = {}  # a storage -> its index in ``storages``
         tensors: list[IpcTensor] = []
         exposed: Items = []
         for name, t in items:
             t = t.detach()
+            mine = snapshot  # the storage is one this exposure made (not the caller's)
             if snapshot:  # copied above: its storages are exposed as they are
                 pass
             elif t.device.type == "cuda":
-                t = t.contiguous()
+                c = t.contiguous()  # ``t`` itself when it is contiguous
+                mine, t = c is not t, c
             elif t.device.type != "cpu" or not t.is_contiguous() or not t.is_shared():
-                t = self._copied(t)
+                t, mine = self._copied(t), True
             s = t.untyped_storage()
-            key = (str(t.device), s.data_ptr())
+            key = _key(t, s)
             if key not in index:
-                try:
-                    got = _cuda_storage(s) if t.device.type == "cuda" else _cpu_storage(s)
-                except RuntimeError:  # shared by file name (torch's file_system strategy): copy it
-                    t = self._copied(t)
-                    s = t.untyped_storage()
-                    key = (str(t.device), s.data_ptr())
-                    got = _cpu_storage(s)
+                got = None if mine or shares is None else shares.get(key)
+                if got is not None:
+                    self.shares_reused += 1
+                else:
+                    try:
+                        got = _cuda_storage(s) if t.device.type == "cuda" else _cpu_storage(s)
+                    except RuntimeError:  # shared by file name (torch's file_system strategy): copy it
+                        t, mine = self._copied(t), True
+                        s = t.untyped_storage()
+                        key = _key(t, s)
+                        got = _cpu_storage(s)
+                    if got.kind is StorageKind.CUDA:
+                        fresh.append(got)
+                if not mine:
+                    self.shares.put(key, s, got)
                 index[key] = len(storages)
                 storages.append(got)
             self._held.append(t)
             exposed.append((name, t))
             tensors.append(IpcTensor(name, _dtype_name(t), list(t.shape), index[key], t.storage_offset() * t.element_size()))
+        give_back(fresh)  # held here (and by the table) while exposed; each worker counts its own
         for dev in {t.device for t in self._held if t.device.type == "cuda"}:
             torch.cuda.synchronize(dev)  # the bytes a replica reads are written
         self.expose_s = time.perf_counter() - t0

@@ -411,7 +411,7 @@ class WeightPublisher:
     async def close(self) -> None:
         from ..transports.ipc_lease import release
 
-        release(self)  # a version exposed over IPC is no longer
+        release(self, forget=True)  # a version exposed over IPC is no longer
         if self._client is not None:
             await self._client.aclose()
             self._client = None

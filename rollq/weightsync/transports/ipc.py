@@ -59,7 +59,7 @@ from ...errors import CorruptWeights, WeightSyncError, WeightSyncTimeout
 from ..ipc_wire import IpcHandles, IpcUnavailable, TornDirectSwap, decode_handles, encode_handles, token_alive
 from ..wire import IpcWatch, StageStatus, State, SwapReport, SwapTimes, WorkerError
 from .base import ReplicaTransport, Staged, TrainerTransport
-from .ipc_lease import EXPOSED, watcher_status
+from .ipc_lease import EXPOSED, SHARES, watcher_status
 
 if TYPE_CHECKING:
     import torch
@@ -105,14 +105,15 @@ class IpcSend(TrainerTransport):
             # copying it then refuses it (its token is gone) rather than keep mixed bytes.
             last.release()
             into = last.snapshot or None
-        x = await asyncio.to_thread(Exposure, version, items, pub.ipc_snapshot, into, pub.ipc_lease)
+        x = await asyncio.to_thread(Exposure, version, items, pub.ipc_snapshot, into, pub.ipc_lease, SHARES.get(pub))
         try:
             await (await pub.redis()).set(pub.keys.weights_ipc, encode_handles(x.handles))
             rec = VersionRecord(
                 version=version, transport="ipc", checksum=x.handles.checksum, num_tensors=len(items), nbytes=x.nbytes,
                 trainer=pub.trainer_id, timings={
                     "expose_s": x.expose_s, "checksum_s": x.checksum_s, "ipc_copied_bytes": float(x.copied_bytes),
-                    "ipc_snapshot_reused": float(x.reused), "ipc_s": time.perf_counter() - t0,
+                    "ipc_snapshot_reused": float(x.reused), "ipc_shares_reused": float(x.shares_reused),
+                    "ipc_s": time.perf_counter() - t0,
                 },
             )
             if pub.store is not None:  # for replicas elsewhere, late joiners and failed copies
@@ -125,6 +126,7 @@ class IpcSend(TrainerTransport):
             raise
         old = EXPOSED.get(pub)
         EXPOSED[pub] = x
+        SHARES[pub] = x.shares
         if old is not None:
             old.release()
         return rec

@@ -29,7 +29,7 @@ from .base import PublisherSide
 
 if TYPE_CHECKING:
     from ...keys import QueueKeys
-    from ..trainer.ipc_export import Exposure
+    from ..trainer.ipc_export import Exposure, ShareTable
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +39,17 @@ IPC_RELEASE = Script("ipc_release")
 
 #: The version each publisher exposes now (released when it exposes the next one).
 EXPOSED: weakref.WeakKeyDictionary[PublisherSide, Exposure] = weakref.WeakKeyDictionary()
+#: The messages of the storages each publisher's last IPC version shared, for its next one
+#: (:class:`~rollq.weightsync.trainer.ipc_export.ShareTable`; kept across releases).
+SHARES: weakref.WeakKeyDictionary[PublisherSide, ShareTable] = weakref.WeakKeyDictionary()
 
 
-def release(publisher: PublisherSide) -> bool:
+def release(publisher: PublisherSide, forget: bool = False) -> bool:
     """Stop exposing ``publisher``'s current IPC version (a replica copying it refuses it) and
-    free its snapshot; False when it exposes none. ``WeightPublisher.close`` calls it."""
+    free its snapshot; False when it exposes none. ``forget``: also drop the messages kept for
+    its next version, and the trainer's storages they hold (``WeightPublisher.close`` does)."""
+    if forget:
+        SHARES.pop(publisher, None)
     x = EXPOSED.pop(publisher, None)
     if x is None:
         return False

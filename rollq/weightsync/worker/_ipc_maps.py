@@ -4,16 +4,17 @@ A trainer that steps its optimizer in place exposes the same storages every vers
 handles of version N+1 name memory this worker already mapped for version N. Opening a CUDA
 IPC handle costs a driver call (``cudaIpcOpenMemHandle``) and an IPC event per storage, tens
 of milliseconds for a few hundred tensors beside a busy engine; a mapping kept from the last
-version costs a dictionary lookup, and the new message's reference counter is given back
-(:func:`release_messages`: each counter file mapped once per version). :class:`MappedStorages`
+version costs a dictionary lookup. :class:`MappedStorages`
 keeps the storages the last version used, keyed by what identifies their memory in the trainer
 process (a CUDA handle and offset, or a shared-memory file's descriptor and inode), and maps
-only storages it does not hold. What the last version held and the next one does not name is unmapped when the next
-one has been opened.
+only storages it does not hold, each after taking a reference to it
+(:func:`~rollq.weightsync.ipc_counters.take`), which its mapping gives back when it goes.
+What the last version held and the next one does not name is unmapped when the next one has
+been opened.
 
 Why a kept mapping is the trainer's current memory: while it is mapped here, the trainer's
-allocation cannot be freed or reused (torch's CUDA IPC reference count, which this worker's
-first opening holds, keeps the block allocated; a mapped shared-memory file keeps its inode),
+allocation cannot be freed or reused (the CUDA IPC reference this worker took when it mapped
+the storage keeps the block allocated; a mapped shared-memory file keeps its inode),
 so equal handles name the same memory. The copy's checksum still verifies every byte.
 
 Holding a dead trainer's memory would keep it from being freed: every mapping goes when a
@@ -38,14 +39,12 @@ version comes from another trainer process, when the staging fails, and, within
 from __future__ import annotations
 
 import logging
-import mmap
-import os
-import re
 import threading
-from typing import Any, Callable, Hashable, Iterable, TypeVar
+from typing import Any, Callable, Hashable, TypeVar
 
 import torch
 
+from ..ipc_counters import give_back, take
 from ..ipc_wire import IpcHandles, IpcStorage, IpcTensor, StorageKind
 
 log = logging.getLogger(__name__)
@@ -74,75 +73,6 @@ def process_start(pid: int) -> int | None:
     return int(fields[19]) if len(fields) > 19 else None
 
 
-#: Bytes before the first counter in a torch reference-counter file (``at::RefcountedMapAllocator``
-#: keeps its own header there: ``map_alloc_alignment``).
-COUNTER_HEADER = 64
-#: The names torch gives the shared-memory files it creates (``at::NewProcessWideShmHandle``).
-_SHM_NAME = re.compile(rb"/torch_[0-9]+_[0-9]+_[0-9]+")
-
-
-def release_messages(storages: Iterable[IpcStorage]) -> int:
-    """Give back the reference the trainer counted for each message of a CUDA storage in
-    ``storages``, as opening it would have done when the opened storage went (torch's CUDA IPC
-    reference counting: each ``_share_cuda_`` names a counter in a shared-memory file, which
-    the trainer frees the block by once it reads zero). Returns the counters given back.
-
-    torch's own call (``UntypedStorage._release_ipc_counter_cuda``) maps and unmaps the whole
-    counter file for each counter: for the 339 storages of a 7B model, opening a version through
-    kept mappings took 4.8 ms idle on an H100 that way, 0.8 ms this way (``benchmarks/ipc_open.py
-    --device cuda``). The counters of one version share a file or a few, so each file is mapped
-    once here and its counters decremented in place, as torch does (not atomically: one worker
-    releases each message). A file already gone (its trainer
-    exited) has nothing to give back; a file that is not laid out as torch lays it out is left
-    to torch's call."""
-    by_file: dict[bytes, list[int]] = {}
-    for s in storages:
-        if s.kind is StorageKind.CUDA and s.ref_counter_handle:
-            by_file.setdefault(s.ref_counter_handle, []).append(s.ref_counter_offset)
-    done = 0
-    for name, offsets in by_file.items():
-        if _decrement(name, offsets):
-            done += len(offsets)
-            continue
-        for off in offsets:
-            try:
-                torch.UntypedStorage._release_ipc_counter_cuda(name, off)
-                done += 1
-            except RuntimeError as e:  # torch gives up on a file it cannot map, silently
-                log.debug("could not give back IPC counter %d of %r: %s", off, name, e)
-    return done
-
-
-def _decrement(name: bytes, offsets: list[int]) -> bool:
-    """Decrement counters ``offsets`` of torch's reference-counter file ``name``; False when
-    this cannot be done the way torch does it (the caller then calls torch)."""
-    if _SHM_NAME.fullmatch(name) is None:
-        return False
-    try:
-        fd = os.open(f"/dev/shm{name.decode()}", os.O_RDWR)
-    except FileNotFoundError:
-        return True  # unlinked: its trainer exited, nothing counts these references any more
-    except OSError:
-        return False
-    try:
-        size = os.fstat(fd).st_size
-        count, rest = divmod(size - COUNTER_HEADER, 8)
-        if rest or count <= 0 or not all(0 <= off < count for off in offsets):
-            return False
-        with mmap.mmap(fd, size) as m:
-            counters = memoryview(m)[COUNTER_HEADER:].cast("q")
-            try:
-                for off in offsets:
-                    counters[off] -= 1
-            finally:
-                counters.release()
-        return True
-    except (OSError, ValueError):
-        return False
-    finally:
-        os.close(fd)
-
-
 class MappedStorages:
     """The storages of the last IPC version a worker copied, kept mapped for the next."""
 
@@ -165,41 +95,43 @@ class MappedStorages:
 
     def open(self, h: IpcHandles, open_one: Opener) -> list[torch.UntypedStorage]:
         """The storages of ``h``, in order: those the last version mapped as they are, the
-        others through ``open_one(index, storage)``. Raises what ``open_one`` raises, having
-        unmapped everything."""
+        others through ``open_one(index, storage)`` once a reference to each is taken
+        (:func:`~rollq.weightsync.ipc_counters.take`). Raises what ``take`` or ``open_one``
+        raises, having unmapped everything and given back the references it took for storages
+        it did not map."""
         owner = (h.pid, process_start(h.pid))
         with self._lock:
             if self._owner != owner:
                 self._maps, self._owner = {}, owner
             kept = self._maps
-        out: list[torch.UntypedStorage] = []
-        now: dict[Hashable, torch.UntypedStorage] = {}
-        opened = 0
-        reused: list[IpcStorage] = []  # their messages are given back at once, below
+        keys = [storage_key(h.pid, s) for s in h.storages]
+        missing: dict[Hashable, int] = {}  # key -> the first storage of h that names it
+        for i, key in enumerate(keys):
+            if key not in kept and key not in missing:
+                missing[key] = i
+        now: dict[Hashable, torch.UntypedStorage] = {k: kept[k] for k in keys if k in kept}
         try:
-            for i, s in enumerate(h.storages):
-                key = storage_key(h.pid, s)
-                got = now.get(key)
-                if got is None:
-                    got = kept.get(key)
-                    if got is None:
-                        got = open_one(i, s)
-                        opened += 1
-                    else:
-                        reused.append(s)
-                    now[key] = got
-                out.append(got)
+            take(h.storages[i] for i in missing.values())
         except BaseException:
             self.clear()
             raise
-        finally:
-            release_messages(reused)
+        pending = dict(missing)
+        try:
+            for key, i in missing.items():
+                now[key] = open_one(i, h.storages[i])
+                del pending[key]
+        except BaseException:
+            give_back(h.storages[i] for i in pending.values())
+            del now
+            self.clear()
+            raise
+        out = [now[k] for k in keys]
         with self._lock:
             kept, self._maps = self._maps, now
-            if opened or len(now) != len(kept):
+            if missing or len(now) != len(kept):
                 self._views, self._derived = None, {}  # built on storages this version does not hold
         del kept  # what the last version held and this one does not is unmapped here
-        self.opened, self.reused = opened, len(reused)
+        self.opened, self.reused = len(missing), len(now) - len(missing)
         self._watch()
         return out
 

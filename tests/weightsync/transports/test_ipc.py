@@ -19,6 +19,7 @@ from rollq.weightsync.ipc_wire import (
 )
 from rollq.weightsync.transports import replica_transport, trainer_transport
 from rollq.weightsync.transports.ipc import IpcReceive, IpcSend
+from rollq.weightsync.transports.ipc_lease import SHARES
 from rollq.weightsync.worker._ipc import _open_cpu, _token_alive
 
 
@@ -40,7 +41,8 @@ def test_valid_handles_round_trip():
 
 
 @pytest.mark.parametrize("change, why", [
-    (lambda d: d.update(v=IPC_SCHEMA + 1), "schema 2 is not supported"),
+    (lambda d: d.update(v=IPC_SCHEMA + 1), f"schema {IPC_SCHEMA + 1} is not supported"),
+    (lambda d: d.update(v=1), "schema 1 is not supported"),
     (lambda d: d.update(pid=0), "pid 0 must be positive"),
     (lambda d: d["tensors"][0].__setitem__(1, "float128"), "unknown dtype 'float128'"),
     (lambda d: d["tensors"][0].__setitem__(2, [2, -2]), "negative dimension"),
@@ -109,6 +111,28 @@ def test_a_snapshot_of_another_layout_is_copied_into_new_storages():
             assert [torch.equal(a, b) for (_, a), (_, b) in zip(x.snapshot, other)] == [True, True]
         finally:
             x.release()
+
+
+def test_the_callers_storages_are_shared_once_and_the_exposures_own_copies_never_kept():
+    """The next exposure of the same storages reuses their messages (the shared-memory file and
+    its inode, a CUDA handle and counter on a GPU); a storage the caller replaced is shared
+    afresh and the one it replaced leaves the table; a copy the exposure made (a tensor not in
+    shared memory) is shared each time and never held past its exposure's release."""
+    a, b = torch.zeros(4).share_memory_(), torch.zeros(3).share_memory_()
+    own = torch.ones(2)  # not in shared memory: copied each time
+    x = Exposure(1, [("a", a), ("b", b), ("own", own)], lease=True)
+    x.release()
+    assert (x.shares_reused, len(x.shares)) == (0, 2)
+    y = Exposure(2, [("a", a), ("b", b), ("own", own)], lease=True, shares=x.shares)
+    y.release()
+    assert y.shares_reused == 2 and y.handles.storages[:2] == x.handles.storages[:2]
+    assert y.handles.storages[2] != x.handles.storages[2] and len(y.shares) == 2
+    b2 = torch.zeros(3).share_memory_()  # the caller replaced b
+    z = Exposure(3, [("a", a), ("b", b2)], lease=True, shares=y.shares)
+    z.release()
+    assert z.shares_reused == 1 and z.handles.storages[0] == x.handles.storages[0]
+    assert z.handles.storages[1].inode != x.handles.storages[1].inode and len(z.shares) == 2
+    assert Exposure(4, [("a", a)], lease=True, shares=None).shares_reused == 0  # no table: shared again
 
 
 def hold_copy(staging: Any, at: int = 0) -> tuple[threading.Event, threading.Event]:
@@ -410,9 +434,14 @@ async def test_storages_updated_in_place_are_opened_once_and_stay_mapped(redis_u
             await until(lambda: consumer.version == rec.version, 10, f"version {rec.version}")
             load = follower.history[-1].load
             kept = keep and fill in (2.0, 3.0)
+            # The trainer shared each storage once: later versions reuse its messages.
+            assert rec.timings["ipc_shares_reused"] == (n if fill in (2.0, 3.0) else 0), rec.timings
+            assert len(SHARES[pub]) == n  # the new storages only, once other tensors came
             assert (load["opened"], load["reused"]) == ((0, n) if kept else (n, 0)), (fill, load)
             assert all(len(w.rollq_state.ipc.maps) == (n if keep else 0) for w in engine.workers)
             assert all(float(w.model_runner.model.module[0].weight[0, 0].detach()) == fill for w in engine.workers)
+        await pub.close()
+        assert pub not in SHARES  # closed: the trainer's storages are no longer held for a next version
     finally:
         await follower.stop()
         await pub.close()
