@@ -27,7 +27,9 @@
    publish, no checksums) and the trainer's tensors leased (``WeightPublisher(ipc_lease=True)``:
    zero-copy, no checksums, ``release_weights`` before the trainer changes them) and ``direct``
    (leased, and the replica's swap copies them straight into the live weights:
-   ``WeightSyncSettings.ipc_direct``);
+   ``WeightSyncSettings.ipc_direct``), each also as ``<way>-reshare``: every storage shared
+   again each version, as the trainer did before f95f0ec (``--ipc-expose direct,direct-reshare``
+   is that change before and after);
    ``--ipc-snapshot 0,1`` is ``--ipc-expose tensors,snapshot``; ``--ipc-priority 0,1`` the
    replica's copies on a stream of the engine's priority or a higher one
    (``WeightSyncSettings.ipc_high_priority``); ``--ipc-swap-end redis,engine`` a direct swap's
@@ -93,6 +95,7 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
     from benchmarks.gpu_nccl_transport import qwen7b_shapes
     from rollq.weightsync.nccl import BroadcastSender
     from rollq.weightsync.trainer.publisher import WeightPublisher
+    from rollq.weightsync.transports.ipc_lease import SHARES
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
@@ -106,6 +109,7 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
         ipc_pub = WeightPublisher(url, queue)  # no memmap copy: every replica is on this GPU
         native_group = None
         marks = 0
+        reshare = False
         while True:
             cmd = await asyncio.to_thread(conn.recv)
             op = cmd["op"]
@@ -113,7 +117,9 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
                 if op == "configure":  # the variant of the next sends
                     sender.shadow_layout = bool(cmd.get("shadow_layout", sender.shadow_layout))
                     if "ipc_expose" in cmd:
-                        ipc_pub.ipc_snapshot, ipc_pub.ipc_lease = cmd["ipc_expose"] == "snapshot", cmd["ipc_expose"] in ("lease", "direct")
+                        way = cmd["ipc_expose"].removesuffix(RESHARE)
+                        ipc_pub.ipc_snapshot, ipc_pub.ipc_lease = way == "snapshot", way in ("lease", "direct")
+                        reshare = cmd["ipc_expose"].endswith(RESHARE)
                     conn.send({"ok": True})
                 elif op == "publish":
                     r0 = time.perf_counter()  # a leased version is released before the tensors change
@@ -123,6 +129,8 @@ def trainer_main(url: str, queue: str, root: str, conn: object) -> None:
                     for t in tensors.values():
                         t.view(-1)[:4].fill_(float(marks))
                     torch.cuda.synchronize()
+                    if reshare:  # the messages of the last version forgotten: every storage shared again
+                        SHARES.pop(ipc_pub, None)
                     mem0 = torch.cuda.memory_allocated(dev)
                     t0 = time.time()
                     rec = await (ipc_pub if cmd["transport"] == "ipc" else pub).publish_weights(tensors, transport=cmd["transport"])
@@ -570,10 +578,11 @@ async def engine_main(a: argparse.Namespace) -> None:
                 while len(rows) < a.ipc_reps * len(combos):
                     chunk, keep, prestage, expose, high, swap_end = combos[len(rows) % len(combos)]
                     await asyncio.to_thread(call, op="configure", ipc_expose=expose)
-                    warm = i == 0 or (keep and not prev_keep) or (expose == "snapshot") != (prev_expose == "snapshot")
+                    warm = i == 0 or (keep and not prev_keep) or (expose == "snapshot") != (prev_expose == "snapshot") or (
+                        expose.endswith(RESHARE) != prev_expose.endswith(RESHARE))
                     follower.settings = dataclasses.replace(follower.settings, ipc_chunk_bytes=chunk, ipc_keep_mappings=keep,
                                                             ipc_prestage=prestage, ipc_high_priority=high,
-                                                            ipc_direct=expose == "direct")
+                                                            ipc_direct=expose.startswith("direct"))
                     for tr in follower._transports.values():
                         tr.settings = follower.settings
                     ipc = follower.transport("ipc")  # the workers watch for versions (ipc_prestage) or not
@@ -688,13 +697,16 @@ def render(out: dict) -> str:
         kept = "handles kept mapped across versions" if keep else "every handle opened each version"
         started = (f"copies started by the workers' watchers ({sum(bool(x.get('prestaged')) for x in r)} of {len(r)})"
                    if prestage else "copies started by the follower")
+        way = expose.removesuffix(RESHARE)
         exposed = {"snapshot": "the publisher's own snapshot (no checksums)",
                    "lease": "the trainer's tensors leased (zero-copy, no checksums, released before they change)",
                    "direct": "the trainer's tensors leased and copied straight into the live weights at the swap "
                              "(WeightSyncSettings.ipc_direct)"}.get(
-            expose, "the trainer's tensors (zero-copy, checksummed)")
+            way, "the trainer's tensors (zero-copy, checksummed)")
+        if expose.endswith(RESHARE):
+            exposed += ", every storage shared again each version (one _share_cuda_ per storage, as before f95f0ec)"
         prio = "copies on a high-priority stream" if high else "copies at the engine's stream priority"
-        if expose == "direct" and prestage:
+        if way == "direct" and prestage:
             prio += (", the copies' end read from the workers' writes to Redis" if swap_end == "redis"
                      else ", the copies' end from the engine's answers alone")
         lines += [f"CUDA IPC on one GPU, {paced}, {kept}, {started}, {exposed}, {prio} ({len(r)} updates, "
@@ -702,7 +714,7 @@ def render(out: dict) -> str:
                   f"{med(r, 'end_to_end_s') * 1000:.1f} ms ({e2e[0]:.1f}-{e2e[-1]:.1f}), publish call "
                   f"{med(r, 'trainer_publish_s') * 1000:.1f} ms (expose {med(r, 'expose_s') * 1000:.1f}, checksum "
                   f"{med(r, 'checksum_s') * 1000:.1f}"
-                  + (f"; the release before the next change waited {med(r, 'release_s') * 1000:.1f}" if expose in ("lease", "direct") else "")
+                  + (f"; the release before the next change waited {med(r, 'release_s') * 1000:.1f}" if way in ("lease", "direct") else "")
                   + f"), replica's copy {med(r, 'stage_s') * 1000:.1f} ms (open "
                   f"{med(r, 'open_s') * 1000:.1f} for {med(r, 'opened'):.0f} storages opened, {med(r, 'reused'):.0f} kept; verify "
                   f"{med(r, 'verify_s') * 1000:.1f}), announcement after the publish call {med(r, 'hint_after_publish_s') * 1000:.1f} ms, "
@@ -736,7 +748,7 @@ def render(out: dict) -> str:
                   f"trainer's extra GPU memory {max(x.get('trainer_extra_gpu_bytes') or 0 for x in r) / 2**20:.0f} MiB in the publish "
                   f"call, {max(x.get('trainer_held_gpu_bytes') or 0 for x in r) / 2**20:.0f} MiB held beside its weights, copied "
                   f"{max(x.get('trainer_copied_bytes') or 0 for x in r) / 2**20:.0f} MiB; "
-                  + (f"swaps copied by {', '.join(sorted({str(x.get('copied_by')) for x in r}))}, " if expose == "direct" else "")
+                  + (f"swaps copied by {', '.join(sorted({str(x.get('copied_by')) for x in r}))}, " if way == "direct" else "")
                   + (f"GPU memory in use after the update {max(x['gpu_used_mib'] for x in r):.0f} MiB (all processes); "
                      if all(x.get("gpu_used_mib") for x in r) else "")
                   + f"served weights equal the published ones: {all(x.get('weights_match') for x in r)}", ""]
@@ -801,13 +813,19 @@ def gpu_used_mib() -> float | None:
         return None
 
 
+#: An ``--ipc-expose`` value with this suffix has the trainer share every storage again each
+#: version (its publisher's messages forgotten before each publish), the way before f95f0ec.
+RESHARE = "-reshare"
+
+
 def exposures(a: argparse.Namespace) -> list[str]:
     """The ``--ipc-expose`` values to take turns, or ``--ipc-snapshot``'s as those values."""
     if a.ipc_expose:
         got = a.ipc_expose.split(",")
-        bad = sorted(set(got) - {"tensors", "snapshot", "lease", "direct"})
+        bad = sorted({g.removesuffix(RESHARE) for g in got} - {"tensors", "snapshot", "lease", "direct"})
         if bad:
-            raise SystemExit(f"--ipc-expose: unknown {', '.join(bad)} (tensors, snapshot, lease, direct)")
+            raise SystemExit(f"--ipc-expose: unknown {', '.join(bad)} (tensors, snapshot, lease, direct, each with "
+                             f"{RESHARE} for every storage shared again each version)")
         return got
     return ["snapshot" if n == "1" else "tensors" for n in a.ipc_snapshot.split(",")]
 
@@ -831,8 +849,8 @@ def main() -> None:
     ap.add_argument("--ipc-expose", default=None,
                     help="comma list taking turns in the ipc phase: how the trainer exposes each version: tensors (zero-copy, "
                          "checksummed), snapshot (WeightPublisher(ipc_snapshot=True)), lease (WeightPublisher(ipc_lease=True)), "
-                         "direct (leased, and WeightSyncSettings(ipc_direct=True) on the replica); "
-                         "default: as --ipc-snapshot says")
+                         "direct (leased, and WeightSyncSettings(ipc_direct=True) on the replica); each also as "
+                         "<way>-reshare (every storage shared again each version); default: as --ipc-snapshot says")
     ap.add_argument("--ipc-priority", default="0",
                     help="comma list taking turns in the ipc phase: WeightSyncSettings.ipc_high_priority (1: the replica's "
                          "copies on a high-priority CUDA stream)")
