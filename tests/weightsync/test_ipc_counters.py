@@ -150,6 +150,7 @@ _WORKER = textwrap.dedent("""
             got = maps.open(h, lambda i, s: _open_cuda(s, dev))
             first = torch.empty(0, dtype=torch.bfloat16, device=dev).set_(got[0], 0, (4,))
             print(json.dumps({"opened": maps.opened, "reused": maps.reused, "first": first.float().tolist()}), flush=True)
+            del got, first  # the mappings are the maps' alone
             continue
         print(json.dumps({}), flush=True)
 """)
