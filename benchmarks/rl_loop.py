@@ -49,7 +49,11 @@ agrees almost exactly whatever the kernels: runs whose policies end at different
 
 Seeds: ``--seeds 0 1 2`` runs every arm once per seed with the same replicas; ratios are to
 the same seed's sync run, and ``by_arm`` has each arm's mean, min and max over the seeds.
-``--shuffle`` draws the order of the arms per seed (recorded as ``order``). Each run reports
+``--shuffle`` draws the order of the arms per seed (recorded as ``order``). ``--warmup-steps N``
+first runs every arm once for N steps, not measured (recorded as ``warmup``): what a process pays
+once (the engine's kernels compiled at their first use, the first swap's kernel, the trainer's
+first steps of each loss) then lands on no measured arm; without it the first arm of the
+command pays it (on an H100 about 1 s of the first runs' few seconds to reward 0.8). Each run reports
 steps to reward 0.8 and seconds per step apart (time to 0.8 is their product, roughly), the
 trainer's time with the diagnostic agreement forwards at older versions shown apart
 (``step_agree_s``, part of ``step_train_s``), and the waste: tokens the engines generated per
@@ -89,6 +93,7 @@ import platform
 import random
 import shutil
 import sys
+import time
 import tempfile
 from pathlib import Path
 
@@ -309,7 +314,9 @@ def markdown(res: dict) -> str:
         f"# RL loop: sync vs rollq async ({res['model_size']} model, {res['replicas']} replica(s), {res['steps']} steps)",
         "",
         f"`{res['command']}` on {res['machine']}; cores: {res['cores']}"
-        + ("" if not res.get("mps") else f"; CUDA MPS (servers {res['mps']['servers']})") + ".",
+        + ("" if not res.get("mps") else f"; CUDA MPS (servers {res['mps']['servers']})")
+        + ("" if not res.get("warmup") else "; warmed up first, not measured: "
+           + ", ".join(f"{w['run']} {w['steps']} steps {w['wall_s']} s" for w in res["warmup"])) + ".",
         "",
         "| run | time to reward 0.8 | steps to 0.8 | s per step | rollout tokens/s | replica idle | final reward | held-out reward | wall | lag histogram | generate wait / train (of it agreement) / publish (s, all steps) | trainer / served dtype | logprob \\|diff\\| mean / max |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -371,6 +378,35 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_plan(a: argparse.Namespace) -> list[tuple[str, str, int, str, str]]:
+    """The runs of one seed, in the order given: ``(name, mode, max lag, arm, update policy)``."""
+    plan = [("sync", "sync", 0, "ratio", "keep")]
+    for lag in [] if a.sync_only else a.lags:
+        for arm in a.arms:
+            for policy in a.policies:
+                name = f"async-lag{lag}" + ("" if a.arms == ["ratio"] else f"-{arm}")
+                name += "" if a.policies == ["keep"] else f"-{policy}"
+                plan.append((name, "async", lag, arm, policy))
+    return plan
+
+
+async def warm_up(a: argparse.Namespace, seed: int, srv_url: str, replicas, model: str, tokenizer, device: str) -> list[dict]:
+    """Every run of the plan once for ``--warmup-steps`` steps, not measured; each one's wall time."""
+    out: list[dict] = []
+    if a.warmup_steps <= 0:
+        return out
+    steps, a.steps, a.seed = a.steps, a.warmup_steps, seed
+    try:
+        for name, mode, lag, arm, policy in run_plan(a):
+            t0 = time.perf_counter()
+            await one_run(f"warmup-{name}", mode, lag, a, srv_url, replicas, model, tokenizer, device, arm, policy)
+            out.append({"run": name, "steps": a.warmup_steps, "wall_s": round(time.perf_counter() - t0, 2)})
+            log.info("warm-up %s: %d steps in %.1fs (not measured)", name, a.warmup_steps, out[-1]["wall_s"])
+    finally:
+        a.steps = steps
+    return out
+
+
 def write_results(a: argparse.Namespace, res: dict) -> None:
     """``<out>.json`` and ``<out>.md``."""
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -414,16 +450,11 @@ async def main_async(a: argparse.Namespace) -> dict:
             runs = []
             seeds = a.seeds or [a.seed]
             orders = []
+            warmup = await warm_up(a, seeds[0], srv.url, replicas, model, tokenizer, device)
             for seed in seeds:
                 a.seed = seed
                 tag = f"-s{seed}" if len(seeds) > 1 else ""
-                plan = [("sync", "sync", 0, "ratio", "keep")]
-                for lag in [] if a.sync_only else a.lags:
-                    for arm in a.arms:
-                        for policy in a.policies:
-                            name = f"async-lag{lag}" + ("" if a.arms == ["ratio"] else f"-{arm}")
-                            name += "" if a.policies == ["keep"] else f"-{policy}"
-                            plan.append((name, "async", lag, arm, policy))
+                plan = run_plan(a)
                 if a.shuffle:  # the order of the arms, drawn per seed (and recorded)
                     random.Random(f"order-{seed}").shuffle(plan)
                 orders.append([p[0] for p in plan])
@@ -454,6 +485,7 @@ async def main_async(a: argparse.Namespace) -> dict:
                 "tis_cap": a.tis_cap,
                 "policies": a.policies,
                 "order": orders,
+                "warmup": warmup,
                 "engine_start_s": round(replicas.start_s, 1),
                 "batch_invariant": a.batch_invariant,
                 "mps": mps,
@@ -488,6 +520,9 @@ def main() -> None:
     ap.add_argument("--shuffle", action="store_true",
                     help="run the arms of each seed in a random order (drawn from the seed, recorded as 'order'), "
                          "so that drift of the machine over the command does not favour the arms that run first")
+    ap.add_argument("--warmup-steps", type=int, default=0,
+                    help="first run every arm once for this many steps, not measured (recorded as 'warmup'), so that "
+                         "what the process pays once lands on no measured arm (0: none)")
     ap.add_argument("--policies", nargs="+", choices=POLICIES, default=["keep"],
                     help="the async runs' update policies: keep (requests continue on the new weights), abort "
                          "(rerun from scratch), abort-resume (continue from their tokens after a re-prefill)")
