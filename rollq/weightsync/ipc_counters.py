@@ -13,8 +13,12 @@ goes. While the trainer exposes a storage it holds it itself; the counter then k
 allocated for as long as any worker has it mapped.
 
 A counter file is mapped once for all the counters a call changes in it. torch changes a
-counter without a lock; so does this module (one process changes a given counter at a time
-here: the trainer when it shares, a worker when it maps or unmaps).
+counter without a lock, and so does this module: two workers of one GPU that map or unmap the
+same storage at the same instant could lose one change, as torch's own decrements could. A
+lost decrement keeps the block until the trainer process exits; a lost increment lets the
+trainer free the block while a worker still maps it, which that worker's next copy of the
+storage would read wrongly (its checksum, or the lease's token, refuses a version whose bytes
+changed while it copied, not one whose memory was reused before).
 
 >>> give_back([]), take([])
 (0, 0)

@@ -158,40 +158,43 @@ class Exposure:
         index: dict[StorageKey, int] = {}  # a storage -> its index in ``storages``
         tensors: list[IpcTensor] = []
         exposed: Items = []
-        for name, t in items:
-            t = t.detach()
-            mine = snapshot  # the storage is one this exposure made (not the caller's)
-            if snapshot:  # copied above: its storages are exposed as they are
-                pass
-            elif t.device.type == "cuda":
-                c = t.contiguous()  # ``t`` itself when it is contiguous
-                mine, t = c is not t, c
-            elif t.device.type != "cpu" or not t.is_contiguous() or not t.is_shared():
-                t, mine = self._copied(t), True
-            s = t.untyped_storage()
-            key = _key(t, s)
-            if key not in index:
-                got = None if mine or shares is None else shares.get(key)
-                if got is not None:
-                    self.shares_reused += 1
-                else:
-                    try:
-                        got = _cuda_storage(s) if t.device.type == "cuda" else _cpu_storage(s)
-                    except RuntimeError:  # shared by file name (torch's file_system strategy): copy it
-                        t, mine = self._copied(t), True
-                        s = t.untyped_storage()
-                        key = _key(t, s)
-                        got = _cpu_storage(s)
-                    if got.kind is StorageKind.CUDA:
-                        fresh.append(got)
-                if not mine:
-                    self.shares.put(key, s, got)
-                index[key] = len(storages)
-                storages.append(got)
-            self._held.append(t)
-            exposed.append((name, t))
-            tensors.append(IpcTensor(name, _dtype_name(t), list(t.shape), index[key], t.storage_offset() * t.element_size()))
-        give_back(fresh)  # held here (and by the table) while exposed; each worker counts its own
+        try:
+            for name, t in items:
+                t = t.detach()
+                mine = snapshot  # the storage is one this exposure made (not the caller's)
+                if snapshot:  # copied above: its storages are exposed as they are
+                    pass
+                elif t.device.type == "cuda":
+                    c = t.contiguous()  # ``t`` itself when it is contiguous
+                    mine, t = c is not t, c
+                elif t.device.type != "cpu" or not t.is_contiguous() or not t.is_shared():
+                    t, mine = self._copied(t), True
+                s = t.untyped_storage()
+                key = _key(t, s)
+                if key not in index:
+                    got = None if mine or shares is None else shares.get(key)
+                    if got is not None:
+                        self.shares_reused += 1
+                    else:
+                        try:
+                            got = _cuda_storage(s) if t.device.type == "cuda" else _cpu_storage(s)
+                        except RuntimeError:  # shared by file name (torch's file_system strategy): copy it
+                            t, mine = self._copied(t), True
+                            s = t.untyped_storage()
+                            key = _key(t, s)
+                            got = _cpu_storage(s)
+                        if got.kind is StorageKind.CUDA:
+                            fresh.append(got)
+                    if not mine:
+                        self.shares.put(key, s, got)
+                    index[key] = len(storages)
+                    storages.append(got)
+                self._held.append(t)
+                exposed.append((name, t))
+                tensors.append(IpcTensor(name, _dtype_name(t), list(t.shape), index[key],
+                                         t.storage_offset() * t.element_size()))
+        finally:  # held here (and by the table) while exposed; each worker counts its own reference
+            give_back(fresh)
         for dev in {t.device for t in self._held if t.device.type == "cuda"}:
             torch.cuda.synchronize(dev)  # the bytes a replica reads are written
         self.expose_s = time.perf_counter() - t0
