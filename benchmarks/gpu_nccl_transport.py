@@ -55,6 +55,19 @@ def qwen7b_shapes() -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def qwen7b_flat(device: str, shrink: int) -> list[tuple[str, torch.Tensor]]:
+    """The 7B model's tensors as flat bf16 zeros, each ``shrink`` times smaller, on ``device``
+    (on CPU in shared memory): a trainer's weights for the IPC benchmarks."""
+    items = []
+    for name, shape in qwen7b_shapes():
+        n = 1
+        for d in shape:
+            n *= d
+        t = torch.zeros(max(1, n // shrink), dtype=torch.bfloat16, device=device)
+        items.append((name, t.share_memory_() if device == "cpu" else t))
+    return items
+
+
 def _worker(rank: int, world: int, port: int, reps: int, bucket_mb: int, q: "mp.Queue") -> None:
     from rollq.weightsync.checksum import state_checksum
     from rollq.weightsync.memmap import manifest_of

@@ -36,7 +36,7 @@ def _counter_files() -> int:
 
 
 def main() -> None:
-    from benchmarks.gpu_nccl_transport import qwen7b_shapes
+    from benchmarks.gpu_nccl_transport import qwen7b_flat
     from rollq.weightsync.trainer.ipc_export import Exposure
 
     ap = argparse.ArgumentParser()
@@ -46,13 +46,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/ipc_expose")
     a = ap.parse_args()
     shrink = a.shrink or (1000 if a.device == "cpu" else 1)
-    items = []
-    for name, shape in qwen7b_shapes():
-        n = 1
-        for d in shape:
-            n *= d
-        t = torch.zeros(max(1, n // shrink), dtype=torch.bfloat16, device=a.device)
-        items.append((name, t.share_memory_() if a.device == "cpu" else t))
+    items = qwen7b_flat(a.device, shrink)
     nbytes = sum(t.numel() * t.element_size() for _, t in items)
     rows: list[dict] = []
     shares = None

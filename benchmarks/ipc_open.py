@@ -59,7 +59,7 @@ def child(device_name: str) -> None:
 
 
 def main() -> None:
-    from benchmarks.gpu_nccl_transport import qwen7b_shapes
+    from benchmarks.gpu_nccl_transport import qwen7b_flat
     from rollq.weightsync.ipc_wire import encode_handles
     from rollq.weightsync.trainer.ipc_export import Exposure
 
@@ -70,13 +70,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/ipc_open")
     a = ap.parse_args()
     shrink = a.shrink or (1000 if a.device == "cpu" else 1)
-    items = []
-    for name, shape in qwen7b_shapes():
-        n = 1
-        for d in shape:
-            n *= d
-        t = torch.zeros(max(1, n // shrink), dtype=torch.bfloat16, device=a.device)
-        items.append((name, t.share_memory_() if a.device == "cpu" else t))
+    items = qwen7b_flat(a.device, shrink)
     nbytes = sum(t.numel() * t.element_size() for _, t in items)
     proc = subprocess.Popen([sys.executable, __file__, "child", a.device], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, cwd=ROOT)

@@ -26,21 +26,9 @@ from rollq.weightsync.ipc_wire import IpcStorage, IpcUnavailable, StorageKind
 
 
 @pytest.fixture
-def counters():
-    """A torch reference-counted shared-memory file of 10,000 int64 counters (as torch's CUDA
-    IPC counter files are), all 1: its name and the tensor over it."""
-    import torch.multiprocessing as mp
-
-    strategy = mp.get_sharing_strategy()
-    mp.set_sharing_strategy("file_system")
-    try:
-        t = torch.ones(10000, dtype=torch.int64).share_memory_()
-        _, name, size = t.untyped_storage()._share_filename_cpu_()
-    finally:
-        mp.set_sharing_strategy(strategy)
-    assert os.path.getsize(f"/dev/shm{name.decode()}") == size + COUNTER_HEADER  # torch's layout
-    yield name, t
-    del t
+def counters(counter_file):
+    """A counter file (tests/weightsync/conftest.py), every counter 1: its name and the tensor over it."""
+    return counter_file(1)
 
 
 def _cuda(name: bytes, offset: int, handle: bytes = b"h") -> IpcStorage:

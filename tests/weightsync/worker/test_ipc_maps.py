@@ -14,27 +14,14 @@ import os
 import pytest
 import torch
 
-from rollq.weightsync.ipc_counters import COUNTER_HEADER
 from rollq.weightsync.ipc_wire import IpcHandles, IpcStorage, IpcUnavailable, StorageKind
 from rollq.weightsync.worker._ipc_maps import MappedStorages
 
 
 @pytest.fixture
-def counters():
-    """A torch reference-counted shared-memory file of 10,000 int64 counters (as torch's CUDA
-    IPC counter files are), all 0: its name and the tensor over it."""
-    import torch.multiprocessing as mp
-
-    strategy = mp.get_sharing_strategy()
-    mp.set_sharing_strategy("file_system")
-    try:
-        t = torch.zeros(10000, dtype=torch.int64).share_memory_()
-        _, name, size = t.untyped_storage()._share_filename_cpu_()
-    finally:
-        mp.set_sharing_strategy(strategy)
-    assert os.path.getsize(f"/dev/shm{name.decode()}") == size + COUNTER_HEADER  # torch's layout
-    yield name, t
-    del t
+def counters(counter_file):
+    """A counter file (tests/weightsync/conftest.py), every counter 0: its name and the tensor over it."""
+    return counter_file(0)
 
 
 def _cuda(name: bytes, offset: int, handle: bytes = b"h") -> IpcStorage:
