@@ -23,17 +23,13 @@ import torch
 from rollq.weightsync import ipc_counters
 from rollq.weightsync.ipc_counters import COUNTER_HEADER, give_back, take
 from rollq.weightsync.ipc_wire import IpcStorage, IpcUnavailable, StorageKind
+from tests.helpers.ipc import cuda_message as _cuda
 
 
 @pytest.fixture
 def counters(counter_file):
     """A counter file (tests/weightsync/conftest.py), every counter 1: its name and the tensor over it."""
     return counter_file(1)
-
-
-def _cuda(name: bytes, offset: int, handle: bytes = b"h") -> IpcStorage:
-    return IpcStorage(kind=StorageKind.CUDA, nbytes=8, device_uuid="GPU-0", handle=handle, ref_counter_handle=name,
-                      ref_counter_offset=offset)
 
 
 def _odd_file() -> bytes:

@@ -126,9 +126,6 @@ class ShareTable:
     def put(self, key: StorageKey, storage: torch.UntypedStorage, message: IpcStorage) -> None:
         self._by_key[key] = (storage, message)
 
-    def clear(self) -> None:
-        self._by_key.clear()
-
 
 class Exposure:
     """Version ``version`` of ``items`` exposed to the processes of this host until

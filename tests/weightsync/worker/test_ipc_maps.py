@@ -16,17 +16,13 @@ import torch
 
 from rollq.weightsync.ipc_wire import IpcHandles, IpcStorage, IpcUnavailable, StorageKind
 from rollq.weightsync.worker._ipc_maps import MappedStorages
+from tests.helpers.ipc import cuda_message as _cuda
 
 
 @pytest.fixture
 def counters(counter_file):
     """A counter file (tests/weightsync/conftest.py), every counter 0: its name and the tensor over it."""
     return counter_file(0)
-
-
-def _cuda(name: bytes, offset: int, handle: bytes = b"h") -> IpcStorage:
-    return IpcStorage(kind=StorageKind.CUDA, nbytes=8, device_uuid="GPU-0", handle=handle, ref_counter_handle=name,
-                      ref_counter_offset=offset)
 
 
 def _handles(storages: list[IpcStorage]) -> IpcHandles:
