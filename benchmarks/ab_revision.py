@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -16,10 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def import_revision(rev: str) -> ModuleType:
-    """``rollq`` at ``rev``, imported as the package ``rollq_before`` (its Lua scripts too)."""
+    """``rollq`` at ``rev``, imported as the package ``rollq_before`` (its Lua scripts too).
+    ``rev`` may also be a folder that holds a ``rollq`` package (``git archive REV rollq``
+    unpacked, for a machine whose clone lacks the revision)."""
     tmp = Path(tempfile.mkdtemp(prefix="rollq-ab-"))
-    tar = subprocess.run(["git", "archive", rev, "rollq"], cwd=ROOT, check=True, capture_output=True).stdout
-    tarfile.open(fileobj=io.BytesIO(tar)).extractall(tmp, filter="data")
+    if (Path(rev) / "rollq" / "__init__.py").is_file():
+        shutil.copytree(Path(rev) / "rollq", tmp / "rollq")
+    else:
+        tar = subprocess.run(["git", "archive", rev, "rollq"], cwd=ROOT, check=True, capture_output=True).stdout
+        tarfile.open(fileobj=io.BytesIO(tar)).extractall(tmp, filter="data")
     (tmp / "rollq").rename(tmp / "rollq_before")
     conn = tmp / "rollq_before" / "connection.py"
     text = conn.read_text()

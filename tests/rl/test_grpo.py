@@ -469,3 +469,88 @@ def test_trainer_step_reports_ratio_tis_and_agreement_by_lag(tiny_model_path):
     st2 = tr.step(batch, [[0.0, 1.0, 0.0, 1.0]])
     assert st2.diff_by_lag["1"][2] == 14 and st2.diff_by_lag["0"][2] == 2
     assert st2.diff_by_lag["1"][0] / 14 > 1e-4  # the weights moved: lag-1 logprobs are off
+
+
+class _Reads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the reads of a tensor's values back to the host (``item``/``float``/``int``/
+    ``bool`` of a tensor, a boolean-mask index), but those of the optimizer's step counters
+    (host tensors on every device)."""
+
+    def __init__(self, optimizer):
+        super().__init__()
+        self.optimizer, self.reads = optimizer, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        steps = {id(st.get("step")) for st in self.optimizer.state.values()}
+        if name == "_local_scalar_dense" and id(args[0]) not in steps:
+            self.reads.append(name)
+        elif name in ("index", "index_put", "index_put_") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])):
+            self.reads.append(name + "[bool]")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("episodes", [False, True], ids=["results", "episodes"])
+def test_a_trainer_step_reads_its_figures_back_once_at_its_end(tiny_model_path, episodes):
+    """Every read of a device tensor's value waits for the GPU's queue (and, in the RL loop's
+    training thread, for the interpreter lock again): the step computes its figures on the
+    device and reads them with one copy, after the optimizer's kernels are queued. Counted on
+    the CPU by the dispatcher's reads, with the agreement at an older version on; the figures
+    still equal those of picking the tokens out (test_grpo's other tests)."""
+    from rollq.rl.episodes import Turn, assemble_episode
+
+    torch.set_num_threads(1)
+    tr = GrpoTrainer.from_pretrained(str(tiny_model_path), GrpoConfig(lr=5e-3, tis_cap=2.0), seed=0)
+    gen = torch.Generator().manual_seed(6)
+    prompt = [21] * 6
+    samples = _sample(tr.model, prompt, 4, 4, gen)
+    v0 = tr.version
+    batch = [(prompt, Result(id="a", samples=samples, version_start=v0, version_end=v0))]
+
+    def step():
+        if not episodes:
+            return tr.step(batch, [[0.0, 1.0, 0.0, 1.0]])
+        eps = [assemble_episode(prompt, [Turn(batch[0][1], sample=i)]) for i in range(len(samples))]
+        return tr.step_episodes([eps], [[0.0, 1.0, 0.0, 1.0]])
+
+    step()  # the optimizer's state exists; the next step's agreement runs at v0's snapshot
+    with _Reads(tr.optimizer) as r:
+        st = step()
+    assert r.reads == []
+    assert st.diff_tokens == 16 and st.diff_by_lag["1"][2] == 16 and st.agree_s > 0.0
+
+
+@pytest.mark.gpu
+def test_a_trainer_step_on_a_gpu_waits_for_it_once_at_its_end(tiny_model_path):
+    """On a GPU, torch's sync debug mode names every operation that waits for the device: a
+    step (lag-1 samples, the agreement forward at the older version on) makes one, its
+    figures' read back, beside any the model's own forward makes (counted apart)."""
+    import warnings
+
+    from rollq.rl.behavior import token_logprobs
+
+    tr = GrpoTrainer.from_pretrained(str(tiny_model_path), GrpoConfig(lr=5e-3, tis_cap=2.0), seed=0).to("cuda")
+    gen = torch.Generator().manual_seed(7)
+    prompt = [21] * 6
+    samples = _sample(tr.model.cpu(), prompt, 4, 4, gen)
+    tr.to("cuda")
+    v0 = tr.version
+    batch = [(prompt, Result(id="a", samples=samples, version_start=v0, version_end=v0))]
+    tr.step(batch, [[0.0, 1.0, 0.0, 1.0]])  # warm-up; the next step is one version on
+
+    def syncs(fn):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return out, [str(x.message).splitlines()[0] for x in w if "synchroniz" in str(x.message)]
+
+    _, forward = syncs(lambda: token_logprobs(tr.model, [prompt] * 4, [s.token_ids for s in samples]))
+    st, step = syncs(lambda: tr.step(batch, [[0.0, 1.0, 0.0, 1.0]]))
+    assert st.diff_by_lag["1"][2] == 16 and st.agree_s > 0.0
+    assert len(step) <= 1 + 2 * len(forward), (step, forward)
