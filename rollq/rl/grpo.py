@@ -248,7 +248,8 @@ class StepStats:
     diff_by_confidence: dict[str, list[float]] = field(default_factory=dict)
     train_s: float = 0.0
     #: Of :attr:`train_s`, the seconds of the diagnostic agreement forwards at older versions'
-    #: weights (:attr:`diff_sum`'s tokens not covered by the training forward itself).
+    #: weights (:attr:`diff_sum`'s tokens not covered by the training forward itself): the
+    #: device's time between two CUDA events on a GPU, whose kernels run after their launch.
     agree_s: float = 0.0
     #: The loss's stats beyond ``clip_frac`` (:func:`grpo_loss`): ``ratio_mean``,
     #: ``ratio_max``, ``tis_frac``.
