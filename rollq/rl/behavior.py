@@ -14,15 +14,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .tally import masked_summary, to_device
-
 __all__ = [
     "SamplingTransformError",
     "agreement_terms",
     "behavior_temperature",
     "diff_by_confidence",
     "diff_terms",
-    "masked_terms",
     "logprob_agreement",
     "single_version",
     "token_logprobs",
@@ -203,7 +200,7 @@ def token_logprobs(
     if len(temps) != n:
         raise ValueError(f"{len(temps)} temperatures for {n} completions")
     dev = next(model.parameters()).device
-    temp = None if all(t == 1.0 for t in temps) else to_device(torch.tensor(temps, dtype=torch.float32), dev)
+    temp = None if all(t == 1.0 for t in temps) else torch.tensor(temps, dtype=torch.float32, device=dev)
     weights = None if state is None else {f"lm.{k}": v for k, v in state.items()}
 
     def run(picker: torch.nn.Module, *args: Any) -> torch.Tensor:
@@ -212,8 +209,8 @@ def token_logprobs(
     if share_prompts and len({tuple(p) for p in prompts}) < n:
         logp = _shared_prompt_pass(_SharedPromptLogprobs(model), run, prompts, completions, tok, temp, dev)
     else:
-        logp = run(_PickedLogprobs(model), *_whole_rows(prompts, completions, width, dev), to_device(tok, dev), temp)
-    mask = to_device(mask, dev)
+        logp = run(_PickedLogprobs(model), *_whole_rows(prompts, completions, width, dev), tok.to(dev), temp)
+    mask = mask.to(dev)
     logp = torch.where(mask, logp, torch.zeros_like(logp))
     return logp[:, :longest], mask[:, :longest]
 
@@ -240,7 +237,7 @@ def _whole_rows(
     for i, (p, c) in enumerate(zip(prompts, completions)):
         pos[i] = len(p) - 1
         pos[i, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
-    return to_device(ids, dev), to_device(attn, dev), to_device(pos, dev)
+    return ids.to(dev), attn.to(dev), pos.to(dev)
 
 
 def _shared_prompt_pass(
@@ -259,14 +256,14 @@ def _shared_prompt_pass(
         ctx = torch.tensor([list(p[:-1]) for p in distinct], dtype=torch.long).view(len(distinct), plen - 1)
         ids, attn = _right_padded([[prompts[i][-1], *list(completions[i])[:-1]] for i in idx], width)
         sel = torch.tensor(idx, dtype=torch.long)
-        parts.append(run(picker, to_device(ctx, dev), to_device(torch.tensor(rows), dev), to_device(ids, dev), to_device(attn, dev),
-                         to_device(tok[sel], dev), None if temp is None else temp[to_device(sel, dev)]))
+        parts.append(run(picker, ctx.to(dev), torch.tensor(rows, device=dev), ids.to(dev), attn.to(dev),
+                         tok[sel].to(dev), None if temp is None else temp[sel.to(dev)]))
         order += idx
     if len(parts) == 1 and order == list(range(len(order))):
         return parts[0]
     back = torch.empty(len(order), dtype=torch.long)
     back[torch.tensor(order)] = torch.arange(len(order))
-    return torch.cat(parts)[to_device(back, dev)]
+    return torch.cat(parts)[back.to(dev)]
 
 
 def _behavior(results: Sequence[Any]) -> tuple[list[list[float]], list[float]]:
@@ -320,24 +317,10 @@ def agreement_terms(
     rows = [(prompts[i], s.token_ids) for i, r in enumerate(results) for s in r.samples]
     if not rows:
         return torch.zeros(0), torch.zeros(0)
-    d, b, m = agreement_masked(model, results, prompts, state)
-    return d[m], b[m]
-
-
-def agreement_masked(
-    model: torch.nn.Module,
-    results: Sequence[Any],
-    prompts: Sequence[Sequence[int]],
-    state: Mapping[str, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`agreement_terms` before the compared tokens are picked out: :func:`masked_terms`
-    of every sample's row (``results`` must hold at least one sample), with no read back to
-    the host."""
-    rows = [(prompts[i], s.token_ids) for i, r in enumerate(results) for s in r.samples]
     behavior, temps = _behavior(results)
     with torch.no_grad():
         logp, mask = token_logprobs(model, [p for p, _ in rows], [c for _, c in rows], state, temps)
-    return masked_terms(logp, _padded(behavior, logp), mask)
+    return diff_terms(logp, _padded(behavior, logp), mask)
 
 
 def diff_terms(logp: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,22 +331,9 @@ def diff_terms(logp: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor) -
     >>> d.tolist(), b.tolist()
     ([0.5], [-1.5])
     """
-    d, b, m = masked_terms(logp, behavior, mask)
-    return d[m], b[m]
-
-
-def masked_terms(logp: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`diff_terms` in place: ``(|behavior - trainer|, behavior logprob, mask)``, all of
-    ``logp``'s shape, without picking the tokens out (a boolean index reads the mask back to
-    the host; :func:`~rollq.rl.tally.masked_summary` and :func:`confidence_summary` do not).
-
-    >>> d, b, m = masked_terms(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0, 0.0]]), torch.tensor([[True, False, True]]))
-    >>> d.tolist(), m.tolist()
-    ([[0.5, 0.0]], [[True, False]])
-    """
     w = logp.shape[1]
-    b, m = behavior[:, :w], mask[:, :w].bool()
-    return (logp.detach() - b).abs(), b, m
+    b, m = behavior[:, :w], mask[:, :w]
+    return (logp.detach() - b).abs()[m], b[m]
 
 
 #: :func:`diff_by_confidence`'s buckets: the behavior probability of the sampled token.
@@ -380,26 +350,14 @@ def diff_by_confidence(diff: torch.Tensor, behavior: torch.Tensor) -> dict[str, 
     >>> d["p>=0.9"], d["p<0.5"][2]
     ([0.10000000149011612, 0.10000000149011612, 1], 2)
     """
-    return buckets_of(confidence_summary(diff, behavior, torch.ones_like(diff, dtype=torch.bool)).tolist())
-
-
-def confidence_summary(diff: torch.Tensor, behavior: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-    """:func:`diff_by_confidence` of the tokens where ``sel`` is set, on the device: one
-    ``[sum, max, count]`` row per bucket of :data:`CONFIDENCE_BUCKETS`, in their order
-    (:func:`buckets_of` names them)."""
     p = behavior.exp()
-    return torch.stack([masked_summary(diff, sel & (p >= lo) & (p < hi)) for _, lo, hi in CONFIDENCE_BUCKETS])
-
-
-def buckets_of(rows: Sequence[Sequence[float]], names: Sequence[str] | None = None) -> dict[str, list[float]]:
-    """``{bucket: [sum, max, tokens]}`` from ``[sum, max, count]`` rows (``names``: the buckets,
-    :data:`CONFIDENCE_BUCKETS`' by default), leaving out the empty ones.
-
-    >>> buckets_of([[1.5, 1.0, 2.0], [0.0, 0.0, 0.0]], ["a", "b"])
-    {'a': [1.5, 1.0, 2]}
-    """
-    names = [n for n, _, _ in CONFIDENCE_BUCKETS] if names is None else names
-    return {name: [s, m, int(k)] for name, (s, m, k) in zip(names, rows) if k}
+    out: dict[str, list[float]] = {}
+    for name, lo, hi in CONFIDENCE_BUCKETS:
+        sel = (p >= lo) & (p < hi)
+        k = int(sel.sum())
+        if k:
+            out[name] = [float(diff[sel].sum()), float(diff[sel].max()), k]
+    return out
 
 
 def merge_buckets(into: dict[str, list[float]], more: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -418,4 +376,4 @@ def _padded(rows: list[list[float]], like: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(like.shape, dtype=like.dtype)
     for i, lp in enumerate(rows):
         out[i, : len(lp)] = torch.tensor(lp, dtype=like.dtype)
-    return to_device(out, like.device)
+    return out.to(like.device)

@@ -40,15 +40,13 @@ from .advantages import SCALE_REWARDS, _advantages, group_advantages
 from .behavior import (
     _behavior,
     _padded,
-    agreement_masked,
-    buckets_of,
-    confidence_summary,
-    masked_terms,
+    agreement_terms,
+    diff_by_confidence,
+    diff_terms,
     merge_buckets,
     single_version,
     token_logprobs,
 )
-from .tally import Tally, masked_summary, to_device
 
 log = logging.getLogger(__name__)
 
@@ -108,25 +106,6 @@ def grpo_loss(
     >>> st["tis_frac"], round(st["ratio_max"], 2)
     (0.5, 7.39)
     """
-    loss, stats = _loss_terms(logp, behavior_logp, advantages, mask, clip_eps, tis_cap=tis_cap,
-                              importance_ratio=importance_ratio, entropy_coef=entropy_coef)
-    names = list(stats)
-    values = torch.stack([stats[k] for k in names]).tolist()  # one read back for the four
-    return loss, dict(zip(names, values))
-
-
-def _loss_terms(
-    logp: torch.Tensor,
-    behavior_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_eps: float = 0.2,
-    *,
-    tis_cap: float | None = None,
-    importance_ratio: bool = True,
-    entropy_coef: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`grpo_loss` with its stats left on the device (0-d tensors, read by the caller)."""
     if tis_cap is not None and not importance_ratio:
         raise ValueError("tis_cap: truncated importance weighting needs importance_ratio=True")
     mask_f = mask.to(logp.dtype)
@@ -154,11 +133,10 @@ def _loss_terms(
         on = mask.bool()
         capped = (behavior_ratio > tis_cap).to(mask_f.dtype) * mask_f if tis_cap is not None else torch.zeros_like(mask_f)
         stats = {
-            "clip_frac": active.sum() / n,
-            "ratio_mean": (behavior_ratio * mask_f).sum() / n,
-            # the ratio is > 0, so the max over no token at all is the 0 that fills the rest
-            "ratio_max": torch.where(on, behavior_ratio, torch.zeros_like(behavior_ratio)).amax() if on.numel() else torch.zeros_like(n),
-            "tis_frac": capped.sum() / n,
+            "clip_frac": float(active.sum() / n),
+            "ratio_mean": float((behavior_ratio * mask_f).sum() / n),
+            "ratio_max": float(behavior_ratio[on].max()) if bool(on.any()) else 0.0,
+            "tis_frac": float(capped.sum() / n),
         }
     return loss, stats
 
@@ -248,8 +226,7 @@ class StepStats:
     diff_by_confidence: dict[str, list[float]] = field(default_factory=dict)
     train_s: float = 0.0
     #: Of :attr:`train_s`, the seconds of the diagnostic agreement forwards at older versions'
-    #: weights (:attr:`diff_sum`'s tokens not covered by the training forward itself): the
-    #: device's time between two CUDA events on a GPU, whose kernels run after their launch.
+    #: weights (:attr:`diff_sum`'s tokens not covered by the training forward itself).
     agree_s: float = 0.0
     #: The loss's stats beyond ``clip_frac`` (:func:`grpo_loss`): ``ratio_mean``,
     #: ``ratio_max``, ``tis_frac``.
@@ -360,25 +337,23 @@ class GrpoTrainer:
         adv = _advantages(rewards, self.config.scale_rewards)
         logp, mask = token_logprobs(self.model, prompts, comps, temperature=temps)
         b = _padded(behavior, logp)
-        tally = Tally()
-        loss = self._loss(tally, logp, b, adv, mask)
-        self._diff_by_lag(tally, logp.detach(), b, mask, [vs for _, r in batch for vs in _versions(r)])
+        loss, st = self._loss(logp, b, adv, mask)
+        by_lag = self._diff_by_lag(logp.detach(), b, mask, [vs for _, r in batch for vs in _versions(r)])
         # Agreement: groups generated entirely at the current version use this forward pass.
         lags = [self.version - res.version_start for _, res in batch]
-        terms: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        terms: list[tuple[torch.Tensor, torch.Tensor]] = []
         cur = [i for i, g in enumerate(owner) if single_version(batch[g][1]) == self.version]
         if cur:
-            terms.append(masked_terms(_rows(logp, cur), _rows(b, cur), _rows(mask, cur)))
+            terms.append(diff_terms(logp[cur], b[cur], mask[cur]))
         older: dict[int, list[int]] = {}
         for g, (_, res) in enumerate(batch):
             v = single_version(res)
             if agreement and v is not None and v != self.version and v in self._snapshots:
                 older.setdefault(v, []).append(g)
-        tally.mark("agree", logp.device)
+        ta = time.perf_counter()
         for v, groups in older.items():
-            terms.append(agreement_masked(self.model, [batch[g][1] for g in groups], [batch[g][0] for g in groups], self._snapshots[v]))
-        tally.mark("agreed", logp.device)
-        return self._update(tally, loss, rewards, lags, terms, t0, bool(older), before_update)
+            terms.append(agreement_terms(self.model, [batch[g][1] for g in groups], [batch[g][0] for g in groups], self._snapshots[v]))
+        return self._update(loss, st, rewards, lags, terms, by_lag, t0, time.perf_counter() - ta if older else 0.0, before_update)
 
     def step_episodes(
         self, groups: Sequence[Any], rewards: Sequence[Sequence[float]], *, agreement: bool = True,
@@ -407,52 +382,46 @@ class GrpoTrainer:
         mask = mask & model_tokens
         # Behavior logprobs of prompt and environment tokens are NaN: zero, and masked out.
         b = _padded([[x if m else 0.0 for x, m in zip(e.logprobs[e.prompt_len :], e.loss_mask[e.prompt_len :])] for e in eps], logp)
-        tally = Tally()
-        loss = self._loss(tally, logp, b, _advantages(rewards, self.config.scale_rewards), mask)
+        loss, st = self._loss(logp, b, _advantages(rewards, self.config.scale_rewards), mask)
         detached = logp.detach()
-        self._diff_by_lag(tally, detached, b, mask, [e.versions[e.prompt_len :] for e in eps])
+        by_lag = self._diff_by_lag(detached, b, mask, [e.versions[e.prompt_len :] for e in eps])
         lags = [self.version - min(e.version_start for e in g) for g in groups if g]
-        terms: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        terms: list[tuple[torch.Tensor, torch.Tensor]] = []
         at: dict[int, list[int]] = {}
         for i, e in enumerate(eps):
             v = e.single_version
             if v is not None and (v == self.version or (agreement and v in self._snapshots)):
                 at.setdefault(v, []).append(i)
-        tally.mark("agree", logp.device)
+        ta = time.perf_counter()
         for v, rows in at.items():
             if v == self.version:  # this forward pass
-                terms.append(masked_terms(_rows(detached, rows), _rows(b, rows), _rows(mask, rows)))
+                terms.append(diff_terms(detached[rows], b[rows], mask[rows]))
             else:
                 with torch.no_grad():
                     lp, _ = token_logprobs(self.model, [prompts[i] for i in rows], [rest[i] for i in rows], self._snapshots[v],
                                            [eps[i].temperature for i in rows])
-                terms.append(masked_terms(lp, _rows(b, rows), _rows(mask, rows)))
-        tally.mark("agreed", logp.device)
+                terms.append(diff_terms(lp, b[rows], mask[rows]))
         older = any(v != self.version for v in at)
-        return self._update(tally, loss, rewards, lags, terms, t0, older, before_update)
+        return self._update(loss, st, rewards, lags, terms, by_lag, t0, time.perf_counter() - ta if older else 0.0, before_update)
 
-    def _loss(self, tally: Tally, logp: torch.Tensor, behavior: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The loss; its stats go to ``tally`` as ``loss:<name>``."""
+    def _loss(self, logp: torch.Tensor, behavior: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         cfg = self.config
-        loss, stats = _loss_terms(logp, behavior, to_device(adv, logp.device), mask, cfg.clip_eps, tis_cap=cfg.tis_cap,
-                                  importance_ratio=cfg.importance_ratio, entropy_coef=cfg.entropy_coef)
-        for name, value in stats.items():
-            tally.add("loss:" + name, value)
-        return loss
+        return grpo_loss(logp, behavior, adv.to(logp.device), mask, cfg.clip_eps, tis_cap=cfg.tis_cap,
+                         importance_ratio=cfg.importance_ratio, entropy_coef=cfg.entropy_coef)
 
     def _update(
-        self, tally: Tally, loss: torch.Tensor, rewards: Sequence[Sequence[float]], lags: list[int],
-        terms: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], t0: float, agreed: bool = False,
+        self, loss: torch.Tensor, st: dict[str, float], rewards: Sequence[Sequence[float]], lags: list[int],
+        terms: list[tuple[torch.Tensor, torch.Tensor]], by_lag: dict[str, list[float]], t0: float, agree_s: float = 0.0,
         before_update: Callable[[], Any] | None = None,
     ) -> StepStats:
-        """One Adam step on ``loss``; the next version; the step's stats, read from ``tally``
-        in one copy once the step's kernels are queued (``terms``: the agreement's
-        :func:`~rollq.rl.behavior.masked_terms`; ``agreed``: the span between ``tally``'s
-        marks ``agree`` and ``agreed`` was forwards at older versions' weights)."""
-        for i, (d, beh, m) in enumerate(terms):
-            tally.add(f"agree:{i}", masked_summary(d, m))
-            tally.add(f"conf:{i}", confidence_summary(d, beh, m))
-        tally.add("loss", loss)
+        """One Adam step on ``loss``; the next version; the step's stats (``terms``: the
+        agreement's ``(|behavior - trainer|, behavior logprob)`` tokens, :func:`agreement_terms`)."""
+        by_conf: dict[str, list[float]] = {}
+        dsum, dmax, dn = 0.0, 0.0, 0
+        for d, beh in terms:
+            if d.numel():
+                dsum, dmax, dn = dsum + float(d.sum()), max(dmax, float(d.max())), dn + int(d.numel())
+                merge_buckets(by_conf, diff_by_confidence(d, beh))
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.config.max_grad_norm > 0:
@@ -463,47 +432,30 @@ class GrpoTrainer:
         trained_at = self.version
         self.version += 1
         self._snapshot()
-        got = tally.read()  # the step's one wait for the device
-        dsum, dmax, dn = 0.0, 0.0, 0
-        by_conf: dict[str, list[float]] = {}
-        for i in range(len(terms)):
-            s, m, k = got[f"agree:{i}"]
-            if k:
-                dsum, dmax, dn = dsum + s, max(dmax, m), dn + int(k)
-                c = got[f"conf:{i}"]
-                merge_buckets(by_conf, buckets_of([c[j : j + 3] for j in range(0, len(c), 3)]))
-        by_lag = buckets_of([got["lag:" + name] for name in LAG_BUCKETS], LAG_BUCKETS)
-        stats = {name.removeprefix("loss:"): v[0] for name, v in got.items() if name.startswith("loss:")}
         flat = [x for r in rewards for x in r]
         return StepStats(
-            version=trained_at, reward_mean=sum(flat) / max(1, len(flat)), loss=got["loss"][0],
-            clip_frac=stats.pop("clip_frac"), lags=lags, diff_sum=dsum, diff_max=dmax, diff_tokens=dn,
-            diff_by_lag=by_lag, diff_by_confidence=by_conf, train_s=time.perf_counter() - t0,
-            agree_s=tally.seconds("agree", "agreed") if agreed else 0.0, extra=stats,
+            version=trained_at, reward_mean=sum(flat) / max(1, len(flat)), loss=float(loss.detach()),
+            clip_frac=st.pop("clip_frac"), lags=lags, diff_sum=dsum, diff_max=dmax, diff_tokens=dn,
+            diff_by_lag=by_lag, diff_by_confidence=by_conf, train_s=time.perf_counter() - t0, agree_s=agree_s, extra=st,
         )
 
-    def _diff_by_lag(self, tally: Tally, logp: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor, versions: list[list[int]]) -> None:
-        """|logp - behavior| by token lag (see :class:`StepStats`) into ``tally``: ``lag:<bucket>``
-        for each of :data:`LAG_BUCKETS`, ``[sum, max, tokens]``."""
+    def _diff_by_lag(
+        self, logp: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor, versions: list[list[int]]
+    ) -> dict[str, list[float]]:
+        """``{bucket: [sum, max, tokens]}`` of |logp - behavior| by token lag (see :class:`StepStats`)."""
         lag = torch.full(logp.shape, -1, dtype=torch.long)
         for i, vs in enumerate(versions):
             row = torch.tensor(vs, dtype=torch.long)
             lag[i, : len(vs)] = torch.where(row >= 0, self.version - row, torch.full_like(row, -1))
-        lag = to_device(lag, logp.device)
+        lag = lag.to(logp.device)
         d = (logp - behavior).abs()
-        for name, sel in zip(LAG_BUCKETS, (lag == 0, lag == 1, lag >= 2)):
-            tally.add("lag:" + name, masked_summary(d, sel & mask))
-
-
-#: :attr:`StepStats.diff_by_lag`'s buckets: tokens of lag 0, 1, and 2 or more.
-LAG_BUCKETS = ("0", "1", "2+")
-
-
-def _rows(t: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-    """``t[rows]`` (all of ``t`` when ``rows`` is every row), the index moved without a wait."""
-    if len(rows) == t.shape[0] and list(rows) == list(range(t.shape[0])):
-        return t
-    return t.index_select(0, to_device(torch.tensor(list(rows), dtype=torch.long), t.device))
+        out: dict[str, list[float]] = {}
+        for name, sel in (("0", lag == 0), ("1", lag == 1), ("2+", lag >= 2)):
+            sel = sel & mask
+            k = int(sel.sum())
+            if k:
+                out[name] = [float(d[sel].sum()), float(d[sel].max()), k]
+        return out
 
 
 def _versions(result: Any) -> list[list[int]]:
