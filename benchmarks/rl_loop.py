@@ -70,6 +70,13 @@ engines are up, this process (trainer, event loop, vLLM's front end) is pinned t
 one torch thread, where the machine has the cores for it (:func:`rollq.rl.cores.plan_cores`, as
 ``rollq demo`` does; ``--no-pin``: leave placement to the OS).
 
+Processes: by default the replicas' vLLM front ends, consumers and weight followers run in
+this process's event loop, beside the trainer's thread, so the two take turns at one
+interpreter lock (a step of a few thousand PyTorch operators waits to take it back after each;
+``benchmarks/step_contention.py``). ``--replica-process`` hosts them in a child process
+(:class:`rollq.rl.replica_host.ReplicasProcess`), as a deployment runs replicas apart from
+its trainer; this process then keeps the trainer, the producer and the publisher.
+
 ``--model-size small|medium`` builds a larger random Qwen2-shaped model (vocab 1024) with
 ``rollq.testing.tiny_model.build_tiny_model``; meant for a GPU (the trainer then runs on CUDA).
 
@@ -214,11 +221,12 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
         if r.step % 10 == 0 or r.step == a.steps - 1:
             log.info("%s step %d reward %.3f wait %.3fs train %.3fs publish %.3fs", name, r.step, r.reward, r.wait_s, r.train_s, r.publish_s)
 
-    made0 = generated_tokens(replicas)
+    made0 = (await replicas.snapshot()).generated_tokens
     try:
         report = await run_loop(srv_url, queue, trainer, task, tokenizer, pub, cfg, on_step=on_step, producer_id=f"trainer-{name}")
-        made = generated_tokens(replicas) - made0
-        report.updates = [u for u in replicas.update_history() if u.version > rec.version]  # not the reset
+        after = await replicas.snapshot()
+        made = after.generated_tokens - made0
+        report.updates = [u for u in after.updates if u.version > rec.version]  # not the reset
         heldout = (await heldout_reward(srv_url, queue, task, tokenizer, 8, trainer.version)
                    if hasattr(task, "heldout_specs") else None)
     finally:
@@ -239,7 +247,7 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     waits = [w for w in (u.waits() for u in report.updates) if w]
     s["update_waits_ms"] = {k: round(1000 * sorted(w[k] for w in waits)[len(waits) // 2], 2) for k in waits[0]} if waits else None
     s["seed"] = seed
-    s.update(served_dtype=replicas.served_dtype, trainer_dtype=trainer.dtype, converted_from=replicas.converted_from())
+    s.update(served_dtype=after.served_dtype, trainer_dtype=trainer.dtype, converted_from=after.converted_from)
     steps = report.per_step()
     s["per_step"] = [{k: _rounded(d[k]) for k in PER_STEP} for d in steps]
     stats = [d["loss_stats"] for d in steps if d["loss_stats"]]
@@ -247,11 +255,6 @@ async def one_run(name: str, mode: str, max_lag: int, a: argparse.Namespace, srv
     s["ratio_max"] = _rounded(max(x["ratio_max"] for x in stats)) if stats else None
     s["tis_frac_mean"] = _rounded(sum(x["tis_frac"] for x in stats) / len(stats)) if stats else None
     return s
-
-
-def generated_tokens(replicas) -> int:
-    """Tokens the replicas' engines generated so far (vLLM's own count)."""
-    return sum(e.stats().generated_tokens for e in replicas.engines)
 
 
 #: Weight roots of the runs (in /dev/shm where there is one: RAM), removed at the end.
@@ -315,6 +318,8 @@ def markdown(res: dict) -> str:
         "",
         f"`{res['command']}` on {res['machine']}; cores: {res['cores']}"
         + ("" if not res.get("mps") else f"; CUDA MPS (servers {res['mps']['servers']})")
+        + ("; replicas in a process of their own (--replica-process)" if res.get("replica_process")
+           else "; replicas in the trainer's process and event loop")
         + ("" if not res.get("warmup") else "; warmed up first, not measured: "
            + ", ".join(f"{w['run']} {w['steps']} steps {w['wall_s']} s" for w in res["warmup"])) + ".",
         "",
@@ -419,6 +424,7 @@ async def main_async(a: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     from rollq.rl import Replicas
+    from rollq.rl.replica_host import ReplicasProcess
     from rollq.rl.cores import available_cores, pin_process, plan_cores
     from rollq.server import RedisServer
 
@@ -434,9 +440,12 @@ async def main_async(a: argparse.Namespace) -> dict:
     if a.batch_invariant:
         os.environ["VLLM_BATCH_INVARIANT"] = "1"  # read by the replicas' engine processes
     with RedisServer() as srv:
-        replicas = Replicas(srv.url, "rl-start", weights_root=None, count=a.replicas, model=model,
-                            max_model_len=256, cpu_binds=binds, reconcile_interval=1.0, dtype=a.dtype, ipc_prestage=a.ipc_prestage,
-                            ipc_direct=a.ipc_expose == "direct")
+        kw = dict(weights_root=None, count=a.replicas, model=model, max_model_len=256, cpu_binds=binds, reconcile_interval=1.0,
+                  dtype=a.dtype, ipc_prestage=a.ipc_prestage, ipc_direct=a.ipc_expose == "direct")
+        # --replica-process: the replicas' front ends, consumers and followers in a child process
+        # (its event loop beside the trainer's cores on CPU), not in this one's event loop.
+        replicas = (ReplicasProcess(srv.url, "rl-start", pin=list(plan.trainer) if plan else None, **kw) if a.replica_process
+                    else Replicas(srv.url, "rl-start", **kw))
         await replicas.start()
         try:
             log.info("%d replica(s) up in %.1fs (%s)", a.replicas, replicas.start_s, cores)
@@ -489,6 +498,7 @@ async def main_async(a: argparse.Namespace) -> dict:
                 "engine_start_s": round(replicas.start_s, 1),
                 "batch_invariant": a.batch_invariant,
                 "mps": mps,
+                "replica_process": a.replica_process,
                 "runs": runs,
                 "ratios": ratios(runs),
                 "by_arm": by_arm(runs),
@@ -561,6 +571,10 @@ def main() -> None:
                     help="GPU: run the trainer and the replicas' engines as clients of a CUDA MPS daemon of the run's "
                          "own (rollq.rl.mps.MpsDaemon), so that their kernels run side by side on one GPU instead of "
                          "taking turns in time slices")
+    ap.add_argument("--replica-process", action="store_true",
+                    help="host the replicas (vLLM front ends, consumers, weight followers) in a child process "
+                         "(rollq.rl.replica_host.ReplicasProcess), as a deployment runs them apart from the trainer, "
+                         "instead of in this process's event loop beside the trainer's thread")
     ap.add_argument("--out", default="benchmarks/results/rl_loop")
     a = ap.parse_args()
     for key, normal, stress in (("lags", [1, 2], [4, 8]), ("min_tokens", 4, 32), ("max_tokens", 4, 64),

@@ -20,20 +20,43 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
+import msgspec
+
 from ..consumer.loop import Consumer
 from ..consumer.replica import Replica
 from ..settings import ConsumerSettings, WeightSyncSettings
+from ..weightsync.replica._stats import UpdateStats
 
 if TYPE_CHECKING:
     from ..weightsync.replica.follower import WeightFollower
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Replicas", "WORKER_EXTENSION"]
+__all__ = ["ReplicaSnapshot", "Replicas", "WORKER_EXTENSION"]
 
 #: The worker extension that lets followers swap weights into vLLM.
 WORKER_EXTENSION = "rollq.weightsync.worker.ext.RollqWorkerExtension"
 _BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+class ReplicaSnapshot(msgspec.Struct, kw_only=True):
+    """What the replicas of a run have done so far, read at once (:meth:`Replicas.snapshot`;
+    :class:`~rollq.rl.replica_host.ReplicasProcess` brings it from the process hosting them)."""
+
+    #: The policy version each replica serves, in replica order.
+    versions: list[int] = []
+    #: Tokens the engines generated since they started (vLLM's own count).
+    generated_tokens: int = 0
+    #: :attr:`Replicas.served_dtype`.
+    served_dtype: str = ""
+    #: :meth:`Replicas.converted_from`.
+    converted_from: list[str] = []
+    #: :meth:`Replicas.update_history`: every follower's updates on the queue served now.
+    updates: list[UpdateStats] = []
+    #: Seconds the engines took to start.
+    start_s: float = 0.0
+    #: The model the engines serve ("echo" for the echo engine).
+    model: str = ""
 
 
 class Replicas:
@@ -184,9 +207,23 @@ class Replicas:
         """dtypes of the served version that some replica converts to its own."""
         return sorted({d for c in self.consumers for d in c.converted_from})
 
-    def update_history(self) -> list[Any]:
+    def update_history(self) -> list[UpdateStats]:
         """Every follower's :class:`~rollq.weightsync.replica._stats.UpdateStats`, all replicas."""
         return [st for f in self.followers for st in f.history]
+
+    async def snapshot(self) -> ReplicaSnapshot:
+        """What the replicas did so far, in one value (the same call on a
+        :class:`~rollq.rl.replica_host.ReplicasProcess`).
+
+        >>> s = await replicas.snapshot()   # doctest: +SKIP
+        >>> s.versions, s.generated_tokens   # doctest: +SKIP
+        ([3], 5120)
+        """
+        return ReplicaSnapshot(
+            versions=[c.version for c in self.consumers], generated_tokens=sum(e.stats().generated_tokens for e in self.engines),
+            served_dtype=self.served_dtype, converted_from=self.converted_from(), updates=self.update_history(),
+            start_s=self.start_s, model=str(self.model or ""),
+        )
 
     async def __aenter__(self) -> Replicas:
         try:

@@ -1,0 +1,162 @@
+"""The messages between an RL run's trainer process and the process hosting its replicas.
+
+:class:`~rollq.rl.replica_host.ReplicasProcess` (the trainer's side) and the host process
+(``python -m rollq.rl.replica_host``) talk over one Unix socket: frames of a 4-byte
+big-endian length and a msgpack body, typed by the structs below. The trainer sends a
+:class:`HostConfig` first, then one :data:`Call` at a time; each gets a :class:`Reply`.
+Nothing is pickled.
+
+>>> data = frame(encode(Attach(queue="rl-sync", weights_root=None)))
+>>> len(data) - 4 == int.from_bytes(data[:4], "big")
+True
+>>> decode_call(data[4:])
+Attach(queue='rl-sync', weights_root=None, abort_resume=False)
+>>> decode_call(encode(HostConfig(url="redis://x", queue="q", v=99)))
+Traceback (most recent call last):
+rollq.errors.SchemaVersionError: a call of schema version 99 (this build: 1)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Union
+
+import msgspec
+
+from ..errors import ProtocolError, SchemaVersionError
+from .replicas import ReplicaSnapshot
+
+__all__ = [
+    "Attach", "Call", "Detach", "HOST_WIRE_VERSION", "HostConfig", "MAX_FRAME", "Reply", "Snapshot", "Stop",
+    "WaitVersion", "decode_call", "decode_config", "decode_reply", "encode", "frame", "read_frame",
+]
+
+#: The version of these messages; a peer of another version is refused.
+HOST_WIRE_VERSION = 1
+#: The largest frame either side accepts (a snapshot of many updates stays far below it).
+MAX_FRAME = 16 << 20
+
+
+class HostConfig(msgspec.Struct, tag="config", kw_only=True):
+    """What the host process builds: :class:`~rollq.rl.replicas.Replicas`' arguments, and the
+    cores the host pins itself to (None: wherever the OS puts it)."""
+
+    url: str
+    queue: str
+    weights_root: str | None = None
+    count: int = 1
+    engine: str = "vllm"
+    model: str | None = None
+    max_model_len: int = 256
+    kv_cache_memory_bytes: int | None = 64 << 20
+    broadcast: bool = False
+    cpu_binds: list[str | None] = []
+    reconcile_interval: float = 1.0
+    gpu_memory_utilization: float | None = None
+    dtype: str = "auto"
+    logprobs_mode: str = "raw_logprobs"
+    ipc_prestage: bool = False
+    ipc_direct: bool = False
+    pin: list[int] | None = None
+    v: int = HOST_WIRE_VERSION
+
+    def replicas_kwargs(self) -> dict[str, Any]:
+        """The :class:`~rollq.rl.replicas.Replicas` keyword arguments (all but ``url`` and ``queue``)."""
+        skip = ("url", "queue", "pin", "v")
+        return {f: getattr(self, f) for f in self.__struct_fields__ if f not in skip}
+
+
+class Attach(msgspec.Struct, tag="attach", kw_only=True):
+    """:meth:`~rollq.rl.replicas.Replicas.attach`."""
+
+    queue: str
+    weights_root: str | None = None
+    abort_resume: bool = False
+
+
+class Detach(msgspec.Struct, tag="detach"):
+    """:meth:`~rollq.rl.replicas.Replicas.detach`."""
+
+
+class WaitVersion(msgspec.Struct, tag="wait_version"):
+    """:meth:`~rollq.rl.replicas.Replicas.wait_version`."""
+
+    version: int
+    timeout: float = 120.0
+
+
+class Snapshot(msgspec.Struct, tag="snapshot"):
+    """:meth:`~rollq.rl.replicas.Replicas.snapshot`."""
+
+
+class Stop(msgspec.Struct, tag="stop"):
+    """Stop the replicas; the host exits after replying."""
+
+
+#: One request of the trainer to the host.
+Call = Union[Attach, Detach, WaitVersion, Snapshot, Stop]
+
+
+class Reply(msgspec.Struct, kw_only=True):
+    """The host's answer to the config or a call: ``ok``, or the error's type name and message;
+    a snapshot where the call (or the start) returns one."""
+
+    ok: bool
+    error_type: str = ""
+    error: str = ""
+    snapshot: ReplicaSnapshot | None = None
+
+
+class _Versioned(msgspec.Struct):
+    v: int = HOST_WIRE_VERSION
+
+
+encode = msgspec.msgpack.Encoder().encode
+_call = msgspec.msgpack.Decoder(Call)
+_config = msgspec.msgpack.Decoder(HostConfig)
+_reply = msgspec.msgpack.Decoder(Reply)
+_version = msgspec.msgpack.Decoder(_Versioned)
+
+
+def _decode(dec: msgspec.msgpack.Decoder, data: bytes, what: str) -> Any:
+    try:
+        v = _version.decode(data).v
+    except msgspec.DecodeError:
+        v = HOST_WIRE_VERSION  # not a map with a version: the typed decode says what is wrong
+    if v != HOST_WIRE_VERSION:
+        raise SchemaVersionError(f"a {what} of schema version {v} (this build: {HOST_WIRE_VERSION})")
+    try:
+        return dec.decode(data)
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise ProtocolError(f"malformed {what} ({len(data)} bytes): {str(e)[:200]}") from e
+
+
+def decode_call(data: bytes) -> Call:
+    """A call from the trainer; :class:`~rollq.errors.ProtocolError` for anything else."""
+    return _decode(_call, data, "call")
+
+
+def decode_config(data: bytes) -> HostConfig:
+    """The host's config, the first frame the trainer sends."""
+    return _decode(_config, data, "host config")
+
+
+def decode_reply(data: bytes) -> Reply:
+    """The host's reply."""
+    return _decode(_reply, data, "reply")
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` behind its 4-byte big-endian length."""
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"a frame of {len(body)} bytes is over the limit of {MAX_FRAME}")
+    return len(body).to_bytes(4, "big") + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    """The next frame's body; :class:`asyncio.IncompleteReadError` at the end of the stream,
+    :class:`~rollq.errors.ProtocolError` for a length over :data:`MAX_FRAME`."""
+    n = int.from_bytes(await reader.readexactly(4), "big")
+    if n > MAX_FRAME:
+        raise ProtocolError(f"a frame of {n} bytes announced, over the limit of {MAX_FRAME}")
+    return await reader.readexactly(n)
