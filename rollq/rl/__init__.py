@@ -12,7 +12,8 @@ from .loop import run_loop
 from .loop_config import LoopConfig
 from .report import LoopReport, StepRecord, busy_fraction
 from .plot import plot_run
-from .replicas import Replicas
+from .replica_host import ReplicaHostError, ReplicasProcess
+from .replicas import ReplicaSnapshot, Replicas
 from .task import BucketTask
 
 __all__ = [
@@ -43,6 +44,9 @@ __all__ = [
     "busy_fraction",
     "run_loop",
     "Replicas",
+    "ReplicasProcess",
+    "ReplicaHostError",
+    "ReplicaSnapshot",
     # output
     "plot_run",
 ]

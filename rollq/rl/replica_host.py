@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import RollqError
+from ..errors import ProtocolError, RollqError
 from .host_wire import (
     Attach, Call, Detach, HostConfig, Reply, Snapshot, Stop, WaitVersion, decode_call, decode_config, decode_reply, encode,
     frame, read_frame,
@@ -243,7 +243,11 @@ async def serve(path: str) -> int:
     reader, writer = await asyncio.open_unix_connection(path)
 
     async def send(reply: Reply) -> None:
-        writer.write(frame(encode(reply)))
+        try:
+            data = frame(encode(reply))
+        except ProtocolError as e:  # a reply over the frame limit: the caller hears that instead
+            data = frame(encode(_failed(e)))
+        writer.write(data)
         await writer.drain()
 
     try:

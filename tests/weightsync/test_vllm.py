@@ -92,6 +92,8 @@ async def test_keep_policy_spans_and_corrupt_version_refused(replica, redis_url,
         assert all(r.ok for r in rs)
         assert {r.policy_version for r in rs} == {(rec1.version, rec2.version)}
         assert follower.history[-1].pause_s < 5
+        # the swap's per-request progress was used for the spans above; the history keeps its size
+        assert follower.history[-1].load["progress"]["requests"] >= 4, follower.history[-1].load
         # A corrupt version: the record is committed but the data fails its checksum.
         info = pub.store.write(rec2.version + 1, base)
         path = os.path.join(root, info.slot, "lm_head.weight.memmap")

@@ -6,6 +6,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+#: Updates a follower keeps in :attr:`~rollq.weightsync.replica.follower.WeightFollower.history`
+#: (the newest; a replica that follows a version per trainer step runs for thousands).
+HISTORY_KEEP = 1024
+
+
+def kept_load(load: dict[str, Any]) -> dict[str, Any]:
+    """A worker's report as an update keeps it: the swap's per-request progress (a token count
+    for every request the engine held or let go of in the last 30 s, thousands on a GPU; the
+    replica has used it by then) reduced to its size, ``{"requests": n, "complete": bool}``.
+
+    >>> kept_load({"swap": "shadow", "progress": {"tokens": {"a": 3, "b": 0}, "complete": True}})
+    {'swap': 'shadow', 'progress': {'requests': 2, 'complete': True}}
+    >>> kept_load({"swap": "shadow"})
+    {'swap': 'shadow'}
+    """
+    progress = load.get("progress")
+    if not isinstance(progress, dict) or "tokens" not in progress:
+        return load
+    tokens = progress["tokens"]
+    return dict(load, progress={"requests": len(tokens) if isinstance(tokens, dict) else 0,
+                                "complete": bool(progress.get("complete"))})
+
 
 @dataclass
 class UpdateStats:
@@ -19,7 +41,8 @@ class UpdateStats:
     #: for this whole time.
     pause_s: float
     #: The worker's report (a :class:`~rollq.weightsync.wire.SwapReport` as a map, with the
-    #: memmap staging's timings when the version was staged from memmap).
+    #: memmap staging's timings when the version was staged from memmap); in a follower's
+    #: history its ``progress`` is reduced to the number of requests it covered (:func:`kept_load`).
     load: dict[str, Any] = field(default_factory=dict)
     #: Where the update's time went on this side: ``read_s`` (the record, policy and acks),
     #: ``stage_call_s`` (staging the version while serving, as the follower saw it: the

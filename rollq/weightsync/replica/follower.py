@@ -55,6 +55,7 @@ notices the death itself and hands its jobs back.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Any
@@ -70,7 +71,7 @@ from ._checks import check_dtypes, check_slot
 from ._load_failures import LoadFailures
 from ..manifest import Manifest, encode_manifest, read_manifest
 from ._overlap import OverlappedSwap
-from ._stats import UpdateStats
+from ._stats import HISTORY_KEEP, UpdateStats, kept_load
 from ..transports import ReplicaTransport, Staged, replica_transport
 from ..transports.broadcast import MissedBroadcast
 from ..transports.ipc import IpcReceive
@@ -97,7 +98,8 @@ class WeightFollower:
         self.engine = consumer.engine
         #: Checkpoint manifest of the served model (None: the engine has no model folder).
         self.manifest: Manifest | None = None
-        self.history: list[UpdateStats] = []
+        #: The newest :data:`~._stats.HISTORY_KEEP` updates applied, oldest first.
+        self.history: collections.deque[UpdateStats] = collections.deque(maxlen=HISTORY_KEEP)
         self.failures = 0
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
@@ -430,6 +432,7 @@ class WeightFollower:
         """Account for an applied update on the consumer (status, paused total) and log it."""
         c = self.consumer
         c.record_update(st.update_s, st.pause_s)
+        st.load = kept_load(st.load)  # the per-request progress was used by the swap; history keeps its size
         log.info(
             "replica %s now at policy version %d (%s, %s%s): update %.3fs, paused %.3fs",
             c.id, st.version, st.policy, st.transport, ", swapped in while arriving" if st.load.get("swap") == "overlap" else "",
