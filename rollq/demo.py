@@ -2,7 +2,8 @@
 
 An embedded redis-server, replicas (vLLM on the locally built tiny Qwen2 model, or the echo
 engine for a queue-only look) and a trainer (a PyTorch + transformers copy of the same
-model) in one process. The trainer keeps the queue full under a staleness bound, trains on
+model) in one process (``--replica-process``: the replicas in a child process of their own,
+:class:`~rollq.rl.replica_host.ReplicasProcess`). The trainer keeps the queue full under a staleness bound, trains on
 each batch of GRPO groups as it arrives and publishes every new policy version to the
 replicas, which keep generating meanwhile (update policy ``keep``). The task
 (:class:`~rollq.rl.task.BucketTask`) is learnable from random weights in a few dozen steps:
@@ -119,7 +120,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from transformers import AutoTokenizer
 
-    from .rl import GrpoConfig, GrpoTrainer, LoopConfig, Replicas, plot_run, run_loop
+    from .rl import GrpoConfig, GrpoTrainer, LoopConfig, Replicas, ReplicasProcess, plot_run, run_loop
     from .rl.cores import pin_process, plan_cores
     from .rl.tasks import Exploration, Shaping, make_task
     from .server import RedisServer
@@ -155,10 +156,12 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
     try:
         with RedisServer() as srv:
             console.print(f"[bold]redis[/] {srv.url}")
-            replicas = Replicas(srv.url, QUEUE, weights_root=weights_root, count=a.replicas, engine=a.engine,
-                                model=model_dir, broadcast=broadcast, dtype=a.dtype,
-                                cpu_binds=list(cores.replicas) if cores else None,
-                                logprobs_mode="processed_logprobs" if explore else "raw_logprobs")
+            kw: dict[str, Any] = dict(weights_root=weights_root, count=a.replicas, engine=a.engine, model=model_dir,
+                                      broadcast=broadcast, dtype=a.dtype, cpu_binds=list(cores.replicas) if cores else None,
+                                      logprobs_mode="processed_logprobs" if explore else "raw_logprobs")
+            replica_process = getattr(a, "replica_process", False)
+            replicas: Any = (ReplicasProcess(srv.url, QUEUE, pin=list(cores.trainer) if cores else None, **kw)
+                             if replica_process else Replicas(srv.url, QUEUE, **kw))
             with console.status(f"starting {a.replicas} {a.engine} replica(s)..."):
                 await replicas.start()
             if cores is not None and not pin_process(cores.trainer):
@@ -198,10 +201,11 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                     with console.status("the final policy on every prompt..."):
                         specs = task.final_specs(tokenizer, a.group_size)
                         final = task.final_report(await generate(srv.url, QUEUE, specs, trainer.version))
-                report.updates = replicas.update_history()
+                snap = await replicas.snapshot()
+                report.updates = list(snap.updates)
                 daemon = getattr(a, "mps_daemon", None)
                 mps_servers = _mps_servers(daemon) if daemon is not None else None  # while its clients run
-                served, converted = replicas.served_dtype, replicas.converted_from()
+                served, converted = snap.served_dtype, snap.converted_from
                 if publisher is not None:
                     await publisher.close()
             finally:
@@ -220,7 +224,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                    scale_rewards=a.scale_rewards if learn else None, shaping=shaping if learn else None,
                    explore=explore, engine_start_s=round(replicas.start_s, 1),
                    served_dtype=served, trainer_dtype=trainer.dtype if trainer is not None else None,
-                   converted_from=converted, mps_servers=mps_servers,
+                   converted_from=converted, mps_servers=mps_servers, replica_process=replica_process,
                    cores={"trainer": list(cores.trainer), "replicas": list(cores.replicas)} if cores else None)
     try:
         png = plot_run(report.per_step(), a.plot, random_policy_reward=task.random_policy_reward,

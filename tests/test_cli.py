@@ -84,6 +84,17 @@ def test_demo_with_the_echo_engine_prints_its_summary(tmp_path):
     assert (tmp_path / "d.png").stat().st_size > 0 and (tmp_path / "d.json").exists()
 
 
+def test_demo_with_its_replicas_in_a_process_of_their_own(tmp_path):
+    """``rollq demo --replica-process``: the replicas run in a child process (ReplicasProcess);
+    every step's jobs come back and the summary says where the replicas ran."""
+    r = rollq("demo", "--engine", "echo", "--replica-process", "--steps", "3", "--json", "--plot", str(tmp_path / "d.png"),
+              timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout.splitlines()[-1])
+    assert s["replica_process"] is True and s["steps"] == 3 and s["jobs"] == 48 and s["failed_jobs"] == 0
+    assert "RuntimeWarning" not in r.stderr, r.stderr[-3000:]
+
+
 def test_demo_mps_where_mps_cannot_run_is_a_clear_error_before_anything_starts(tmp_path):
     """``rollq demo --mps`` on a machine without NVIDIA's MPS control program: exit 2 and why."""
     path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--mps", action="store_true",
                    help="GPU: run the trainer and the replicas' engines as clients of a CUDA MPS daemon of the demo's "
                         "own, so that training and generation on one GPU run side by side instead of taking turns")
+    s.add_argument("--replica-process", action="store_true",
+                   help="host the replicas (vLLM front ends, consumers, weight followers) in a child process of their "
+                        "own, apart from the trainer's, as a deployment runs them (rollq.rl.ReplicasProcess)")
     s.add_argument("--plot", default="rollq-demo.png", help="PNG of reward and policy lag (a .json beside it)")
     s.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     s.set_defaults(fn=cmd_demo)

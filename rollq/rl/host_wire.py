@@ -58,11 +58,13 @@ class HostConfig(msgspec.Struct, tag="config", kw_only=True):
     ipc_prestage: bool = False
     ipc_direct: bool = False
     pin: list[int] | None = None
+    #: The host's logging level (the trainer process's, so both sides log alike).
+    log_level: int = 20
     v: int = HOST_WIRE_VERSION
 
     def replicas_kwargs(self) -> dict[str, Any]:
         """The :class:`~rollq.rl.replicas.Replicas` keyword arguments (all but ``url`` and ``queue``)."""
-        skip = ("url", "queue", "pin", "v")
+        skip = ("url", "queue", "pin", "log_level", "v")
         return {f: getattr(self, f) for f in self.__struct_fields__ if f not in skip}
 
 

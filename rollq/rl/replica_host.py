@@ -8,7 +8,7 @@ lock a fifth of the time made the step 1.43x slower on an H100,
 ``benchmarks/step_contention.py``). A deployment runs its replicas apart (``rollq consume``);
 :class:`ReplicasProcess` does the same for one machine's RL run: the same calls as
 :class:`~rollq.rl.replicas.Replicas` (``start``, ``attach``, ``detach``, ``wait_version``,
-``snapshot``, ``stop``), answered by a child process (``python -m rollq.rl.replica_host``)
+``snapshot``, ``stop``), answered by a child process (``python -m rollq.rl._host_main``)
 over a Unix socket in :mod:`rollq.rl.host_wire`'s messages.
 
 >>> async with ReplicasProcess(url, "grpo", weights_root=root, count=1) as rs:   # doctest: +SKIP
@@ -64,7 +64,8 @@ class ReplicasProcess:
             raise ValueError(f"engine must be 'vllm' or 'echo', got {replicas['engine']!r}")
         if "cpu_binds" in replicas:
             replicas["cpu_binds"] = list(replicas["cpu_binds"] or [])
-        self.config = HostConfig(url=url, queue=queue, weights_root=weights_root, pin=pin, **replicas)
+        self.config = HostConfig(url=url, queue=queue, weights_root=weights_root, pin=pin,
+                                 log_level=logging.getLogger().getEffectiveLevel(), **replicas)
         self.queue = queue
         self.start_timeout, self.call_timeout = start_timeout, call_timeout
         #: Seconds the engines took to start (the child's figure) and the model they serve.
@@ -92,7 +93,7 @@ class ReplicasProcess:
         server = await asyncio.start_unix_server(on_connect, path)
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "rollq.rl.replica_host", path, stdin=asyncio.subprocess.DEVNULL, env=_child_env())
+                sys.executable, "-m", "rollq.rl._host_main", path, stdin=asyncio.subprocess.DEVNULL, env=_child_env())
             self.pid = self._proc.pid
             self._reader, self._writer = await self._until_child(connected, self.start_timeout, "connect")
         finally:
@@ -255,6 +256,7 @@ async def serve(path: str) -> int:
     except Exception as e:  # noqa: BLE001 - told to the trainer, then this process ends
         await send(_failed(e))
         return 2
+    logging.getLogger().setLevel(config.log_level)
     if config.pin:
         from .cores import pin_process
 
@@ -291,14 +293,11 @@ async def serve(path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The host process's entry (``python -m rollq.rl._host_main SOCKET``); its logs go to
+    stderr at the level the config sets (INFO until it arrives)."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        sys.stderr.write("usage: python -m rollq.rl.replica_host SOCKET (started by rollq.rl.replica_host.ReplicasProcess)\n")
+        sys.stderr.write("usage: python -m rollq.rl._host_main SOCKET (started by rollq.rl.ReplicasProcess)\n")
         return 2
-    logging.basicConfig(level=os.environ.get("ROLLQ_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s replica-host %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s replica-host %(name)s: %(message)s", stream=sys.stderr)
     return asyncio.run(serve(args[0]))
-
-
-if __name__ == "__main__":  # vLLM's engine cores are started with multiprocessing: this guard is needed
-    sys.exit(main())
