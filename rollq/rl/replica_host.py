@@ -34,14 +34,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from ..errors import ProtocolError, RollqError
 from .host_wire import (
     Attach, Call, Detach, HostConfig, Reply, Snapshot, Stop, WaitVersion, decode_call, decode_config, decode_reply, encode,
     frame, read_frame,
 )
-from .replicas import ReplicaSnapshot, Replicas
+from .replicas import ReplicaSnapshot, Replicas, StartedReplicas
 
 log = logging.getLogger("rollq.rl.replica_host")  # also when run as __main__
 
@@ -52,7 +52,7 @@ class ReplicaHostError(RollqError):
     """The replicas' host process failed a call, did not start, or is gone; the message says which."""
 
 
-class ReplicasProcess:
+class ReplicasProcess(StartedReplicas):
     """``count`` replicas of one queue in a child process (see the module doc); the arguments
     are :class:`~rollq.rl.replicas.Replicas`' and ``pin``, the cores the child confines itself
     to (None: no pinning). ``start_timeout`` bounds the engines' start, ``call_timeout`` every
@@ -78,7 +78,7 @@ class ReplicasProcess:
         self._dir: str | None = None
         self._lock = asyncio.Lock()
 
-    async def start(self) -> ReplicasProcess:
+    async def start(self) -> Self:
         """Start the child, its engines and its replicas on :attr:`queue`; returns once they serve."""
         self._dir = tempfile.mkdtemp(prefix="rollq-host-")
         path = str(Path(self._dir) / "sock")
@@ -139,16 +139,6 @@ class ReplicasProcess:
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
-
-    async def __aenter__(self) -> ReplicasProcess:
-        try:
-            return await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
     # -- the socket ----------------------------------------------------------------------
     async def _call(self, call: Call, timeout: float | None = None) -> Reply:

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Self, Sequence
 
 import msgspec
 
@@ -59,7 +59,27 @@ class ReplicaSnapshot(msgspec.Struct, kw_only=True):
     model: str = ""
 
 
-class Replicas:
+class StartedReplicas:
+    """``async with``: :meth:`start` on entry (then :meth:`stop` if it failed), :meth:`stop` on exit."""
+
+    async def start(self) -> Self:
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        try:
+            return await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+class Replicas(StartedReplicas):
     """``count`` replicas of one queue (``engine="vllm"`` on ``model``, or ``"echo"``)."""
 
     def __init__(
@@ -140,7 +160,7 @@ class Replicas:
             with _env(_BIND, bind):
                 await e.start()
 
-    async def start(self) -> Replicas:
+    async def start(self) -> Self:
         """Start the engines, then serve :attr:`queue` (:meth:`attach`)."""
         t0 = time.perf_counter()
         self.engines = self._make_engines()
@@ -225,15 +245,6 @@ class Replicas:
             start_s=self.start_s, model=str(self.model or ""),
         )
 
-    async def __aenter__(self) -> Replicas:
-        try:
-            return await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
 
 
 @contextlib.contextmanager
