@@ -68,6 +68,10 @@ __all__ = ["VllmEngine", "DEFAULT_CPU_KV_CACHE_BYTES"]
 STOP_TIMEOUT_S = 10.0
 #: Request ids that reported, remembered for :meth:`VllmEngine.swap_progress` (the newest).
 RECENT_KEEP = 4096
+#: Seconds :meth:`VllmEngine.progress_since` reaches back before the oldest request in flight:
+#: room for the clocks of workers on other hosts (tensor parallel over nodes) and for steps
+#: of the wall clock.
+PROGRESS_SLACK_S = 5.0
 
 
 class VllmEngine(Engine):
@@ -109,6 +113,8 @@ class VllmEngine(Engine):
         self._llm: Any = None
         self._tokenizer: Any = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        #: When each request of ``_tasks`` was submitted (``time.time()``), oldest first.
+        self._submitted: dict[str, float] = {}
         #: Request ids that reported lately (a swap's report may still name them).
         self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._background: set[asyncio.Task[Any]] = set()
@@ -227,6 +233,7 @@ class VllmEngine(Engine):
         if request_id in self._tasks:
             raise ValueError(f"request id {request_id!r} is already running")
         self._tasks[request_id] = asyncio.create_task(self._run(request_id, job, done, progress))
+        self._submitted[request_id] = time.time()
 
     def abort(self, request_id: str) -> None:
         """Cancel the request's task and free it in vLLM; ``done`` is not called for it.
@@ -235,6 +242,7 @@ class VllmEngine(Engine):
         while the request is being added; the explicit ``AsyncLLM.abort`` after the task has
         unwound covers that window."""
         task = self._tasks.pop(request_id, None)
+        self._submitted.pop(request_id, None)
         if task is None:
             return
         task.cancel()
@@ -255,6 +263,7 @@ class VllmEngine(Engine):
         if self._tasks.get(rid) is not me:
             return
         del self._tasks[rid]
+        self._submitted.pop(rid, None)
         self._recent[rid] = None
         if len(self._recent) > RECENT_KEEP:
             self._recent.popitem(last=False)
@@ -445,6 +454,21 @@ class VllmEngine(Engine):
         if pc is not None:
             return int(getattr(pc, "world_size", self.config.tensor_parallel_size))
         return self.config.tensor_parallel_size
+
+    def progress_since(self) -> float:
+        """A wall-clock time (``time.time()``) before which vLLM let go of no request whose
+        output this adapter still waits for: the oldest such request's submission, less
+        :data:`PROGRESS_SLACK_S` (for clocks of workers on other hosts). A swap's report of the
+        requests' progress leaves out requests let go of earlier
+        (:attr:`rollq.weightsync.worker._progress.RequestTracker.since`): it then covers the
+        requests in flight, not every request of the last 30 s.
+
+        >>> e = VllmEngine.__new__(VllmEngine); e._submitted = {"a": 100.0, "b": 101.5}
+        >>> e.progress_since()
+        95.0
+        """
+        oldest = next(iter(self._submitted.values()), None)
+        return (time.time() if oldest is None else oldest) - PROGRESS_SLACK_S
 
     def swap_progress(self, report: Progress | None) -> SwapProgress | None:
         """Map a worker's swap progress (tokens per engine request id, see

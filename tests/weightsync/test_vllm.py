@@ -11,6 +11,7 @@ import pytest_asyncio
 import torch
 
 from rollq import Consumer, Producer
+from rollq.consumer.vllm_engine import PROGRESS_SLACK_S
 from rollq.errors import CorruptWeights
 from rollq.weightsync import WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender
@@ -84,6 +85,10 @@ async def test_keep_policy_spans_and_corrupt_version_refused(replica, redis_url,
         await p.set_update_policy("keep")
         rec1 = await pub.publish_weights(base)
         await wait_version(consumer, rec1.version)
+        # requests that ended before the next ones start: the swap's report leaves them out
+        await p.gather(await p.submit_many([{"prompt_token_ids": [5, i + 10], "sampling": {"max_tokens": 2}} for i in range(20)]),
+                       timeout=60)
+        await asyncio.sleep(PROGRESS_SLACK_S + 1.0)
         hs = await p.submit_many([{"prompt_token_ids": [9, 8, 7, i + 10], "sampling": {"max_tokens": 400, "ignore_eos": True}} for i in range(4)])
         while consumer.running_count() < 4:
             await asyncio.sleep(0.02)
@@ -92,8 +97,9 @@ async def test_keep_policy_spans_and_corrupt_version_refused(replica, redis_url,
         assert all(r.ok for r in rs)
         assert {r.policy_version for r in rs} == {(rec1.version, rec2.version)}
         assert follower.history[-1].pause_s < 5
-        # the swap's per-request progress was used for the spans above; the history keeps its size
-        assert follower.history[-1].load["progress"]["requests"] >= 4, follower.history[-1].load
+        # the swap's progress named the 4 requests in flight, not the 20 let go of before them
+        # (VllmEngine.progress_since); the history keeps its size
+        assert follower.history[-1].load["progress"] == {"requests": 4, "complete": True}, follower.history[-1].load
         # A corrupt version: the record is committed but the data fails its checksum.
         info = pub.store.write(rec2.version + 1, base)
         path = os.path.join(root, info.slot, "lm_head.weight.memmap")

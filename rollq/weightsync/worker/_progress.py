@@ -18,7 +18,9 @@ from ..wire import Progress
 
 #: Requests that vLLM let go of are remembered (with their token counts) this long, at most
 #: this many: a swap reports them so a request that finished on the old weights, whose
-#: output had not reached the replica yet, is not taken for one that had not started.
+#: output had not reached the replica yet, is not taken for one that had not started. A swap
+#: reports only those let go of since :attr:`RequestTracker.since` (the replica's oldest
+#: request still waiting for its output was submitted after it).
 _REMOVED_WINDOW_S = 30.0
 _REMOVED_KEEP = 16384
 
@@ -27,8 +29,14 @@ class RequestTracker:
     """Token counts of the requests one worker's model runner holds or recently let go of."""
 
     def __init__(self) -> None:
-        #: request id -> (tokens when vLLM let go of it, when); None until :meth:`install`.
-        self.removed: collections.OrderedDict[str, tuple[int, float]] | None = None
+        #: request id -> (tokens when vLLM let go of it, when: ``time.monotonic()``, ``time.time()``),
+        #: in the order vLLM let go of them; None until :meth:`install`.
+        self.removed: collections.OrderedDict[str, tuple[int, float, float]] | None = None
+        #: The next report leaves out requests let go of before this wall-clock time
+        #: (``time.time()``; 0: none left out). Set per swap call by the replica
+        #: (:meth:`~rollq.consumer.vllm_engine.VllmEngine.progress_since`): a request whose output
+        #: it still waits for was submitted after it, so vLLM let go of it after it too.
+        self.since = 0.0
         #: The pinned host buffer :meth:`begin_report` copies the device's counts into.
         self._pinned: torch.Tensor | None = None
 
@@ -45,11 +53,11 @@ class RequestTracker:
             return False
         if self.removed is not None:
             return True
-        removed: collections.OrderedDict[str, tuple[int, float]] = collections.OrderedDict()
+        removed: collections.OrderedDict[str, tuple[int, float, float]] = collections.OrderedDict()
 
         def remember(req_id: str, n: int | None) -> None:
             if n is not None:
-                removed[req_id] = (n, time.monotonic())
+                removed[req_id] = (n, time.monotonic(), time.time())
                 if len(removed) > _REMOVED_KEEP:
                     removed.popitem(last=False)
 
@@ -111,8 +119,8 @@ class RequestTracker:
 
         ``complete``: a request missing from ``tokens`` had generated nothing yet (requests
         that ended in the last :data:`_REMOVED_WINDOW_S` seconds are included with their
-        final counts). ``computed``: the second model runner's computed tokens per row, read
-        already (:meth:`begin_report`).
+        final counts; of those, only the ones let go of since :attr:`since`). ``computed``: the
+        second model runner's computed tokens per row, read already (:meth:`begin_report`).
         """
         runner = getattr(worker, "model_runner", None)
         tokens = _runner_counts(runner, computed) if runner is not None else None
@@ -123,7 +131,9 @@ class RequestTracker:
             horizon = time.monotonic() - _REMOVED_WINDOW_S
             while removed and next(iter(removed.values()))[1] < horizon:
                 removed.popitem(last=False)
-            for rid, (n, _) in removed.items():
+            for rid, (n, _, wall) in reversed(removed.items()):  # newest first
+                if wall < self.since:
+                    break
                 tokens.setdefault(rid, n)
         return Progress(tokens=tokens, complete=removed is not None)
 

@@ -46,9 +46,11 @@ class RollqWorkerExtension:
         return st
 
     # -- memmap --------------------------------------------------------------------------
-    def rollq_load_memmap(self, root: str, slot: str, version: int, checksum: str, verify: bool = True) -> dict[str, Any]:
+    def rollq_load_memmap(self, root: str, slot: str, version: int, checksum: str, verify: bool = True,
+                          progress_since: float = 0.0) -> dict[str, Any]:
         """Load committed ``version`` from a memmap slot now; a
-        :class:`~rollq.weightsync.wire.SwapReport`."""
+        :class:`~rollq.weightsync.wire.SwapReport` (``progress_since`` as for :meth:`rollq_apply_staged`)."""
+        self.rollq_state.tracker.since = progress_since
         return to_wire(self.rollq_state.memmap.load(root, slot, version, checksum, verify))
 
     def rollq_stage_memmap(self, root: str, slot: str, version: int, checksum: str, chunks_in_flight: int = 3) -> dict[str, Any]:
@@ -106,22 +108,26 @@ class RollqWorkerExtension:
         return to_wire(self.rollq_state.receive_status())
 
     # -- swaps -----------------------------------------------------------------------------
-    def rollq_apply_staged(self, version: int) -> dict[str, Any]:
-        """Swap a staged version in (:func:`rollq.weightsync.worker._swap.apply_staged`)."""
+    def rollq_apply_staged(self, version: int, progress_since: float = 0.0) -> dict[str, Any]:
+        """Swap a staged version in (:func:`rollq.weightsync.worker._swap.apply_staged`);
+        ``progress_since``: :attr:`~rollq.weightsync.worker._progress.RequestTracker.since` for its report."""
         from ._swap import apply_staged
 
+        self.rollq_state.tracker.since = progress_since
         report = apply_staged(self.rollq_state, version)
         report.returned_at = time.time()
         return to_wire(report)
 
     def rollq_swap_overlapped(
         self, version: int, commit_timeout: float = 0.25, receive_timeout: float = 5.0, start_timeout: float = 0.05,
-        programs: int = 0,
+        programs: int = 0, progress_since: float = 0.0,
     ) -> dict[str, Any]:
         """Swap ``version`` in while its last parts still arrive, then wait for its commit
-        (:func:`rollq.weightsync.worker._swap.swap_overlapped`)."""
+        (:func:`rollq.weightsync.worker._swap.swap_overlapped`; ``progress_since`` as for
+        :meth:`rollq_apply_staged`)."""
         from ._swap import swap_overlapped
 
+        self.rollq_state.tracker.since = progress_since
         return to_wire(swap_overlapped(self.rollq_state, version, commit_timeout, receive_timeout, start_timeout, programs))
 
     def rollq_swap_done(self) -> dict[str, Any]:

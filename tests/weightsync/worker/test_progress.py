@@ -53,3 +53,23 @@ def test_a_report_begun_before_the_copies_waits_for_the_step_in_flight_not_for_t
     assert finish().tokens == {"r0": 2, "r1": 6}
     assert not copies_end.query(), "the report waited for the copies enqueued after it"
     torch.cuda.synchronize()
+
+
+def test_a_report_leaves_out_requests_let_go_of_before_the_replicas_oldest_in_flight():
+    """Requests vLLM let go of are reported for 30 s (an output may still be on its way), which
+    at a GPU's request rate is thousands per swap. The replica says since when it waits for
+    outputs (``since``): a report names only the requests let go of from then on, newest first,
+    and with ``since`` 0 every remembered one."""
+    import collections
+    import time
+
+    w = _worker(torch.tensor([12], dtype=torch.int32), [10])
+    t = RequestTracker()
+    now = time.time()
+    t.removed = collections.OrderedDict(
+        (f"old{i}", (4, time.monotonic(), now - 20 + i)) for i in range(3))  # let go of 18-20 s ago
+    t.removed.update({"late": (7, time.monotonic(), now - 1.0)})
+    t.since = now - 5.0
+    assert t.report(w).tokens == {"r0": 3, "late": 7}
+    t.since = 0.0
+    assert t.report(w).tokens == {"r0": 3, "old0": 4, "old1": 4, "old2": 4, "late": 7}
