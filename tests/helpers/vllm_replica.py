@@ -40,9 +40,9 @@ class SlowSwapExtension(_Extension):  # type: ignore[misc,valid-type]
     update stays in progress (the replica paused, its intake closed, the follower waiting on
     the engine) for as long as a test needs."""
 
-    def rollq_apply_staged(self, version: int) -> dict[str, Any]:
+    def rollq_apply_staged(self, version: int, progress_since: float = 0.0) -> dict[str, Any]:
         time.sleep(SLOW_SWAP_S)
-        return super().rollq_apply_staged(version)
+        return super().rollq_apply_staged(version, progress_since)
 
 
 def gone(p: psutil.Process) -> bool:

@@ -64,7 +64,7 @@ TIMES = {"version": 4, "enqueued_at": 10.0, "done_at": 10.5}
 # (call, rpc, kwargs it sends, a worker's answer, what the stub returns for two such answers)
 CASES = [
     (lambda w: w.load_memmap(root="/r", slot="slot-0", version=4, checksum="c"), WorkerRpc.LOAD_MEMMAP,
-     {"root": "/r", "slot": "slot-0", "version": 4, "checksum": "c", "verify": True}, REPORT,
+     {"root": "/r", "slot": "slot-0", "version": 4, "checksum": "c", "verify": True, "progress_since": 0.0}, REPORT,
      SwapReport(swap=Swap.SHADOW, load_s=0.5, progress=Progress(tokens={"r-0": 3}, complete=True))),
     (lambda w: w.stage_memmap(root="/r", slot="slot-1", version=4, checksum="c", chunks_in_flight=0), WorkerRpc.STAGE_MEMMAP,
      {"root": "/r", "slot": "slot-1", "version": 4, "checksum": "c", "chunks_in_flight": 0}, STAGED,
@@ -75,11 +75,11 @@ CASES = [
      StageStatus(state=State.STAGED, version=4, stage_s=0.25)),
     (lambda w: w.ipc_status(), WorkerRpc.IPC_STATUS, {}, STAGED, StageStatus(state=State.STAGED, version=4, stage_s=0.25)),
     (lambda w: w.receive_status(), WorkerRpc.RECEIVE_STATUS, {}, STATUS, WorkerStatus(group="g1", joined=True, rank=1)),
-    (lambda w: w.apply_staged(version=4), WorkerRpc.APPLY_STAGED, {"version": 4}, REPORT,
+    (lambda w: w.apply_staged(version=4), WorkerRpc.APPLY_STAGED, {"version": 4, "progress_since": 0.0}, REPORT,
      SwapReport(swap=Swap.SHADOW, load_s=0.5, progress=Progress(tokens={"r-0": 3}, complete=True))),
     (lambda w: w.swap_overlapped(version=5, commit_timeout=0.25, receive_timeout=5.0, start_timeout=0.05, programs=8),
      WorkerRpc.SWAP_OVERLAPPED,
-     {"version": 5, "commit_timeout": 0.25, "receive_timeout": 5.0, "start_timeout": 0.05, "programs": 8},
+     {"version": 5, "commit_timeout": 0.25, "receive_timeout": 5.0, "start_timeout": 0.05, "programs": 8, "progress_since": 0.0},
      {"swap": "overlap", "parts": 3}, SwapReport(swap=Swap.OVERLAP, parts=3)),
     (lambda w: w.swap_done(), WorkerRpc.SWAP_DONE, {}, TIMES, SwapTimes(version=4, enqueued_at=10.0, done_at=10.5)),
     (lambda w: w.version(), WorkerRpc.VERSION, {}, 7, 7),
@@ -96,6 +96,20 @@ async def test_each_call_names_its_rpc_once_passes_keywords_and_decodes_one_resu
     assert engine.calls == [(rpc.value, (), kwargs, None)]
     assert got == [decoded, decoded]
     assert all(type(g) is type(decoded) for g in got)
+
+
+async def test_every_swap_passes_the_engines_progress_since():
+    """The calls that swap a version in tell the workers since when the replica waits for
+    outputs (the engine's ``progress_since``), so their progress report leaves out requests
+    ended before it; an engine without it (above) sends 0.0: nothing left out."""
+    engine = RecordingEngine([REPORT])
+    engine.progress_since = lambda: 1234.5  # type: ignore[attr-defined]
+    calls = WorkerCalls(engine)
+    await calls.load_memmap(root="/r", slot="slot-0", version=4, checksum="c")
+    await calls.apply_staged(version=4)
+    engine.reply = [{"swap": "overlap", "parts": 3}]
+    await calls.swap_overlapped(version=5, commit_timeout=0.25, receive_timeout=5.0, start_timeout=0.05)
+    assert [c[2]["progress_since"] for c in engine.calls] == [1234.5] * 3
 
 
 @pytest.mark.parametrize("call, rpc, kwargs, answer, decoded", CASES, ids=[c[1].name for c in CASES])
