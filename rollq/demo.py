@@ -160,7 +160,7 @@ async def demo(a: argparse.Namespace, console: Any) -> dict[str, Any]:
                                       broadcast=broadcast, dtype=a.dtype, cpu_binds=list(cores.replicas) if cores else None,
                                       logprobs_mode="processed_logprobs" if explore else "raw_logprobs")
             replica_process = getattr(a, "replica_process", False)
-            replicas: Any = (ReplicasProcess(srv.url, QUEUE, pin=list(cores.trainer) if cores else None, **kw)
+            replicas: Replicas | ReplicasProcess = (ReplicasProcess(srv.url, QUEUE, pin=list(cores.trainer) if cores else None, **kw)
                              if replica_process else Replicas(srv.url, QUEUE, **kw))
             with console.status(f"starting {a.replicas} {a.engine} replica(s)..."):
                 await replicas.start()

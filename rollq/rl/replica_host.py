@@ -43,7 +43,7 @@ from .host_wire import (
 )
 from .replicas import ReplicaSnapshot, Replicas, StartedReplicas
 
-log = logging.getLogger("rollq.rl.replica_host")  # also when run as __main__
+log = logging.getLogger(__name__)
 
 __all__ = ["ReplicaHostError", "ReplicasProcess"]
 
