@@ -79,7 +79,16 @@ class ReplicasProcess(StartedReplicas):
         self._lock = asyncio.Lock()
 
     async def start(self) -> Self:
-        """Start the child, its engines and its replicas on :attr:`queue`; returns once they serve."""
+        """Start the child, its engines and its replicas on :attr:`queue`; returns once they
+        serve. A start that fails stops the child before it raises."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def _start(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="rollq-host-")
         path = str(Path(self._dir) / "sock")
         connected: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.get_running_loop().create_future()
@@ -102,7 +111,6 @@ class ReplicasProcess(StartedReplicas):
         snap = reply.snapshot or ReplicaSnapshot()
         self.start_s, self.model = snap.start_s, snap.model or self.model
         log.info("replica host pid %d: %d %s replica(s) up in %.1fs", self.pid, self.config.count, self.config.engine, self.start_s)
-        return self
 
     async def attach(self, queue: str, weights_root: str | None = None, *, abort_resume: bool = False) -> None:
         """:meth:`~rollq.rl.replicas.Replicas.attach`, in the child."""
