@@ -31,14 +31,14 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollq.consumer.vllm_engine import PROGRESS_SLACK_S, VllmEngine  # noqa: E402
+from rollq.consumer._vllm_swaps import PROGRESS_SLACK_S, SwapLedger  # noqa: E402
 from rollq.weightsync.wire import Progress, from_wire, to_wire  # noqa: E402
 from rollq.weightsync.worker._progress import RequestTracker  # noqa: E402
 
 
-def setup(rate: float, running: int, duration: float) -> tuple[RequestTracker, SimpleNamespace, VllmEngine]:
+def setup(rate: float, running: int, duration: float) -> tuple[RequestTracker, SimpleNamespace, SwapLedger]:
     """A tracker that saw ``rate`` requests a second end over 30 s, a worker holding ``running``
-    requests (started over the last ``duration`` s), and an adapter waiting for those."""
+    requests (started over the last ``duration`` s), and the adapter's ledger waiting for those."""
     now, mono = time.time(), time.monotonic()
     tracker = RequestTracker()
     n_done = int(rate * 30)
@@ -48,15 +48,13 @@ def setup(rate: float, running: int, duration: float) -> tuple[RequestTracker, S
     ours = [uuid.uuid4().hex for _ in range(running)]
     reqs = {f"{rid}-{uuid.uuid4().hex[:8]}": SimpleNamespace(output_token_ids=[1, 2, 3]) for rid in ours}
     worker = SimpleNamespace(model_runner=SimpleNamespace(requests=reqs))
-    engine = VllmEngine.__new__(VllmEngine)
-    engine._tasks = {rid: None for rid in ours}  # type: ignore[misc]
-    engine._submitted = {rid: now - duration + duration * i / running for i, rid in enumerate(ours)}
-    engine._recent = collections.OrderedDict((rid.rsplit("-", 1)[0], None) for rid in list(tracker.removed)[-4096:])
-    engine._progress_complete = True
-    return tracker, worker, engine
+    ledger = SwapLedger()
+    ledger.submitted = {rid: now - duration + duration * i / running for i, rid in enumerate(ours)}
+    ledger.recent = collections.OrderedDict((rid.rsplit("-", 1)[0], None) for rid in list(tracker.removed)[-4096:])
+    return tracker, worker, ledger
 
 
-def one_swap(tracker: RequestTracker, worker: SimpleNamespace, engine: VllmEngine, since: float) -> dict:
+def one_swap(tracker: RequestTracker, worker: SimpleNamespace, ledger: SwapLedger, since: float) -> dict:
     tracker.since = since
     t0 = time.perf_counter()
     progress = tracker.report(worker)
@@ -64,9 +62,9 @@ def one_swap(tracker: RequestTracker, worker: SimpleNamespace, engine: VllmEngin
     wire = json.dumps(to_wire(progress)).encode()  # size as a stand-in; the round trip below is msgpack
     back = from_wire(msgspec.msgpack.decode(msgspec.msgpack.encode(to_wire(progress))), Progress)
     t2 = time.perf_counter()
-    mapped = engine.swap_progress(back)
+    mapped = ledger.progress(back, complete=True)
     t3 = time.perf_counter()
-    assert mapped is not None and set(engine._tasks) <= set(mapped.tokens)  # every request in flight found
+    assert set(ledger.submitted) <= set(mapped.tokens)  # every request in flight found
     return {"entries": len(progress.tokens), "bytes": len(wire), "worker_ms": 1e3 * (t1 - t0),
             "wire_ms": 1e3 * (t2 - t1), "adapter_ms": 1e3 * (t3 - t2)}
 
@@ -79,12 +77,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default="benchmarks/results/swap_progress_cpu")
     a = ap.parse_args()
-    tracker, worker, engine = setup(a.rate, a.running, a.duration)
-    ways = {"before (last 30 s)": lambda: 0.0, "after (since the oldest in flight)": engine.progress_since}
+    tracker, worker, ledger = setup(a.rate, a.running, a.duration)
+    ways = {"before (last 30 s)": lambda: 0.0, "after (since the oldest in flight)": ledger.since}
     got: dict[str, list[dict]] = {k: [] for k in ways}
     for _ in range(a.reps):  # taking turns
         for name, since in ways.items():
-            got[name].append(one_swap(tracker, worker, engine, since()))
+            got[name].append(one_swap(tracker, worker, ledger, since()))
     rows = [{"way": name, **{k: statistics.median(r[k] for r in rs) for k in rs[0]}} for name, rs in got.items()]
     res = {"command": "python benchmarks/swap_progress.py " + " ".join(sys.argv[1:]), "rate": a.rate, "running": a.running,
            "duration_s": a.duration, "slack_s": PROGRESS_SLACK_S, "reps": a.reps, "rows": rows}

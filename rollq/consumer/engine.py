@@ -172,6 +172,12 @@ class Engine(abc.ABC):
         swap's first token is recorded as unknown for every running request."""
         return None
 
+    def progress_since(self) -> float:
+        """A wall-clock time (``time.time()``) before which the engine let go of no request
+        whose output the replica still waits for: a swap's progress report may leave out
+        requests let go of earlier. 0.0: it leaves out none."""
+        return 0.0
+
 
 class EchoEngine(Engine):
     """A deterministic engine for queue tests, the queue demo and benchmarks.

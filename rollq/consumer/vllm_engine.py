@@ -40,7 +40,6 @@ one in :mod:`rollq.consumer._vllm_api`.
 from __future__ import annotations
 
 import asyncio
-import collections
 import gc
 import inspect
 import logging
@@ -56,6 +55,7 @@ from ._vllm_stream import DeltaFold
 from ._vllm_api import DEFAULT_CPU_KV_CACHE_BYTES, _Api, _vllm
 from .vllm_config import VllmEngineConfig
 from ._vllm_stats import StatsSink, stat_logger_factory
+from ._vllm_swaps import SwapLedger
 
 if TYPE_CHECKING:
     from ..weightsync.wire import Progress
@@ -66,12 +66,6 @@ __all__ = ["VllmEngine", "DEFAULT_CPU_KV_CACHE_BYTES"]
 
 #: How long :meth:`VllmEngine.stop` waits for request tasks to unwind.
 STOP_TIMEOUT_S = 10.0
-#: Request ids that reported, remembered for :meth:`VllmEngine.swap_progress` (the newest).
-RECENT_KEEP = 4096
-#: Seconds :meth:`VllmEngine.progress_since` reaches back before the oldest request in flight:
-#: room for the clocks of workers on other hosts (tensor parallel over nodes) and for steps
-#: of the wall clock.
-PROGRESS_SLACK_S = 5.0
 
 
 class VllmEngine(Engine):
@@ -113,10 +107,8 @@ class VllmEngine(Engine):
         self._llm: Any = None
         self._tokenizer: Any = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        #: When each request of ``_tasks`` was submitted (``time.time()``), oldest first.
-        self._submitted: dict[str, float] = {}
-        #: Request ids that reported lately (a swap's report may still name them).
-        self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: The requests as swaps' progress reports concern them.
+        self._swaps = SwapLedger()
         self._background: set[asyncio.Task[Any]] = set()
         self._sink = StatsSink()
         self._dead: str | None = None
@@ -233,7 +225,7 @@ class VllmEngine(Engine):
         if request_id in self._tasks:
             raise ValueError(f"request id {request_id!r} is already running")
         self._tasks[request_id] = asyncio.create_task(self._run(request_id, job, done, progress))
-        self._submitted[request_id] = time.time()
+        self._swaps.started(request_id)
 
     def abort(self, request_id: str) -> None:
         """Cancel the request's task and free it in vLLM; ``done`` is not called for it.
@@ -242,7 +234,7 @@ class VllmEngine(Engine):
         while the request is being added; the explicit ``AsyncLLM.abort`` after the task has
         unwound covers that window."""
         task = self._tasks.pop(request_id, None)
-        self._submitted.pop(request_id, None)
+        self._swaps.dropped(request_id)
         if task is None:
             return
         task.cancel()
@@ -263,10 +255,7 @@ class VllmEngine(Engine):
         if self._tasks.get(rid) is not me:
             return
         del self._tasks[rid]
-        self._submitted.pop(rid, None)
-        self._recent[rid] = None
-        if len(self._recent) > RECENT_KEEP:
-            self._recent.popitem(last=False)
+        self._swaps.reported(rid)
         try:
             done(rid, outcome)
         except Exception:
@@ -456,33 +445,14 @@ class VllmEngine(Engine):
         return self.config.tensor_parallel_size
 
     def progress_since(self) -> float:
-        """A wall-clock time (``time.time()``) before which vLLM let go of no request whose
-        output this adapter still waits for: the oldest such request's submission, less
-        :data:`PROGRESS_SLACK_S` (for clocks of workers on other hosts). A swap's report of the
-        requests' progress leaves out requests let go of earlier
-        (:attr:`rollq.weightsync.worker._progress.RequestTracker.since`): it then covers the
-        requests in flight, not every request of the last 30 s.
-
-        >>> e = VllmEngine.__new__(VllmEngine); e._submitted = {"a": 100.0, "b": 101.5}
-        >>> e.progress_since()
-        95.0
-        """
-        oldest = next(iter(self._submitted.values()), None)
-        return (time.time() if oldest is None else oldest) - PROGRESS_SLACK_S
+        """:meth:`Engine.progress_since`: the oldest submission of a request whose output this
+        adapter still waits for, less a slack (:meth:`~rollq.consumer._vllm_swaps.SwapLedger.since`)."""
+        return self._swaps.since()
 
     def swap_progress(self, report: Progress | None) -> SwapProgress | None:
-        """Map a worker's swap progress (tokens per engine request id, see
-        :meth:`rollq.weightsync.worker._progress.RequestTracker.report`) to this adapter's
-        request ids (vLLM's own request ids are read by :func:`rollq.consumer._vllm_api.request_of`)."""
-        if report is None:
-            return None
-        running = set(self._tasks).union(self._recent)  # a request may have reported since the swap
-        out: dict[str, dict[int, int]] = {}
-        for eid, n in report.tokens.items():
-            rid, j = _vllm_api.request_of(eid, running)
-            if rid is not None:
-                out.setdefault(rid, {})[j] = n
-        return SwapProgress(tokens=out, complete=report.complete and self._progress_complete)
+        """A worker's swap progress (:meth:`rollq.weightsync.worker._progress.RequestTracker.report`)
+        mapped to this adapter's request ids (:meth:`~rollq.consumer._vllm_swaps.SwapLedger.progress`)."""
+        return None if report is None else self._swaps.progress(report, self._progress_complete)
 
     def _require(self) -> Any:
         if self._llm is None:

@@ -91,6 +91,10 @@ class WorkerEngine(Protocol):
     def swap_progress(self, report: Progress | None) -> SwapProgress | None:
         """A swap report's progress (engine request ids) as the consumer's (its request ids)."""
 
+    def progress_since(self) -> float:
+        """A swap's report may leave out requests the engine let go of before this wall-clock
+        time (0.0: it leaves out none)."""
+
 
 class ReplicaSide(Protocol):
     """What weight sync needs from the consumer whose engine it updates."""

@@ -11,7 +11,7 @@ import pytest_asyncio
 import torch
 
 from rollq import Consumer, Producer
-from rollq.consumer.vllm_engine import PROGRESS_SLACK_S
+from rollq.consumer._vllm_swaps import PROGRESS_SLACK_S
 from rollq.errors import CorruptWeights
 from rollq.weightsync import WeightPublisher
 from rollq.weightsync.nccl import BroadcastSender

@@ -55,6 +55,9 @@ class RecordingEngine:
     def swap_progress(self, report: Progress | None) -> None:
         return None
 
+    def progress_since(self) -> float:
+        return 0.0
+
 
 REPORT = {"swap": "shadow", "load_s": 0.5, "progress": {"tokens": {"r-0": 3}, "complete": True}}
 STAGED = {"state": "staged", "version": 4, "stage_s": 0.25}
@@ -101,9 +104,9 @@ async def test_each_call_names_its_rpc_once_passes_keywords_and_decodes_one_resu
 async def test_every_swap_passes_the_engines_progress_since():
     """The calls that swap a version in tell the workers since when the replica waits for
     outputs (the engine's ``progress_since``), so their progress report leaves out requests
-    ended before it; an engine without it (above) sends 0.0: nothing left out."""
+    ended before it; one that leaves out nothing (above) sends 0.0."""
     engine = RecordingEngine([REPORT])
-    engine.progress_since = lambda: 1234.5  # type: ignore[attr-defined]
+    engine.progress_since = lambda: 1234.5  # type: ignore[method-assign]
     calls = WorkerCalls(engine)
     await calls.load_memmap(root="/r", slot="slot-0", version=4, checksum="c")
     await calls.apply_staged(version=4)

@@ -80,13 +80,6 @@ class WorkerCalls:
             raise MalformedReply(f"{rpc.value}: the engine answered {type(got).__name__}, not one result per worker")
         return got
 
-    def _progress_since(self) -> float:
-        """What a swap's report of the requests' progress may leave out: the requests vLLM let
-        go of before this wall-clock time (the engine's ``progress_since``; 0.0, nothing, for an
-        engine without one)."""
-        since = getattr(self.engine, "progress_since", None)
-        return float(since()) if callable(since) else 0.0
-
     async def _each(self, rpc: WorkerRpc, cls: type[T], timeout: float | None = None, **kwargs: Any) -> list[T]:
         return [from_wire(r, cls, rpc.value) for r in await self._call(rpc, timeout, **kwargs)]
 
@@ -95,7 +88,7 @@ class WorkerCalls:
         """Load committed ``version`` from memmap slot ``slot`` under ``root`` now (refused
         data comes back as each report's ``error``)."""
         return await self._each(WorkerRpc.LOAD_MEMMAP, SwapReport, root=root, slot=slot, version=version, checksum=checksum,
-                                verify=verify, progress_since=self._progress_since())
+                                verify=verify, progress_since=self.engine.progress_since())
 
     async def stage_memmap(self, *, root: str, slot: str, version: int, checksum: str, chunks_in_flight: int = 3) -> list[StageStatus]:
         """Start staging ``version`` in a thread of each worker; poll :meth:`staged_status`."""
@@ -149,7 +142,7 @@ class WorkerCalls:
     # -- swaps -----------------------------------------------------------------------------
     async def apply_staged(self, *, version: int) -> list[SwapReport]:
         """Swap staged ``version`` in (shadow weights, memmap staging or broadcast buffer)."""
-        return await self._each(WorkerRpc.APPLY_STAGED, SwapReport, version=version, progress_since=self._progress_since())
+        return await self._each(WorkerRpc.APPLY_STAGED, SwapReport, version=version, progress_since=self.engine.progress_since())
 
     async def swap_overlapped(
         self, *, version: int, commit_timeout: float, receive_timeout: float, start_timeout: float, programs: int = 0,
@@ -159,7 +152,7 @@ class WorkerCalls:
         ``start_timeout`` for it to start; ``programs``: the exchange kernel's block cap)."""
         return await self._each(WorkerRpc.SWAP_OVERLAPPED, SwapReport, version=version, commit_timeout=commit_timeout,
                                 receive_timeout=receive_timeout, start_timeout=start_timeout, programs=programs,
-                                progress_since=self._progress_since())
+                                progress_since=self.engine.progress_since())
 
     async def swap_done(self) -> list[SwapTimes]:
         """When each worker's last swap was enqueued and when its copies finished."""
