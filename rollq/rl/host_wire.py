@@ -1,7 +1,7 @@
 """The messages between an RL run's trainer process and the process hosting its replicas.
 
 :class:`~rollq.rl.replica_host.ReplicasProcess` (the trainer's side) and the host process
-(``python -m rollq.rl.replica_host``) talk over one Unix socket: frames of a 4-byte
+(``python -m rollq.rl._host_main``) talk over one Unix socket: frames of a 4-byte
 big-endian length and a msgpack body, typed by the structs below. The trainer sends a
 :class:`HostConfig` first, then one :data:`Call` at a time; each gets a :class:`Reply`.
 Nothing is pickled.
@@ -22,6 +22,7 @@ import asyncio
 from typing import Any, Union
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from ..errors import ProtocolError, SchemaVersionError
 from .replicas import ReplicaSnapshot
@@ -38,34 +39,36 @@ MAX_FRAME = 16 << 20
 
 
 class HostConfig(msgspec.Struct, tag="config", kw_only=True):
-    """What the host process builds: :class:`~rollq.rl.replicas.Replicas`' arguments, and the
-    cores the host pins itself to (None: wherever the OS puts it)."""
+    """What the host process builds: :class:`~rollq.rl.replicas.Replicas`' arguments (those
+    left unset take ``Replicas``' own defaults), and the cores the host pins itself to (None:
+    wherever the OS puts it)."""
 
     url: str
     queue: str
-    weights_root: str | None = None
-    count: int = 1
-    engine: str = "vllm"
-    model: str | None = None
-    max_model_len: int = 256
-    kv_cache_memory_bytes: int | None = 64 << 20
-    broadcast: bool = False
-    cpu_binds: list[str | None] = []
-    reconcile_interval: float = 1.0
-    gpu_memory_utilization: float | None = None
-    dtype: str = "auto"
-    logprobs_mode: str = "raw_logprobs"
-    ipc_prestage: bool = False
-    ipc_direct: bool = False
+    weights_root: str | None | UnsetType = UNSET
+    count: int | UnsetType = UNSET
+    engine: str | UnsetType = UNSET
+    model: str | None | UnsetType = UNSET
+    max_model_len: int | UnsetType = UNSET
+    kv_cache_memory_bytes: int | None | UnsetType = UNSET
+    broadcast: bool | UnsetType = UNSET
+    cpu_binds: list[str | None] | None | UnsetType = UNSET
+    reconcile_interval: float | UnsetType = UNSET
+    gpu_memory_utilization: float | None | UnsetType = UNSET
+    dtype: str | UnsetType = UNSET
+    logprobs_mode: str | UnsetType = UNSET
+    ipc_prestage: bool | UnsetType = UNSET
+    ipc_direct: bool | UnsetType = UNSET
     pin: list[int] | None = None
     #: The host's logging level (the trainer process's, so both sides log alike).
     log_level: int = 20
     v: int = HOST_WIRE_VERSION
 
     def replicas_kwargs(self) -> dict[str, Any]:
-        """The :class:`~rollq.rl.replicas.Replicas` keyword arguments (all but ``url`` and ``queue``)."""
+        """The :class:`~rollq.rl.replicas.Replicas` keyword arguments that were set (all but
+        ``url`` and ``queue``)."""
         skip = ("url", "queue", "pin", "log_level", "v")
-        return {f: getattr(self, f) for f in self.__struct_fields__ if f not in skip}
+        return {f: getattr(self, f) for f in self.__struct_fields__ if f not in skip and getattr(self, f) is not UNSET}
 
 
 class Attach(msgspec.Struct, tag="attach", kw_only=True):

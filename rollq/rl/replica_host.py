@@ -62,8 +62,6 @@ class ReplicasProcess(StartedReplicas):
                  start_timeout: float = 900.0, call_timeout: float = 300.0, **replicas: Any):
         if replicas.get("engine", "vllm") not in ("vllm", "echo"):
             raise ValueError(f"engine must be 'vllm' or 'echo', got {replicas['engine']!r}")
-        if "cpu_binds" in replicas:
-            replicas["cpu_binds"] = list(replicas["cpu_binds"] or [])
         self.config = HostConfig(url=url, queue=queue, weights_root=weights_root, pin=pin,
                                  log_level=logging.getLogger().getEffectiveLevel(), **replicas)
         self.queue = queue

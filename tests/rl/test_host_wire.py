@@ -35,6 +35,7 @@ def test_the_config_carries_the_replicas_arguments():
     cfg = decode_config(encode(HostConfig(url="redis://127.0.0.1:1", queue="q", count=2, cpu_binds=["1", None], pin=[0])))
     kw = cfg.replicas_kwargs()
     assert kw["count"] == 2 and kw["cpu_binds"] == ["1", None] and "pin" not in kw and "url" not in kw
+    assert "max_model_len" not in kw and "engine" not in kw  # unset: Replicas' own defaults apply
 
 
 @pytest.mark.parametrize("data, error", [
