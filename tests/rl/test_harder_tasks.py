@@ -118,9 +118,13 @@ async def test_length_task_learns_to_stop_after_L_tokens_through_vllm(vllm_engin
     # once 0.030 (a full CI run on slow shared cores): the short form's rise varies several-fold
     # between runs; a loop that does not learn stays at ~5e-4 (test_learning's control).
     assert _mean(r[-30:]) > _mean(r[:5]) + 0.01, r
-    # Variable lengths: EOS stops most samples before max_tokens (9) on the last steps.
-    per_sample = sum(st.tokens for st in report.steps[-5:]) / (5 * 16 * 16)
-    assert per_sample < task.max_length, per_sample
+    # Variable lengths: EOS shortens the completions by half a token or more, over the last 50
+    # steps against the first 5 (8.88 tokens per sample, nearly all at max_tokens 9). Not over a
+    # few steps: the stop is learned unevenly (groups collapse onto one length and the shaping
+    # pulls them apart again), and a 5-step window in the second half came back to 8.78 in one
+    # of five runs here and 8.89 in a full CI run. Five runs here: last 50 steps 5.40 to 7.45.
+    per_sample = [st.tokens / (16 * 16) for st in report.steps]
+    assert _mean(per_sample[-50:]) < _mean(per_sample[:5]) - 0.5, per_sample
     assert s["failed_jobs"] == 0 and s["logprob_tokens_compared"] > 0
     assert s["logprob_abs_diff_mean"] <= agreement_bounds(vllm_engine).mean, s
     # The final policy on all 28 prompts: every target length, 4 x 16 samples each, and where
