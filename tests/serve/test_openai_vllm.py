@@ -140,7 +140,7 @@ async def test_tokens_stream_while_vllm_generates(served):
     stall past its 1 s bound (logged, its tokens reach the stream with the result), which
     left 2 live chunks of a 400-token job in one CI run; a server that streams nothing
     before the result gives 0."""
-    client, _, _, consumer = served
+    client, _, tok, consumer = served
     kw = dict(model=MODEL, prompt="one two three", max_tokens=400, seed=11, n=2, logprobs=0,
               extra_body={"ignore_eos": True, "return_token_ids": True})
     whole = await client.completions.create(**kw)
@@ -160,16 +160,23 @@ async def test_tokens_stream_while_vllm_generates(served):
     for c in whole.choices:
         assert lps[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-4)
 
-    whole_chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0,
-                                                      extra_body={"ignore_eos": True})
-    content, live = "", 0
-    stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0,
-                                                  stream=True, extra_body={"ignore_eos": True})
-    async for chunk in stream:
+    chat = dict(model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole_chat = (await client.chat.completions.create(**chat)).choices[0]
+    content, live, chat_ids, last = "", 0, [], None
+    async for chunk in await client.chat.completions.create(**chat, stream=True):
         for c in chunk.choices:
             content += c.delta.content or ""
+            chat_ids += getattr(c, "token_ids", None) or []
+            last = c if c.finish_reason is not None else last
             live += bool(c.delta.content) and c.finish_reason is None and consumer.running_count() == 1
-    assert live >= 2 and content == whole_chat.choices[0].message.content
+    assert live >= 2, f"only {live} chunks with text came while the chat job ran on the replica"
+    # The stream against its own job first (all 300 tokens came, and the text is theirs), then
+    # against the non-streamed job: a failure says which of the two parted.
+    said = (len(chat_ids), len(content), last and last.finish_reason, last and getattr(last, "rollq", None))
+    assert last is not None and last.finish_reason == "length" and len(chat_ids) == 300, said
+    assert content == tok.decode(chat_ids, skip_special_tokens=True), said
+    assert chat_ids == whole_chat.token_ids and content == whole_chat.message.content, (said, len(whole_chat.message.content))
 
 
 async def test_disconnect_mid_stream_aborts_the_vllm_request(served):
