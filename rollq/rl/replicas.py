@@ -246,7 +246,6 @@ class Replicas(StartedReplicas):
         )
 
 
-
 @contextlib.contextmanager
 def _env(name: str, value: str | None):
     old = os.environ.get(name)
