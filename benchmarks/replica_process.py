@@ -1,6 +1,7 @@
 """Does hosting the replicas apart from the trainer speed up async's step? rl_loop.py both ways.
 
     python benchmarks/replica_process.py [--seeds 0 1 2] [--out benchmarks/results/replica_process] -- [rl_loop.py args]
+    python benchmarks/replica_process.py --merge A.json B.json [--out ...]
 
 Runs ``benchmarks/rl_loop.py`` once per seed and way, the two ways taking turns (their order
 drawn per seed): replicas in the trainer's process and event loop (``Replicas``), and in a
@@ -9,7 +10,8 @@ command (its engines started anew; ``--warmup-steps`` as given after ``--``). Re
 way and arm: seconds per step, the trainer's seconds per step (``step_train_s`` over the
 steps: the time a GRPO step takes while the replicas serve), steps and time to reward 0.8,
 and async's time to 0.8 over the same run's sync; then async's figures with the replicas apart
-as ratios to in-process.
+as ratios to in-process. ``--merge`` joins the rows of earlier outputs (seeds run in separate
+commands, e.g. where one command may run only ten minutes) into one summary.
 
 Example (one GPU, the figures of issue 27):
 
@@ -91,7 +93,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--out", default="benchmarks/results/replica_process")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="join these earlier outputs instead of running")
     a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    if a.merge:
+        parts = [json.loads(Path(p).read_text()) for p in a.merge]
+        if len({tuple(p["rl_loop_args"]) for p in parts}) != 1:
+            ap.error("--merge: the outputs ran rl_loop.py with different arguments")
+        all_rows = [r for p in parts for r in p["rows"]]
+        res = {"command": " + ".join(p["command"] for p in parts), "rl_loop_args": parts[0]["rl_loop_args"],
+               "order": {k: v for p in parts for k, v in p["order"].items()}, "rows": all_rows, "summary": summary(all_rows)}
+        write(a.out, res)
+        return
     if any(x in rest for x in ("--seeds", "--seed", "--out", "--replica-process")):
         ap.error("--seeds, --seed, --out and --replica-process are this script's to set")
     all_rows, order = [], {}
@@ -104,9 +116,13 @@ def main() -> None:
                 all_rows += rows(way, run_one(way, seed, rest, tmp))
     res = {"command": "python benchmarks/replica_process.py " + " ".join(argv), "rl_loop_args": rest, "order": order,
            "rows": all_rows, "summary": summary(all_rows)}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
-    Path(a.out + ".md").write_text(markdown(res))
+    write(a.out, res)
+
+
+def write(out: str, res: dict) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out + ".json").write_text(json.dumps(res, indent=1) + "\n")
+    Path(out + ".md").write_text(markdown(res))
     print(markdown(res))
 
 
