@@ -139,7 +139,13 @@ async def test_tokens_stream_while_vllm_generates(served):
     client. Two live chunks are asked for, not more: on two starved cores one flush can
     stall past its 1 s bound (logged, its tokens reach the stream with the result), which
     left 2 live chunks of a 400-token job in one CI run; a server that streams nothing
-    before the result gives 0."""
+    before the result gives 0.
+
+    The chat prompt (28 tokens) fills one of vLLM's 16-token KV blocks, so a second job of it
+    reuses the first one's cached block and prefills only the rest: on a GPU that changes the
+    prefill's kernels, and a greedy job of the tiny random model (its top two logits often
+    closer than 0.01) may part from the first at a near tie. A one-token job of the same
+    prompt runs first, so the two compared jobs both find the block cached."""
     client, _, tok, consumer = served
     kw = dict(model=MODEL, prompt="one two three", max_tokens=400, seed=11, n=2, logprobs=0,
               extra_body={"ignore_eos": True, "return_token_ids": True})
@@ -162,6 +168,7 @@ async def test_tokens_stream_while_vllm_generates(served):
 
     chat = dict(model=MODEL, messages=MESSAGES, max_tokens=300, temperature=0,
                 extra_body={"ignore_eos": True, "return_token_ids": True})
+    await client.chat.completions.create(**{**chat, "max_tokens": 1})
     whole_chat = (await client.chat.completions.create(**chat)).choices[0]
     content, live, chat_ids, last = "", 0, [], None
     async for chunk in await client.chat.completions.create(**chat, stream=True):
@@ -172,11 +179,16 @@ async def test_tokens_stream_while_vllm_generates(served):
             live += bool(c.delta.content) and c.finish_reason is None and consumer.running_count() == 1
     assert live >= 2, f"only {live} chunks with text came while the chat job ran on the replica"
     # The stream against its own job first (all 300 tokens came, and the text is theirs), then
-    # against the non-streamed job: a failure says which of the two parted.
+    # against the non-streamed job: a failure says which of the two parted. vLLM's incremental
+    # detokenizer and the tokenizer's decode of the whole place U+FFFD (a character's bytes
+    # split across tokens) differently (5 of 16 seeded 300-token chats here differ by one), so
+    # the text is compared to the ids' decode without it.
     said = (len(chat_ids), len(content), last and last.finish_reason, last and getattr(last, "rollq", None))
     assert last is not None and last.finish_reason == "length" and len(chat_ids) == 300, said
-    assert content == tok.decode(chat_ids, skip_special_tokens=True), said
-    assert chat_ids == whole_chat.token_ids and content == whole_chat.message.content, (said, len(whole_chat.message.content))
+    assert content.replace("\ufffd", "") == tok.decode(chat_ids, skip_special_tokens=True).replace("\ufffd", ""), said
+    parted = next((i for i, (a, b) in enumerate(zip(chat_ids, whole_chat.token_ids)) if a != b), None)
+    assert chat_ids == whole_chat.token_ids, (said, parted, parted is not None and (chat_ids[parted:parted + 8], whole_chat.token_ids[parted:parted + 8]))
+    assert content == whole_chat.message.content, (said, len(whole_chat.message.content))
 
 
 async def test_disconnect_mid_stream_aborts_the_vllm_request(served):
