@@ -3,17 +3,21 @@
 :class:`~rollq.rl.replica_host.ReplicasProcess` (the trainer's side) and the host process
 (``python -m rollq.rl._host_main``) talk over one Unix socket: frames of a 4-byte
 big-endian length and a msgpack body, typed by the structs below. The trainer sends a
-:class:`HostConfig` first, then one :data:`Call` at a time; each gets a :class:`Reply`.
-Nothing is pickled.
+:class:`HostConfig` first (answered by the :class:`Reply` of ``seq`` 0), then :data:`Call`\ s,
+each numbered by its ``seq`` and answered by the :class:`Reply` of that ``seq``, in the order
+the calls end: several may run at once, and a call its caller gave up on is withdrawn by a
+:class:`Cancel` (its reply, if one comes, answers nothing). Nothing is pickled.
 
 >>> data = frame(encode(Attach(queue="rl-sync", weights_root=None)))
 >>> len(data) - 4 == int.from_bytes(data[:4], "big")
 True
 >>> decode_call(data[4:])
-Attach(queue='rl-sync', weights_root=None, abort_resume=False)
+Attach(queue='rl-sync', weights_root=None, abort_resume=False, seq=0)
+>>> decode_reply(encode(Reply(ok=False, error_type="TimeoutError", error="...", seq=7))).seq
+7
 >>> decode_call(encode(HostConfig(url="redis://x", queue="q", v=99)))
 Traceback (most recent call last):
-rollq.errors.SchemaVersionError: a call of schema version 99 (this build: 1)
+rollq.errors.SchemaVersionError: a call of schema version 99 (this build: 2)
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ from ..errors import ProtocolError, SchemaVersionError
 from .replicas import ReplicaSnapshot
 
 __all__ = [
-    "Attach", "Call", "Detach", "HOST_WIRE_VERSION", "HostConfig", "MAX_FRAME", "Reply", "Snapshot", "Stop",
-    "WaitVersion", "decode_call", "decode_config", "decode_reply", "encode", "frame", "read_frame",
+    "Attach", "Call", "Cancel", "Detach", "HOST_WIRE_VERSION", "HostConfig", "MAX_FRAME", "Reply", "Snapshot", "Stop",
+    "WaitVersion", "decode_call", "decode_config", "decode_reply", "encode", "frame", "read_frame", "seq_of",
 ]
 
 #: The version of these messages; a peer of another version is refused.
-HOST_WIRE_VERSION = 1
+HOST_WIRE_VERSION = 2
 #: The largest frame either side accepts (a snapshot of many updates stays far below it).
 MAX_FRAME = 16 << 20
 
@@ -77,10 +81,13 @@ class Attach(msgspec.Struct, tag="attach", kw_only=True):
     queue: str
     weights_root: str | None = None
     abort_resume: bool = False
+    seq: int = 0
 
 
 class Detach(msgspec.Struct, tag="detach"):
     """:meth:`~rollq.rl.replicas.Replicas.detach`."""
+
+    seq: int = 0
 
 
 class WaitVersion(msgspec.Struct, tag="wait_version"):
@@ -88,25 +95,38 @@ class WaitVersion(msgspec.Struct, tag="wait_version"):
 
     version: int
     timeout: float = 120.0
+    seq: int = 0
 
 
 class Snapshot(msgspec.Struct, tag="snapshot"):
     """:meth:`~rollq.rl.replicas.Replicas.snapshot`."""
 
+    seq: int = 0
+
 
 class Stop(msgspec.Struct, tag="stop"):
-    """Stop the replicas; the host exits after replying."""
+    """Stop the replicas; the host exits after replying (calls still running are cancelled)."""
+
+    seq: int = 0
+
+
+class Cancel(msgspec.Struct, tag="cancel"):
+    """Cancel the running call numbered ``target`` (its caller gave up on it); not answered."""
+
+    target: int
+    seq: int = 0
 
 
 #: One request of the trainer to the host.
-Call = Union[Attach, Detach, WaitVersion, Snapshot, Stop]
+Call = Union[Attach, Detach, WaitVersion, Snapshot, Stop, Cancel]
 
 
 class Reply(msgspec.Struct, kw_only=True):
-    """The host's answer to the config or a call: ``ok``, or the error's type name and message;
-    a snapshot where the call (or the start) returns one."""
+    """The host's answer to the config (``seq`` 0) or to the call numbered ``seq``: ``ok``, or
+    the error's type name and message; a snapshot where the call (or the start) returns one."""
 
     ok: bool
+    seq: int = 0
     error_type: str = ""
     error: str = ""
     snapshot: ReplicaSnapshot | None = None
@@ -116,11 +136,16 @@ class _Versioned(msgspec.Struct):
     v: int = HOST_WIRE_VERSION
 
 
+class _Numbered(msgspec.Struct):
+    seq: int = 0
+
+
 encode = msgspec.msgpack.Encoder().encode
 _call = msgspec.msgpack.Decoder(Call)
 _config = msgspec.msgpack.Decoder(HostConfig)
 _reply = msgspec.msgpack.Decoder(Reply)
 _version = msgspec.msgpack.Decoder(_Versioned)
+_numbered = msgspec.msgpack.Decoder(_Numbered)
 
 
 def _decode(dec: msgspec.msgpack.Decoder, data: bytes, what: str) -> Any:
@@ -139,6 +164,20 @@ def _decode(dec: msgspec.msgpack.Decoder, data: bytes, what: str) -> Any:
 def decode_call(data: bytes) -> Call:
     """A call from the trainer; :class:`~rollq.errors.ProtocolError` for anything else."""
     return _decode(_call, data, "call")
+
+
+def seq_of(data: bytes) -> int:
+    """The ``seq`` of a call that did not decode, where it can be read (else 0), so that the
+    host's answer saying why reaches the caller waiting for it.
+
+    >>> seq_of(msgspec.msgpack.encode({"type": "reboot", "seq": 12})), seq_of(b"\\xc1")
+    (12, 0)
+    """
+    try:
+        seq = _numbered.decode(data).seq
+    except (msgspec.DecodeError, RecursionError):
+        return 0
+    return seq if 0 <= seq < 2**63 else 0
 
 
 def decode_config(data: bytes) -> HostConfig:

@@ -33,13 +33,16 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Self
 
+import msgspec
+
 from ..errors import ProtocolError, RollqError
 from .host_wire import (
-    Attach, Call, Detach, HostConfig, Reply, Snapshot, Stop, WaitVersion, decode_call, decode_config, decode_reply, encode,
-    frame, read_frame,
+    Attach, Call, Cancel, Detach, HostConfig, Reply, Snapshot, Stop, WaitVersion, decode_call, decode_config, decode_reply,
+    encode, frame, read_frame, seq_of,
 )
 from .replicas import ReplicaSnapshot, Replicas, StartedReplicas
 
@@ -56,7 +59,9 @@ class ReplicasProcess(StartedReplicas):
     """``count`` replicas of one queue in a child process (see the module doc); the arguments
     are :class:`~rollq.rl.replicas.Replicas`' and ``pin``, the cores the child confines itself
     to (None: no pinning). ``start_timeout`` bounds the engines' start, ``call_timeout`` every
-    other call (``wait_version`` also by its own timeout)."""
+    other call (``wait_version`` also by its own timeout). Calls may come from several tasks at
+    once, as to ``Replicas``; a call its caller cancels, or that passes its timeout, is cancelled
+    in the child too, and no later call is answered with its reply."""
 
     def __init__(self, url: str, queue: str, *, weights_root: str | None, pin: list[int] | None = None,
                  start_timeout: float = 900.0, call_timeout: float = 300.0, **replicas: Any):
@@ -74,7 +79,10 @@ class ReplicasProcess(StartedReplicas):
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._dir: str | None = None
-        self._lock = asyncio.Lock()
+        #: The calls waiting for their replies, by ``seq`` (0: the start); read by one task.
+        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        self._seq = 0
+        self._replies: asyncio.Task[None] | None = None
 
     async def start(self) -> Self:
         """Start the child, its engines and its replicas on :attr:`queue`; returns once they
@@ -105,7 +113,8 @@ class ReplicasProcess(StartedReplicas):
             self._reader, self._writer = await self._until_child(connected, self.start_timeout, "connect")
         finally:
             server.close()
-        reply = await self._exchange(encode(self.config), self.start_timeout, "start")
+        self._replies = asyncio.create_task(self._read_replies(self._reader))
+        reply = await self._exchange(0, encode(self.config), self.start_timeout, "start")
         snap = reply.snapshot or ReplicaSnapshot()
         self.start_s, self.model = snap.start_s, snap.model or self.model
         log.info("replica host pid %d: %d %s replica(s) up in %.1fs", self.pid, self.config.count, self.config.engine, self.start_s)
@@ -139,6 +148,11 @@ class ReplicasProcess(StartedReplicas):
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
+            if self._replies is not None:
+                self._replies.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._replies
+                self._replies = None
             if proc is not None:
                 await _end(proc, grace)
             self._proc = None
@@ -150,38 +164,69 @@ class ReplicasProcess(StartedReplicas):
     async def _call(self, call: Call, timeout: float | None = None) -> Reply:
         if self._writer is None:
             raise ReplicaHostError("the replica host is not running (start() first)")
-        async with self._lock:  # one call at a time: replies come in order
-            return await self._exchange(encode(call), timeout or self.call_timeout, type(call).__name__)
+        self._seq += 1
+        call = msgspec.structs.replace(call, seq=self._seq)
+        return await self._exchange(self._seq, encode(call), timeout or self.call_timeout, type(call).__name__)
 
-    async def _exchange(self, body: bytes, timeout: float, what: str) -> Reply:
-        assert self._reader is not None and self._writer is not None
-        self._writer.write(frame(body))
+    async def _exchange(self, seq: int, body: bytes, timeout: float, what: str) -> Reply:
+        """Send ``body`` (the call numbered ``seq``) and wait for its reply. A caller that gives
+        up (cancelled, or ``timeout`` passed) withdraws the call: the host cancels it, and its
+        reply, if one still comes, answers nothing."""
+        assert self._writer is not None
+        fut = self._pending[seq] = asyncio.get_running_loop().create_future()
         try:
+            self._writer.write(frame(body))
             await self._writer.drain()
-            reply = decode_reply(await self._until_child(read_frame(self._reader), timeout, what))
+            reply = await self._until_child(fut, timeout, what)
         except (ConnectionError, asyncio.IncompleteReadError) as e:
             raise ReplicaHostError(f"the replica host (pid {self.pid}) closed the connection during {what}"
                                    f"{self._exit_note()}") from e
+        finally:
+            if self._pending.pop(seq, None) is not None and seq:  # no reply came: the caller gave up
+                self._withdraw(seq)
         if not reply.ok:
             if reply.error_type == "TimeoutError":
                 raise TimeoutError(reply.error)
             raise ReplicaHostError(f"{what} failed in the replica host: {reply.error_type}: {reply.error}")
         return reply
 
+    def _withdraw(self, seq: int) -> None:
+        """Tell the host to cancel call ``seq`` (nothing to do once the connection is gone)."""
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(frame(encode(Cancel(target=seq))))
+
+    async def _read_replies(self, reader: asyncio.StreamReader) -> None:
+        """Hand each reply to the call of its ``seq``; at the end of the connection (or a reply
+        that does not decode) every waiting call fails with the reason."""
+        try:
+            while True:
+                reply = decode_reply(await read_frame(reader))
+                fut = self._pending.pop(reply.seq, None)
+                if fut is None or fut.done():
+                    log.debug("replica host: the reply to call %d came after its caller gave up", reply.seq)
+                else:
+                    fut.set_result(reply)
+        except (asyncio.IncompleteReadError, ConnectionError, ProtocolError) as e:
+            for fut in self._pending.values():
+                if not fut.done():
+                    fut.set_exception(e)
+
     async def _until_child(self, aw: Any, timeout: float, what: str) -> Any:
-        """``aw``'s result, unless the child exits first or ``timeout`` passes (ReplicaHostError)."""
+        """``aw``'s result, unless the child exits first or ``timeout`` passes (ReplicaHostError);
+        ``aw`` is cancelled when this ends without it (the caller's cancellation included)."""
         assert self._proc is not None
         task = asyncio.ensure_future(aw)
         exited = asyncio.ensure_future(self._proc.wait())
         try:
             done, _ = await asyncio.wait({task, exited}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
         finally:
             exited.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         if exited in done:
             raise ReplicaHostError(f"the replica host (pid {self.pid}) exited during {what}{self._exit_note()}")
         raise ReplicaHostError(f"the replica host (pid {self.pid}) did not answer {what} within {timeout:.0f}s "
@@ -243,7 +288,9 @@ async def serve(path: str) -> int:
         try:
             data = frame(encode(reply))
         except ProtocolError as e:  # a reply over the frame limit: the caller hears that instead
-            data = frame(encode(_failed(e)))
+            failed = _failed(e)
+            failed.seq = reply.seq
+            data = frame(encode(failed))
         writer.write(data)
         await writer.drain()
 
@@ -268,6 +315,32 @@ async def serve(path: str) -> int:
             await send(_failed(e))
             return 1
         await send(Reply(ok=True, snapshot=await replicas.snapshot()))
+        return await _answer(reader, replicas, send)
+    finally:
+        await replicas.stop()
+        writer.close()
+
+
+async def _answer(reader: asyncio.StreamReader, replicas: Replicas, send: Callable[[Reply], Awaitable[None]]) -> int:
+    """Answer calls until ``Stop`` (0) or the end of the connection (0). Each call runs as a
+    task of its own and is answered when it ends, so that a long ``wait_version`` holds up no
+    other call and a :class:`~rollq.rl.host_wire.Cancel` can end it; ``Stop`` runs in turn, and
+    what still runs after it is cancelled."""
+    running: dict[int, asyncio.Task[None]] = {}
+
+    async def run(seq: int, call: Call) -> None:
+        try:
+            reply = await _dispatch(replicas, call)
+        except asyncio.CancelledError:
+            return  # withdrawn by its caller, or the host is ending: nobody waits for a reply
+        except Exception as e:  # noqa: BLE001 - a failed call is the caller's error, not this host's end
+            reply = _failed(e)
+        finally:
+            running.pop(seq, None)
+        reply.seq = seq
+        await send(reply)
+
+    try:
         while True:
             try:
                 body = await read_frame(reader)
@@ -276,16 +349,26 @@ async def serve(path: str) -> int:
                 return 0
             try:
                 call = decode_call(body)
-                reply = await _dispatch(replicas, call)
-            except Exception as e:  # noqa: BLE001 - a failed call is the caller's error, not this host's end
-                await send(_failed(e))
+            except Exception as e:  # noqa: BLE001 - told to the caller
+                reply = _failed(e)
+                reply.seq = seq_of(body)
+                await send(reply)
                 continue
-            await send(reply)
-            if isinstance(call, Stop):
+            if isinstance(call, Cancel):
+                task = running.get(call.target)
+                if task is not None:
+                    task.cancel()
+            elif isinstance(call, Stop):
+                for task in list(running.values()):
+                    task.cancel()
+                await run(call.seq, call)
                 return 0
+            else:
+                running[call.seq] = asyncio.create_task(run(call.seq, call))
     finally:
-        await replicas.stop()
-        writer.close()
+        for task in list(running.values()):
+            task.cancel()
+        await asyncio.gather(*running.values(), return_exceptions=True)
 
 
 def main(argv: list[str] | None = None) -> int:

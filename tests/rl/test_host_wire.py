@@ -9,15 +9,15 @@ import pytest
 
 from rollq.errors import ProtocolError, SchemaVersionError
 from rollq.rl.host_wire import (
-    MAX_FRAME, Attach, HostConfig, Reply, Snapshot, Stop, WaitVersion, decode_call, decode_config, decode_reply, encode,
-    frame, read_frame,
+    MAX_FRAME, Attach, Cancel, HostConfig, Reply, Snapshot, Stop, WaitVersion, decode_call, decode_config, decode_reply,
+    encode, frame, read_frame, seq_of,
 )
 from rollq.rl.replicas import ReplicaSnapshot
 from rollq.weightsync.replica._stats import UpdateStats
 
 
-@pytest.mark.parametrize("call", [Attach(queue="q", weights_root="/dev/shm/w", abort_resume=True), WaitVersion(3, 0.5),
-                                  Snapshot(), Stop()])
+@pytest.mark.parametrize("call", [Attach(queue="q", weights_root="/dev/shm/w", abort_resume=True, seq=4), WaitVersion(3, 0.5, 9),
+                                  Snapshot(seq=2**62), Stop(), Cancel(target=9, seq=10)])
 def test_every_call_round_trips(call):
     assert decode_call(encode(call)) == call
 
@@ -44,11 +44,19 @@ def test_the_config_carries_the_replicas_arguments():
     (msgspec.msgpack.encode({"type": "wait_version", "version": "three"}), ProtocolError),
     (msgspec.msgpack.encode([[[[[]]]]] * 3), ProtocolError),
     (b"\x91" * 100_000 + b"\xc0", ProtocolError),                 # nested 100,000 deep
-    (msgspec.msgpack.encode({"type": "stop", "v": 2}), SchemaVersionError),
+    (msgspec.msgpack.encode({"type": "stop", "v": 1}), SchemaVersionError),  # an older peer
 ])
 def test_bad_bytes_are_a_protocol_error(data, error):
     with pytest.raises(error):
         decode_call(data)
+
+
+def test_the_number_of_a_call_that_does_not_decode_is_read_where_it_can_be():
+    assert seq_of(msgspec.msgpack.encode({"type": "reboot", "seq": 41})) == 41
+    assert seq_of(msgspec.msgpack.encode({"type": "wait_version", "version": "three", "seq": 5})) == 5
+    for data in (b"\xc1", msgspec.msgpack.encode({"seq": "x"}), msgspec.msgpack.encode({"seq": -1}),
+                 msgspec.msgpack.encode({"seq": 2**64 - 1}), b"\x91" * 100_000 + b"\xc0"):
+        assert seq_of(data) == 0
 
 
 def test_a_config_of_another_version_is_refused():

@@ -62,6 +62,40 @@ async def test_a_failed_call_is_raised_here_and_the_host_serves_on(redis_url, qu
         assert (await rs.snapshot()).versions == [0]
 
 
+async def test_a_call_its_caller_gives_up_on_leaves_the_next_calls_their_own_replies(redis_url, queue):
+    """A ``wait_version`` cancelled by its caller (``asyncio.wait_for``) is cancelled in the
+    child too, and its reply never answers a later call: the next snapshot is a snapshot, and
+    a later ``wait_version`` for a version no replica serves times out rather than returning
+    on a stale reply. A snapshot in between comes back while the abandoned wait would still
+    run (60 s), and so do calls made at once from two tasks."""
+    async with ReplicasProcess(redis_url, queue, weights_root=None, count=1, engine="echo") as rs:
+        for _ in range(3):
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(rs.wait_version(5, timeout=60), 0.1)
+            assert (await asyncio.wait_for(rs.snapshot(), 20)).versions == [0]
+        with pytest.raises(TimeoutError, match="version 7"):
+            await rs.wait_version(7, timeout=0.3)
+        waits = [asyncio.ensure_future(rs.wait_version(9, timeout=0.5)) for _ in range(2)]
+        snaps = await asyncio.gather(rs.snapshot(), rs.snapshot())
+        assert [s.versions for s in snaps] == [[0], [0]]
+        for w in waits:
+            with pytest.raises(TimeoutError, match="version 9"):
+                await w
+        await rs.attach(queue)
+        assert (await rs.snapshot()).versions == [0]
+
+
+async def test_a_call_that_does_not_decode_is_answered_to_its_caller(redis_url, queue):
+    """The host reads the number of a call it cannot decode and answers that caller why; the
+    calls after it are answered as before."""
+    import msgspec
+
+    async with ReplicasProcess(redis_url, queue, weights_root=None, count=1, engine="echo") as rs:
+        with pytest.raises(ReplicaHostError, match="ProtocolError"):
+            await rs._exchange(10_000, msgspec.msgpack.encode({"type": "reboot", "seq": 10_000}), 30, "reboot")
+        assert (await rs.snapshot()).versions == [0]
+
+
 async def test_replicas_that_cannot_start_are_an_error_naming_why(redis_url, queue, tmp_path):
     rs = ReplicasProcess(redis_url, queue, weights_root=None, count=1, engine="vllm", model=str(tmp_path / "no-model"))
     with pytest.raises(ReplicaHostError, match="start failed in the replica host"):
