@@ -8,7 +8,10 @@ drawn per seed): replicas in the trainer's process and event loop (``Replicas``)
 child process (``--replica-process``, ``ReplicasProcess``). Each run is a whole rl_loop.py
 command (its engines started anew; ``--warmup-steps`` as given after ``--``). Reported per
 way and arm: seconds per step, the trainer's seconds per step (``step_train_s`` over the
-steps: the time a GRPO step takes while the replicas serve), steps and time to reward 0.8,
+steps: the time a GRPO step takes while the replicas serve), the CPU time the trainer
+process's event loop took while the steps trained, as a share of their time
+(``train_loop_cpu_share``: what the step's operators wait behind for the interpreter lock),
+steps and time to reward 0.8,
 and async's time to 0.8 over the same run's sync; then async's figures with the replicas apart
 as ratios to in-process. ``--merge`` joins the rows of earlier outputs (seeds run in separate
 commands, e.g. where one command may run only ten minutes) into one summary.
@@ -49,7 +52,8 @@ def rows(way: str, res: dict) -> list[dict]:
         t, ts = r["time_to_reward_0.8_s"], sync["time_to_reward_0.8_s"]
         out.append({"way": way, "seed": r["seed"], "run": r.get("run", r["name"]), "s_per_step": r["seconds_per_step"],
                     "train_s_per_step": round(r["step_train_s"] / n, 4), "steps_to_0.8": r["steps_to_reward_0.8"],
-                    "time_to_0.8_s": t, "vs_sync": round(t / ts, 3) if t and ts else None, "final_reward": r["reward_last"]})
+                    "time_to_0.8_s": t, "vs_sync": round(t / ts, 3) if t and ts else None, "final_reward": r["reward_last"],
+                    "loop_cpu_share": r.get("train_loop_cpu_share")})
     return out
 
 
@@ -63,8 +67,8 @@ def summary(all_rows: list[dict]) -> list[dict]:
     for key in sorted({(r["way"], r["run"]) for r in all_rows}):
         rs = [r for r in all_rows if (r["way"], r["run"]) == key]
         out.append({"way": key[0], "run": key[1], "seeds": len(rs),
-                    **{k: _mean([r[k] for r in rs]) for k in ("s_per_step", "train_s_per_step", "steps_to_0.8", "time_to_0.8_s",
-                                                               "vs_sync", "final_reward")},
+                    **{k: _mean([r.get(k) for r in rs]) for k in ("s_per_step", "train_s_per_step", "steps_to_0.8", "time_to_0.8_s",
+                                                                   "vs_sync", "final_reward", "loop_cpu_share")},
                     "vs_sync_each": [r["vs_sync"] for r in rs]})
     return out
 
@@ -72,10 +76,12 @@ def summary(all_rows: list[dict]) -> list[dict]:
 def markdown(res: dict) -> str:
     lines = [f"# Replicas in the trainer's process or apart: `{res['command']}`", "",
              f"rl_loop.py arguments: `{' '.join(res['rl_loop_args'])}`; order per seed: {res['order']}.", "",
-             "| way | run | seeds | s per step | trainer s per step | steps to 0.8 | time to 0.8 (s) | / same run's sync (each seed) | final reward |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| way | run | seeds | s per step | trainer s per step | event loop CPU while training | steps to 0.8 | time to 0.8 (s) | "
+             "/ same run's sync (each seed) | final reward |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["summary"]:
-        lines.append(f"| {r['way']} | {r['run']} | {r['seeds']} | {r['s_per_step']} | {r['train_s_per_step']} | {r['steps_to_0.8']} | "
+        lines.append(f"| {r['way']} | {r['run']} | {r['seeds']} | {r['s_per_step']} | {r['train_s_per_step']} | {r['loop_cpu_share']} | "
+                     f"{r['steps_to_0.8']} | "
                      f"{r['time_to_0.8_s']} | {r['vs_sync']} ({r['vs_sync_each']}) | {r['final_reward']} |")
     lines += ["", "Apart over in-process, same arm (ratio of the means):", "", "| run | s per step | trainer s per step |",
               "| --- | --- | --- |"]

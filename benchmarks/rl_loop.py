@@ -75,7 +75,9 @@ this process's event loop, beside the trainer's thread, so the two take turns at
 interpreter lock (a step of a few thousand PyTorch operators waits to take it back after each;
 ``benchmarks/step_contention.py``). ``--replica-process`` hosts them in a child process
 (:class:`rollq.rl.replica_host.ReplicasProcess`), as a deployment runs replicas apart from
-its trainer; this process then keeps the trainer, the producer and the publisher.
+its trainer; this process then keeps the trainer, the producer and the publisher. Each run
+reports the CPU time this process's event loop took while the steps trained, as a share of
+their time (``train_loop_cpu_share``): the work the step's operators wait behind.
 
 ``--model-size small|medium`` builds a larger random Qwen2-shaped model (vocab 1024) with
 ``rollq.testing.tiny_model.build_tiny_model``; meant for a GPU (the trainer then runs on CUDA).
@@ -323,8 +325,8 @@ def markdown(res: dict) -> str:
         + ("" if not res.get("warmup") else "; warmed up first, not measured: "
            + ", ".join(f"{w['run']} {w['steps']} steps {w['wall_s']} s" for w in res["warmup"])) + ".",
         "",
-        "| run | time to reward 0.8 | steps to 0.8 | s per step | rollout tokens/s | replica idle | final reward | held-out reward | wall | lag histogram | generate wait / train (of it agreement) / publish (s, all steps) | trainer / served dtype | logprob \\|diff\\| mean / max |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| run | time to reward 0.8 | steps to 0.8 | s per step | rollout tokens/s | replica idle | final reward | held-out reward | wall | lag histogram | generate wait / train (of it agreement) / publish (s, all steps) | event loop CPU while training | trainer / served dtype | logprob \\|diff\\| mean / max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in res["runs"]:
         t = r["time_to_reward_0.8_s"]
@@ -334,6 +336,7 @@ def markdown(res: dict) -> str:
             f"{_g(r.get('seconds_per_step'))} | {r['rollout_tokens_per_s']:.0f} | "
             f"{r['replica_idle_fraction']:.2f} | {r['reward_last']:.3f} | {_g(r.get('reward_heldout'))} | {r['wall_s']:.1f} s | {r['lag_histogram']} | "
             f"{r['step_wait_s']:.1f} / {r['step_train_s']:.1f} ({r.get('step_agree_s', 0.0):.1f}) / {r['step_publish_s']:.1f} | "
+            f"{_g(r.get('train_loop_cpu_share'))} | "
             f"{r.get('trainer_dtype')} / {r.get('served_dtype')}{conv} | "
             f"{_g(r.get('logprob_abs_diff_mean'))} / {_g(r.get('logprob_abs_diff_max'))} |"
         )

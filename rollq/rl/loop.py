@@ -162,7 +162,7 @@ async def run_loop(
                     sample_versions=sorted({r.version_start for r in ok}),
                 )
                 if trainer is not None:
-                    t1 = time.perf_counter()
+                    t1, c1 = time.perf_counter(), time.thread_time()
                     if ok:  # in a thread: the event loop keeps serving the replicas meanwhile
                         kw: dict[str, Any] = {"agreement": step % config.agree_every == 0}  # older versions' agreement forward
                         if config.publish and getattr(publisher, "ipc_lease", False):  # copies end before the step writes
@@ -177,7 +177,7 @@ async def run_loop(
                         rec.diff_by_confidence, rec.agree_s = st.diff_by_confidence, st.agree_s
                     else:  # nothing to learn from; the next version is published all the same
                         trainer.advance()
-                    t2 = time.perf_counter()
+                    t2, rec.loop_cpu_s = time.perf_counter(), time.thread_time() - c1
                     if config.publish:
                         await publisher.publish_weights(trainer.state_dict(), version=trainer.version, transport=config.transport)
                     rec.train_s, rec.publish_s = t2 - t1, time.perf_counter() - t2

@@ -50,6 +50,11 @@ class StepRecord:
     diff_by_lag: dict[str, list[float]] = field(default_factory=dict)
     #: Of ``train_s``, the diagnostic agreement forwards (:attr:`~rollq.rl.grpo.StepStats.agree_s`).
     agree_s: float = 0.0
+    #: CPU time of the event loop's thread while the step trained in a thread of its own: the
+    #: work (replicas hosted in this process, producer, publisher) the step's operators wait
+    #: behind for the interpreter lock; an upper bound on that wait's cause, since it counts
+    #: C code run without the lock too.
+    loop_cpu_s: float = 0.0
     #: :attr:`~rollq.rl.grpo.StepStats.diff_by_confidence`: the agreement by behavior probability.
     diff_by_confidence: dict[str, list[float]] = field(default_factory=dict)
     #: The loss's other stats (``ratio_mean``, ``ratio_max``, ``tis_frac``; :func:`~rollq.rl.grpo.grpo_loss`).
@@ -95,6 +100,7 @@ class LoopReport:
         lags = Counter(lag for s in self.steps for lag in s.lags)
         dn = sum(s.diff_tokens for s in self.steps)
         tokens = sum(s.tokens for s in self.steps)
+        train_s = sum(s.train_s for s in self.steps)
         by_lag: dict[str, list[float]] = {}
         by_conf: dict[str, list[float]] = {}
         for s in self.steps:
@@ -140,6 +146,7 @@ class LoopReport:
             "step_wait_s": round(sum(s.wait_s for s in self.steps), 3),
             "step_train_s": round(sum(s.train_s for s in self.steps), 3),
             "step_agree_s": round(sum(s.agree_s for s in self.steps), 3), "agree_every": self.config.agree_every,
+            "train_loop_cpu_share": round(sum(s.loop_cpu_s for s in self.steps) / train_s, 4) if train_s else None,
             "step_publish_s": round(sum(s.publish_s for s in self.steps), 3),
             "wall_s": round(self.wall_s, 3),
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -141,3 +142,31 @@ async def test_a_leasing_publishers_version_is_released_before_each_optimizer_st
                        _LeasingPublisher(events, lease), config)
     per_step = ["backward", "release"] if lease else ["backward"]
     assert events == [e for v in (1, 2, 3) for e in (*per_step, f"optimizer step {v}", f"publish {v + 1}")], events
+
+
+class _BurningPublisher(_LeasingPublisher):
+    """A leasing publisher whose release takes 0.1 s of its thread's CPU time, on the event loop
+    while the trainer's thread waits for it."""
+
+    async def release_weights(self, timeout=30.0):
+        end = time.thread_time() + 0.1
+        while time.thread_time() < end:
+            pass
+        return {}
+
+
+async def test_the_event_loops_cpu_time_while_a_step_trains_is_recorded(redis_url, queue):
+    """Each step records the CPU time the event loop's thread took while the step trained in its
+    thread (what the step's operators wait behind for the interpreter lock): here at least the
+    0.1 s the publisher's release burns there during every step; the summary gives its share of
+    the training time."""
+    from rollq.rl import BucketTask, Replicas, run_loop
+
+    config = LoopConfig(steps=3, groups_per_step=2, group_size=2, seed=0, result_timeout=30, transport="ipc", max_lag=10)
+    async with Replicas(redis_url, queue, weights_root=None, count=1, engine="echo"):
+        report = await run_loop(redis_url, queue, _Trainer([]), BucketTask(vocab_size=1024, length=2), _Tok(),
+                                _BurningPublisher([], True), config)
+    assert all(s.loop_cpu_s >= 0.1 for s in report.steps), [s.loop_cpu_s for s in report.steps]
+    share = report.summary()["train_loop_cpu_share"]
+    assert share == round(sum(s.loop_cpu_s for s in report.steps) / sum(s.train_s for s in report.steps), 4)
+    assert 0 < share <= 1.0
