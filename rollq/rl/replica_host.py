@@ -275,8 +275,8 @@ async def _dispatch(replicas: Replicas, call: Call) -> Reply:
     return Reply(ok=True)
 
 
-def _failed(e: BaseException) -> Reply:
-    return Reply(ok=False, error_type=type(e).__name__, error=str(e)[:2000])
+def _failed(e: BaseException, seq: int = 0) -> Reply:
+    return Reply(ok=False, seq=seq, error_type=type(e).__name__, error=str(e)[:2000])
 
 
 async def serve(path: str) -> int:
@@ -288,9 +288,7 @@ async def serve(path: str) -> int:
         try:
             data = frame(encode(reply))
         except ProtocolError as e:  # a reply over the frame limit: the caller hears that instead
-            failed = _failed(e)
-            failed.seq = reply.seq
-            data = frame(encode(failed))
+            data = frame(encode(_failed(e, reply.seq)))
         writer.write(data)
         await writer.drain()
 
@@ -350,9 +348,7 @@ async def _answer(reader: asyncio.StreamReader, replicas: Replicas, send: Callab
             try:
                 call = decode_call(body)
             except Exception as e:  # noqa: BLE001 - told to the caller
-                reply = _failed(e)
-                reply.seq = seq_of(body)
-                await send(reply)
+                await send(_failed(e, seq_of(body)))
                 continue
             if isinstance(call, Cancel):
                 task = running.get(call.target)

@@ -144,7 +144,7 @@ class LoopReport:
             "seconds_per_step": round(self.wall_s / len(self.steps), 4) if self.steps else None,
             "failed_jobs": sum(s.failed for s in self.steps),
             "step_wait_s": round(sum(s.wait_s for s in self.steps), 3),
-            "step_train_s": round(sum(s.train_s for s in self.steps), 3),
+            "step_train_s": round(train_s, 3),
             "step_agree_s": round(sum(s.agree_s for s in self.steps), 3), "agree_every": self.config.agree_every,
             "train_loop_cpu_share": round(sum(s.loop_cpu_s for s in self.steps) / train_s, 4) if train_s else None,
             "step_publish_s": round(sum(s.publish_s for s in self.steps), 3),
